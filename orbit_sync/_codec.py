@@ -1,0 +1,546 @@
+"""The wire mapping of ``pulse.worker.v1``: one strict cattrs converter per direction, the frame
+envelope, and context-bound decoding of server frames (client side) and client frames (server
+side).
+
+Both our client and our mock server decode through this module, so they agree on every vector in
+``tests/vectors/frames.json`` by construction. cattrs' default hooks coerce (``"007"`` → 7,
+``True`` → 1); every hook here checks exact types instead (LIBRARY-NOTES).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
+
+from . import _json
+from .errors import FrameError, WorkerError, WorkerProtocolError
+from .models import (
+    CODE_RE,
+    DECIMAL_RE,
+    ID_RE,
+    Assignment,
+    AttemptRef,
+    AttemptState,
+    CancelNotice,
+    Capability,
+    CapacityReport,
+    CommandResult,
+    Disposition,
+    Finish,
+    Lease,
+    Operation,
+    Outcome,
+    Receipt,
+    Registration,
+    Task,
+    TaskState,
+    Welcome,
+)
+
+T = TypeVar("T")
+
+PROTOCOL_VERSION = "1"
+SUBPROTOCOL = "pulse.worker.v1"
+
+# Client → server request types and the model of each body.
+CLIENT_BODIES: dict[str, type[Any]] = {
+    "worker.hello": Registration,
+    "worker.capacity": CapacityReport,
+    "worker.resume": AttemptRef,
+    "task.start": AttemptRef,
+    "task.renew": AttemptRef,
+    "task.finish": Finish,
+}
+SERVER_TYPES = frozenset({"worker.welcome", "ack", "error", "task.assign", "task.cancel"})
+
+_CLIENT_ENVELOPE = frozenset({"protocol_version", "type", "message_id", "session_id", "body"})
+_SERVER_ENVELOPE = _CLIENT_ENVELOPE | {"reply_to", "error"}
+
+# Fields that may be absent on the wire (absent means the default; null is never allowed).
+_OPTIONAL_ON_WIRE = {
+    (Registration, "cancellation_notifications"),
+    (Lease, "cancel_requested_at"),
+    (Finish, "error_code"),
+    (Finish, "retryable"),
+}
+
+# --------------------------------------------------------------------------- times and counters
+
+_TIME_RE = re.compile(
+    r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,9}))?Z"
+)
+
+
+def parse_time(value: Any) -> _dt.datetime:
+    """RFC 3339 in UTC with ``Z``; at most 9 fraction digits (kept to the microsecond)."""
+    if type(value) is not str:
+        raise TypeError("time must be an RFC 3339 string")
+    m = _TIME_RE.fullmatch(value)
+    if not m:
+        raise ValueError("time must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
+    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+    micro = int((m.group(7) or "").ljust(6, "0")[:6])
+    try:
+        return _dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_dt.timezone.utc)
+    except ValueError:
+        raise ValueError("time is not a real date and time") from None
+
+
+def format_time(value: _dt.datetime) -> str:
+    """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
+    value = value.astimezone(_dt.timezone.utc)
+    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    if value.microsecond:
+        text += "." + f"{value.microsecond:06d}".rstrip("0")
+    return text + "Z"
+
+
+def parse_counter(value: Any) -> int:
+    """A canonical decimal string: ``"1"``, ``"42"``; never ``"01"``, ``"+1"``, ``1``."""
+    if type(value) is not str:
+        raise TypeError("counter must be a decimal string")
+    if not DECIMAL_RE.fullmatch(value):
+        raise ValueError("counter must be a canonical decimal string")
+    return int(value)
+
+
+# --------------------------------------------------------------------------- converters
+
+
+def _strict(kind: type[Any]) -> Callable[[Any, Any], Any]:
+    def hook(value: Any, _: Any) -> Any:
+        if type(value) is not kind:
+            raise TypeError(f"expected {kind.__name__}")
+        return value
+
+    return hook
+
+
+def _strict_enum(value: Any, cls: type[enum.Enum]) -> Any:
+    if type(value) is not str:
+        raise TypeError(f"expected a {cls.__name__} string")
+    return cls(value)
+
+
+_MODELS: tuple[type[Any], ...] = (
+    Capability,
+    Registration,
+    CapacityReport,
+    AttemptRef,
+    Task,
+    Assignment,
+    Lease,
+    Receipt,
+    CommandResult,
+    Finish,
+    Welcome,
+    CancelNotice,
+)
+
+
+def _make_converter(*, forbid_extra_keys: bool) -> cattrs.Converter:
+    """One strict converter; client frames forbid extra keys, server bodies tolerate them."""
+    conv = cattrs.Converter(detailed_validation=True)
+    # Strict scalar hooks first: functions generated later pick these up (LIBRARY-NOTES).
+    for kind in (str, int, bool):
+        conv.register_structure_hook(kind, _strict(kind))
+    conv.register_structure_hook(_dt.datetime, lambda v, _: parse_time(v))
+    conv.register_unstructure_hook(_dt.datetime, format_time)
+    conv.register_structure_hook(Any, lambda v, _: v)
+    for enum_cls in (TaskState, AttemptState, Outcome, Disposition, Operation):
+        conv.register_structure_hook(enum_cls, _strict_enum)
+        conv.register_unstructure_hook(enum_cls, lambda e: e.value)
+
+    def caps(value: Any, _: Any) -> tuple[Capability, ...]:
+        if type(value) is not list:
+            raise TypeError("capabilities must be a list")
+        return tuple(conv.structure(v, Capability) for v in value)
+
+    for cls in _MODELS:
+        s_over: dict[str, Any] = {}
+        u_over: dict[str, Any] = {}
+        required: list[str] = []
+        for f in attrs.fields(cls):
+            kind = f.metadata.get("wire")
+            if kind == "local":
+                s_over[f.name] = override(omit=True)
+                u_over[f.name] = override(omit=True)
+                continue
+            optional = (cls, f.name) in _OPTIONAL_ON_WIRE
+            if not optional:
+                required.append(f.name)
+            if f.name == "capabilities":
+                s_over[f.name] = override(struct_hook=caps)
+            elif kind == "counter":
+                s_over[f.name] = override(struct_hook=lambda v, _: parse_counter(v))
+                u_over[f.name] = override(unstruct_hook=str)
+            elif kind == "time":
+                # parse_time rejects None: an optional field is absent or valid, never null.
+                s_over[f.name] = override(struct_hook=lambda v, _: parse_time(v))
+                u_over[f.name] = override(unstruct_hook=format_time, omit_if_default=optional)
+            elif optional:
+                u_over[f.name] = override(omit_if_default=True)
+                if f.name == "retryable":
+                    s_over[f.name] = override(struct_hook=_strict(bool))
+                elif f.name == "error_code":
+                    s_over[f.name] = override(struct_hook=_strict(str))
+        generated = make_dict_structure_fn(
+            cls, conv, _cattrs_forbid_extra_keys=forbid_extra_keys, **s_over
+        )
+        conv.register_structure_hook(cls, _require(cls, tuple(required), generated))
+        conv.register_unstructure_hook(cls, make_dict_unstructure_fn(cls, conv, **u_over))
+    return conv
+
+
+def _require(
+    cls: type[Any], required: tuple[str, ...], generated: Callable[[Any, Any], Any]
+) -> Callable[[Any, Any], Any]:
+    # cattrs raises AttributeError on non-dict input and fills defaults for missing keys; the
+    # wire wants an object with every control field explicit.
+    def hook(value: Any, typ: Any) -> Any:
+        if type(value) is not dict:
+            raise TypeError(f"{cls.__name__} must be a JSON object")
+        missing = [name for name in required if name not in value]
+        if missing:
+            raise ValueError(f"{cls.__name__} is missing {', '.join(missing)}")
+        return generated(value, typ)
+
+    return hook
+
+
+#: Decodes server → client bodies: unknown fields tolerated (a newer server may add some).
+SERVER_BODY = _make_converter(forbid_extra_keys=False)
+#: Decodes client → server bodies: unknown fields rejected (the server's rule).
+CLIENT_BODY = _make_converter(forbid_extra_keys=True)
+
+
+def _describe(exc: BaseException) -> str:
+    """A short, value-free description of a structuring failure (never echoes secrets)."""
+    try:
+        lines = cattrs.transform_error(exc)
+    except Exception:
+        lines = [f"{type(exc).__name__}: {exc}"]
+    text = "; ".join(lines)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def structure(conv: cattrs.Converter, value: Any, cls: type[T]) -> T:
+    """Structure *value* as *cls* or raise FrameError with a readable, secret-free path."""
+    try:
+        return conv.structure(value, cls)
+    except Exception as exc:
+        raise FrameError(f"invalid {cls.__name__}: {_describe(exc)}") from None
+
+
+def unstructure(model: Any) -> dict[str, Any]:
+    """The wire form of a model (counters as strings, times as RFC 3339, optionals omitted)."""
+    value: dict[str, Any] = SERVER_BODY.unstructure(model)
+    return value
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+def check_result(result: Any) -> None:
+    """Raise FrameError unless *result* is strict JSON, not null, at most 256 KiB serialized."""
+    if result is None:
+        raise FrameError("result must be JSON other than null")
+    text = _json.dumps(result)
+    size = len(text.encode("utf-8"))
+    if size > _json.MAX_RESULT_BYTES:
+        raise FrameError(f"result is {size} bytes, over the {_json.MAX_RESULT_BYTES}-byte limit")
+    # Python serializes int keys as strings and very large ints as digits; a strict peer rejects
+    # the duplicates and non-doubles that can produce, so check what will actually be sent.
+    _json.loads(text, limit=_json.MAX_FRAME_BYTES)
+
+
+def encode_frame(
+    type_: str,
+    message_id: str,
+    *,
+    session_id: str | None = None,
+    body: Mapping[str, Any] | None = None,
+    reply_to: str | None = None,
+    error: tuple[str, str] | None = None,
+) -> str:
+    """Serialize one frame; refuses frames over 512 KiB with FrameError."""
+    frame: dict[str, Any] = {
+        "protocol_version": PROTOCOL_VERSION,
+        "type": type_,
+        "message_id": message_id,
+    }
+    if reply_to is not None:
+        frame["reply_to"] = reply_to
+    if session_id is not None:
+        frame["session_id"] = session_id
+    if body is not None:
+        frame["body"] = body
+    if error is not None:
+        frame["error"] = {"code": error[0], "message": error[1]}
+    text = _json.dumps(frame)
+    size = len(text.encode("utf-8"))
+    if size > _json.MAX_FRAME_BYTES:
+        raise FrameError(f"frame is {size} bytes, over the {_json.MAX_FRAME_BYTES}-byte limit")
+    return text
+
+
+def encode_request(type_: str, message_id: str, session_id: str | None, body: Any) -> str:
+    """Encode a client request whose body is a model."""
+    if isinstance(body, Finish):
+        check_result(body.result)
+    return encode_frame(type_, message_id, session_id=session_id, body=unstructure(body))
+
+
+# --------------------------------------------------------------------------- server → client
+
+
+@attrs.frozen
+class Reply:
+    """An ``ack``/``worker.welcome`` (value) or ``error`` (error) answering ``reply_to``."""
+
+    reply_to: str
+    value: Any = None
+    error: WorkerError | None = None
+
+
+@attrs.frozen
+class AssignPush:
+    """A validated ``task.assign``."""
+
+    assignment: Assignment
+
+
+@attrs.frozen
+class CancelPush:
+    """A validated ``task.cancel``."""
+
+    notice: CancelNotice
+
+
+@attrs.frozen
+class ServerAbort:
+    """An ``error`` without ``reply_to``: fatal for the connection."""
+
+    error: WorkerError
+
+
+ServerEvent = Reply | AssignPush | CancelPush | ServerAbort
+
+
+@attrs.frozen
+class SessionContext:
+    """What the client knows when it decodes a server frame."""
+
+    session_id: str
+    epoch: int
+    registration: Registration
+
+
+def _bad(reason: str) -> WorkerProtocolError:
+    return WorkerProtocolError(f"invalid server frame: {reason}")
+
+
+def _is_id(value: Any) -> bool:
+    return type(value) is str and ID_RE.fullmatch(value) is not None
+
+
+def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
+    try:
+        frame = _json.loads(raw)
+    except FrameError as exc:
+        raise _bad(str(exc)) from None
+    if type(frame) is not dict:
+        raise _bad("not a JSON object")
+    extra = frame.keys() - _SERVER_ENVELOPE
+    if extra:
+        raise _bad("unknown envelope field")
+    if frame.get("protocol_version") != PROTOCOL_VERSION:
+        raise _bad("protocol_version must be '1'")
+    if frame.get("type") not in SERVER_TYPES:
+        raise _bad("unknown frame type")
+    if not _is_id(frame.get("message_id")):
+        raise _bad("message_id must be 32 lowercase hex")
+    for key in ("reply_to", "session_id"):
+        if key in frame and not _is_id(frame[key]):
+            raise _bad(f"{key} must be 32 lowercase hex")
+    if frame["type"] == "error":
+        if "body" in frame:
+            raise _bad("error frame carries a body")
+        if "error" not in frame:
+            raise _bad("error frame without error")
+    else:
+        if "error" in frame:
+            raise _bad(f"{frame['type']} carries an error field")
+        if type(frame.get("body")) is not dict:
+            raise _bad(f"{frame['type']} needs an object body")
+    return frame
+
+
+def _worker_error(frame: dict[str, Any]) -> WorkerError:
+    err = frame["error"]
+    if type(err) is not dict or err.keys() != {"code", "message"}:
+        raise _bad("error must be {code, message}")
+    code, message = err["code"], err["message"]
+    if type(code) is not str or not CODE_RE.fullmatch(code):
+        raise _bad("error code must be 1-64 characters of [A-Z][A-Z0-9_]*")
+    if type(message) is not str:
+        raise _bad("error message must be a string")
+    return WorkerError(code, message, message_id=frame.get("reply_to"))
+
+
+def _body(frame: dict[str, Any], cls: type[T]) -> T:
+    try:
+        return structure(SERVER_BODY, frame["body"], cls)
+    except FrameError as exc:
+        raise _bad(str(exc)) from None
+
+
+def decode_welcome(raw: bytes | str, hello_id: str) -> Welcome:
+    """Decode the answer to ``worker.hello`` (PROTOCOL §5.1 and §5.2).
+
+    Returns the Welcome, raises WorkerError for an ``error`` answer and WorkerProtocolError for
+    anything else.
+    """
+    frame = _parse_envelope(raw)
+    if frame.get("reply_to") != hello_id:
+        raise _bad("the first frame must answer worker.hello")
+    if frame["type"] == "error":
+        # No session exists yet: an error answering hello may come without session_id (§12).
+        raise _worker_error(frame)
+    if frame["type"] != "worker.welcome":
+        raise _bad("worker.hello must be answered by worker.welcome")
+    welcome = _body(frame, Welcome)
+    if frame.get("session_id") != welcome.session_id:
+        raise _bad("welcome session_id differs from the frame's")
+    return welcome
+
+
+#: The body each pending request type is answered with.
+_ACK_BODIES: dict[str, type[Any]] = {
+    "worker.capacity": Welcome,
+    "worker.resume": Lease,
+    "task.start": CommandResult,
+    "task.renew": CommandResult,
+    "task.finish": CommandResult,
+}
+
+
+def decode_server_frame(
+    raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
+) -> ServerEvent:
+    """Decode and check one server frame against the session's context.
+
+    *pending* maps a ``message_id`` in flight to its request type (``None`` when unknown).
+    Raises WorkerProtocolError on anything a conforming server cannot send.
+    """
+    frame = _parse_envelope(raw)
+    kind = frame["type"]
+    reply_to = frame.get("reply_to")
+    if frame.get("session_id") != ctx.session_id:
+        raise _bad("frame is not for this session")
+    if kind == "error" and reply_to is None:
+        return ServerAbort(_worker_error(frame))
+    if kind in ("task.assign", "task.cancel"):
+        if reply_to is not None:
+            raise _bad(f"{kind} is a push and carries no reply_to")
+        if kind == "task.assign":
+            assignment = _body(frame, Assignment)
+            _check_assignment(assignment, ctx.registration)
+            return AssignPush(assignment)
+        if not ctx.registration.cancellation_notifications:
+            raise _bad("task.cancel sent to a session that did not ask for it")
+        return CancelPush(_body(frame, CancelNotice))
+    if kind == "worker.welcome":
+        raise _bad("worker.welcome outside the handshake")
+    if reply_to is None:
+        raise _bad("ack must answer a request")
+    request = pending(reply_to)
+    if request is None:
+        raise _bad("reply_to names no pending request")
+    if kind == "error":
+        return Reply(reply_to, error=_worker_error(frame))
+    value = _body(frame, _ACK_BODIES[request])
+    if isinstance(value, Welcome):
+        if value.session_id != ctx.session_id or value.epoch != ctx.epoch:
+            raise _bad("capacity ack names another session or epoch")
+    elif isinstance(value, CommandResult) and value.receipt.operation.value != request.removeprefix(
+        "task."
+    ):
+        raise _bad("receipt operation does not match the request")
+    return Reply(reply_to, value=value)
+
+
+def _check_assignment(a: Assignment, registration: Registration) -> None:
+    task = a.task
+    if task.queue_id != registration.queue_id:
+        raise _bad("assignment for another queue")
+    if task.state is not TaskState.LEASED:
+        raise _bad("assigned task must be LEASED")
+    if not registration.allows(task.handler, task.handler_version, task.payload_version):
+        raise _bad("assignment for a capability this worker did not register")
+
+
+# --------------------------------------------------------------------------- client → server
+
+
+@attrs.frozen
+class ClientFrame:
+    """A validated client request, as the server sees it."""
+
+    type: str
+    message_id: str
+    session_id: str | None
+    body: Any
+    #: The body exactly as received (for idempotency comparisons of "same content").
+    raw_body: dict[str, Any] = attrs.field(eq=False, repr=False)
+
+
+class InvalidClientFrame(FrameError):
+    """A client frame the server must answer with ``INVALID_FRAME`` (then close)."""
+
+
+def decode_client_frame(raw: bytes | str) -> ClientFrame:
+    """Validate one client frame (the server's side). Raises InvalidClientFrame, carrying the
+    frame's ``message_id`` when it could be read."""
+    try:
+        frame = _json.loads(raw)
+    except FrameError as exc:
+        raise InvalidClientFrame(str(exc)) from None
+    if type(frame) is not dict:
+        raise InvalidClientFrame("frame is not a JSON object")
+    mid = frame.get("message_id")
+    message_id = mid if _is_id(mid) else None
+
+    def bad(reason: str) -> InvalidClientFrame:
+        return InvalidClientFrame(reason, message_id=message_id)
+
+    if message_id is None:
+        raise bad("message_id must be 32 lowercase hex")
+    if frame.keys() - _CLIENT_ENVELOPE:
+        raise bad("unknown or response field in a request envelope")
+    if frame.get("protocol_version") != PROTOCOL_VERSION:
+        raise bad("protocol_version must be '1'")
+    kind = frame.get("type")
+    if kind not in CLIENT_BODIES:
+        raise bad("unknown request type")
+    if kind == "worker.hello":
+        if "session_id" in frame:
+            raise bad("worker.hello carries no session_id")
+    elif not _is_id(frame.get("session_id")):
+        raise bad("session_id must be 32 lowercase hex")
+    body = frame.get("body")
+    try:
+        model = structure(CLIENT_BODY, body, CLIENT_BODIES[kind])
+        if isinstance(model, Finish):
+            check_result(model.result)
+    except FrameError as exc:
+        raise bad(str(exc)) from None
+    assert isinstance(body, dict)  # structure() accepted it as an object
+    return ClientFrame(kind, message_id, frame.get("session_id"), model, body)

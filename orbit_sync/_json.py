@@ -1,0 +1,124 @@
+"""Strict JSON for ``pulse.worker.v1`` (PROTOCOL §2).
+
+The stdlib parser accepts duplicate keys (last wins), ``NaN``/``Infinity``, ``1e400`` (as inf) and
+lone surrogates; every one of them is rejected here. Encoding is compact, UTF-8 and refuses NaN
+and lone surrogates, so what we send is what a strict peer accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from .errors import FrameError
+
+#: One frame is at most 512 KiB of UTF-8 (PROTOCOL §2).
+MAX_FRAME_BYTES = 512 * 1024
+#: A business ``result`` is at most 256 KiB serialized (PROTOCOL §2).
+MAX_RESULT_BYTES = 256 * 1024
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise FrameError("duplicate key in JSON object")
+    return obj
+
+
+def _constant(name: str) -> Any:
+    raise FrameError(f"non-finite number {name} in JSON")
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FrameError("number out of range in JSON")
+    return value
+
+
+def _int(text: str) -> int:
+    # Every number must be a finite double (PROTOCOL §12): 400 digits are not.
+    if len(text) > 310:
+        raise FrameError("number out of range in JSON")
+    value = int(text)
+    try:
+        float(value)
+    except OverflowError:
+        raise FrameError("number out of range in JSON") from None
+    return value
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_float, parse_int=_int
+)
+
+
+def _check_surrogates(value: Any) -> None:
+    # Iterative, so a deeply nested (but parseable) document cannot exhaust the stack here.
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            item.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
+        elif isinstance(item, dict):
+            for key, sub in item.items():
+                key.encode("utf-8")
+                stack.append(sub)
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+def loads(data: bytes | str, *, limit: int = MAX_FRAME_BYTES) -> Any:
+    """Parse one strict JSON document of at most *limit* UTF-8 bytes."""
+    if isinstance(data, bytes | bytearray | memoryview):
+        raw = bytes(data)
+        if len(raw) > limit:
+            raise FrameError(f"frame is {len(raw)} bytes, over the {limit}-byte limit")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise FrameError("frame is not valid UTF-8") from None
+    else:
+        text = data
+        try:
+            size = len(text.encode("utf-8"))
+        except UnicodeEncodeError:
+            raise FrameError("frame contains a lone surrogate") from None
+        if size > limit:
+            raise FrameError(f"frame is {size} bytes, over the {limit}-byte limit")
+    try:
+        value = _DECODER.decode(text)
+    except FrameError:
+        raise
+    except RecursionError:
+        raise FrameError("JSON nested too deeply") from None
+    except ValueError as exc:
+        # json.JSONDecodeError's message names a position, never content.
+        raise FrameError(f"invalid JSON: {exc.args[0] if exc.args else 'parse error'}") from None
+    # Escaped surrogates (\\ud800) only exist if the text spells an escape; skip the walk otherwise.
+    if "\\u" in text and ("\\ud" in text.lower()):
+        try:
+            _check_surrogates(value)
+        except UnicodeEncodeError:
+            raise FrameError("JSON string contains a lone surrogate") from None
+    return value
+
+
+def dumps(value: Any) -> str:
+    """Serialize compactly; refuses NaN, infinities and lone surrogates with FrameError."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise FrameError("value contains a lone surrogate") from None
+    except RecursionError:
+        raise FrameError("value nested too deeply") from None
+    except (TypeError, ValueError) as exc:
+        raise FrameError(f"value is not JSON: {type(exc).__name__}") from None
+    return text
+
+
+def encoded_size(value: Any) -> int:
+    """Size in UTF-8 bytes of *value* serialized as :func:`dumps` does."""
+    return len(dumps(value).encode("utf-8"))

@@ -1,0 +1,550 @@
+"""Wire models of ``pulse.worker.v1`` (PROTOCOL §4): frozen, slotted attrs classes and enums.
+
+Python-side types are the natural ones: counters (``epoch``, ``sequence``, ``revision``,
+``task_revision``, ``attempt``, ``max_attempts``) are ``int`` and travel as canonical decimal
+strings; times are aware UTC ``datetime`` and travel as RFC 3339 ``Z`` strings. Validators run on
+construction, so a wrong argument raises ``ValueError``/``TypeError`` before anything is sent.
+Secrets (``instance_secret``, ``lease_secret``) never appear in ``repr()``/``str()``.
+
+No I/O here; the wire mapping lives in :mod:`orbit_sync._codec`.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import enum
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import attrs
+
+__all__ = [
+    "Assignment",
+    "AttemptRef",
+    "AttemptState",
+    "CancelNotice",
+    "Capability",
+    "CapacityReport",
+    "CommandResult",
+    "Disposition",
+    "Finish",
+    "Lease",
+    "Operation",
+    "Outcome",
+    "Receipt",
+    "Registration",
+    "Task",
+    "TaskState",
+    "Welcome",
+    "new_id",
+    "new_message_id",
+    "new_secret",
+]
+
+# --------------------------------------------------------------------------- enumerations
+
+
+class TaskState(str, enum.Enum):
+    """State of a task (PROTOCOL §4)."""
+
+    WAITING = "WAITING"
+    LEASED = "LEASED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+    NEEDS_REVIEW = "NEEDS_REVIEW"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class AttemptState(str, enum.Enum):
+    """State of one attempt (PROTOCOL §4)."""
+
+    LEASED = "LEASED"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+    EXPIRED = "EXPIRED"
+    CANCELLED = "CANCELLED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Outcome(str, enum.Enum):
+    """Outcome a worker reports with ``task.finish``."""
+
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    UNKNOWN = "UNKNOWN"
+    CANCELLED = "CANCELLED"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Disposition(str, enum.Enum):
+    """Whether a command changed the task (``APPLIED``) or was kept as evidence only."""
+
+    APPLIED = "APPLIED"
+    EVIDENCE_ONLY = "EVIDENCE_ONLY"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Operation(str, enum.Enum):
+    """The command a receipt records."""
+
+    START = "start"
+    RENEW = "renew"
+    FINISH = "finish"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# --------------------------------------------------------------------------- value rules
+
+ID_RE = re.compile(r"[0-9a-f]{32}")
+# 32 bytes in base64url without padding: 43 characters, the last one carrying 4 data bits.
+SECRET_RE = re.compile(r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]")
+HANDLER_RE = re.compile(r"[a-z][a-z0-9._-]{0,63}")
+CODE_RE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+DECIMAL_RE = re.compile(r"0|[1-9][0-9]*")
+
+MAX_CAPACITY = 256
+MAX_CAPABILITIES = 32
+
+
+def new_id() -> str:
+    """A fresh 32-hex id (128 random bits)."""
+    return secrets.token_hex(16)
+
+
+def new_message_id() -> str:
+    """A fresh ``message_id``: name one operation, keep it when re-sending that operation."""
+    return secrets.token_hex(16)
+
+
+def new_secret() -> str:
+    """A fresh secret: 32 random bytes, base64url without padding (43 characters)."""
+    return base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
+
+
+def _redact(_: object) -> str:
+    return "'<redacted>'"
+
+
+def _is_int(value: object) -> bool:
+    return type(value) is int
+
+
+def _check_id(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not str or not ID_RE.fullmatch(value):
+        raise ValueError(f"{attribute.name} must be 32 lowercase hex characters")
+
+
+def _check_secret(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    # Never echo the value: it is a secret.
+    if type(value) is not str or not SECRET_RE.fullmatch(value):
+        raise ValueError(f"{attribute.name} must be 32 bytes in unpadded base64url (43 characters)")
+
+
+def _check_counter(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not _is_int(value):
+            raise TypeError(f"{attribute.name} must be an int")
+        if value < minimum:
+            raise ValueError(f"{attribute.name} must be >= {minimum}")
+
+    return check
+
+
+def _check_int_range(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        if not _is_int(value):
+            raise TypeError(f"{attribute.name} must be an int")
+        if not low <= value <= high:
+            raise ValueError(f"{attribute.name} must be between {low} and {high}")
+
+    return check
+
+
+def _check_bool(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not bool:
+        raise TypeError(f"{attribute.name} must be a bool")
+
+
+def _check_optional_bool(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and type(value) is not bool:
+        raise TypeError(f"{attribute.name} must be a bool or None")
+
+
+def _check_time(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, _dt.datetime) or value.utcoffset() != _dt.timedelta(0):
+        raise ValueError(f"{attribute.name} must be an aware UTC datetime")
+
+
+def _check_optional_time(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        _check_time(_, attribute, value)
+
+
+def _check_str(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not str:
+        raise TypeError(f"{attribute.name} must be a str")
+
+
+def _check_handler(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not str or not HANDLER_RE.fullmatch(value):
+        raise ValueError(f"{attribute.name} must be 1-64 characters of [a-z][a-z0-9._-]*")
+
+
+def _check_version(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not str or not DECIMAL_RE.fullmatch(value) or value == "0":
+        raise ValueError(f"{attribute.name} must be a canonical decimal string >= 1, e.g. '1'")
+
+
+def _version(value: Any) -> Any:
+    # Convenience for Python callers: Capability("resize", 1, 1). Bools are not versions.
+    if type(value) is int and value >= 1:
+        return str(value)
+    return value
+
+
+def _check_code(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is not str or not CODE_RE.fullmatch(value):
+        raise ValueError(f"{attribute.name} must be 1-64 characters of [A-Z][A-Z0-9_]*")
+
+
+def _check_payload(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        raise ValueError(f"{attribute.name} must be JSON other than null")
+
+
+E = TypeVar("E", bound=enum.Enum)
+
+
+def _enum_value(cls: type[E], value: Any) -> E:
+    if isinstance(value, cls):
+        return value
+    if type(value) is str:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"unknown {cls.__name__}") from None
+    raise TypeError(f"expected a {cls.__name__}")
+
+
+# Named converters (one per enum) so attrs' mypy plugin can type the constructors.
+def _task_state(value: Any) -> TaskState:
+    return _enum_value(TaskState, value)
+
+
+def _attempt_state(value: Any) -> AttemptState:
+    return _enum_value(AttemptState, value)
+
+
+def _outcome(value: Any) -> Outcome:
+    return _enum_value(Outcome, value)
+
+
+def _disposition(value: Any) -> Disposition:
+    return _enum_value(Disposition, value)
+
+
+def _operation(value: Any) -> Operation:
+    return _enum_value(Operation, value)
+
+
+# Wire kinds, read by the codec from field metadata.
+COUNTER = {"wire": "counter"}
+TIME = {"wire": "time"}
+
+
+# --------------------------------------------------------------------------- models
+
+
+@attrs.frozen
+class Capability:
+    """One (handler, handler_version, payload_version) the worker can run."""
+
+    handler: str = attrs.field(validator=_check_handler)
+    handler_version: str = attrs.field(converter=_version, validator=_check_version)
+    payload_version: str = attrs.field(converter=_version, validator=_check_version)
+
+
+def _capabilities(value: Iterable[Capability]) -> tuple[Capability, ...]:
+    if isinstance(value, str | bytes | dict):
+        raise TypeError("capabilities must be a sequence of Capability")
+    return tuple(value)
+
+
+def _check_capabilities(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not 1 <= len(value) <= MAX_CAPABILITIES:
+        raise ValueError(f"capabilities must hold 1 to {MAX_CAPABILITIES} entries")
+    for cap in value:
+        if not isinstance(cap, Capability):
+            raise TypeError("capabilities must contain Capability objects")
+    if len(set(value)) != len(value):
+        raise ValueError("capabilities must be distinct")
+
+
+_PROCESS_INSTANCE: dict[str, str] = {}
+
+
+def process_instance_id() -> str:
+    """The ``instance_id`` of this process: new for every process start."""
+    return _PROCESS_INSTANCE.setdefault("id", new_id())
+
+
+def process_instance_secret() -> str:
+    """The ``instance_secret`` of this process, kept across reconnects."""
+    return _PROCESS_INSTANCE.setdefault("secret", new_secret())
+
+
+@attrs.frozen
+class Registration:
+    """The ``worker.hello`` body: who this worker is and what it can run.
+
+    ``instance_id``/``instance_secret`` default to per-process values, so every connection of one
+    process (reconnects included) presents the same instance and the server can fence older
+    sessions.
+    """
+
+    queue_id: str = attrs.field(validator=_check_id)
+    capabilities: tuple[Capability, ...] = attrs.field(
+        converter=_capabilities, validator=_check_capabilities
+    )
+    capacity: int = attrs.field(validator=_check_int_range(1, MAX_CAPACITY))
+    instance_id: str = attrs.field(factory=process_instance_id, validator=_check_id)
+    instance_secret: str = attrs.field(
+        factory=process_instance_secret, validator=_check_secret, repr=_redact
+    )
+    cancellation_notifications: bool = attrs.field(default=False, validator=_check_bool)
+
+    def allows(self, handler: str, handler_version: str, payload_version: str) -> bool:
+        """True when (handler, versions) is one of the registered capabilities."""
+        return any(
+            c.handler == handler
+            and c.handler_version == handler_version
+            and c.payload_version == payload_version
+            for c in self.capabilities
+        )
+
+
+@attrs.frozen
+class CapacityReport:
+    """The ``worker.capacity`` body: an absolute capacity under a strictly increasing sequence."""
+
+    sequence: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    capacity: int = attrs.field(validator=_check_int_range(0, MAX_CAPACITY))
+    drain: bool = attrs.field(default=False, validator=_check_bool)
+
+
+@attrs.frozen
+class AttemptRef:
+    """Proof of one attempt: the body of ``worker.resume``, ``task.start`` and ``task.renew``."""
+
+    task_id: str = attrs.field(validator=_check_id)
+    attempt_id: str = attrs.field(validator=_check_id)
+    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
+
+
+@attrs.frozen
+class Task:
+    """A task as the server describes it in an assignment."""
+
+    task_id: str = attrs.field(validator=_check_id)
+    queue_id: str = attrs.field(validator=_check_id)
+    namespace_id: str = attrs.field(validator=_check_id)
+    handler: str = attrs.field(validator=_check_handler)
+    handler_version: str = attrs.field(validator=_check_version)
+    payload_version: str = attrs.field(validator=_check_version)
+    payload: Any = attrs.field(validator=_check_payload)
+    state: TaskState = attrs.field(converter=_task_state)
+    revision: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    attempt: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    max_attempts: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+
+    def __attrs_post_init__(self) -> None:
+        if self.attempt > self.max_attempts:
+            raise ValueError("attempt must not exceed max_attempts")
+
+
+@attrs.frozen
+class Assignment:
+    """A ``task.assign`` push: a reservation. Only a ``start`` whose lease allows it grants work."""
+
+    task: Task
+    attempt_id: str = attrs.field(validator=_check_id)
+    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
+    lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+
+    @property
+    def attempt(self) -> AttemptRef:
+        """The AttemptRef to pass to ``start``/``renew``/``finish``/``resume``."""
+        return AttemptRef(
+            task_id=self.task.task_id,
+            attempt_id=self.attempt_id,
+            epoch=self.epoch,
+            lease_secret=self.lease_secret,
+        )
+
+
+#: Subtracted from every local deadline so work stops before the server's lease does (§6.6).
+SAFETY_MARGIN = 0.250
+MAX_LEASE_WINDOW = 120.0
+
+
+@attrs.frozen
+class Lease:
+    """The server's current authority over an attempt (a LeaseStatus).
+
+    ``deadline`` is local: a ``time.monotonic()`` value computed by the connection as
+    ``t_sent + (lease_until - server_time) - 250 ms`` (PROTOCOL §6.6), or ``None`` when the lease
+    grants nothing. It is never sent or compared with the server's wall clock.
+    """
+
+    active: bool = attrs.field(validator=_check_bool)
+    state: AttemptState = attrs.field(converter=_attempt_state)
+    lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    cancel_requested_at: _dt.datetime | None = attrs.field(
+        default=None, validator=_check_optional_time, metadata=TIME
+    )
+    deadline: float | None = attrs.field(default=None, eq=False, metadata={"wire": "local"})
+
+    def __attrs_post_init__(self) -> None:
+        if self.active:
+            if self.state not in (AttemptState.LEASED, AttemptState.RUNNING):
+                raise ValueError("an active lease must be LEASED or RUNNING")
+            window = self.window
+            if not 0 < window <= MAX_LEASE_WINDOW:
+                raise ValueError("an active lease's window must be in (0, 2 min]")
+
+    @property
+    def window(self) -> float:
+        """Seconds from ``server_time`` to ``lease_until``: the server's own difference."""
+        return (self.lease_until - self.server_time).total_seconds()
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True when the server recorded a cancel request for this attempt."""
+        return self.cancel_requested_at is not None
+
+    def with_deadline(self, t_sent: float) -> Lease:
+        """This lease with its local deadline anchored at *t_sent* (monotonic, before sending)."""
+        if not self.active:
+            return attrs.evolve(self, deadline=None)
+        return attrs.evolve(self, deadline=t_sent + self.window - SAFETY_MARGIN)
+
+    def may_run(self, clock: Callable[[], float] = time.monotonic) -> bool:
+        """May the handler run (or keep running) now? (PROTOCOL §6.5)
+
+        Active, ``RUNNING``, no cancel request, and the local deadline not passed. A ``LEASED``
+        active lease is only a reservation.
+        """
+        return (
+            self.active
+            and self.state is AttemptState.RUNNING
+            and self.cancel_requested_at is None
+            and self.deadline is not None
+            and clock() < self.deadline
+        )
+
+    def remaining(self, clock: Callable[[], float] = time.monotonic) -> float:
+        """Seconds left before the local deadline (0 when none or passed)."""
+        if self.deadline is None:
+            return 0.0
+        return max(0.0, self.deadline - clock())
+
+
+@attrs.frozen
+class Receipt:
+    """Immutable record of the original operation (it never revives an inactive lease)."""
+
+    operation: Operation = attrs.field(converter=_operation)
+    task_state: TaskState = attrs.field(converter=_task_state)
+    attempt_state: AttemptState = attrs.field(converter=_attempt_state)
+    task_revision: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    disposition: Disposition = attrs.field(converter=_disposition)
+
+
+@attrs.frozen
+class CommandResult:
+    """The ``ack`` body of ``task.start``/``renew``/``finish``."""
+
+    receipt: Receipt
+    lease: Lease
+    deduplicated: bool = attrs.field(validator=_check_bool)
+
+
+def _check_finish(self: Finish) -> None:
+    if self.outcome is Outcome.SUCCEEDED:
+        if self.error_code is not None:
+            raise ValueError("a SUCCEEDED finish carries no error_code")
+    elif self.error_code is None:
+        raise ValueError(f"a {self.outcome.value} finish needs an error_code")
+    if self.retryable is True and self.outcome is not Outcome.FAILED:
+        raise ValueError("retryable=True is only valid with FAILED")
+
+
+@attrs.frozen
+class Finish:
+    """The ``task.finish`` body: an outcome and a JSON result (not null, at most 256 KiB)."""
+
+    ref: AttemptRef
+    outcome: Outcome = attrs.field(converter=_outcome)
+    result: Any = attrs.field(validator=_check_payload)
+    error_code: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_check_code)
+    )
+    retryable: bool | None = attrs.field(default=None, validator=_check_optional_bool)
+
+    def __attrs_post_init__(self) -> None:
+        _check_finish(self)
+
+
+@attrs.frozen
+class Welcome:
+    """The ``worker.welcome`` body (and the ``ack`` body of ``worker.capacity``)."""
+
+    session_id: str = attrs.field(validator=_check_id)
+    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    expires_at: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    lease_duration_ms: int = attrs.field(validator=_check_int_range(1_000, 120_000))
+    draining: bool = attrs.field(validator=_check_bool)
+
+    def __attrs_post_init__(self) -> None:
+        window = (self.expires_at - self.server_time).total_seconds()
+        if not 0 < window <= 300:
+            raise ValueError("expires_at must be after server_time and at most 5 minutes later")
+
+    @property
+    def session_window(self) -> float:
+        """Seconds the session lives without a renewal, by the server's own clock."""
+        return (self.expires_at - self.server_time).total_seconds()
+
+
+@attrs.frozen
+class CancelNotice:
+    """A ``task.cancel`` push: a cancel was requested for this attempt."""
+
+    task_id: str = attrs.field(validator=_check_id)
+    attempt_id: str = attrs.field(validator=_check_id)
+    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    cancel_requested_at: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
