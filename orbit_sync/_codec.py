@@ -96,7 +96,11 @@ def parse_time(value: Any) -> _dt.datetime:
 def format_time(value: _dt.datetime) -> str:
     """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
     value = value.astimezone(_dt.timezone.utc)
-    text = value.strftime("%Y-%m-%dT%H:%M:%S")
+    # strftime's %Y does not zero-pad years before 1000 on glibc; RFC 3339 needs four digits.
+    text = (
+        f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
+        f"T{value.hour:02d}:{value.minute:02d}:{value.second:02d}"
+    )
     if value.microsecond:
         text += "." + f"{value.microsecond:06d}".rstrip("0")
     return text + "Z"

@@ -32,7 +32,9 @@ def _ids(vectors: list[dict[str, Any]]) -> list[str]:
     return [v["name"] for v in vectors]
 
 
-@pytest.mark.parametrize("vector", VECTORS["server_to_client"], ids=_ids(VECTORS["server_to_client"]))
+@pytest.mark.parametrize(
+    "vector", VECTORS["server_to_client"], ids=_ids(VECTORS["server_to_client"])
+)
 def test_server_to_client(vector: dict[str, Any]) -> None:
     """Each server frame is accepted or rejected by the client decoder as the vector says."""
     if vector["valid"]:
