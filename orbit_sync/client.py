@@ -1,0 +1,219 @@
+"""``Client``: where the Orbit server is and how to authenticate; ``dial_worker`` opens a session.
+
+The dial (TCP + TLS + WebSocket upgrade + ``worker.hello``/``worker.welcome``) is bounded by one
+deadline (default and cap 8 s, PROTOCOL §1). The token travels only in ``Authorization: Bearer``,
+never in the URL, never in a redirect (redirects are reported as ``HTTPError``, not followed), and
+never in a ``repr``, log line or exception message.
+
+Proxies: orbit-sync opens its own socket, so ``http_proxy``/``https_proxy``/``no_proxy`` are not
+consulted; connections always go directly to the host of ``base_url``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Final
+
+from . import _codec, _transport
+from .connection import CALL_TIMEOUT, READ_IDLE_TIMEOUT, WorkerConnection
+from .errors import (
+    CallTimeout,
+    HTTPError,
+    OrbitError,
+    WorkerDisconnected,
+    WorkerError,
+    WorkerProtocolError,
+)
+from .models import CancelNotice, Registration, Welcome, new_message_id
+
+__all__ = ["DIAL_TIMEOUT", "Client"]
+
+log = logging.getLogger("orbit_sync.client")
+
+#: Default and maximum bound of one dial, hello/welcome included (PROTOCOL §1).
+DIAL_TIMEOUT: Final = 8.0
+CONNECT_PATH: Final = "/v1/worker/connect"
+
+# RFC 6750 b64token, plus the characters opaque tokens commonly use; never whitespace or controls.
+_TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/=:!#$%&'*^`|]+")
+
+
+class Client:
+    """An Orbit endpoint and its credentials.
+
+    ``base_url`` is ``ws://host[:port][/prefix]`` (development) or ``wss://...`` (production),
+    without query string, fragment or user info. For ``wss://`` the ``ssl_context`` (default:
+    ``ssl.create_default_context()``) must verify certificates and host names; there is no switch
+    to skip verification.
+    """
+
+    def __init__(
+        self, base_url: str, token: str, *, ssl_context: ssl.SSLContext | None = None
+    ) -> None:
+        if not isinstance(base_url, str):
+            raise TypeError("base_url must be a str")
+        if not isinstance(token, str):
+            raise TypeError("token must be a str")
+        if not _TOKEN_RE.fullmatch(token):
+            # Never echo it: it is a secret.
+            raise ValueError("token must be a non-empty bearer token without spaces or controls")
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("ws", "wss"):
+            raise ValueError("base_url must start with ws:// or wss://")
+        if "?" in base_url or "#" in base_url:
+            raise ValueError("base_url must not carry a query string or fragment")
+        if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+            raise ValueError("base_url must not carry credentials")
+        if not parts.hostname:
+            raise ValueError("base_url needs a host")
+        try:
+            port = parts.port or (443 if parts.scheme == "wss" else 80)
+        except ValueError:
+            raise ValueError("base_url has an invalid port") from None
+        if parts.scheme == "ws" and ssl_context is not None:
+            raise ValueError("ssl_context is only for wss:// URLs")
+        if ssl_context is not None:
+            if not isinstance(ssl_context, ssl.SSLContext):
+                raise TypeError("ssl_context must be an ssl.SSLContext")
+            if ssl_context.verify_mode != ssl.CERT_REQUIRED or not ssl_context.check_hostname:
+                raise ValueError("ssl_context must verify certificates and host names")
+        elif parts.scheme == "wss":
+            ssl_context = ssl.create_default_context()
+        self._base_url = base_url.rstrip("/")
+        self._url = urllib.parse.urlunsplit(
+            (parts.scheme, parts.netloc, parts.path.rstrip("/") + CONNECT_PATH, "", "")
+        )
+        self._host = parts.hostname
+        self._port = port
+        self._token = token
+        self._ssl_context = ssl_context
+
+    @property
+    def base_url(self) -> str:
+        """The server's base URL (no credentials in it)."""
+        return self._base_url
+
+    def __repr__(self) -> str:
+        return f"Client({self._base_url!r}, token=<redacted>)"
+
+    def dial_worker(
+        self,
+        registration: Registration,
+        timeout: float = DIAL_TIMEOUT,
+        *,
+        on_cancel: Callable[[CancelNotice], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        max_call_timeout: float = CALL_TIMEOUT,
+        read_idle_timeout: float = READ_IDLE_TIMEOUT,
+    ) -> WorkerConnection:
+        """Connect, say hello, check the welcome (PROTOCOL §5.1, §5.2); return the connection.
+
+        ``timeout`` bounds the whole dial (capped at 8 s); past it ``CallTimeout`` is raised. A
+        refused upgrade raises ``HTTPError`` (``.status_code``: 401 bad token, 403 missing scope,
+        3xx redirect, never followed); an ``error`` answering the hello raises ``WorkerError``; a
+        server breaking the protocol raises ``WorkerProtocolError``; a network or TLS failure
+        raises ``WorkerDisconnected``.
+
+        ``task.cancel`` pushes (only with ``registration.cancellation_notifications``) go to
+        ``on_cancel``, called on the connection's reader thread: it must return quickly and must
+        not call request methods of this connection (it would block the reader that delivers their
+        answers); exceptions it raises are logged and ignored. Without ``on_cancel`` they are
+        queued for :meth:`WorkerConnection.next_cancel`.
+
+        ``clock`` anchors every lease's local ``deadline`` (pass the same clock to
+        ``lease.may_run()``). ``max_call_timeout`` (≤ 10 s) and ``read_idle_timeout`` (≤ 60 s)
+        may only tighten the protocol's bounds.
+        """
+        if not isinstance(registration, Registration):
+            raise TypeError("registration must be a Registration")
+        bound = _seconds(timeout, "timeout", DIAL_TIMEOUT)
+        max_call = _seconds(max_call_timeout, "max_call_timeout", CALL_TIMEOUT)
+        idle = _seconds(read_idle_timeout, "read_idle_timeout", READ_IDLE_TIMEOUT)
+        if on_cancel is not None:
+            if not callable(on_cancel):
+                raise TypeError("on_cancel must be callable")
+            if not registration.cancellation_notifications:
+                raise ValueError("on_cancel needs registration.cancellation_notifications=True")
+        if not callable(clock):
+            raise TypeError("clock must be callable")
+        hello_id = new_message_id()
+        hello = _codec.encode_request("worker.hello", hello_id, None, registration)
+        log.debug("dialing %s (hello message_id=%s)", self._base_url, hello_id)
+        guard = _transport.DialGuard(bound)
+        transport: _transport.Transport | None = None
+        try:
+            transport = _transport.connect(
+                self._url,
+                host=self._host,
+                port=self._port,
+                ssl_context=self._ssl_context,
+                headers={"Authorization": f"Bearer {self._token}"},
+                subprotocol=_codec.SUBPROTOCOL,
+                guard=guard,
+            )
+            welcome = _handshake(transport, hello, hello_id, guard)
+        except BaseException as exc:
+            guard.stop()
+            if transport is not None:
+                transport.abort(None)
+                transport.close()
+            # Once the deadline has passed, a broken read or write is its consequence; a complete
+            # refusal (HTTP status, error answering the hello) is still reported as itself.
+            timed_out = isinstance(exc, CallTimeout) or (
+                guard.fired
+                and isinstance(exc, OrbitError)
+                and not isinstance(exc, HTTPError | WorkerError)
+            )
+            if timed_out:
+                raise CallTimeout(f"dial did not complete within {bound:g} s") from None
+            raise
+        guard.stop()
+        if guard.fired:
+            # The deadline passed as the dial finished: its socket was shut down.
+            transport.close()
+            raise CallTimeout(f"dial did not complete within {bound:g} s")
+        transport.set_timeout(None)  # from now on only our own deadlines (LIBRARY-NOTES, TLS)
+        log.debug("welcome session_id=%s epoch=%s", welcome.session_id, welcome.epoch)
+        return WorkerConnection(
+            transport,
+            welcome,
+            registration,
+            on_cancel=on_cancel,
+            clock=clock,
+            max_call_timeout=max_call,
+            read_idle_timeout=idle,
+        )
+
+
+def _handshake(
+    transport: _transport.Transport, hello: str, hello_id: str, guard: _transport.DialGuard
+) -> Welcome:
+    """Send ``worker.hello`` and read its answer, under the dial's deadline."""
+    transport.set_timeout(guard.remaining())
+    try:
+        transport.send_text(hello)
+    except Exception:
+        raise WorkerDisconnected("connection lost while sending worker.hello") from None
+    transport.set_timeout(guard.remaining())
+    raw = transport.recv_message()
+    try:
+        return _codec.decode_welcome(raw, hello_id)
+    except WorkerProtocolError:
+        raise
+    except OrbitError as exc:
+        exc.message_id = None  # the hello is not an operation to re-send
+        raise
+
+
+def _seconds(value: object, name: str, cap: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number of seconds")
+    if math.isnan(value) or value <= 0:
+        raise ValueError(f"{name} must be > 0")
+    return min(float(value), cap)
