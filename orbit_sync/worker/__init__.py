@@ -1,0 +1,27 @@
+"""The high-level worker: handlers, leases, reconnects, drain and bounded shutdown.
+
+::
+
+    from orbit_sync.worker import Fail, TaskContext, UnknownEffect, Worker
+"""
+
+from __future__ import annotations
+
+from ._backoff import Backoff
+from ._context import TaskContext
+from ._outcomes import Fail, TaskCancelled, UnknownEffect
+from ._report import AttemptInfo, ShutdownReport, WorkerStats
+from ._runner import Handler, Worker
+
+__all__ = [
+    "AttemptInfo",
+    "Backoff",
+    "Fail",
+    "Handler",
+    "ShutdownReport",
+    "TaskCancelled",
+    "TaskContext",
+    "UnknownEffect",
+    "Worker",
+    "WorkerStats",
+]

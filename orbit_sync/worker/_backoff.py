@@ -1,0 +1,39 @@
+"""Reconnect delays: exponential, bounded, with jitter so a fleet does not reconnect in step."""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+__all__ = ["Backoff"]
+
+_RNG = random.Random()
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
+        raise ValueError(f"{attribute.name} must be a positive number of seconds")
+
+
+@attrs.frozen
+class Backoff:
+    """Delay before reconnect attempt *n* (0-based): ``cap = min(maximum, initial * 2**n)``, then
+    a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap)."""
+
+    initial: float = attrs.field(default=0.2, validator=_positive)
+    maximum: float = attrs.field(default=10.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.initial > self.maximum:
+            raise ValueError("initial must not exceed maximum")
+
+    def cap(self, attempt: int) -> float:
+        """The upper bound of the delay before attempt *attempt*."""
+        # min() first on the exponent keeps 2**n from growing without bound.
+        return min(self.maximum, self.initial * 2.0 ** min(max(attempt, 0), 64))
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """A jittered delay for attempt *attempt*."""
+        cap = self.cap(attempt)
+        return (rng or _RNG).uniform(cap / 2, cap)

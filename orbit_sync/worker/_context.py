@@ -1,0 +1,150 @@
+"""TaskContext: what a handler sees of its attempt, and how it learns it must stop."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from ..models import Task
+from ._outcomes import CANCEL_REASONS, TaskCancelled
+
+__all__ = ["TaskContext"]
+
+_LOG = logging.getLogger("orbit_sync.worker")
+
+
+class _TaskLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """Prefixes messages with the task and attempt ids and adds them as ``extra`` fields."""
+
+    def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
+        extra = dict(self.extra or {})
+        extra.update(kwargs.get("extra") or {})
+        kwargs["extra"] = extra
+        return f"[task={extra['task_id']} attempt={extra['attempt_id']}] {msg}", kwargs
+
+
+class TaskContext:
+    """The handler's view of one attempt.
+
+    ``cancelled`` is set when the handler should stop; ``cancel_reason`` says why:
+    ``cancel_requested`` (the task was cancelled), ``lease_expired`` (the local deadline passed
+    before a renewal), ``lease_lost`` (the server no longer holds the lease for us),
+    ``session_replaced`` (the lease did not survive a reconnect) or ``shutdown`` (the worker is
+    stopping). Cancellation is cooperative: call :meth:`raise_if_cancelled` at safe points.
+    """
+
+    __slots__ = (
+        "_cancel_requested",
+        "_clock",
+        "_deadline",
+        "_lock",
+        "_reason",
+        "attempt_id",
+        "cancelled",
+        "logger",
+        "task",
+    )
+
+    def __init__(
+        self,
+        task: Task,
+        attempt_id: str,
+        *,
+        deadline: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        self.task = task
+        self.attempt_id = attempt_id
+        #: Set once the handler should stop (see ``cancel_reason``).
+        self.cancelled = threading.Event()
+        self.logger: logging.LoggerAdapter[logging.Logger] = _TaskLogger(
+            logger or _LOG, {"task_id": task.task_id, "attempt_id": attempt_id}
+        )
+        self._clock = clock
+        self._deadline = deadline
+        self._reason: str | None = None
+        self._cancel_requested = False
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ handler API
+
+    @property
+    def task_id(self) -> str:
+        """The task's id."""
+        return self.task.task_id
+
+    @property
+    def attempt(self) -> int:
+        """The 1-based attempt number (``> 1`` means this is a retry)."""
+        return self.task.attempt
+
+    @property
+    def max_attempts(self) -> int:
+        """The task's attempt budget."""
+        return self.task.max_attempts
+
+    @property
+    def payload(self) -> Any:
+        """The task's JSON payload."""
+        return self.task.payload
+
+    @property
+    def handler(self) -> str:
+        """The handler name this task was assigned to."""
+        return self.task.handler
+
+    @property
+    def cancel_reason(self) -> str | None:
+        """Why the context was cancelled (the first reason wins), or ``None``."""
+        return self._reason
+
+    @property
+    def cancel_requested(self) -> bool:
+        """True once the server asked to cancel this attempt, whatever cancelled the context."""
+        return self._cancel_requested
+
+    def raise_if_cancelled(self) -> None:
+        """Raise :class:`TaskCancelled` if the handler should stop."""
+        if self.cancelled.is_set():
+            raise TaskCancelled(self._reason or "cancelled")
+
+    def sleep(self, seconds: float) -> None:
+        """Wait up to *seconds*; raise :class:`TaskCancelled` once the context is cancelled."""
+        self.cancelled.wait(max(0.0, seconds))
+        self.raise_if_cancelled()
+
+    def remaining(self) -> float:
+        """Seconds until the local lease deadline (renewals move it forward); 0 when passed."""
+        deadline = self._deadline
+        if deadline is None:
+            return 0.0
+        return max(0.0, deadline - self._clock())
+
+    def __repr__(self) -> str:
+        state = f"cancelled={self._reason!r}" if self._reason else "running"
+        return (
+            f"<TaskContext task={self.task.task_id} attempt={self.attempt_id} "
+            f"handler={self.task.handler!r} {state}>"
+        )
+
+    # ------------------------------------------------------------------ worker side
+
+    def _set_deadline(self, deadline: float | None) -> None:
+        self._deadline = deadline
+
+    def _cancel(self, reason: str) -> bool:
+        """Cancel with *reason*; True when this call cancelled it (the first reason wins)."""
+        if reason not in CANCEL_REASONS:
+            raise ValueError(f"unknown cancel reason {reason!r}")
+        with self._lock:
+            if reason == "cancel_requested":
+                self._cancel_requested = True
+            if self._reason is not None:
+                return False
+            self._reason = reason
+        self.cancelled.set()
+        return True

@@ -1,0 +1,153 @@
+"""The worker's current connection, shared by its threads, and what they need to know about it.
+
+The connection thread *publishes* a connection once it is reconciled (every live attempt
+resumed), and *retracts* it when it breaks. A thread whose request failed on connection number
+``n`` waits for a connection newer than ``n`` and re-sends the same operation with the same
+``message_id`` (PROTOCOL §7). Closing the link for good wakes every waiter, which then gives up:
+that is how shutdown bounds a finish waiting for a connection that never comes back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..models import (
+    Assignment,
+    AttemptRef,
+    CancelNotice,
+    CapacityReport,
+    CommandResult,
+    Finish,
+    Lease,
+    Registration,
+    Welcome,
+)
+
+__all__ = ["Connection", "Dialer", "GaveUp", "Link"]
+
+
+class Connection(Protocol):
+    """What the worker uses of :class:`orbit_sync.connection.WorkerConnection`."""
+
+    @property
+    def welcome(self) -> Welcome: ...
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def done(self) -> threading.Event: ...
+
+    def capacity(
+        self, report: CapacityReport, *, message_id: str | None = ..., timeout: float | None = ...
+    ) -> Welcome: ...
+
+    def resume(
+        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
+    ) -> Lease: ...
+
+    def start(
+        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
+    ) -> CommandResult: ...
+
+    def renew(
+        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
+    ) -> CommandResult: ...
+
+    def finish(
+        self, finish: Finish, *, message_id: str | None = ..., timeout: float | None = ...
+    ) -> CommandResult: ...
+
+    def next_assignment(self, timeout: float | None = ...) -> Assignment: ...
+
+    def close(self) -> None: ...
+
+
+class Dialer(Protocol):
+    """What the worker uses of :class:`orbit_sync.client.Client`."""
+
+    def dial_worker(
+        self,
+        registration: Registration,
+        timeout: float = ...,
+        *,
+        on_cancel: Callable[[CancelNotice], None] | None = ...,
+    ) -> Any: ...
+
+
+class GaveUp(Exception):
+    """The link was closed for good while waiting for a connection: shutdown is over."""
+
+
+class Link:
+    """The current connection and its generation number, under one condition variable."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._conn: Connection | None = None
+        self._gen = 0
+        self._closed = False
+
+    def is_closed(self) -> bool:
+        """True once :meth:`close` was called."""
+        return self._closed
+
+    def publish(self, conn: Connection) -> int:
+        """Make *conn* current (it is reconciled); return its generation number."""
+        with self._cond:
+            self._gen += 1
+            self._conn = conn
+            self._cond.notify_all()
+            return self._gen
+
+    def retract(self, gen: int) -> None:
+        """Connection *gen* is gone."""
+        with self._cond:
+            if self._gen == gen:
+                self._conn = None
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        """No connection will come any more: wake every waiter."""
+        with self._cond:
+            self._closed = True
+            self._conn = None
+            self._cond.notify_all()
+
+    def current(self) -> tuple[Connection, int] | None:
+        """The current connection, without waiting."""
+        with self._cond:
+            if self._conn is None or self._closed:
+                return None
+            return self._conn, self._gen
+
+    def broken(self, gen: int) -> None:
+        """A request on connection *gen* failed in a way that leaves it unusable: close it, so
+        the connection thread notices at once and reconnects."""
+        with self._cond:
+            conn = self._conn if self._gen == gen else None
+        if conn is not None:
+            conn.close()
+
+    def wait(self, *, newer_than: int = 0, deadline: float | None = None) -> tuple[Connection, int]:
+        """Wait for a connection newer than *newer_than*; raise :class:`GaveUp` when the link is
+        closed or *deadline* (``time.monotonic()``) passes."""
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise GaveUp("worker stopped")
+                if self._conn is not None and self._gen > newer_than:
+                    return self._conn, self._gen
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    raise GaveUp("no connection in time")
+                self._cond.wait(timeout)
+
+    def pause(self, seconds: float) -> None:
+        """Sleep up to *seconds*, waking early if the link is closed (a retry delay)."""
+        with self._cond:
+            if not self._closed:
+                self._cond.wait(seconds)

@@ -1,0 +1,252 @@
+"""What a handler's ending becomes on the wire: the worker's outcome rules.
+
+============================================  =========  ======================================
+handler ends with                             outcome    error_code
+============================================  =========  ======================================
+a return value (``None`` is sent as ``{}``)   SUCCEEDED  -
+``raise Fail(code, retryable=...)``           FAILED     *code*
+``raise UnknownEffect(code)``                 UNKNOWN    *code*
+``raise_if_cancelled()``, cancel requested    CANCELLED  ``CANCELLED``
+``raise_if_cancelled()``, shutdown/lease      FAILED     ``WORKER_SHUTDOWN``, ... (retryable)
+any other exception                           FAILED     ``HANDLER_ERROR``
+a result not JSON / over 256 KiB              FAILED     ``RESULT_NOT_JSON``/``RESULT_TOO_LARGE``
+============================================  =========  ======================================
+
+Pure functions, no I/O: :func:`outcome_of` maps a finished call to a :class:`Verdict`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .. import _json
+from .._codec import check_result
+from ..errors import FrameError, OrbitError
+from ..models import CODE_RE, AttemptRef, Finish, Outcome
+
+__all__ = [
+    "CANCEL_REASONS",
+    "Fail",
+    "TaskCancelled",
+    "UnknownEffect",
+    "Verdict",
+    "not_run",
+    "outcome_of",
+]
+
+#: Why a TaskContext was cancelled (the first reason wins).
+CANCEL_REASONS = frozenset(
+    {"cancel_requested", "lease_expired", "lease_lost", "session_replaced", "shutdown"}
+)
+
+#: Error codes for a handler that stopped cooperatively for a reason other than a cancel request.
+#: The handler chose the checkpoint, so stopping there is clean: FAILED and retryable.
+STOP_CODES = {
+    "shutdown": "WORKER_SHUTDOWN",
+    "lease_expired": "LEASE_EXPIRED",
+    "lease_lost": "LEASE_LOST",
+    "session_replaced": "SESSION_REPLACED",
+}
+
+HANDLER_ERROR = "HANDLER_ERROR"
+RESULT_NOT_JSON = "RESULT_NOT_JSON"
+RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
+CANCELLED = "CANCELLED"
+#: A handler still running after shutdown's grace: its effect is uncertain.
+SHUTDOWN_TIMEOUT = "SHUTDOWN_TIMEOUT"
+
+_MAX_MESSAGE = 1024
+
+
+def _check_code(code: object) -> str:
+    if type(code) is not str or not CODE_RE.fullmatch(code):
+        raise ValueError("code must be 1-64 characters of [A-Z][A-Z0-9_]*, e.g. 'QUOTA_EXCEEDED'")
+    return code
+
+
+def _short(message: str) -> str:
+    return message if len(message) <= _MAX_MESSAGE else message[: _MAX_MESSAGE - 3] + "..."
+
+
+class Fail(OrbitError):
+    """Raise from a handler to finish the attempt ``FAILED`` with a stable *code*.
+
+    ``retryable=True`` asks the server to retry the task while attempts and time remain.
+    *message* and *details* (any JSON) travel in the result, so keep secrets out of them.
+    """
+
+    def __init__(
+        self, code: str, message: str = "", *, retryable: bool = False, details: Any = None
+    ) -> None:
+        _check_code(code)
+        super().__init__(f"{code}: {message}" if message else code)
+        if type(retryable) is not bool:
+            raise TypeError("retryable must be a bool")
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+        self.details = details
+
+
+class UnknownEffect(OrbitError):
+    """Raise from a handler when its effect is uncertain: the attempt finishes ``UNKNOWN``.
+
+    The server retries the task only if its retry policy is ``IDEMPOTENT`` (and it was not
+    cancelled and budget remains); otherwise the task goes to ``NEEDS_REVIEW``.
+    """
+
+    def __init__(self, code: str, message: str = "", *, details: Any = None) -> None:
+        _check_code(code)
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+class TaskCancelled(BaseException):
+    """Raised by ``ctx.raise_if_cancelled()`` once the context is cancelled.
+
+    A ``BaseException`` (like ``asyncio.CancelledError``) so that a handler's broad
+    ``except Exception:`` does not swallow the stop by accident.
+    """
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"task cancelled: {reason}")
+        self.reason = reason
+
+
+@attrs.frozen
+class Verdict:
+    """The finish content decided for one attempt (everything but the AttemptRef)."""
+
+    outcome: Outcome
+    result: Any
+    error_code: str | None = None
+    retryable: bool | None = None
+    #: True when the handler ran (False: started on the server, but the handler never ran).
+    ran: bool = True
+
+    def finish(self, ref: AttemptRef) -> Finish:
+        """The ``task.finish`` body for *ref*."""
+        return Finish(
+            ref=ref,
+            outcome=self.outcome,
+            result=self.result,
+            error_code=self.error_code,
+            retryable=self.retryable,
+        )
+
+
+def _error_result(code: str, message: str, details: Any = None) -> dict[str, Any]:
+    result: dict[str, Any] = {"error": code}
+    if message:
+        result["message"] = _short(message)
+    if details is not None:
+        result["details"] = details
+    return result
+
+
+def result_problem(value: Any) -> tuple[str, str] | None:
+    """``(code, description)`` when *value* cannot be sent as a result, else ``None``."""
+    try:
+        size = _json.encoded_size(value)
+    except FrameError as exc:
+        return RESULT_NOT_JSON, _short(str(exc))
+    if size > _json.MAX_RESULT_BYTES:
+        return RESULT_TOO_LARGE, f"result is {size} bytes, over the {_json.MAX_RESULT_BYTES} limit"
+    try:
+        check_result(value)
+    except FrameError as exc:
+        return RESULT_NOT_JSON, _short(str(exc))
+    return None
+
+
+def _with_safe_result(verdict: Verdict, code: str) -> Verdict:
+    """Replace an unsendable result of a FAILED/UNKNOWN verdict, keeping its outcome and code."""
+    problem = result_problem(verdict.result)
+    if problem is None:
+        return verdict
+    return attrs.evolve(
+        verdict, result={"error": code, "result_dropped": problem[0], "message": problem[1]}
+    )
+
+
+def outcome_of(
+    *,
+    value: Any = None,
+    error: BaseException | None = None,
+    cancel_requested: bool = False,
+    cancel_reason: str | None = None,
+) -> Verdict:
+    """Map how a handler ended (its return *value* or raised *error*) to a :class:`Verdict`.
+
+    *cancel_requested* is True when the server asked to cancel this attempt (push or lease);
+    *cancel_reason* is the context's cancel reason, if it was cancelled.
+    """
+    if error is None:
+        result = {} if value is None else value
+        problem = result_problem(result)
+        if problem is not None:
+            code, description = problem
+            return Verdict(Outcome.FAILED, _error_result(code, description), code, False)
+        return Verdict(Outcome.SUCCEEDED, result)
+    if isinstance(error, Fail):
+        verdict = Verdict(
+            Outcome.FAILED,
+            _error_result(error.code, error.message, error.details),
+            error.code,
+            error.retryable,
+        )
+        return _with_safe_result(verdict, error.code)
+    if isinstance(error, UnknownEffect):
+        verdict = Verdict(
+            Outcome.UNKNOWN,
+            _error_result(error.code, error.message, error.details),
+            error.code,
+        )
+        return _with_safe_result(verdict, error.code)
+    if isinstance(error, TaskCancelled) and cancel_reason is not None:
+        if cancel_requested:
+            return Verdict(
+                Outcome.CANCELLED, {"cancelled": True, "reason": "cancel_requested"}, CANCELLED
+            )
+        code = STOP_CODES.get(cancel_reason, HANDLER_ERROR)
+        return Verdict(Outcome.FAILED, {"error": code, "stopped": cancel_reason}, code, True)
+    # Only the exception's type travels: its message may quote data or credentials.
+    kind = type(error)
+    name = (
+        kind.__qualname__
+        if kind.__module__ == "builtins"
+        else f"{kind.__module__}.{kind.__qualname__}"
+    )
+    return Verdict(
+        Outcome.FAILED, {"error": HANDLER_ERROR, "exception": name}, HANDLER_ERROR, False
+    )
+
+
+def not_run(*, cancel_requested: bool, reason: str | None) -> Verdict:
+    """The finish for an attempt the server started but whose handler never ran.
+
+    Truthful and clean: nothing happened, so a cancel is ``CANCELLED`` and anything else is a
+    retryable ``FAILED``.
+    """
+    if cancel_requested:
+        return Verdict(
+            Outcome.CANCELLED,
+            {"cancelled": True, "reason": "cancel_requested", "ran": False},
+            CANCELLED,
+            ran=False,
+        )
+    code = STOP_CODES.get(reason or "lease_expired", "LEASE_EXPIRED")
+    return Verdict(Outcome.FAILED, {"error": code, "ran": False}, code, True, ran=False)
+
+
+def abandoned() -> Verdict:
+    """The finish for a handler that did not return by the end of shutdown's grace."""
+    return Verdict(
+        Outcome.UNKNOWN,
+        {"error": SHUTDOWN_TIMEOUT, "message": "handler still running at shutdown"},
+        SHUTDOWN_TIMEOUT,
+    )

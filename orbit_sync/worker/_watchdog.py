@@ -1,0 +1,343 @@
+"""The lease watchdog: one heap of renew times for every running attempt.
+
+:class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *renew*
+function; :meth:`LeaseWatchdog.run_due` does everything that is due and says when to come back.
+:class:`WatchdogThread` is the thin shell that sleeps until then. Unit tests drive the core with a
+fake clock and no sockets.
+
+Rules (PROTOCOL §6.3-6.6, seeds/lease-lifecycle.ts):
+
+- renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL,
+  see LIBRARY-NOTES) still has slack;
+- a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
+  delay while the local deadline allows, re-using the unanswered renew's ``message_id``;
+- the handler's context is cancelled when the deadline passes (``lease_expired``), when the
+  server says ``LEASE_LOST`` or answers an inactive lease (``lease_lost``), or when the lease
+  carries ``cancel_requested_at`` (``cancel_requested``); the attempt is then no longer renewed;
+- a cancelled or untracked (finished) attempt is never renewed;
+- the watchdog measures how late it wakes up and reports it.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import attrs
+
+from ..errors import WorkerError
+from ..models import AttemptState, Lease, new_message_id
+from ._context import TaskContext
+from ._errors import is_transient
+
+__all__ = ["LeaseWatchdog", "RenewFn", "WatchdogStats", "WatchdogThread"]
+
+_LOG = logging.getLogger("orbit_sync.worker")
+
+#: ``renew(attempt_id, message_id) -> Lease`` (the lease carries its local ``deadline``).
+RenewFn = Callable[[str, str], Lease]
+
+MIN_RETRY_DELAY = 0.1
+MAX_RETRY_DELAY = 5.0
+#: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
+MIN_RENEW_INTERVAL = 0.05
+#: Lag above this is logged: handlers are starving the watchdog of the GIL.
+LAG_WARNING = 1.0
+
+
+@attrs.frozen
+class WatchdogStats:
+    """Counters of the watchdog."""
+
+    tracked: int
+    renewals: int
+    renew_failures: int
+    lease_losses: int
+    #: Seconds the most recent wake-up came after the moment it was scheduled for.
+    lag_last: float
+    #: The worst such lateness seen so far.
+    lag_max: float
+
+
+@attrs.define
+class _Entry:
+    attempt_id: str
+    ctx: TaskContext
+    deadline: float
+    due: float
+    #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
+    pending_id: str | None = None
+    busy: bool = False
+
+
+class LeaseWatchdog:
+    """Schedules renewals of running attempts and cancels their contexts when leases end."""
+
+    def __init__(
+        self,
+        renew: RenewFn,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        retry_delay: float = 1.0,
+        on_change: Callable[[], None] | None = None,
+        on_loss: Callable[[str, str], None] | None = None,
+        logger: logging.Logger | None = None,
+    ) -> None:
+        if not MIN_RETRY_DELAY <= retry_delay <= MAX_RETRY_DELAY:
+            raise ValueError(
+                f"retry_delay must be between {MIN_RETRY_DELAY} and {MAX_RETRY_DELAY} seconds"
+            )
+        self.clock = clock
+        self._renew = renew
+        self._retry_delay = retry_delay
+        self._on_change = on_change or (lambda: None)
+        self._on_loss = on_loss or (lambda attempt_id, reason: None)
+        self._log = logger or _LOG
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._heap: list[tuple[float, int, str]] = []
+        self._seq = itertools.count()
+        self._renewals = 0
+        self._failures = 0
+        self._losses = 0
+        self._lag_last = 0.0
+        self._lag_max = 0.0
+
+    # ------------------------------------------------------------------ tracking
+
+    def track(self, attempt_id: str, ctx: TaskContext, deadline: float) -> None:
+        """Start renewing *attempt_id*, whose lease ends locally at *deadline*."""
+        now = self.clock()
+        with self._lock:
+            entry = _Entry(attempt_id, ctx, deadline, self._half_way(now, deadline))
+            self._entries[attempt_id] = entry
+            self._push(entry)
+        ctx._set_deadline(deadline)
+        self._on_change()
+
+    def refresh(self, attempt_id: str, deadline: float, *, renew_now: bool = False) -> None:
+        """A fresh lease (e.g. from ``resume``) moved *attempt_id*'s deadline."""
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(attempt_id)
+            if entry is None:
+                return
+            entry.deadline = deadline
+            entry.due = now if renew_now else self._half_way(now, deadline)
+            self._push(entry)
+        entry.ctx._set_deadline(deadline)
+        self._on_change()
+
+    def kick(self, attempt_id: str) -> None:
+        """Renew *attempt_id* as soon as possible (e.g. re-send an unanswered renew)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(attempt_id)
+            if entry is None:
+                return
+            entry.due = now
+            self._push(entry)
+        self._on_change()
+
+    def untrack(self, attempt_id: str) -> None:
+        """Stop renewing *attempt_id* (its handler returned, or the lease is gone)."""
+        with self._lock:
+            self._entries.pop(attempt_id, None)
+        self._on_change()
+
+    def pending_renewals(self) -> list[str]:
+        """Attempts with a renew that was (maybe) sent and never answered."""
+        with self._lock:
+            return [e.attempt_id for e in self._entries.values() if e.pending_id is not None]
+
+    def is_tracked(self, attempt_id: str) -> bool:
+        """True while *attempt_id* is being renewed."""
+        with self._lock:
+            return attempt_id in self._entries
+
+    def stats(self) -> WatchdogStats:
+        """A snapshot of the counters."""
+        with self._lock:
+            return WatchdogStats(
+                tracked=len(self._entries),
+                renewals=self._renewals,
+                renew_failures=self._failures,
+                lease_losses=self._losses,
+                lag_last=self._lag_last,
+                lag_max=self._lag_max,
+            )
+
+    def next_due(self) -> float | None:
+        """When something is next due (clock time), or ``None`` when nothing is tracked."""
+        with self._lock:
+            self._drop_stale()
+            return self._heap[0][0] if self._heap else None
+
+    # ------------------------------------------------------------------ the work
+
+    def run_due(self) -> float | None:
+        """Do everything due now; return when to call again (clock time) or ``None``."""
+        while True:
+            now = self.clock()
+            with self._lock:
+                self._drop_stale()
+                if not self._heap or self._heap[0][0] > now:
+                    return self._heap[0][0] if self._heap else None
+                due, _, attempt_id = heapq.heappop(self._heap)
+                entry = self._entries[attempt_id]
+                self._lag_last = now - due
+                self._lag_max = max(self._lag_max, self._lag_last)
+                entry.busy = True
+            if self._lag_last > LAG_WARNING:
+                self._log.warning(
+                    "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL",
+                    self._lag_last,
+                )
+            try:
+                self._process(entry, now)
+            finally:
+                with self._lock:
+                    entry.busy = False
+                    if self._entries.get(attempt_id) is entry:
+                        self._push(entry)
+
+    def _process(self, entry: _Entry, now: float) -> None:
+        if entry.ctx.cancelled.is_set():
+            self._forget(entry)
+            return
+        if now >= entry.deadline:
+            self._lose(entry, "lease_expired")
+            return
+        message_id = entry.pending_id or new_message_id()
+        entry.pending_id = message_id
+        try:
+            lease = self._renew(entry.attempt_id, message_id)
+        except Exception as exc:  # classified below; a bug must not kill the watchdog
+            self._renew_failed(entry, exc)
+            return
+        entry.pending_id = None
+        with self._lock:
+            if self._entries.get(entry.attempt_id) is not entry:
+                return  # finished while the renew was in flight: nothing to do
+            self._renewals += 1
+        if lease.cancel_requested:
+            self._lose(entry, "cancel_requested", count=False)
+        elif not lease.active or lease.state is not AttemptState.RUNNING or lease.deadline is None:
+            self._lose(entry, "lease_lost")
+        else:
+            after = self.clock()
+            entry.deadline = lease.deadline
+            entry.due = self._half_way(after, lease.deadline)
+            entry.ctx._set_deadline(lease.deadline)
+
+    def _renew_failed(self, entry: _Entry, exc: Exception) -> None:
+        with self._lock:
+            self._failures += 1
+        if isinstance(exc, WorkerError) and not is_transient(exc):
+            # LEASE_LOST, STATE_CONFLICT, ...: the server answered; this renew is settled.
+            entry.pending_id = None
+            self._lose(entry, "lease_lost", detail=exc.code)
+            return
+        if not is_transient(exc):
+            self._log.error(
+                "renew of attempt %s failed unexpectedly (%s); retrying",
+                entry.attempt_id,
+                type(exc).__name__,
+            )
+        # The pending message_id is kept: if that renew reached the server, re-sending it returns
+        # the original receipt (and the current lease) instead of applying a second renewal.
+        retry_at = self.clock() + self._retry_delay
+        # Past the deadline there is nothing left to renew: wake at the deadline to expire it.
+        entry.due = min(retry_at, entry.deadline)
+        self._log.info(
+            "renew of attempt %s failed (%s); retrying in %.2fs",
+            entry.attempt_id,
+            type(exc).__name__,
+            max(0.0, entry.due - self.clock()),
+        )
+
+    def _lose(self, entry: _Entry, reason: str, *, count: bool = True, detail: str = "") -> None:
+        with self._lock:
+            if self._entries.get(entry.attempt_id) is not entry:
+                return
+            del self._entries[entry.attempt_id]
+            if count:
+                self._losses += 1
+        entry.ctx._cancel(reason)
+        level = logging.INFO if reason == "cancel_requested" else logging.WARNING
+        self._log.log(
+            level,
+            "attempt %s of task %s: %s%s; handler cancelled",
+            entry.attempt_id,
+            entry.ctx.task_id,
+            reason,
+            f" ({detail})" if detail else "",
+        )
+        self._on_loss(entry.attempt_id, reason)
+
+    def _forget(self, entry: _Entry) -> None:
+        with self._lock:
+            if self._entries.get(entry.attempt_id) is entry:
+                del self._entries[entry.attempt_id]
+
+    # ------------------------------------------------------------------ heap (lock held)
+
+    @staticmethod
+    def _half_way(now: float, deadline: float) -> float:
+        remaining = deadline - now
+        if remaining <= 0:
+            return now
+        return now + min(remaining, max(MIN_RENEW_INTERVAL, remaining / 2))
+
+    def _push(self, entry: _Entry) -> None:
+        if not entry.busy:
+            heapq.heappush(self._heap, (entry.due, next(self._seq), entry.attempt_id))
+
+    def _drop_stale(self) -> None:
+        # Lazy deletion: an item is live only if its entry is tracked, idle, and due then.
+        while self._heap:
+            due, _, attempt_id = self._heap[0]
+            entry = self._entries.get(attempt_id)
+            if entry is not None and not entry.busy and entry.due == due:
+                return
+            heapq.heappop(self._heap)
+
+
+class WatchdogThread:
+    """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time."""
+
+    def __init__(self, core: LeaseWatchdog, *, name: str = "orbit-lease-watchdog") -> None:
+        self.core = core
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def wake(self) -> None:
+        """Re-read the schedule now (something was tracked, refreshed or kicked)."""
+        self._wake.set()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the thread and wait up to *timeout* for it (a renew in flight is bounded)."""
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _main(self) -> None:
+        while not self._stopping:
+            try:
+                next_due = self.core.run_due()
+            except Exception:  # the watchdog must outlive any bug in a callback
+                _LOG.exception("lease watchdog iteration failed")
+                next_due = self.core.clock() + MIN_RETRY_DELAY
+            timeout = None if next_due is None else max(0.0, next_due - self.core.clock())
+            self._wake.wait(timeout)
+            self._wake.clear()

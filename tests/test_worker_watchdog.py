@@ -1,0 +1,322 @@
+"""The lease watchdog's core, driven by a fake clock and a scripted renew function (no sockets)."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+
+from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
+from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
+from orbit_sync.worker._context import TaskContext
+from orbit_sync.worker._watchdog import LeaseWatchdog, WatchdogThread
+
+T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
+
+
+class FakeClock:
+    """A monotonic clock that only moves when told to."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _task() -> Task:
+    return Task(
+        task_id=new_id(),
+        queue_id=new_id(),
+        namespace_id=new_id(),
+        handler="resize",
+        handler_version="1",
+        payload_version="1",
+        payload={"w": 1},
+        state=TaskState.LEASED,
+        revision=1,
+        attempt=1,
+        max_attempts=3,
+    )
+
+
+def lease(
+    clock: Callable[[], float],
+    window: float = 30.0,
+    *,
+    active: bool = True,
+    state: AttemptState = AttemptState.RUNNING,
+    cancel: bool = False,
+) -> Lease:
+    """A lease as the connection returns it: deadline anchored at the fake clock's now."""
+    base = Lease(
+        active=active,
+        state=state,
+        lease_until=T0 + _dt.timedelta(seconds=window),
+        server_time=T0,
+        cancel_requested_at=T0 if cancel else None,
+    )
+    return base.with_deadline(clock())
+
+
+class Renewer:
+    """A scripted renew function that records every call (attempt_id, message_id, time)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.calls: list[tuple[str, str, float]] = []
+        self.script: list[Callable[[], Lease]] = []
+
+    def __call__(self, attempt_id: str, message_id: str) -> Lease:
+        self.calls.append((attempt_id, message_id, self.clock()))
+        if self.script:
+            return self.script.pop(0)()
+        return lease(self.clock)
+
+
+def _raise(exc: Exception) -> Callable[[], Lease]:
+    def fn() -> Lease:
+        raise exc
+
+    return fn
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    """A fresh fake clock."""
+    return FakeClock()
+
+
+@pytest.fixture
+def renewer(clock: FakeClock) -> Renewer:
+    """A renew function over the fake clock."""
+    return Renewer(clock)
+
+
+def _ctx(clock: FakeClock) -> TaskContext:
+    return TaskContext(_task(), new_id(), clock=clock)
+
+
+def test_renews_at_half_the_remaining_window(clock: FakeClock, renewer: Renewer) -> None:
+    """A 30 s lease is renewed after 15 s, then every 15 s, never earlier."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    assert wd.run_due() == pytest.approx(clock() + 15.0)
+    assert renewer.calls == []
+    clock.advance(14.9)
+    wd.run_due()
+    assert renewer.calls == []
+    clock.advance(0.1)
+    nxt = wd.run_due()
+    assert len(renewer.calls) == 1
+    # The fresh lease's deadline is now + 30 - 0.25; the next renewal is half of that away.
+    assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2)
+    assert ctx.remaining() == pytest.approx(30.0 - 0.25)
+    assert wd.stats().renewals == 1
+    assert not ctx.cancelled.is_set()
+
+
+def test_one_heap_for_many_attempts(clock: FakeClock, renewer: Renewer) -> None:
+    """Attempts with different deadlines are renewed in deadline order by one core."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    ids = ["1" * 32, "2" * 32, "3" * 32]
+    for attempt_id, window in zip(ids, (30.0, 10.0, 20.0), strict=True):
+        wd.track(attempt_id, _ctx(clock), clock() + window)
+    order = []
+    for _ in range(3):
+        nxt = wd.run_due()
+        assert nxt is not None
+        clock.now = nxt
+        wd.run_due()
+        order.append(renewer.calls[-1][0])
+    # Due at +5 (10 s lease), +10 (20 s), +15 (30 s): the earliest deadline first.
+    assert order == ["2" * 32, "3" * 32, "1" * 32]
+    assert wd.stats().lease_losses == 0
+
+
+def test_deadline_passing_cancels_with_lease_expired(clock: FakeClock, renewer: Renewer) -> None:
+    """When renewals keep failing until the local deadline, the context is cancelled."""
+    renewer.script = [_raise(WorkerDisconnected("down"))] * 100
+    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=1.0)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 4.0)
+    while not ctx.cancelled.is_set():
+        nxt = wd.run_due()
+        assert nxt is not None or ctx.cancelled.is_set()
+        if nxt is not None:
+            clock.now = max(clock.now, nxt)
+    assert ctx.cancel_reason == "lease_expired"
+    assert clock() == pytest.approx(1004.0)
+    assert wd.stats().lease_losses == 1
+    assert wd.stats().tracked == 0
+
+
+def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
+    clock: FakeClock, renewer: Renewer
+) -> None:
+    """Busy/disconnect/timeout retry after retry_delay and re-send the unanswered message_id."""
+    renewer.script = [
+        _raise(CallTimeout("slow", message_id="f" * 32)),
+        _raise(WorkerBusy("busy")),
+    ]
+    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=0.5)
+    wd.track("a" * 32, _ctx(clock), clock() + 30.0)
+    clock.advance(15.0)
+    assert wd.run_due() == pytest.approx(clock() + 0.5)
+    clock.advance(0.5)
+    assert wd.run_due() == pytest.approx(clock() + 0.5)
+    clock.advance(0.5)
+    wd.run_due()
+    ids = [c[1] for c in renewer.calls]
+    assert len(ids) == 3 and len(set(ids)) == 1, "an unanswered renew is re-sent as is"
+    assert wd.stats().renew_failures == 2
+    # Answered: the next renewal is a new operation with a new id.
+    clock.advance(20.0)
+    wd.run_due()
+    assert renewer.calls[-1][1] != ids[0]
+
+
+def test_retry_never_scheduled_past_the_deadline(clock: FakeClock, renewer: Renewer) -> None:
+    """A retry that would land after the deadline is replaced by the deadline itself."""
+    renewer.script = [_raise(WorkerDisconnected("down"))]
+    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 2.0)
+    clock.advance(1.0)
+    assert wd.run_due() == pytest.approx(1002.0)
+
+
+@pytest.mark.parametrize(
+    ("answer", "reason"),
+    [
+        (lambda c: lease(c, cancel=True), "cancel_requested"),
+        (lambda c: lease(c, active=False, state=AttemptState.UNKNOWN), "lease_lost"),
+        (lambda c: lease(c, state=AttemptState.LEASED), "lease_lost"),
+    ],
+    ids=["cancel_requested_at", "inactive", "not-running"],
+)
+def test_lease_answer_cancels_context(
+    clock: FakeClock, renewer: Renewer, answer: Callable[[FakeClock], Lease], reason: str
+) -> None:
+    """A renewal answer with a cancel request or without a running lease cancels the handler."""
+    renewer.script = [lambda: answer(clock)]
+    wd = LeaseWatchdog(renewer, clock=clock)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    clock.advance(15.0)
+    assert wd.run_due() is None
+    assert ctx.cancel_reason == reason
+    assert not wd.is_tracked("a" * 32)
+
+
+def test_lease_lost_error_cancels_context(clock: FakeClock, renewer: Renewer) -> None:
+    """The server answering LEASE_LOST cancels the context with lease_lost, once."""
+    renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="e" * 32))]
+    losses: list[tuple[str, str]] = []
+    wd = LeaseWatchdog(renewer, clock=clock, on_loss=lambda a, r: losses.append((a, r)))
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    clock.advance(15.0)
+    wd.run_due()
+    assert ctx.cancel_reason == "lease_lost"
+    assert losses == [("a" * 32, "lease_lost")]
+    assert wd.stats().lease_losses == 1
+
+
+def test_rate_limited_is_retried_not_lost(clock: FakeClock, renewer: Renewer) -> None:
+    """RATE_LIMITED/UNAVAILABLE are transient: the attempt keeps its lease and is retried."""
+    renewer.script = [_raise(WorkerError("RATE_LIMITED", "slow down", message_id="e" * 32))]
+    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=1.0)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    clock.advance(15.0)
+    assert wd.run_due() == pytest.approx(clock() + 1.0)
+    assert not ctx.cancelled.is_set()
+
+
+def test_never_renews_cancelled_or_untracked(clock: FakeClock, renewer: Renewer) -> None:
+    """A cancelled context or an untracked (finished) attempt is never renewed."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    cancelled, finished = _ctx(clock), _ctx(clock)
+    wd.track("c" * 32, cancelled, clock() + 10.0)
+    wd.track("f" * 32, finished, clock() + 10.0)
+    cancelled._cancel("shutdown")
+    wd.untrack("f" * 32)
+    clock.advance(30.0)
+    assert wd.run_due() is None
+    assert renewer.calls == []
+    assert cancelled.cancel_reason == "shutdown"
+    assert not finished.cancelled.is_set()
+
+
+def test_finished_during_renew_is_not_rescheduled(clock: FakeClock, renewer: Renewer) -> None:
+    """An attempt untracked while its renew was in flight is dropped, not renewed again."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+
+    def finish_meanwhile() -> Lease:
+        wd.untrack("a" * 32)
+        return lease(clock)
+
+    renewer.script = [finish_meanwhile]
+    wd.track("a" * 32, _ctx(clock), clock() + 10.0)
+    clock.advance(5.0)
+    assert wd.run_due() is None
+    assert wd.stats().renewals == 0
+
+
+def test_lag_is_measured(clock: FakeClock, renewer: Renewer) -> None:
+    """Waking after the scheduled time shows up as lag in the stats."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    wd.track("a" * 32, _ctx(clock), clock() + 30.0)
+    clock.advance(15.0 + 0.75)
+    wd.run_due()
+    assert wd.stats().lag_last == pytest.approx(0.75)
+    assert wd.stats().lag_max == pytest.approx(0.75)
+
+
+def test_refresh_and_kick(clock: FakeClock, renewer: Renewer) -> None:
+    """A resumed lease moves the deadline; kick renews at once."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd.refresh("a" * 32, clock() + 10.0)
+    assert ctx.remaining() == pytest.approx(10.0)
+    assert wd.next_due() == pytest.approx(clock() + 5.0)
+    wd.kick("a" * 32)
+    wd.run_due()
+    assert len(renewer.calls) == 1
+
+
+def test_retry_delay_is_bounded() -> None:
+    """retry_delay outside [0.1, 5] s is refused."""
+    for bad in (0.0, 0.05, 6.0):
+        with pytest.raises(ValueError):
+            LeaseWatchdog(lambda a, m: lease(FakeClock()), retry_delay=bad)
+
+
+def test_thread_shell_renews_and_stops() -> None:
+    """The thread shell renews on the real clock and stops promptly."""
+    renewed = threading.Event()
+
+    def renew(attempt_id: str, message_id: str) -> Lease:
+        renewed.set()
+        return lease(time.monotonic)
+
+    shells: list[WatchdogThread] = []
+    core = LeaseWatchdog(renew, on_change=lambda: shells[0].wake() if shells else None)
+    shell = WatchdogThread(core)
+    shells.append(shell)
+    shell.start()
+    try:
+        core.track("a" * 32, TaskContext(_task(), new_id()), time.monotonic() + 0.2)
+        assert renewed.wait(5.0)
+    finally:
+        shell.stop()
+    assert not shell._thread.is_alive()
