@@ -1,0 +1,127 @@
+"""Server time for the mock Orbit server.
+
+The state machine never reads the system clock: it asks a clock object for ``now()`` (POSIX
+seconds). Two clocks ship with the package:
+
+* :class:`SystemClock` — real time (the default). Anchored once to the wall clock, then driven by
+  ``time.monotonic()`` so NTP steps cannot move server time backwards; ``advance()`` adds an
+  offset, so a test can jump over a lease window without waiting.
+* :class:`ManualClock` — time moves only when told to. ``MockOrbitServer.advance()`` steps it
+  through every due moment (lease expiry, recovery scans, backoff) before returning.
+
+Any object with ``now() -> float`` and ``advance(seconds) -> None`` works; one whose
+``real_time`` attribute is true is treated as moving by itself (the server then wakes on its own
+to run due work).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import threading
+import time
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+__all__ = ["DEFAULT_START", "Clock", "ManualClock", "SystemClock"]
+
+#: Where a :class:`ManualClock` starts unless told otherwise: a fixed, readable instant.
+DEFAULT_START = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
+
+
+@runtime_checkable
+class Clock(Protocol):
+    """What the mock server needs from a clock."""
+
+    def now(self) -> float:
+        """Current server time in POSIX seconds."""
+
+    def advance(self, seconds: float) -> None:
+        """Move server time forward by *seconds* (>= 0)."""
+
+
+def _check_step(seconds: float) -> float:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+        raise TypeError("seconds must be a number")
+    if not seconds >= 0:  # also rejects NaN
+        raise ValueError("time only moves forward: seconds must be >= 0")
+    if seconds == float("inf"):
+        raise ValueError("seconds must be finite")
+    return float(seconds)
+
+
+class SystemClock:
+    """Real time plus an offset that :meth:`advance` grows."""
+
+    real_time = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._wall0 = time.time()
+        self._mono0 = time.monotonic()
+        self._offset = 0.0
+
+    def now(self) -> float:
+        """Wall time at creation plus monotonic progress plus the advanced offset."""
+        with self._lock:
+            offset = self._offset
+        return self._wall0 + (time.monotonic() - self._mono0) + offset
+
+    def advance(self, seconds: float) -> None:
+        """Jump forward by *seconds*."""
+        step = _check_step(seconds)
+        with self._lock:
+            self._offset += step
+
+    def __repr__(self) -> str:
+        return f"SystemClock(offset={self._offset:.3f})"
+
+
+class ManualClock:
+    """A clock that moves only when :meth:`advance` is called.
+
+    Listeners (the mock server subscribes one) are called after each move, so time advanced
+    directly on the clock still runs the server's due work, on the server's scheduler thread.
+    """
+
+    real_time = False
+
+    def __init__(self, start: float | _dt.datetime = DEFAULT_START) -> None:
+        if isinstance(start, _dt.datetime):
+            if start.utcoffset() is None:
+                raise ValueError("start must be an aware datetime")
+            start = start.timestamp()
+        if isinstance(start, bool) or not isinstance(start, int | float):
+            raise TypeError("start must be POSIX seconds or an aware datetime")
+        self._lock = threading.Lock()
+        self._now = float(start)
+        self._listeners: list[Callable[[], None]] = []
+
+    def now(self) -> float:
+        """The current manual time."""
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move forward by *seconds* and notify listeners."""
+        step = _check_step(seconds)
+        with self._lock:
+            self._now += step
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
+        """Call *listener* after every move; returns a function that unsubscribes it."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+
+        return unsubscribe
+
+    def __repr__(self) -> str:
+        when = _dt.datetime.fromtimestamp(self._now, tz=_dt.timezone.utc)
+        return f"ManualClock({when.isoformat()})"

@@ -1,0 +1,786 @@
+"""``MockOrbitServer``: a thin WebSocket shell around :class:`~._state.OrbitState`.
+
+Threads (all joined by :meth:`MockOrbitServer.stop`):
+
+* ``serve_forever`` of :mod:`websockets.sync.server` (accepts connections),
+* one handler thread per connection (websockets'), which reads frames and applies them,
+* one writer thread per connection (ours), which drains a bounded outbox so that a slow
+  consumer never blocks the server: a frame that finds 8 frames already queued disconnects it,
+* one scheduler thread, which runs due work (recovery scans, backoff, rate-limit windows).
+
+One re-entrant lock guards the state machine; every mutation is followed by ``notify_all`` on
+its condition, which is what :meth:`MockOrbitServer.wait_for` waits on.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import datetime as _dt
+import http
+import logging
+import socket
+import ssl
+import threading
+from collections.abc import Callable, Iterable
+from types import TracebackType
+from typing import Any
+
+from websockets.exceptions import ConnectionClosed
+from websockets.http11 import Request, Response
+from websockets.sync.server import Server, ServerConnection, serve
+
+from .._codec import SUBPROTOCOL, ClientFrame, InvalidClientFrame, decode_client_frame, encode_frame
+from .._json import MAX_FRAME_BYTES
+from ..models import TaskState, new_message_id
+from ._clock import Clock, ManualClock, SystemClock
+from ._faults import PUSH_TYPES, Fault, Faults
+from ._snapshots import EventRecord, RetrySafety, SessionSnapshot, TaskSnapshot
+from ._state import (
+    SCOPE_CONNECT,
+    SCOPE_CONSUME,
+    Action,
+    CloseSession,
+    Handled,
+    OrbitState,
+    queue_scope,
+    to_datetime,
+)
+
+__all__ = ["AdminHandler", "MockOrbitServer"]
+
+#: ``admin_handler(server, connection, request)``: answers requests under ``/admin/``.
+AdminHandler = Callable[["MockOrbitServer", ServerConnection, Request], "Response | None"]
+
+CONNECT_PATH = "/v1/worker/connect"
+#: Frames a connection may have waiting to be written; one more disconnects it (PROTOCOL §10).
+OUTBOX_FRAMES = 8
+#: Pushes stop while this many frames wait, keeping room for answers to requests.
+PUSH_ROOM = 4
+#: Inbound frames buffered per connection before websockets stops reading (flow control).
+INBOX_FRAMES = 4
+
+
+class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """websockets logs headers and frame previews at DEBUG: tokens and secrets. Never emit them."""
+
+    def isEnabledFor(self, level: int) -> bool:
+        return level > logging.DEBUG and self.logger.isEnabledFor(level)
+
+    def debug(self, msg: object, *args: object, **kwargs: Any) -> None:
+        return None
+
+
+class _Conn:
+    """One accepted WebSocket: its session binding and its bounded outbox."""
+
+    def __init__(self, server: MockOrbitServer, ws: ServerConnection, token: str) -> None:
+        self.server = server
+        self.ws = ws
+        self.token = token
+        self.session_id: str | None = None
+        self._cv = threading.Condition()
+        # (text, delay) frames, or (code, reason) close markers as ints/str.
+        self._items: collections.deque[tuple[str, float] | tuple[int, str]] = collections.deque()
+        self._frames = 0
+        self.closing = False
+        self._aborted = False
+        self._writer = threading.Thread(
+            target=self._write_loop, name="orbit-mock-writer", daemon=True
+        )
+
+    def start(self) -> None:
+        self._writer.start()
+
+    # ------------------------------------------------------------------ producer side
+
+    def send(self, text: str, delay: float = 0.0) -> bool:
+        """Queue one frame; False when the outbox is full (the caller disconnects)."""
+        with self._cv:
+            if self.closing:
+                return True  # the connection is going away; nothing more is delivered
+            if self._frames >= OUTBOX_FRAMES:
+                return False
+            self._items.append((text, delay))
+            self._frames += 1
+            self._cv.notify()
+            return True
+
+    def push_room(self) -> bool:
+        """May a push be queued now (leaving room for answers)?"""
+        with self._cv:
+            return not self.closing and self._frames < PUSH_ROOM
+
+    def close_after_flush(self, code: int = 1000, reason: str = "") -> None:
+        """Write what is queued, then close with *code*."""
+        with self._cv:
+            if self.closing:
+                return
+            self.closing = True
+            self._items.append((code, reason))
+            self._cv.notify()
+
+    def abort(self) -> None:
+        """Cut the TCP connection now: no close frame, queued frames dropped."""
+        with self._cv:
+            self.closing = True
+            self._aborted = True
+            self._items.clear()
+            self._frames = 0
+            self._cv.notify()
+        # shutdown() (not close()) wakes a writer blocked in sendall and the reader thread,
+        # without taking the websockets mutex a blocked writer may hold (LIBRARY-NOTES).
+        with contextlib.suppress(OSError):
+            self.ws.socket.shutdown(socket.SHUT_RDWR)
+
+    def finish(self) -> None:
+        """Called when the handler ends: flush and close, bounded; then join the writer."""
+        self.close_after_flush()
+        self._writer.join(2.0)
+        if self._writer.is_alive():
+            self.abort()
+            self._writer.join()
+
+    # ------------------------------------------------------------------ writer thread
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._items and not self._aborted:
+                    self._cv.wait()
+                if self._aborted:
+                    return
+                item = self._items.popleft()
+                reopened = False
+                if isinstance(item[0], str):
+                    reopened = self._frames == PUSH_ROOM
+                    self._frames -= 1
+            if isinstance(item[0], int):
+                try:
+                    self.ws.close(item[0], str(item[1]))
+                except Exception:
+                    self.abort()
+                return
+            text, delay = item
+            assert isinstance(text, str) and isinstance(delay, float | int)
+            if delay:
+                with self._cv:
+                    if self._cv.wait_for(lambda: self._aborted, timeout=delay):
+                        return
+            try:
+                self.ws.send(text)
+            except Exception:
+                self.abort()
+                return
+            if reopened and self.session_id is not None:
+                self.server._dispatch()
+
+
+class MockOrbitServer:
+    """A real ``pulse.worker.v1`` server on loopback, for tests (see the package docstring)."""
+
+    def __init__(
+        self,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lease_duration: float = 30.0,
+        session_window: float = 45.0,
+        clock: Clock | None = None,
+        assignment_rate: float | None = 4.0,
+        ssl_context: ssl.SSLContext | None = None,
+        request_rate: float | None = None,
+        max_concurrency: int | None = None,
+        max_connections: int = 128,
+        hello_timeout: float = 5.0,
+        read_idle_timeout: float = 60.0,
+        admin_handler: AdminHandler | None = None,
+    ) -> None:
+        if type(max_connections) is not int or max_connections < 1:
+            raise ValueError("max_connections must be an int >= 1")
+        for name, value in (("hello_timeout", hello_timeout), ("read_idle", read_idle_timeout)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0")
+        self._host = host
+        self._port = port
+        self._ssl = ssl_context
+        self._clock: Clock = SystemClock() if clock is None else clock
+        self._real_time = bool(getattr(self._clock, "real_time", False))
+        self._state = OrbitState(
+            clock=self._clock,
+            lease_duration=lease_duration,
+            session_window=session_window,
+            assignment_rate=assignment_rate,
+            request_rate=request_rate,
+            max_concurrency=max_concurrency,
+        )
+        self._state.push_gate = self._push_gate
+        self._max_connections = max_connections
+        self._hello_timeout = hello_timeout
+        self._read_idle = read_idle_timeout
+        self._admin_handler = admin_handler
+        self._cond = threading.Condition(threading.RLock())
+        self._conns: set[_Conn] = set()
+        self._by_session: dict[str, _Conn] = {}
+        self._handshaking: dict[ServerConnection, str] = {}
+        self.faults = Faults(self._send_raw, self._fault_fired)
+        self.token = self._state.add_token(
+            {SCOPE_CONNECT, SCOPE_CONSUME, queue_scope(self._state.default_queue)}
+        )
+        self._ws: Server | None = None
+        self._threads: list[threading.Thread] = []
+        self._stopping = False
+        self._stopped = False
+        self._unsubscribe: Callable[[], None] | None = None
+        self._url: str | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> MockOrbitServer:
+        """Bind and start serving; returns self."""
+        with self._cond:
+            if self._ws is not None:
+                raise RuntimeError("the server was already started")
+            if self._stopped:
+                raise RuntimeError("a stopped server cannot be restarted")
+            self._ws = serve(
+                self._handle,
+                self._host,
+                self._port,
+                ssl=self._ssl,
+                subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
+                process_request=self._process_request,
+                compression=None,
+                max_size=MAX_FRAME_BYTES,
+                max_queue=INBOX_FRAMES,
+                ping_interval=None,
+                close_timeout=0.5,
+                open_timeout=8.0,
+                server_header=None,
+                logger=_QuietLogger(logging.getLogger("orbit_sync.testing.transport"), {}),
+            )
+            host, port = self._ws.socket.getsockname()[:2]
+            scheme = "wss" if self._ssl is not None else "ws"
+            shown = f"[{host}]" if ":" in host else host
+            self._url = f"{scheme}://{shown}:{port}"
+            if isinstance(self._clock, ManualClock):
+                self._unsubscribe = self._clock.subscribe(self._wake)
+            for target, name in (
+                (self._ws.serve_forever, "orbit-mock-accept"),
+                (self._schedule_loop, "orbit-mock-scheduler"),
+            ):
+                thread = threading.Thread(target=target, name=name, daemon=True)
+                thread.start()
+                self._threads.append(thread)
+        return self
+
+    def stop(self) -> None:
+        """Close every connection and join every thread. Safe to call twice."""
+        with self._cond:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stopping = True
+            ws = self._ws
+            conns = list(self._conns)
+            self._cond.notify_all()
+        if self._unsubscribe is not None:
+            self._unsubscribe()
+        for conn in conns:
+            conn.close_after_flush(1001, "server stopping")
+        if ws is not None:
+            ws.shutdown()
+        for thread in self._threads:
+            thread.join()
+
+    def __enter__(self) -> MockOrbitServer:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"MockOrbitServer(url={self._url!r})"
+
+    # ------------------------------------------------------------------ properties
+
+    @property
+    def url(self) -> str:
+        """``ws://host:port`` (or ``wss://``); workers connect to ``url + /v1/worker/connect``."""
+        if self._url is None:
+            raise RuntimeError("the server is not started")
+        return self._url
+
+    @property
+    def queue_id(self) -> str:
+        """The default queue's id."""
+        return self._state.default_queue
+
+    @property
+    def namespace_id(self) -> str:
+        """The namespace every task of this server belongs to."""
+        return self._state.namespace_id
+
+    @property
+    def clock(self) -> Clock:
+        """The server's clock."""
+        return self._clock
+
+    @property
+    def lease_duration(self) -> float:
+        """The lease window in seconds."""
+        return self._state.lease_us / 1_000_000
+
+    @property
+    def session_window(self) -> float:
+        """The session window in seconds."""
+        return self._state.session_us / 1_000_000
+
+    def now(self) -> _dt.datetime:
+        """Current server time."""
+        return to_datetime(self._state.now_us())
+
+    # ------------------------------------------------------------------ operator API
+
+    def add_token(self, scopes: Iterable[str]) -> str:
+        """A new bearer token with exactly *scopes*."""
+        with self._cond:
+            return self._state.add_token(scopes)
+
+    def revoke_token(self, token: str) -> None:
+        """Invalidate *token*: new upgrades get 401, live sessions ``UNAUTHENTICATED``."""
+        with self._cond:
+            self._state.revoke_token(token)
+
+    @staticmethod
+    def queue_scope(queue_id: str) -> str:
+        """The scope a token needs to consume *queue_id*."""
+        return queue_scope(queue_id)
+
+    def add_queue(self, *, max_concurrency: int | None = None, paused: bool = False) -> str:
+        """Create another queue (the default token has no scope for it); returns its id."""
+        with self._cond:
+            return self._state.add_queue(max_concurrency=max_concurrency, paused=paused)
+
+    def set_max_concurrency(self, max_concurrency: int | None, queue_id: str | None = None) -> None:
+        """Change a queue's concurrency limit."""
+        with self._cond:
+            self._commit(self._state.set_max_concurrency(queue_id, max_concurrency))
+
+    def pause_queue(self, queue_id: str | None = None) -> None:
+        """Pause a queue: no new assignments; ``task.start`` answers ``UNAVAILABLE``."""
+        with self._cond:
+            self._commit(self._state.pause_queue(queue_id))
+
+    def resume_queue(self, queue_id: str | None = None) -> None:
+        """Resume a paused queue."""
+        with self._cond:
+            self._commit(self._state.resume_queue(queue_id))
+
+    def enqueue(
+        self,
+        handler: str,
+        payload: Any,
+        *,
+        handler_version: str = "1",
+        payload_version: str = "1",
+        queue_id: str | None = None,
+        max_attempts: int = 3,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        retry_safety: RetrySafety | str = RetrySafety.RECONCILE_ONLY,
+        deadline: float | _dt.datetime | None = None,
+        latest_start: float | _dt.datetime | None = None,
+        attempt_time_limit: float | None = None,
+    ) -> str:
+        """Create a WAITING task and return its id.
+
+        ``deadline``/``latest_start`` are seconds from now or aware datetimes;
+        ``attempt_time_limit`` is seconds from an attempt's start.
+        """
+        with self._cond:
+            task_id, actions = self._state.enqueue(
+                handler,
+                payload,
+                handler_version=handler_version,
+                payload_version=payload_version,
+                queue_id=queue_id,
+                max_attempts=max_attempts,
+                backoff_initial=backoff_initial,
+                backoff_max=backoff_max,
+                retry_safety=retry_safety,
+                deadline=deadline,
+                latest_start=latest_start,
+                attempt_time_limit=attempt_time_limit,
+            )
+            self._commit(actions)
+            return task_id
+
+    def request_cancel(self, task_id: str) -> None:
+        """Store a cancel request for *task_id* (PROTOCOL §9)."""
+        with self._cond:
+            self._commit(self._state.request_cancel(task_id))
+
+    def task(self, task_id: str) -> TaskSnapshot:
+        """A frozen snapshot of one task (KeyError when unknown)."""
+        with self._cond:
+            return self._state.task_snapshot(task_id)
+
+    def tasks(self) -> tuple[TaskSnapshot, ...]:
+        """Snapshots of every task, in enqueue order."""
+        with self._cond:
+            return self._state.task_snapshots()
+
+    def sessions(self) -> tuple[SessionSnapshot, ...]:
+        """Snapshots of every session ever opened, oldest first."""
+        with self._cond:
+            return self._state.session_snapshots()
+
+    def events(self) -> tuple[EventRecord, ...]:
+        """The event log: every transition, stamped with server time."""
+        with self._cond:
+            return self._state.events()
+
+    def check_invariants(self) -> None:
+        """Raise ``InvariantError`` (an AssertionError) when a global invariant is broken."""
+        with self._cond:
+            self._state.check_invariants()
+
+    def wait_for(
+        self, task_id: str, states: Iterable[TaskState | str], timeout: float = 10.0
+    ) -> TaskSnapshot:
+        """Block until the task is in one of *states*; raise TimeoutError after *timeout*."""
+        wanted = frozenset(TaskState(s) for s in ([states] if isinstance(states, str) else states))
+        if not wanted:
+            raise ValueError("states must name at least one TaskState")
+        snap: TaskSnapshot | None = None
+
+        def reached() -> bool:
+            nonlocal snap
+            snap = self._state.task_snapshot(task_id)
+            return snap.state in wanted
+
+        with self._cond:
+            if not self._cond.wait_for(reached, timeout):
+                assert snap is not None
+                names = ", ".join(sorted(s.value for s in wanted))
+                raise TimeoutError(
+                    f"task {task_id} is {snap.state.value} after {timeout} s, not one of {names}"
+                )
+        assert snap is not None
+        return snap
+
+    def wait_until(
+        self, predicate: Callable[[MockOrbitServer], bool], timeout: float = 10.0
+    ) -> None:
+        """Block until ``predicate(server)`` is true (re-checked after every server change)."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: predicate(self), timeout):
+                raise TimeoutError(f"condition not reached within {timeout} s")
+
+    def advance(self, seconds: float) -> None:
+        """Move server time forward by *seconds*, running every due step at its own moment
+        (lease expiry, recovery scans every 2 s, backoff) before returning."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+            raise ValueError("seconds must be a number >= 0")
+        with self._cond:
+            state = self._state
+            target = state.now_us() + round(seconds * 1_000_000)
+            while True:
+                due = state.next_due()
+                now = state.now_us()
+                if due is None or due > target:
+                    break
+                if due > now:
+                    self._clock.advance((due - now) / 1_000_000)
+                self._commit(state.run_due())
+            now = state.now_us()
+            if target > now:
+                self._clock.advance((target - now) / 1_000_000)
+            self._commit(state.run_due())
+
+    def disconnect(self, session_id: str | None = None) -> int:
+        """Cut one session's connection (or every connection) abruptly; returns how many."""
+        with self._cond:
+            if session_id is None:
+                targets = [c for c in self._conns if not c.closing]
+            else:
+                conn = self._by_session.get(session_id)
+                targets = [conn] if conn is not None and not conn.closing else []
+            for conn in targets:
+                self._state.record("connection.cut", session=conn.session_id)
+                conn.abort()
+            self._cond.notify_all()
+        return len(targets)
+
+    # ------------------------------------------------------------------ internals
+
+    def _commit(self, actions: Iterable[Action]) -> None:
+        """Deliver actions in order and wake every waiter. Caller holds the lock."""
+        for action in actions:
+            conn = self._by_session.get(action.session_id)
+            if conn is None or conn.closing:
+                continue
+            if isinstance(action, CloseSession):
+                conn.close_after_flush(1008, action.reason)
+                continue
+            text = encode_frame(
+                action.type,
+                new_message_id(),
+                session_id=action.session_id,
+                body=action.body,
+                error=action.error,
+            )
+            self._queue(conn, text)
+            if action.type in PUSH_TYPES and self.faults.take(
+                "duplicate_push", action.type, action.session_id
+            ):
+                self._queue(conn, text)
+        self._cond.notify_all()
+
+    def _queue(self, conn: _Conn, text: str, delay: float = 0.0) -> None:
+        if not conn.send(text, delay):
+            self._state.record("connection.slow_consumer", session=conn.session_id)
+            conn.abort()
+
+    def _push_gate(self, session_id: str) -> bool:
+        conn = self._by_session.get(session_id)
+        return conn is not None and conn.push_room()
+
+    def _dispatch(self) -> None:
+        with self._cond:
+            if not self._stopping:
+                self._commit(self._state.run_due())
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def _fault_fired(self, fault: Fault, session_id: str | None) -> None:
+        with self._cond:
+            self._state.record(
+                "fault.fired", session=session_id, detail=f"{fault.kind} {fault.frame_type or ''}"
+            )
+
+    def _send_raw(self, text: str, session_id: str | None) -> None:
+        with self._cond:
+            if session_id is None:
+                targets = [c for c in self._by_session.values() if not c.closing]
+            else:
+                conn = self._by_session.get(session_id)
+                targets = [conn] if conn is not None and not conn.closing else []
+            if not targets:
+                raise LookupError("no connected session to send to")
+            for conn in targets:
+                self._queue(conn, text)
+
+    def _schedule_loop(self) -> None:
+        with self._cond:
+            while not self._stopping:
+                due = self._state.next_due()
+                now = self._state.now_us()
+                if due is not None and due <= now:
+                    self._commit(self._state.run_due())
+                    continue
+                timeout = None
+                if self._real_time and due is not None:
+                    timeout = (due - now) / 1_000_000
+                self._cond.wait(timeout)
+
+    # ------------------------------------------------------------------ HTTP upgrade
+
+    def _process_request(self, ws: ServerConnection, request: Request) -> Response | None:
+        path = request.path
+        if path.startswith("/admin/"):
+            if self._admin_handler is not None:
+                response = self._admin_handler(self, ws, request)
+                if response is not None:
+                    return response
+            return ws.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+        fault = self.faults.take("refuse_connections", None, None)
+        if fault is not None:
+            return ws.respond(fault.status, "refused by an injected fault\n")
+        if path != CONNECT_PATH:
+            if path.split("?", 1)[0] == CONNECT_PATH:
+                # Credentials never travel in the URL, so no query is accepted at all.
+                return ws.respond(http.HTTPStatus.BAD_REQUEST, "query parameters are not allowed\n")
+            return ws.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+        token = _bearer(request)
+        with self._cond:
+            scopes = None if token is None else self._state.token_scopes(token)
+            if scopes is None:
+                self._state.record("connection.refused", detail="401")
+                response = ws.respond(http.HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
+                response.headers["WWW-Authenticate"] = "Bearer"
+                return response
+            if SCOPE_CONNECT not in scopes:
+                self._state.record("connection.refused", detail="403")
+                return ws.respond(http.HTTPStatus.FORBIDDEN, "Forbidden\n")
+            offered = [
+                p.strip()
+                for value in request.headers.get_all("Sec-WebSocket-Protocol")
+                for p in value.split(",")
+            ]
+            if SUBPROTOCOL not in offered:
+                return ws.respond(
+                    http.HTTPStatus.BAD_REQUEST, f"subprotocol {SUBPROTOCOL} is required\n"
+                )
+            # Handshakes that never reached the handler must not hold a connection slot.
+            for pending in [p for p in self._handshaking if p.state.name == "CLOSED"]:
+                del self._handshaking[pending]
+            if len(self._conns) + len(self._handshaking) >= self._max_connections:
+                self._state.record("connection.refused", detail="503 connection limit")
+                return ws.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
+            assert token is not None
+            self._handshaking[ws] = token
+        return None
+
+    # ------------------------------------------------------------------ one connection
+
+    def _handle(self, ws: ServerConnection) -> None:
+        with self._cond:
+            token = self._handshaking.pop(ws, "")
+            conn = _Conn(self, ws, token)
+            if self._stopping:
+                return
+            self._conns.add(conn)
+        conn.start()
+        try:
+            self._serve(conn)
+        finally:
+            conn.finish()
+            with self._cond:
+                self._conns.discard(conn)
+                sid = conn.session_id
+                if sid is not None and self._by_session.get(sid) is conn:
+                    del self._by_session[sid]
+                    self._commit(self._state.connection_lost(sid))
+                self._cond.notify_all()
+
+    def _serve(self, conn: _Conn) -> None:
+        timeout = self._hello_timeout
+        while not conn.closing:
+            try:
+                raw = conn.ws.recv(timeout=timeout)
+            except TimeoutError:
+                with self._cond:
+                    kind = "hello_timeout" if conn.session_id is None else "read_idle"
+                    self._state.record(f"connection.{kind}", session=conn.session_id)
+                conn.close_after_flush(1008, kind.replace("_", " "))
+                return
+            except ConnectionClosed:
+                return
+            if not self._on_frame(conn, raw):
+                return
+            timeout = self._read_idle
+
+    def _on_frame(self, conn: _Conn, raw: str | bytes) -> bool:
+        """Apply one frame; False when the connection must stop reading."""
+        if isinstance(raw, bytes):
+            self._invalid(conn, None, "binary frames are not allowed")
+            return False
+        try:
+            frame = decode_client_frame(raw)
+        except InvalidClientFrame as exc:
+            self._invalid(conn, exc.message_id, str(exc))
+            return False
+        with self._cond:
+            if conn.closing:
+                return False
+            sid = conn.session_id
+            if sid is None and frame.type != "worker.hello":
+                self._invalid(conn, frame.message_id, "the first frame must be worker.hello")
+                return False
+            if self.faults.take("close_before", frame.type, sid):
+                conn.abort()
+                return False
+            fault = self.faults.take("reply_error", frame.type, sid)
+            if fault is not None:
+                self._answer(conn, frame, "error", None, (fault.code, "injected fault"), sid)
+                return True
+            if sid is None:
+                handled = self._state.hello(conn.token, frame)
+                if handled.session_id is not None:
+                    conn.session_id = handled.session_id
+                    self._by_session[handled.session_id] = conn
+            else:
+                handled = self._state.handle(sid, frame)
+            self._respond(conn, frame, handled)
+            return not (handled.answer.close or conn.closing)
+
+    def _respond(self, conn: _Conn, frame: ClientFrame, handled: Handled) -> None:
+        sid = handled.session_id
+        answer = handled.answer
+        if self.faults.take("close_after", frame.type, sid):
+            conn.abort()
+            self._commit(handled.actions)
+            return
+        dropped = self.faults.take("drop_reply", frame.type, sid) is not None
+        delay = self.faults.take("delay_reply", frame.type, sid)
+        if not dropped:
+            self._answer(
+                conn,
+                frame,
+                answer.type,
+                answer.body,
+                answer.error,
+                sid,
+                delay.seconds if delay is not None else 0.0,
+            )
+        self._commit(handled.actions)
+        if answer.close:
+            conn.close_after_flush(1008, answer.error[0] if answer.error else "")
+
+    def _answer(
+        self,
+        conn: _Conn,
+        frame: ClientFrame,
+        kind: str,
+        body: dict[str, Any] | None,
+        error: tuple[str, str] | None,
+        session_id: str | None,
+        delay: float = 0.0,
+    ) -> None:
+        text = encode_frame(
+            kind,
+            new_message_id(),
+            session_id=session_id,
+            body=body,
+            reply_to=frame.message_id,
+            error=error,
+        )
+        if not conn.send(text, delay):
+            self._state.record("connection.slow_consumer", session=session_id)
+            conn.abort()
+
+    def _invalid(self, conn: _Conn, message_id: str | None, reason: str) -> None:
+        # Answer INVALID_FRAME (with reply_to when the id was readable), then close (§11).
+        with self._cond:
+            self._state.record("frame.invalid", session=conn.session_id, detail=reason[:200])
+            text = encode_frame(
+                "error",
+                new_message_id(),
+                session_id=conn.session_id,
+                reply_to=message_id,
+                error=("INVALID_FRAME", "the frame is not a valid pulse.worker.v1 request"),
+            )
+            if conn.send(text):
+                conn.close_after_flush(1008, "invalid frame")
+            else:
+                conn.abort()
+
+
+def _bearer(request: Request) -> str | None:
+    values = request.headers.get_all("Authorization")
+    if len(values) != 1:
+        return None
+    scheme, _, token = values[0].partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        return None
+    return token
