@@ -5,6 +5,7 @@ dicts, with no validation of its own (so tests can also send broken frames)."""
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import time
 from typing import Any
@@ -12,7 +13,9 @@ from typing import Any
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import ClientConnection, connect
 
+from orbit_sync import _codec
 from orbit_sync._codec import SUBPROTOCOL, unstructure
+from orbit_sync.errors import WorkerError, WorkerProtocolError
 from orbit_sync.models import (
     AttemptRef,
     Capability,
@@ -44,6 +47,7 @@ class RawClient:
         capacity: int = 4,
         notifications: bool = False,
         subprotocols: list[str] | None = None,
+        strict: bool = True,
     ) -> None:
         self.server = server
         self.token = server.token if token is None else token
@@ -60,6 +64,9 @@ class RawClient:
         self.session_id: str | None = None
         self.epoch: int | None = None
         self.pushes: collections.deque[dict[str, Any]] = collections.deque()
+        #: Check every server frame with the SDK's own client-side decoder (conformance).
+        self.strict = strict
+        self._pending: dict[str, str] = {}
 
     # ------------------------------------------------------------------ transport
 
@@ -92,7 +99,25 @@ class RawClient:
         except ConnectionClosed as exc:
             raise Closed(str(exc)) from None
         value: dict[str, Any] = json.loads(raw)
+        if self.strict:
+            self._check(raw, value)
         return value
+
+    def _check(self, raw: str | bytes, frame: dict[str, Any]) -> None:
+        reply_to = frame.get("reply_to")
+        kind = self._pending.get(reply_to) if isinstance(reply_to, str) else None
+        try:
+            if kind == "worker.hello":
+                with contextlib.suppress(WorkerError):
+                    _codec.decode_welcome(raw, reply_to)  # type: ignore[arg-type]
+            else:
+                assert self.session_id is not None and self.epoch is not None
+                ctx = _codec.SessionContext(self.session_id, self.epoch, self.registration)
+                _codec.decode_server_frame(raw, ctx, self._pending.get)
+        except WorkerProtocolError as exc:
+            raise AssertionError(f"server frame breaks the protocol: {exc}") from None
+        if isinstance(reply_to, str):
+            self._pending.pop(reply_to, None)
 
     def wait_closed(self, timeout: float = 5.0) -> None:
         """Read until the server closes; frames read meanwhile are kept as pushes."""
@@ -119,6 +144,7 @@ class RawClient:
         if sid is not None:
             frame["session_id"] = sid
         frame["body"] = body if isinstance(body, dict) else unstructure(body)
+        self._pending[mid] = kind
         self.send_text(json.dumps(frame))
         return mid
 
@@ -142,7 +168,9 @@ class RawClient:
             self.epoch = int(frame["body"]["epoch"])
         return frame
 
-    def capacity(self, sequence: int, capacity: int, drain: bool = False, **kw: Any) -> dict[str, Any]:
+    def capacity(
+        self, sequence: int, capacity: int, drain: bool = False, **kw: Any
+    ) -> dict[str, Any]:
         return self.request("worker.capacity", CapacityReport(sequence, capacity, drain), **kw)
 
     def open(self, capacity: int | None = None, sequence: int = 1) -> RawClient:

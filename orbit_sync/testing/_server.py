@@ -85,6 +85,7 @@ class _Conn:
         self._frames = 0
         self.closing = False
         self._aborted = False
+        self._want_kick = False
         self._writer = threading.Thread(
             target=self._write_loop, name="orbit-mock-writer", daemon=True
         )
@@ -106,10 +107,14 @@ class _Conn:
             self._cv.notify()
             return True
 
-    def push_room(self) -> bool:
-        """May a push be queued now (leaving room for answers)?"""
+    def push_room(self, emitted: int = 0) -> bool:
+        """May a push be queued now, *emitted* more being on their way (room for answers)?"""
         with self._cv:
-            return not self.closing and self._frames < PUSH_ROOM
+            room = not self.closing and self._frames + emitted < PUSH_ROOM
+            if not room:
+                # Ask the writer to kick dispatch once it has drained below the mark.
+                self._want_kick = True
+            return room
 
     def close_after_flush(self, code: int = 1000, reason: str = "") -> None:
         """Write what is queued, then close with *code*."""
@@ -151,9 +156,7 @@ class _Conn:
                 if self._aborted:
                     return
                 item = self._items.popleft()
-                reopened = False
                 if isinstance(item[0], str):
-                    reopened = self._frames == PUSH_ROOM
                     self._frames -= 1
             if isinstance(item[0], int):
                 try:
@@ -172,7 +175,11 @@ class _Conn:
             except Exception:
                 self.abort()
                 return
-            if reopened and self.session_id is not None:
+            with self._cv:
+                kick = self._want_kick and self._frames < PUSH_ROOM and not self.closing
+                if kick:
+                    self._want_kick = False
+            if kick:
                 self.server._dispatch()
 
 
@@ -486,23 +493,8 @@ class MockOrbitServer:
     def advance(self, seconds: float) -> None:
         """Move server time forward by *seconds*, running every due step at its own moment
         (lease expiry, recovery scans every 2 s, backoff) before returning."""
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
-            raise ValueError("seconds must be a number >= 0")
         with self._cond:
-            state = self._state
-            target = state.now_us() + round(seconds * 1_000_000)
-            while True:
-                due = state.next_due()
-                now = state.now_us()
-                if due is None or due > target:
-                    break
-                if due > now:
-                    self._clock.advance((due - now) / 1_000_000)
-                self._commit(state.run_due())
-            now = state.now_us()
-            if target > now:
-                self._clock.advance((target - now) / 1_000_000)
-            self._commit(state.run_due())
+            self._state.advance(seconds, self._commit)
 
     def disconnect(self, session_id: str | None = None) -> int:
         """Cut one session's connection (or every connection) abruptly; returns how many."""
@@ -548,9 +540,9 @@ class MockOrbitServer:
             self._state.record("connection.slow_consumer", session=conn.session_id)
             conn.abort()
 
-    def _push_gate(self, session_id: str) -> bool:
+    def _push_gate(self, session_id: str, emitted: int) -> bool:
         conn = self._by_session.get(session_id)
-        return conn is not None and conn.push_room()
+        return conn is not None and conn.push_room(emitted)
 
     def _dispatch(self) -> None:
         with self._cond:

@@ -402,8 +402,9 @@ class OrbitState:
         self._assigned_at: collections.deque[int] = collections.deque()
         self._seq = 0
         self._next_scan = self.now_us() + SCAN_INTERVAL_US
-        #: The shell's answer to "may I push to this session now?" (room in its outbox).
-        self.push_gate: Callable[[str], bool] = lambda _sid: True
+        #: The shell's answer to "may I push to this session now, *n* pushes already emitted
+        #: by this dispatch round?" (room left in its outbox).
+        self.push_gate: Callable[[str, int], bool] = lambda _sid, _n: True
         self.default_queue = self.add_queue(max_concurrency=max_concurrency)
 
     # ------------------------------------------------------------------ time
@@ -1175,7 +1176,7 @@ class OrbitState:
                 or session.expires_at <= now
             ):
                 continue
-            if self._free(inst, session) <= 0 or not self.push_gate(sid):
+            if self._free(inst, session) <= 0 or not self.push_gate(sid, 0):
                 continue
             out.append(session)
         return out
@@ -1201,6 +1202,7 @@ class OrbitState:
         ]
         ready.sort(key=lambda t: (t.next_run_at or 0, t.seq))
         actions: list[Action] = []
+        emitted: collections.Counter[str] = collections.Counter()
         for task in ready:
             if not sessions or not self._rate_ok(now):
                 break
@@ -1213,8 +1215,11 @@ class OrbitState:
             if session is None:
                 continue
             actions.append(self._assign(task, session, now))
+            emitted[session.session_id] += 1
             inst = self._instances[session.instance_id]
-            if self._free(inst, session) <= 0 or not self.push_gate(session.session_id):
+            if self._free(inst, session) <= 0 or not self.push_gate(
+                session.session_id, emitted[session.session_id]
+            ):
                 sessions.remove(session)
         return actions
 
@@ -1310,6 +1315,40 @@ class OrbitState:
         ):
             due = min(due, self._assigned_at[0] + self._rate_window_us)
         return due
+
+    def advance(
+        self, seconds: float, commit: Callable[[list[Action]], None] | None = None
+    ) -> list[Action]:
+        """Move the clock forward by *seconds*, running every due step at its own moment.
+
+        With *commit*, each step's actions are handed over as soon as the step ran (so the
+        shell's outbox gates see them) and the returned list is empty.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+            raise ValueError("seconds must be a number >= 0")
+        if not math.isfinite(seconds):
+            raise ValueError("seconds must be finite")
+        target = self.now_us() + round(seconds * _US)
+        actions: list[Action] = []
+        while True:
+            due = self.next_due()
+            now = self.now_us()
+            if due is None or due > target:
+                break
+            if due > now:
+                self._clock.advance((due - now) / _US)
+            actions.extend(self.run_due())
+            if commit is not None:
+                commit(actions)
+                actions = []
+        now = self.now_us()
+        if target > now:
+            self._clock.advance((target - now) / _US)
+        actions.extend(self.run_due())
+        if commit is not None:
+            commit(actions)
+            actions = []
+        return actions
 
     def run_due(self) -> list[Action]:
         """Run the recovery scans that are due, then dispatch (PROTOCOL §8)."""
