@@ -223,17 +223,19 @@ class Peer:
         return value
 
     def send(self, value: Mapping[str, Any] | str | bytes) -> None:
-        """Send a text frame: a dict is serialized, str/bytes go as they are."""
-        if isinstance(value, Mapping):
-            self.conn.send(json.dumps(value))
-        elif isinstance(value, bytes):
-            self.conn.send(value, text=True)
-        else:
-            self.conn.send(value)
+        """Send a text frame: a dict is serialized, str/bytes go as they are.
+
+        A client that already closed is not an error here: refusing what it is sent is often the
+        behaviour under test, and the test asserts it on the client side.
+        """
+        text = json.dumps(value) if isinstance(value, Mapping) else value
+        with contextlib.suppress(ConnectionClosed):
+            self.conn.send(text, text=True)
 
     def send_raw(self, data: bytes) -> None:
         """Write raw bytes on the socket, bypassing the WebSocket layer."""
-        self.conn.socket.sendall(data)
+        with contextlib.suppress(OSError):
+            self.conn.socket.sendall(data)
 
     def welcome(self, hello: Mapping[str, Any], **body: Any) -> None:
         """Answer *hello* with a valid welcome (body fields overridable)."""
@@ -416,3 +418,141 @@ def iter_vectors(section: str) -> Iterator[dict[str, Any]]:
 
     data = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
     yield from data[section]
+
+
+# ----------------------------------------------------------------------------- client side
+
+TOKEN = "test-token-0123456789abcdef"  # a value the secret-scanning tests search for
+INSTANCE_SECRET = "S" * 42 + "A"
+
+
+def registration(**overrides: Any) -> Any:
+    """A Registration for the scripted server's queue and the ``resize``/1/1 capability."""
+    from orbit_sync.models import Capability, Registration
+
+    values: dict[str, Any] = {
+        "queue_id": QUEUE_ID,
+        "capabilities": [Capability("resize", "1", "1")],
+        "capacity": 4,
+        "instance_secret": INSTANCE_SECRET,
+    }
+    values.update(overrides)
+    return Registration(**values)
+
+
+def open_pair(
+    server: ScriptedServer,
+    reg: Any = None,
+    *,
+    welcome: Mapping[str, Any] | None = None,
+    ssl_context: ssl.SSLContext | None = None,
+    **dial: Any,
+) -> tuple[Any, Peer]:
+    """Dial *server* with the orbit-sync client while a thread answers the hello; return both."""
+    from orbit_sync.client import Client
+
+    peers: queue.Queue[Peer] = queue.Queue()
+
+    def serve() -> None:
+        peer = server.accept()
+        peer.handshake(**(welcome or {}))
+        peers.put(peer)
+
+    thread = threading.Thread(target=serve, name="scripted-handshake", daemon=True)
+    thread.start()
+    client = Client(server.url, TOKEN, ssl_context=ssl_context)
+    conn = client.dial_worker(reg if reg is not None else registration(), **dial)
+    thread.join(WAIT)
+    return conn, peers.get(timeout=WAIT)
+
+
+def orbit_threads() -> list[str]:
+    """Names of the orbit-sync threads alive now."""
+    return [t.name for t in threading.enumerate() if t.name.startswith("orbit-sync-")]
+
+
+class StallingServer:
+    """Completes the upgrade and the hello/welcome by hand, then never reads again.
+
+    Its receive buffer is tiny, so a client writing to it soon blocks inside ``send``: the case
+    where only an outside deadline can release the writer.
+    """
+
+    def __init__(self) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self._sock.bind(("127.0.0.1", 0))
+        self._sock.listen()
+        self.url = f"ws://127.0.0.1:{self._sock.getsockname()[1]}"
+        self.stalled = threading.Event()
+        self._conns: list[socket.socket] = []
+        self._thread = threading.Thread(target=self._serve, name="stalling-server", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        import base64
+        import hashlib
+
+        try:
+            conn, _ = self._sock.accept()
+        except OSError:
+            return
+        self._conns.append(conn)
+        conn.settimeout(WAIT)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += conn.recv(4096)
+        head, _, rest = data.partition(b"\r\n\r\n")
+        key = next(
+            line.split(b":", 1)[1].strip()
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"sec-websocket-key:")
+        )
+        accept = base64.b64encode(
+            hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest()
+        )
+        conn.sendall(
+            b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+            b"Sec-WebSocket-Accept: " + accept + b"\r\n"
+            b"Sec-WebSocket-Protocol: " + SUBPROTOCOL.encode() + b"\r\n\r\n"
+        )
+        hello = self._read_client_frame(conn, rest)
+        reply = frame("worker.welcome", reply_to=hello["message_id"], body=welcome_body())
+        conn.sendall(raw_frame(0x1, json.dumps(reply).encode()))
+        self.stalled.set()
+
+    @staticmethod
+    def _read_client_frame(conn: socket.socket, data: bytes) -> dict[str, Any]:
+        def need(n: int) -> bytes:
+            nonlocal data
+            while len(data) < n:
+                data += conn.recv(65536)
+            chunk, data = data[:n], data[n:]
+            return chunk
+
+        _, second = need(2)
+        size = second & 0x7F
+        if size == 126:
+            size = struct.unpack("!H", need(2))[0]
+        elif size == 127:
+            size = struct.unpack("!Q", need(8))[0]
+        mask = need(4)
+        payload = bytes(b ^ mask[i % 4] for i, b in enumerate(need(size)))
+        value = json.loads(payload)
+        assert isinstance(value, dict)
+        return value
+
+    def close(self) -> None:
+        """Close the listener and the stalled connection."""
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+        self._sock.close()
+        self._thread.join(WAIT)
+        for conn in self._conns:
+            conn.close()
+
+    def __enter__(self) -> StallingServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

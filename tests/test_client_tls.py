@@ -1,0 +1,130 @@
+"""wss:// with trustme certificates: verification always on, and concurrent calls over TLS."""
+
+from __future__ import annotations
+
+import ssl
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import trustme
+from _scripted import (
+    LEASE_SECRET,
+    TOKEN,
+    WAIT,
+    ScriptedServer,
+    assignment_body,
+    command_body,
+    open_pair,
+    orbit_threads,
+    registration,
+)
+
+from orbit_sync.client import Client
+from orbit_sync.errors import WorkerDisconnected
+from orbit_sync.models import AttemptRef, CommandResult
+
+REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    """A throwaway certificate authority."""
+    return trustme.CA()
+
+
+def _server_context(ca: trustme.CA, *names: str) -> ssl.SSLContext:
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(*names).configure_cert(context)
+    return context
+
+
+@pytest.fixture
+def trusting(ca: trustme.CA) -> ssl.SSLContext:
+    """A client context that trusts the throwaway CA (and verifies host names)."""
+    context = ssl.create_default_context()
+    ca.configure_trust(context)
+    return context
+
+
+@pytest.fixture
+def tls_server(ca: trustme.CA) -> Iterator[ScriptedServer]:
+    """A scripted wss:// server with a certificate for localhost."""
+    with ScriptedServer(ssl_context=_server_context(ca, "localhost")) as server:
+        yield server
+
+
+def test_wss_dial_and_call(tls_server: ScriptedServer, trusting: ssl.SSLContext) -> None:
+    """A wss:// dial with a trusting context works end to end."""
+    assert tls_server.url.startswith("wss://localhost:")
+    conn, peer = open_pair(tls_server, ssl_context=trusting)
+    try:
+        out: dict[str, Any] = {}
+        thread = threading.Thread(target=lambda: out.update(r=conn.start(REF)), daemon=True)
+        thread.start()
+        peer.ack(peer.recv(), command_body("start"))
+        thread.join(WAIT)
+        assert isinstance(out["r"], CommandResult)
+    finally:
+        conn.close()
+    assert orbit_threads() == []
+
+
+def test_untrusted_certificate_is_refused(tls_server: ScriptedServer) -> None:
+    """The default context (system CAs only) refuses the throwaway CA's certificate."""
+    with pytest.raises(WorkerDisconnected) as caught:
+        Client(tls_server.url, TOKEN).dial_worker(registration(), timeout=WAIT)
+    assert "certificate" in str(caught.value)
+    assert tls_server.requests == []
+
+
+def test_host_name_mismatch_is_refused(ca: trustme.CA, trusting: ssl.SSLContext) -> None:
+    """A trusted certificate for another host name is refused before the upgrade is sent."""
+    with ScriptedServer(ssl_context=_server_context(ca, "orbit.example")) as server:
+        with pytest.raises(WorkerDisconnected) as caught:
+            Client(server.url, TOKEN, ssl_context=trusting).dial_worker(registration())
+        assert "certificate" in str(caught.value)
+        assert server.requests == []
+
+
+def test_concurrent_calls_and_pushes_over_tls(
+    tls_server: ScriptedServer, trusting: ssl.SSLContext
+) -> None:
+    """Eight threads calling while the reader reads pushes: every answer arrives intact."""
+    threads_n, calls_n = 8, 25
+    conn, peer = open_pair(tls_server, ssl_context=trusting)
+
+    def serve() -> None:
+        for i in range(threads_n * calls_n):
+            peer.ack(peer.recv(), command_body("renew"))
+            if i % 40 == 0:
+                peer.push("task.assign", assignment_body(attempt_id=f"{i + 1:032x}"))
+
+    results: list[Any] = []
+    lock = threading.Lock()
+
+    def work() -> None:
+        for _ in range(calls_n):
+            try:
+                value: Any = conn.renew(REF, timeout=WAIT)
+            except BaseException as exc:
+                value = exc
+            with lock:
+                results.append(value)
+
+    server_thread = threading.Thread(target=serve, daemon=True)
+    server_thread.start()
+    workers = [threading.Thread(target=work, daemon=True) for _ in range(threads_n)]
+    try:
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join(30)
+        server_thread.join(WAIT)
+        assert len(results) == threads_n * calls_n
+        assert all(isinstance(r, CommandResult) for r in results), {type(r) for r in results}
+        assert [conn.next_assignment(timeout=WAIT).attempt_id for _ in range(5)]
+        assert conn.err is None
+    finally:
+        conn.close()

@@ -1,0 +1,211 @@
+"""Server pushes: task.assign (bounded queue, backpressure) and task.cancel (callback or queue)."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any
+
+import pytest
+from _scripted import (
+    WAIT,
+    ScriptedServer,
+    assignment_body,
+    cancel_body,
+    open_pair,
+    registration,
+    welcome_body,
+)
+
+from orbit_sync.connection import ASSIGNMENT_BUFFER
+from orbit_sync.errors import (
+    OrbitError,
+    WorkerBackpressure,
+    WorkerClosed,
+    WorkerProtocolError,
+)
+from orbit_sync.models import Assignment, CancelNotice, CapacityReport, Welcome
+
+
+def _roundtrip(conn: Any, peer: Any) -> None:
+    """A capacity call answered by the peer: every frame pushed before it has been read."""
+    out: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: out.update(result=conn.capacity(CapacityReport(1, 1))), daemon=True
+    )
+    thread.start()
+    peer.ack(peer.recv(), welcome_body())
+    thread.join(WAIT)
+    assert isinstance(out.get("result"), Welcome)
+
+
+def test_assignments_arrive_in_order() -> None:
+    """Pushed assignments come out of next_assignment in order, as validated models."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            ids = [f"{i:032x}" for i in range(1, 4)]
+            for attempt_id in ids:
+                peer.push("task.assign", assignment_body(attempt_id=attempt_id))
+            got = [conn.next_assignment(timeout=WAIT) for _ in ids]
+            assert [a.attempt_id for a in got] == ids
+            assert all(isinstance(a, Assignment) for a in got)
+            assert got[0].attempt.attempt_id == ids[0]
+        finally:
+            conn.close()
+
+
+def test_next_assignment_times_out_with_builtin_timeout_and_stays_open() -> None:
+    """No assignment in time raises the built-in TimeoutError; the connection stays usable."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            with pytest.raises(TimeoutError) as caught:
+                conn.next_assignment(timeout=0.05)
+            assert not isinstance(caught.value, OrbitError)
+            with pytest.raises(TimeoutError):
+                conn.next_assignment(timeout=0)
+            assert conn.err is None
+            peer.push("task.assign", assignment_body())
+            assert conn.next_assignment(timeout=WAIT).attempt_id == "2" * 32
+        finally:
+            conn.close()
+
+
+def test_ninth_unread_assignment_closes_with_backpressure() -> None:
+    """Eight unread assignments are held; the ninth closes the connection (the reader never
+    blocks), and next_assignment then raises WorkerBackpressure."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            for i in range(ASSIGNMENT_BUFFER):
+                peer.push("task.assign", assignment_body(attempt_id=f"{i + 1:032x}"))
+            _roundtrip(conn, peer)
+            assert conn.err is None
+            peer.push("task.assign", assignment_body(attempt_id="f" * 32))
+            assert conn.done.wait(WAIT)
+            assert isinstance(conn.err, WorkerBackpressure)
+            with pytest.raises(WorkerBackpressure):
+                conn.next_assignment(timeout=0)
+            assert peer.wait_closed()
+        finally:
+            conn.close()
+
+
+def test_blocked_next_assignment_is_released_by_failure() -> None:
+    """Threads waiting in next_assignment(None) are all released when the connection ends."""
+    with ScriptedServer() as server:
+        conn, _peer = open_pair(server)
+        errors: queue.Queue[BaseException] = queue.Queue()
+
+        def wait() -> None:
+            try:
+                conn.next_assignment()
+            except BaseException as exc:
+                errors.put(exc)
+
+        threads = [threading.Thread(target=wait, daemon=True) for _ in range(3)]
+        for thread in threads:
+            thread.start()
+        conn.close()
+        for thread in threads:
+            thread.join(WAIT)
+        assert [type(errors.get(timeout=WAIT)) for _ in threads] == [WorkerClosed] * 3
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param(assignment_body(queue_id="b" * 32), id="other-queue"),
+        pytest.param(assignment_body(handler="thumbnail"), id="unregistered-capability"),
+        pytest.param(assignment_body(state="RUNNING"), id="not-leased"),
+    ],
+)
+def test_invalid_assignment_closes_with_protocol_error(body: dict[str, Any]) -> None:
+    """An assignment that fails the Go client's checks closes the connection."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            peer.push("task.assign", body)
+            assert conn.done.wait(WAIT)
+            assert isinstance(conn.err, WorkerProtocolError)
+            with pytest.raises(WorkerProtocolError):
+                conn.next_assignment(timeout=0)
+        finally:
+            conn.close()
+
+
+def test_cancel_push_is_a_protocol_error_unless_requested() -> None:
+    """task.cancel to a session that did not ask for notifications closes the connection."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            peer.push("task.cancel", cancel_body())
+            assert conn.done.wait(WAIT)
+            assert isinstance(conn.err, WorkerProtocolError)
+        finally:
+            conn.close()
+
+
+def test_cancel_notices_queue_without_a_callback() -> None:
+    """With notifications on and no callback, notices come out of next_cancel."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server, registration(cancellation_notifications=True))
+        try:
+            with pytest.raises(TimeoutError):
+                conn.next_cancel(timeout=0.05)
+            peer.push("task.cancel", cancel_body(attempt_id="c" * 32))
+            notice = conn.next_cancel(timeout=WAIT)
+            assert isinstance(notice, CancelNotice) and notice.attempt_id == "c" * 32
+            assert conn.err is None
+        finally:
+            conn.close()
+
+
+def test_on_cancel_runs_on_the_reader_and_survives_exceptions(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """on_cancel gets each notice on the reader thread; an exception it raises is only logged."""
+    seen: queue.Queue[tuple[str, str]] = queue.Queue()
+
+    def on_cancel(notice: CancelNotice) -> None:
+        seen.put((threading.current_thread().name, notice.attempt_id))
+        if notice.attempt_id == "d" * 32:
+            raise RuntimeError("handler bookkeeping failed")
+
+    caplog.set_level(logging.ERROR, logger="orbit_sync")
+    with ScriptedServer() as server:
+        conn, peer = open_pair(
+            server, registration(cancellation_notifications=True), on_cancel=on_cancel
+        )
+        try:
+            peer.push("task.cancel", cancel_body(attempt_id="d" * 32))
+            peer.push("task.cancel", cancel_body(attempt_id="e" * 32))
+            first, second = seen.get(timeout=WAIT), seen.get(timeout=WAIT)
+            assert first[0].startswith("orbit-sync-reader-")
+            assert [first[1], second[1]] == ["d" * 32, "e" * 32]
+            assert conn.err is None
+            assert "on_cancel callback raised" in caplog.text
+            with pytest.raises(RuntimeError):
+                conn.next_cancel(timeout=0)
+        finally:
+            conn.close()
+
+
+def test_on_cancel_may_close_the_connection() -> None:
+    """Closing the connection from inside on_cancel does not deadlock the reader."""
+    holder: dict[str, Any] = {}
+
+    def on_cancel(notice: CancelNotice) -> None:
+        holder["conn"].close()
+
+    with ScriptedServer() as server:
+        conn, peer = open_pair(
+            server, registration(cancellation_notifications=True), on_cancel=on_cancel
+        )
+        holder["conn"] = conn
+        peer.push("task.cancel", cancel_body())
+        assert conn.done.wait(WAIT)
+        assert isinstance(conn.err, WorkerClosed)
+        conn.close()
