@@ -23,6 +23,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -66,6 +67,8 @@ _LOG = logging.getLogger("orbit_sync.worker")
 _POLL = 0.25
 #: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
 _BUSY_DELAY = 0.05
+#: How long shutdown waits for the drain report to be acknowledged before going on without it.
+_DRAIN_REPORT_WAIT = 1.0
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
 _SEEN_LIMIT = 65_536
 
@@ -145,6 +148,8 @@ class Worker:
         renew_retry_delay: float = 1.0,
         cancellation_notifications: bool = True,
         dial_timeout: float = 8.0,
+        call_timeout: float = 10.0,
+        max_in_flight: int = 4,
         handle_signals: bool = True,
         logger: logging.Logger | None = None,
     ) -> None:
@@ -159,7 +164,15 @@ class Worker:
         self._cancel_grace = _check_seconds("cancel_grace", cancel_grace)
         self._flush_timeout = _check_seconds("flush_timeout", flush_timeout)
         self._dial_timeout = _check_seconds("dial_timeout", dial_timeout, positive=True)
+        # Past this a request's connection is closed and the operation re-sent on the next one.
+        self._call_timeout = min(10.0, _check_seconds("call_timeout", call_timeout, positive=True))
         self._backoff = reconnect_backoff or Backoff()
+        if type(max_in_flight) is not int or not 1 <= max_in_flight <= 32:
+            raise ValueError("max_in_flight must be an int between 1 and 32")
+        # The server queues at most 8 outbound frames per connection and drops a consumer that
+        # lets more pile up (PROTOCOL §10); it keeps 4 of them for pushes. Bounding our own
+        # requests in flight keeps its answers within the rest, however busy the handlers are.
+        self._gate = threading.BoundedSemaphore(max_in_flight)
         self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
         self._notifications = bool(cancellation_notifications)
         self._handle_signals = handle_signals
@@ -189,6 +202,7 @@ class Worker:
         self._capacity_lock = threading.Lock()
         self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
         self._report_sent: CapacityReport | None = None
+        self._drain_acked = threading.Event()
         self._heartbeat = 15.0
         self._next_heartbeat = 0.0
 
@@ -429,10 +443,14 @@ class Worker:
             first = False
             try:
                 conn: Connection = self._client.dial_worker(
-                    self.registration, timeout=self._dial_timeout, on_cancel=self._on_cancel
+                    self.registration,
+                    timeout=self._dial_timeout,
+                    on_cancel=self._on_cancel if self._notifications else None,
                 )
             except Exception as exc:
-                if is_fatal_dial_error(exc):
+                # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
+                # cannot help, so the worker stops and run() raises it.
+                if is_fatal_dial_error(exc) or not isinstance(exc, OrbitError | OSError):
                     self._log.error("worker cannot connect: %s", exc)
                     self._fail(exc)
                     return
@@ -481,7 +499,7 @@ class Worker:
         for att in live:
             lease: Lease | None
             try:
-                lease = conn.resume(att.ref)
+                lease = self._gated(partial(conn.resume, att.ref, timeout=self._call_timeout))
             except OrbitError as exc:
                 if is_transient(exc):
                     raise
@@ -514,12 +532,13 @@ class Worker:
         with self._capacity_lock:
             report = self._report_next
             sent_at = self._clock()
-            welcome = conn.capacity(report)
+            welcome = self._gated(lambda: conn.capacity(report, timeout=self._call_timeout))
             self._report_sent = report
             # PROTOCOL §5.6: repeat the report at least every third of the session window.
             self._heartbeat = max(0.1, welcome.session_window / 3)
             self._next_heartbeat = sent_at + self._heartbeat
-        if report.drain:
+        if report.drain and not self._drain_acked.is_set():
+            self._drain_acked.set()
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
 
     def _serve(self, conn: Connection) -> None:
@@ -593,7 +612,9 @@ class Worker:
     def _attempt_body(self, att: _Attempt) -> None:
         ctx = att.ctx
         try:
-            result = self._call(lambda c: c.start(att.ref, message_id=att.start_id))
+            result = self._call(
+                lambda c: c.start(att.ref, message_id=att.start_id, timeout=self._call_timeout)
+            )
         except GaveUp:
             ctx.logger.warning("not started: the worker stopped before start was answered")
             return
@@ -664,7 +685,9 @@ class Worker:
         finish = verdict.finish(att.ref)
         message_id = new_message_id()
         try:
-            result = self._call(lambda c: c.finish(finish, message_id=message_id))
+            result = self._call(
+                lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout)
+            )
         except GaveUp:
             with self._cond:
                 self._unreported.append(att.info)
@@ -707,7 +730,7 @@ class Worker:
         while True:
             conn, gen = self._link.wait(newer_than=newer_than)
             try:
-                return fn(conn)
+                return self._gated(partial(fn, conn))
             except OrbitError as exc:
                 if is_link_failure(exc):
                     newer_than = gen
@@ -720,6 +743,19 @@ class Worker:
                     continue
                 raise
 
+    def _gated(self, fn: Callable[[], T], *, wait: float | None = None) -> T:
+        """Run one request under the in-flight bound; WorkerBusy if no slot within *wait*."""
+        deadline = None if wait is None else self._clock() + wait
+        while not self._gate.acquire(timeout=_POLL):
+            if self._link.is_closed():
+                raise GaveUp("worker stopped")
+            if deadline is not None and self._clock() >= deadline:
+                raise WorkerBusy("the worker's requests in flight are at their bound")
+        try:
+            return fn()
+        finally:
+            self._gate.release()
+
     def _renew(self, attempt_id: str, message_id: str) -> Lease:
         """The watchdog's renew function: one try on the current connection, never waiting."""
         with self._cond:
@@ -731,9 +767,12 @@ class Worker:
             raise NotConnected("no connection")
         conn, gen = current
         # A slow answer must not stall every other attempt's renewal (one watchdog thread).
-        timeout = min(10.0, max(1.0, att.ctx.remaining() / 2))
+        timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
         try:
-            return conn.renew(att.ref, message_id=message_id, timeout=timeout).lease
+            return self._gated(
+                lambda: conn.renew(att.ref, message_id=message_id, timeout=timeout).lease,
+                wait=timeout,
+            )
         except OrbitError as exc:
             if is_link_failure(exc):
                 self._link.broken(gen)
@@ -783,6 +822,9 @@ class Worker:
             return [a for a in self._attempts.values() if a.phase in phases]
 
     def _shutdown(self) -> ShutdownReport:
+        # 0. Tell the server (drain: true) so it assigns nothing more; best effort, bounded.
+        if self._link.current() is not None:
+            self._drain_acked.wait(_DRAIN_REPORT_WAIT)
         # 1. Drain: running handlers keep their leases renewed until they return or time is up.
         with self._cond:
             while self._attempts:

@@ -1,0 +1,150 @@
+"""Helpers for the worker's tests: a worker bound to a mock server, probes, and a child process.
+
+Run as a script, this module is the child worker of the SIGTERM tests::
+
+    python tests/_worker_helpers.py URL TOKEN QUEUE_ID FLAG_PATH MODE
+
+It runs a :class:`Worker` on the main thread (so ``run()`` handles signals) and prints the
+shutdown report as one JSON line. MODE ``drain``: the handler waits for FLAG_PATH to exist, then
+returns. MODE ``stubborn``: the handler ignores cancellation and never returns.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import queue
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+if __name__ == "__main__":  # the child process: make the package importable from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orbit_sync.client import Client
+from orbit_sync.testing import EventRecord, MockOrbitServer
+from orbit_sync.worker import Backoff, TaskContext, Worker
+
+#: Prefixes of the threads a worker (and its connections) create.
+WORKER_THREAD_PREFIXES = (
+    "orbit-worker",
+    "orbit-handler",
+    "orbit-lease",
+    "orbit-sync",
+    "orbit-finish",
+)
+
+
+class Probe:
+    """What handlers report back to the test: who started, how often, why they stopped."""
+
+    def __init__(self) -> None:
+        self.started: queue.Queue[str] = queue.Queue()
+        self.release = threading.Event()
+        self.runs: collections.Counter[str] = collections.Counter()
+        self.reasons: dict[str, str | None] = {}
+        self.threads: dict[str, threading.Thread] = {}
+        self._lock = threading.Lock()
+
+    def enter(self, ctx: TaskContext) -> None:
+        """Record that the handler for ``ctx`` is running."""
+        with self._lock:
+            self.runs[ctx.task_id] += 1
+            self.threads[ctx.task_id] = threading.current_thread()
+        self.started.put(ctx.task_id)
+
+    def wait_started(self, count: int = 1, timeout: float = 10.0) -> list[str]:
+        """Wait until *count* handlers have started; return their task ids."""
+        return [self.started.get(timeout=timeout) for _ in range(count)]
+
+
+def make_worker(server: MockOrbitServer, *, capacity: int = 4, **kwargs: Any) -> Worker:
+    """A Worker for *server*'s default queue that reconnects fast and leaves signals alone."""
+    kwargs.setdefault("reconnect_backoff", Backoff(initial=0.05, maximum=0.2))
+    kwargs.setdefault("handle_signals", False)
+    return Worker(
+        Client(server.url, server.token), queue_id=server.queue_id, capacity=capacity, **kwargs
+    )
+
+
+@contextlib.contextmanager
+def running(worker: Worker) -> Iterator[Worker]:
+    """Start *worker*, wait for its session, and always stop it (at once) afterwards."""
+    worker.start()
+    try:
+        assert worker.wait_ready(10.0), "the worker never connected"
+        yield worker
+    finally:
+        worker.stop(drain=False)
+
+
+def events(server: MockOrbitServer, kind: str, task_id: str | None = None) -> list[EventRecord]:
+    """The server's events of *kind* (for *task_id* when given)."""
+    return [
+        e for e in server.events() if e.kind == kind and (task_id is None or e.task_id == task_id)
+    ]
+
+
+def has_event(
+    kind: str, task_id: str | None = None, detail: str | None = None
+) -> Callable[[MockOrbitServer], bool]:
+    """A ``server.wait_until`` predicate: an event of *kind* (and *detail*) was recorded."""
+
+    def check(server: MockOrbitServer) -> bool:
+        return any(detail is None or e.detail == detail for e in events(server, kind, task_id))
+
+    return check
+
+
+def worker_threads() -> list[str]:
+    """Names of live threads a worker or its connections created."""
+    return [t.name for t in threading.enumerate() if t.name.startswith(WORKER_THREAD_PREFIXES)]
+
+
+# --------------------------------------------------------------------------- child process
+
+
+def _child(url: str, token: str, queue_id: str, flag: str, mode: str) -> int:
+    worker = Worker(
+        Client(url, token),
+        queue_id=queue_id,
+        capacity=2,
+        drain_timeout=20.0,
+        cancel_grace=0.5,
+        flush_timeout=5.0,
+    )
+    never = threading.Event()
+
+    @worker.handler("slow")
+    def slow(ctx: TaskContext, payload: Any) -> Any:
+        if mode == "stubborn":
+            never.wait()  # ignores cancellation entirely
+        while not os.path.exists(flag):
+            ctx.sleep(0.02)  # the flag is another process's signal: poll it, honouring cancel
+        return {"cancelled": ctx.cancelled.is_set(), "pid": os.getpid()}
+
+    report = worker.run()
+    print(
+        json.dumps(
+            {
+                "drained": report.drained,
+                "cancelled": [a.task_id for a in report.cancelled],
+                "abandoned": [a.task_id for a in report.abandoned],
+                "unreported": [a.task_id for a in report.unreported],
+                "non_daemon": [
+                    t.name
+                    for t in threading.enumerate()
+                    if not t.daemon and t is not threading.main_thread()
+                ],
+            }
+        ),
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_child(*sys.argv[1:6]))

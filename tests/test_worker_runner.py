@@ -1,0 +1,356 @@
+"""The Worker against the real mock server over loopback: dispatch, leases, reconnects, outcomes."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from _worker_helpers import Probe, events, has_event, make_worker, running
+
+from orbit_sync.models import AttemptState, Outcome, TaskState
+from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import Fail, TaskContext, UnknownEffect
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Any:
+    """A mock server; ``@pytest.mark.orbit_server(...)`` overrides its settings."""
+    kwargs: dict[str, Any] = {"assignment_rate": None}
+    marker = request.node.get_closest_marker("orbit_server")
+    if marker is not None:
+        kwargs.update(marker.kwargs)
+    with MockOrbitServer(**kwargs) as srv:
+        yield srv
+        srv.check_invariants()
+
+
+def test_many_tasks_at_once(server: MockOrbitServer) -> None:
+    """Sixty tasks over three handlers all succeed once each, with handlers running in parallel."""
+    together = threading.Barrier(4, timeout=10)
+    worker = make_worker(server, capacity=8)
+
+    @worker.handler("double")
+    def double(ctx: TaskContext, payload: Any) -> Any:
+        if payload.get("together"):
+            together.wait()  # only passes if four handlers run at the same time
+        return {"value": payload["i"] * 2}
+
+    @worker.handler("shout", version=2, payload_version=3)
+    def shout(ctx: TaskContext, payload: Any) -> Any:
+        return payload["text"].upper()
+
+    @worker.handler("noop")
+    def noop(ctx: TaskContext, payload: Any) -> None:
+        return None
+
+    ids: dict[str, Any] = {}
+    for i in range(4):
+        ids[server.enqueue("double", {"i": i, "together": True})] = {"value": i * 2}
+    for i in range(4, 40):
+        ids[server.enqueue("double", {"i": i})] = {"value": i * 2}
+    for i in range(15):
+        ids[
+            server.enqueue("shout", {"text": f"t{i}"}, handler_version="2", payload_version="3")
+        ] = f"T{i}"
+    for _ in range(5):
+        ids[server.enqueue("noop", [1])] = {}
+    with running(worker):
+        for task_id, expected in ids.items():
+            snap = server.wait_for(task_id, DONE, timeout=20)
+            assert snap.state is TaskState.SUCCEEDED, snap
+            assert snap.result == expected
+            assert len(snap.attempts) == 1
+    # After stop() every acknowledgement has been counted.
+    assert worker.stats().succeeded == 60
+    assert worker.stats().running == 0
+
+
+@pytest.mark.orbit_server(lease_duration=1.0, session_window=1.5, assignment_rate=None)
+def test_long_handler_kept_alive_across_short_leases(server: MockOrbitServer) -> None:
+    """A 2.5 s handler on 1 s leases (1.5 s sessions) is renewed and finishes on its one lease."""
+    worker = make_worker(server)
+
+    @worker.handler("long")
+    def long(ctx: TaskContext, payload: Any) -> Any:
+        for _ in range(10):
+            ctx.sleep(0.25)  # real time passing is the point: 2.5 lease windows
+        return {"ok": True}
+
+    task_id = server.enqueue("long", {})
+    with running(worker):
+        snap = server.wait_for(task_id, DONE, timeout=15)
+    assert snap.state is TaskState.SUCCEEDED
+    assert [a.state for a in snap.attempts] == [AttemptState.SUCCEEDED]
+    assert snap.evidence == ()
+    stats = worker.stats()
+    assert stats.renewals >= 3 and stats.lease_losses == 0 and stats.reconnects == 0
+    assert len(events(server, "attempt.renewed", task_id)) >= 3
+    # The idle-looking session was kept alive by capacity heartbeats (PROTOCOL §5.6).
+    assert not any(s.expired for s in server.sessions())
+    assert stats.renew_lag_max < 1.0
+
+
+@pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)
+def test_lease_loss_cancels_handler_and_late_result_is_evidence(server: MockOrbitServer) -> None:
+    """The server losing the lease cancels the handler (lease_lost); its late result is evidence."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        ctx.cancelled.wait(10)
+        probe.reasons[ctx.task_id] = ctx.cancel_reason
+        return {"late": True}  # ignores the cancel: a truthful, late SUCCEEDED
+
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        probe.wait_started()
+        server.advance(5.0)  # the server's lease expires; recovery marks the attempt UNKNOWN
+        server.wait_until(lambda s: bool(s.task(task_id).evidence), timeout=10)
+    snap = server.task(task_id)
+    assert probe.reasons[task_id] == "lease_lost"
+    assert snap.state is TaskState.NEEDS_REVIEW
+    [evidence] = snap.evidence
+    assert (evidence.outcome, evidence.result, evidence.reason) == (
+        Outcome.SUCCEEDED,
+        {"late": True},
+        "late",
+    )
+    stats = worker.stats()
+    assert stats.lease_losses == 1 and stats.evidence_only == 1
+    assert probe.runs[task_id] == 1
+
+
+@pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)
+def test_connection_cut_mid_handler(server: MockOrbitServer) -> None:
+    """A cut connection: reconnect with the same instance, resume, keep renewing, one finish."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        while not probe.release.wait(0.05):
+            ctx.raise_if_cancelled()
+        return {"ok": True}
+
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        probe.wait_started()
+        assert server.disconnect() == 1
+        server.wait_until(has_event("attempt.resumed", task_id), timeout=10)
+        # Renewals go on over the new session before the handler is released.
+        resumed_at = events(server, "attempt.resumed", task_id)[-1].at
+        server.wait_until(
+            lambda s: any(e.at > resumed_at for e in events(s, "attempt.renewed", task_id)),
+            timeout=10,
+        )
+        probe.release.set()
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert snap.state is TaskState.SUCCEEDED
+    assert probe.runs[task_id] == 1 and len(snap.attempts) == 1
+    assert snap.evidence == () and not events(server, "finish.repeated", task_id)
+    stats = worker.stats()
+    assert stats.reconnects >= 1 and stats.lease_losses == 0
+    sessions = server.sessions()
+    assert len(sessions) >= 2
+    assert len({s.instance_id for s in sessions}) == 1, "same registration on reconnect"
+    assert sessions[-1].epoch > sessions[0].epoch
+
+
+@pytest.mark.parametrize("fault", ["close_after", "close_before"])
+def test_start_answer_lost_runs_handler_once(server: MockOrbitServer, fault: str) -> None:
+    """A start whose answer was lost is re-sent with its message_id; the handler runs once."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        return {"ok": True}
+
+    armed = getattr(server.faults, fault)("task.start")
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert armed.fired == 1
+    assert snap.state is TaskState.SUCCEEDED and len(snap.attempts) == 1
+    assert probe.runs[task_id] == 1
+    replayed = has_event("request.deduplicated", task_id, "task.start")(server)
+    # Applied before the cut: the re-sent start is answered from its original receipt.
+    assert replayed is (fault == "close_after")
+
+
+def test_finish_answer_lost_is_resent_and_deduplicated(server: MockOrbitServer) -> None:
+    """A finish whose answer never came is re-sent with the same message_id: deduplicated."""
+    worker = make_worker(server, call_timeout=1.0)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        return {"ok": True}
+
+    dropped = server.faults.drop_reply("task.finish")
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        server.wait_until(has_event("request.deduplicated", task_id, "task.finish"), timeout=10)
+    snap = server.task(task_id)
+    assert dropped.fired == 1
+    assert snap.state is TaskState.SUCCEEDED and snap.result == {"ok": True}
+    # Same message_id: a replay, not a second finish under a new id ("finish.repeated").
+    assert not events(server, "finish.repeated", task_id) and snap.evidence == ()
+    stats = worker.stats()
+    assert stats.succeeded == 1 and stats.reconnects >= 1
+
+
+@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None)
+def test_renew_answer_lost_is_resent(server: MockOrbitServer) -> None:
+    """A renew cut off before its answer is re-sent with the same message_id after reconnect."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        while not probe.release.wait(0.05):
+            ctx.raise_if_cancelled()
+        return {"ok": True}
+
+    cut = server.faults.close_after("task.renew")
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        probe.wait_started()
+        server.wait_until(has_event("request.deduplicated", task_id, "task.renew"), timeout=10)
+        probe.release.set()
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert cut.fired == 1
+    assert snap.state is TaskState.SUCCEEDED and snap.evidence == ()
+    assert worker.stats().lease_losses == 0
+
+
+@pytest.mark.orbit_server(lease_duration=5.0, assignment_rate=None)
+def test_lease_not_surviving_reconnect_cancels_handler(server: MockOrbitServer) -> None:
+    """A lease that expired while disconnected: resume says so, the handler is cancelled."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        ctx.cancelled.wait(10)
+        probe.reasons[ctx.task_id] = ctx.cancel_reason
+        ctx.raise_if_cancelled()
+        return {"ok": True}
+
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        probe.wait_started()
+        refused = server.faults.refuse_connections(count=1_000_000)
+        server.disconnect()
+        server.advance(10.0)  # while the worker cannot get back in, its lease runs out
+        refused.cancel()
+        server.wait_until(lambda s: bool(s.task(task_id).evidence), timeout=10)
+    assert probe.reasons[task_id] == "session_replaced"
+    [evidence] = server.task(task_id).evidence
+    assert (evidence.outcome, evidence.error_code) == (Outcome.FAILED, "SESSION_REPLACED")
+    stats = worker.stats()
+    assert stats.lease_losses == 1
+
+
+@pytest.mark.parametrize("notifications", [True, False], ids=["push", "renewal"])
+@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None)
+def test_cancellation(server: MockOrbitServer, notifications: bool) -> None:
+    """A cancel request (pushed, or seen on renewal) stops the handler: CANCELLED."""
+    probe = Probe()
+    worker = make_worker(server, cancellation_notifications=notifications)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        try:
+            ctx.sleep(30)
+        finally:
+            probe.reasons[ctx.task_id] = ctx.cancel_reason
+        return {"ok": True}
+
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        probe.wait_started()
+        server.request_cancel(task_id)
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert probe.reasons[task_id] == "cancel_requested"
+    assert snap.state is TaskState.CANCELLED
+    assert (snap.attempts[-1].outcome, snap.attempts[-1].error_code) == (
+        Outcome.CANCELLED,
+        "CANCELLED",
+    )
+    stats = worker.stats()
+    assert stats.cancelled == 1 and stats.lease_losses == 0
+    assert bool(events(server, "task.cancel_pushed", task_id)) is notifications
+
+
+def test_exceptions_mapped_to_outcomes(server: MockOrbitServer) -> None:
+    """Return, Fail, UnknownEffect, other errors and unsendable results map to their outcomes."""
+    worker = make_worker(server)
+
+    @worker.handler("flaky")
+    def flaky(ctx: TaskContext, payload: Any) -> Any:
+        if ctx.attempt == 1:
+            raise Fail("UPSTREAM_BUSY", "try again", retryable=True)
+        return {"attempt": ctx.attempt}
+
+    @worker.handler("denied")
+    def denied(ctx: TaskContext, payload: Any) -> Any:
+        raise Fail("DENIED", "no access", details={"user": 7})
+
+    @worker.handler("unsure")
+    def unsure(ctx: TaskContext, payload: Any) -> Any:
+        raise UnknownEffect("CHARGE_UNCONFIRMED")
+
+    @worker.handler("broken")
+    def broken(ctx: TaskContext, payload: Any) -> Any:
+        raise RuntimeError("db password=hunter2 rejected")
+
+    @worker.handler("huge")
+    def huge(ctx: TaskContext, payload: Any) -> Any:
+        return "x" * (300 * 1024)
+
+    @worker.handler("weird")
+    def weird(ctx: TaskContext, payload: Any) -> Any:
+        return {"when": object()}
+
+    ids = {
+        name: server.enqueue(name, {}, backoff_initial=0.05, backoff_max=0.05)
+        for name in ("flaky", "denied", "unsure", "broken", "huge", "weird")
+    }
+    with running(worker):
+        snaps = {name: server.wait_for(tid, DONE, timeout=10) for name, tid in ids.items()}
+    flaky_snap = snaps["flaky"]
+    assert flaky_snap.state is TaskState.SUCCEEDED and flaky_snap.result == {"attempt": 2}
+    first = flaky_snap.attempts[0]
+    assert (first.outcome, first.error_code, first.retryable) == (
+        Outcome.FAILED,
+        "UPSTREAM_BUSY",
+        True,
+    )
+
+    def last(name: str) -> tuple[Any, ...]:
+        att = snaps[name].attempts[-1]
+        return snaps[name].state, att.outcome, att.error_code
+
+    assert last("denied") == (TaskState.FAILED, Outcome.FAILED, "DENIED")
+    assert snaps["denied"].result == {
+        "error": "DENIED",
+        "message": "no access",
+        "details": {"user": 7},
+    }
+    assert last("unsure") == (TaskState.NEEDS_REVIEW, Outcome.UNKNOWN, "CHARGE_UNCONFIRMED")
+    assert last("broken") == (TaskState.FAILED, Outcome.FAILED, "HANDLER_ERROR")
+    assert snaps["broken"].result == {"error": "HANDLER_ERROR", "exception": "RuntimeError"}
+    assert last("huge") == (TaskState.FAILED, Outcome.FAILED, "RESULT_TOO_LARGE")
+    assert last("weird") == (TaskState.FAILED, Outcome.FAILED, "RESULT_NOT_JSON")
+    for name in ("denied", "broken", "huge", "weird"):
+        assert len(snaps[name].attempts) == 1, f"{name} is not retryable"
