@@ -70,17 +70,19 @@ class RawClient:
 
     # ------------------------------------------------------------------ transport
 
-    def connect(self, path: str = "/v1/worker/connect") -> RawClient:
+    def connect(self, path: str = "/v1/worker/connect", **kw: Any) -> RawClient:
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        self.ws = connect(
-            self.server.url + path,
-            subprotocols=self._subprotocols,  # type: ignore[arg-type]
-            additional_headers=headers,
-            compression=None,
-            open_timeout=5,
-            close_timeout=1,
-            max_size=None,
-        )
+        options: dict[str, Any] = {
+            "subprotocols": self._subprotocols,
+            "additional_headers": headers,
+            "compression": None,
+            "open_timeout": 5,
+            "close_timeout": 1,
+            "max_size": None,
+            "legacy": True,
+        }
+        options.update(kw)
+        self.ws = connect(self.server.url + path, **options)
         return self
 
     def close(self) -> None:
@@ -173,9 +175,9 @@ class RawClient:
     ) -> dict[str, Any]:
         return self.request("worker.capacity", CapacityReport(sequence, capacity, drain), **kw)
 
-    def open(self, capacity: int | None = None, sequence: int = 1) -> RawClient:
+    def open(self, capacity: int | None = None, sequence: int = 1, **connect: Any) -> RawClient:
         """connect + hello + first capacity report."""
-        self.connect()
+        self.connect(**connect)
         assert self.hello()["type"] == "worker.welcome"
         cap = self.registration.capacity if capacity is None else capacity
         assert self.capacity(sequence, cap)["type"] == "ack"
