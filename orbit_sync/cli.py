@@ -1,0 +1,338 @@
+"""The ``orbit-sync`` command: run a standalone mock Orbit server, or run a worker.
+
+::
+
+    orbit-sync mock-server --port 8765          # also: python -m orbit_sync.testing
+    orbit-sync worker myapp.tasks:worker        # calls .run() on an orbit_sync.worker.Worker
+
+Exit status: 0 after a clean stop (SIGTERM/SIGINT), 1 when the server or worker failed, 2 for a
+usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import logging
+import os
+import shlex
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Any, TextIO
+
+if TYPE_CHECKING:
+    from .testing import MockOrbitServer
+
+__all__ = ["main"]
+
+_LOG = logging.getLogger("orbit_sync.cli")
+
+#: Environment variables read when the token options are absent (a command line is visible to
+#: every user of the machine through ``ps``; the environment is not).
+TOKEN_ENV = "ORBIT_MOCK_TOKEN"
+ADMIN_TOKEN_ENV = "ORBIT_MOCK_ADMIN_TOKEN"
+
+_MOCK_HELP = f"""\
+Run a mock Orbit server (pulse.worker.v1) on this machine until SIGTERM or SIGINT, for tests,
+benchmarks and workers written in other languages. It speaks the worker protocol on
+/v1/worker/connect and a JSON admin API on /admin/v1/ (same port).
+
+On start it prints, on standard output, shell-style lines: ORBIT_URL, ORBIT_TOKEN (a worker
+token), ORBIT_QUEUE_ID, ORBIT_ADMIN_URL and ORBIT_ADMIN_TOKEN. The tokens are printed on purpose:
+this is your own throw-away test server, and the banner is how you learn its credentials. Do not
+run it where untrusted users can read its output or reach its port, and never reuse the tokens.
+Tokens given with --token/--admin-token (or the environment variables
+${TOKEN_ENV} and ${ADMIN_TOKEN_ENV}) are used as is; otherwise fresh random ones are made.
+"""
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError("expected a number > 0")
+    return value
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError("expected a port number from 0 to 65535")
+    return int(text)
+
+
+def _parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=prog or "orbit-sync",
+        description="orbit-sync: synchronous Orbit worker SDK tools.",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        help="logging level on standard error (default: WARNING)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    mock = sub.add_parser(
+        "mock-server",
+        help="run a standalone mock Orbit server (prints its URL and tokens)",
+        description=_MOCK_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _mock_arguments(mock)
+
+    worker = sub.add_parser(
+        "worker",
+        help="run an orbit_sync.worker.Worker until SIGTERM/SIGINT",
+        description=(
+            "Import MODULE:ATTRIBUTE and call .run() on it. ATTRIBUTE (dotted paths allowed) is an "
+            "orbit_sync.worker.Worker, or a callable without arguments returning one. The "
+            "current directory is importable. SIGTERM/SIGINT drain the worker; a second signal "
+            "stops it at once."
+        ),
+    )
+    worker.add_argument("target", metavar="MODULE:ATTRIBUTE", help="where the Worker is")
+    return parser
+
+
+def _mock_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    parser.add_argument(
+        "--port", type=_port, default=8765, help="port to bind; 0 picks a free one (default: 8765)"
+    )
+    parser.add_argument(
+        "--lease-duration",
+        type=_positive_float,
+        default=30.0,
+        metavar="S",
+        help="lease window in seconds, 1-120 (default: 30)",
+    )
+    parser.add_argument(
+        "--session-window",
+        type=_positive_float,
+        default=45.0,
+        metavar="S",
+        help="session window in seconds, up to 300 (default: 45)",
+    )
+    parser.add_argument(
+        "--assignment-rate",
+        type=float,
+        default=4.0,
+        metavar="N",
+        help="new assignments per second; 0 for no limit (default: 4, as a real node)",
+    )
+    parser.add_argument(
+        "--manual-clock",
+        action="store_true",
+        help="server time moves only through POST /admin/v1/clock/advance",
+    )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get(TOKEN_ENV),
+        metavar="T",
+        help=f"the worker token to accept (default: ${TOKEN_ENV}, else a random one)",
+    )
+    parser.add_argument(
+        "--admin-token",
+        default=os.environ.get(ADMIN_TOKEN_ENV),
+        metavar="T",
+        help=f"the admin API token (default: ${ADMIN_TOKEN_ENV}, else a random one)",
+    )
+
+
+def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
+    """Entry point of the ``orbit-sync`` console script; returns the exit status."""
+    parser = _parser(prog)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "mock-server":
+        return _run_mock_server(args, parser)
+    return _run_worker(args.target, parser)
+
+
+def mock_server_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m orbit_sync.testing``: the ``mock-server`` command on its own."""
+    parser = argparse.ArgumentParser(
+        prog="python -m orbit_sync.testing",
+        description=_MOCK_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    _mock_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return _run_mock_server(args, parser)
+
+
+# --------------------------------------------------------------------------- mock-server
+
+
+class _StopSignal:
+    """SIGTERM/SIGINT set an event the main thread waits on (a signal handler must not take
+    locks the interrupted code may hold, so it does nothing else)."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.event.set()
+
+
+def _run_mock_server(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None
+) -> int:
+    """Start the server, print the banner, serve until a signal, stop; returns the exit status."""
+    from .testing import ManualClock, MockOrbitServer
+    from .testing._admin import AdminAPI
+
+    out = sys.stdout if out is None else out
+    try:
+        api = AdminAPI(args.admin_token)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.token is not None and not _token_ok(args.token):
+        parser.error("worker token must be 1-512 characters, without spaces or control characters")
+    if args.token is not None and args.token == api.token:
+        parser.error("the worker token and the admin token must differ")
+    if args.assignment_rate < 0 or args.assignment_rate != args.assignment_rate:
+        parser.error("--assignment-rate must be >= 0")
+    try:
+        server = MockOrbitServer(
+            host=args.host,
+            port=args.port,
+            lease_duration=args.lease_duration,
+            session_window=args.session_window,
+            assignment_rate=args.assignment_rate or None,
+            clock=ManualClock() if args.manual_clock else None,
+            admin_handler=api,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+
+    stop = _StopSignal()
+    # Installed before binding, so a signal that arrives during start-up is not lost.
+    stop.install()
+    try:
+        try:
+            server.start()
+        except OSError as exc:
+            print(
+                f"orbit-sync: cannot listen on {args.host}:{args.port}: {exc.strerror}",
+                file=sys.stderr,
+            )
+            return 1
+        try:
+            token = server.token
+            if args.token is not None:
+                _replace_worker_token(server, args.token)
+                token = args.token
+            _banner(out, server, token, api.token)
+            stop.event.wait()
+        finally:
+            server.stop()
+    finally:
+        stop.restore()
+    print("orbit-sync: mock server stopped", file=sys.stderr)
+    return 0
+
+
+def _token_ok(token: str) -> bool:
+    from .testing._admin import _TOKEN_RE
+
+    return bool(_TOKEN_RE.fullmatch(token))
+
+
+def _replace_worker_token(server: MockOrbitServer, token: str) -> None:
+    """Accept *token* with the default token's scopes, and retire the generated one."""
+    from .testing import SCOPE_CONNECT, SCOPE_CONSUME, queue_scope
+
+    scopes = frozenset({SCOPE_CONNECT, SCOPE_CONSUME, queue_scope(server.queue_id)})
+    if "token" in inspect.signature(server.add_token).parameters:
+        server.add_token(scopes, token=token)  # type: ignore[call-arg]
+    else:
+        # MockOrbitServer.add_token cannot take a chosen value yet: register it the way
+        # add_token does (tests/test_cli_mock_server.py fails if this stops working).
+        state: Any = server._state
+        with server._cond:
+            state._tokens[token] = scopes
+    server.revoke_token(server.token)
+
+
+def _banner(out: TextIO, server: MockOrbitServer, token: str, admin_token: str) -> None:
+    base = server.url
+    admin_url = ("https" if base.startswith("wss:") else "http") + base[base.index(":") :]
+    lines = [
+        "# orbit-sync mock server. The tokens below are printed on purpose: this is your own",
+        "# local test server. Never reuse them. SIGTERM or Ctrl-C stops it.",
+        f"ORBIT_URL={shlex.quote(base)}",
+        f"ORBIT_TOKEN={shlex.quote(token)}",
+        f"ORBIT_QUEUE_ID={server.queue_id}",
+        f"ORBIT_ADMIN_URL={shlex.quote(admin_url + '/admin/v1')}",
+        f"ORBIT_ADMIN_TOKEN={shlex.quote(admin_token)}",
+        "# ready",
+    ]
+    out.write("\n".join(lines) + "\n")
+    out.flush()
+
+
+# --------------------------------------------------------------------------- worker
+
+
+def _run_worker(target: str, parser: argparse.ArgumentParser) -> int:
+    """Import *target* (``module:attribute``), then ``.run()`` the Worker it names."""
+    from .worker import Worker
+
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        parser.error("the worker target must look like module:attribute")
+    # Like `python -m`, let the current directory's modules be found.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        print(f"orbit-sync: cannot load {target}: {exc}", file=sys.stderr)
+        return 1
+    if not isinstance(obj, Worker) and callable(obj):
+        obj = obj()
+    if not isinstance(obj, Worker):
+        print(
+            f"orbit-sync: {target} is a {type(obj).__name__}, not an orbit_sync.worker.Worker",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        report = obj.run()
+    except Exception as exc:
+        # The worker's errors never carry secrets (errors.py); show the type and message.
+        print(f"orbit-sync: worker stopped on {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"orbit-sync: worker stopped (drained={report.drained}, cancelled={len(report.cancelled)},"
+        f" abandoned={len(report.abandoned)}, unreported={len(report.unreported)})",
+        file=sys.stderr,
+    )
+    return 0
