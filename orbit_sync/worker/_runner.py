@@ -167,12 +167,14 @@ class Worker:
         # Past this a request's connection is closed and the operation re-sent on the next one.
         self._call_timeout = min(10.0, _check_seconds("call_timeout", call_timeout, positive=True))
         self._backoff = reconnect_backoff or Backoff()
-        if type(max_in_flight) is not int or not 1 <= max_in_flight <= 32:
-            raise ValueError("max_in_flight must be an int between 1 and 32")
+        if type(max_in_flight) is not int or not 3 <= max_in_flight <= 32:
+            raise ValueError("max_in_flight must be an int between 3 and 32")
         # The server queues at most 8 outbound frames per connection and drops a consumer that
         # lets more pile up (PROTOCOL §10); it keeps 4 of them for pushes. Bounding our own
         # requests in flight keeps its answers within the rest, however busy the handlers are.
-        self._gate = threading.BoundedSemaphore(max_in_flight)
+        # The watchdog (one renew at a time) and the connection thread (one capacity or resume
+        # at a time) are outside the gate, so handler traffic can never starve a renewal.
+        self._gate = threading.BoundedSemaphore(max_in_flight - 2)
         self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
         self._notifications = bool(cancellation_notifications)
         self._handle_signals = handle_signals
@@ -499,7 +501,7 @@ class Worker:
         for att in live:
             lease: Lease | None
             try:
-                lease = self._gated(partial(conn.resume, att.ref, timeout=self._call_timeout))
+                lease = conn.resume(att.ref, timeout=self._call_timeout)
             except OrbitError as exc:
                 if is_transient(exc):
                     raise
@@ -532,7 +534,7 @@ class Worker:
         with self._capacity_lock:
             report = self._report_next
             sent_at = self._clock()
-            welcome = self._gated(lambda: conn.capacity(report, timeout=self._call_timeout))
+            welcome = conn.capacity(report, timeout=self._call_timeout)
             self._report_sent = report
             # PROTOCOL §5.6: repeat the report at least every third of the session window.
             self._heartbeat = max(0.1, welcome.session_window / 3)
@@ -743,14 +745,11 @@ class Worker:
                     continue
                 raise
 
-    def _gated(self, fn: Callable[[], T], *, wait: float | None = None) -> T:
-        """Run one request under the in-flight bound; WorkerBusy if no slot within *wait*."""
-        deadline = None if wait is None else self._clock() + wait
+    def _gated(self, fn: Callable[[], T]) -> T:
+        """Run one handler-side request (start/finish) under the in-flight bound."""
         while not self._gate.acquire(timeout=_POLL):
             if self._link.is_closed():
                 raise GaveUp("worker stopped")
-            if deadline is not None and self._clock() >= deadline:
-                raise WorkerBusy("the worker's requests in flight are at their bound")
         try:
             return fn()
         finally:
@@ -769,10 +768,7 @@ class Worker:
         # A slow answer must not stall every other attempt's renewal (one watchdog thread).
         timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
         try:
-            return self._gated(
-                lambda: conn.renew(att.ref, message_id=message_id, timeout=timeout).lease,
-                wait=timeout,
-            )
+            return conn.renew(att.ref, message_id=message_id, timeout=timeout).lease
         except OrbitError as exc:
             if is_link_failure(exc):
                 self._link.broken(gen)

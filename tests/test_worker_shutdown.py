@@ -1,0 +1,252 @@
+"""Stopping a Worker: drain, cancel, abandon, signals in a child process, no leftover threads."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _worker_helpers import Probe, events, has_event, make_worker, running, worker_threads
+
+from orbit_sync.client import Client
+from orbit_sync.errors import HTTPError
+from orbit_sync.models import Outcome, TaskState
+from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import ShutdownReport, TaskContext, Worker
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
+HELPER = Path(__file__).with_name("_worker_helpers.py")
+
+
+@pytest.fixture
+def server() -> Any:
+    """A mock server with 2 s leases and no assignment rate limit."""
+    with MockOrbitServer(lease_duration=2.0, assignment_rate=None) as srv:
+        yield srv
+        srv.check_invariants()
+
+
+def _stop_in_background(worker: Worker, **kwargs: Any) -> tuple[threading.Thread, list[Any]]:
+    out: list[Any] = []
+    thread = threading.Thread(target=lambda: out.append(worker.stop(**kwargs)), daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_drain_keeps_leases_renewed_and_takes_no_new_work(server: MockOrbitServer) -> None:
+    """stop(drain=True): drain is reported, the running handler keeps renewing and finishes."""
+    probe = Probe()
+    worker = make_worker(server, drain_timeout=20.0)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        while not probe.release.wait(0.05):
+            ctx.raise_if_cancelled()
+        return {"cancelled": ctx.cancelled.is_set()}
+
+    first = server.enqueue("work", {})
+    worker.start()
+    try:
+        probe.wait_started()
+        stopper, reports = _stop_in_background(worker)
+        server.wait_until(lambda s: any(x.draining for x in s.sessions()), timeout=10)
+        drained_at = events(server, "instance.draining")[-1].at
+        later = server.enqueue("work", {})
+        # Still renewed while draining (2 s leases: a renewal about every second).
+        server.wait_until(
+            lambda s: any(e.at > drained_at for e in events(s, "attempt.renewed", first)),
+            timeout=10,
+        )
+        probe.release.set()
+        stopper.join(15)
+    finally:
+        worker.stop(drain=False)
+    [report] = reports
+    assert report == ShutdownReport(drained=True)
+    snap = server.task(first)
+    assert snap.state is TaskState.SUCCEEDED and snap.result == {"cancelled": False}
+    assert server.task(later).state is TaskState.WAITING, "a draining worker takes no new work"
+    assert probe.runs[later] == 0
+
+
+def test_handler_ignoring_cancellation_is_abandoned_unknown(server: MockOrbitServer) -> None:
+    """Past the drain timeout: cooperative handlers stop; a stubborn one is finished UNKNOWN."""
+    probe = Probe()
+    stubborn_released = threading.Event()
+    worker = make_worker(server, drain_timeout=0.1, cancel_grace=0.3)
+
+    @worker.handler("stubborn")
+    def stubborn(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        stubborn_released.wait(30)  # ignores its context entirely
+        return {"late": True}
+
+    @worker.handler("polite")
+    def polite(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        ctx.sleep(30)
+        return {"never": True}
+
+    stubborn_id = server.enqueue("stubborn", {})
+    polite_id = server.enqueue("polite", {})
+    worker.start()
+    probe.wait_started(2)
+    began = time.monotonic()
+    report = worker.stop()
+    elapsed = time.monotonic() - began
+    assert elapsed < 5.0, "stop() is bounded"
+    assert not report.drained
+    assert [a.task_id for a in report.abandoned] == [stubborn_id]
+    assert [a.task_id for a in report.cancelled] == [polite_id]
+    assert report.unreported == ()
+
+    attempt = server.task(stubborn_id).attempts[-1]
+    assert (attempt.outcome, attempt.error_code) == (Outcome.UNKNOWN, "SHUTDOWN_TIMEOUT")
+    attempt = server.task(polite_id).attempts[-1]
+    assert (attempt.outcome, attempt.error_code, attempt.retryable) == (
+        Outcome.FAILED,
+        "WORKER_SHUTDOWN",
+        True,
+    )
+    # The stubborn handler returns later: its result is dropped, never sent a second time.
+    stubborn_released.set()
+    probe.threads[stubborn_id].join(5)
+    assert not probe.threads[stubborn_id].is_alive()
+    assert server.task(stubborn_id).evidence == ()
+    assert worker_threads() == []
+
+
+def test_stop_is_repeatable_and_leaves_no_threads(server: MockOrbitServer) -> None:
+    """stop() twice returns the same report; every worker and connection thread is gone."""
+    worker = make_worker(server, capacity=3)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        return payload
+
+    ids = [server.enqueue("work", {"i": i}) for i in range(6)]
+    with running(worker):
+        for task_id in ids:
+            server.wait_for(task_id, DONE)
+        assert worker_threads(), "the worker runs on its own threads"
+    first = worker.stop()
+    assert worker.stop(drain=False) is first
+    assert worker_threads() == []
+    assert not [t.name for t in threading.enumerate() if not t.daemon and t.name != "MainThread"]
+
+
+def test_stop_from_a_handler_is_refused_but_request_stop_works(server: MockOrbitServer) -> None:
+    """A handler cannot wait for its own worker to stop; request_stop() does the job."""
+    outcome: list[str] = []
+    worker = make_worker(server)
+
+    @worker.handler("quit")
+    def quit_(ctx: TaskContext, payload: Any) -> Any:
+        try:
+            worker.stop()
+        except RuntimeError:
+            outcome.append("refused")
+        worker.request_stop(drain=True)
+        return {"ok": True}
+
+    task_id = server.enqueue("quit", {})
+    worker.start()
+    server.wait_for(task_id, DONE)
+    report = worker.stop(timeout=10)  # already stopping: returns the same report
+    assert outcome == ["refused"]
+    assert report.drained
+    assert server.task(task_id).state is TaskState.SUCCEEDED
+
+
+def test_bad_token_stops_run_with_the_error(server: MockOrbitServer) -> None:
+    """Credentials the server refuses end run() with that error instead of retrying forever."""
+    worker = Worker(Client(server.url, "not-the-token"), queue_id=server.queue_id)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        return payload
+
+    with pytest.raises(HTTPError) as info:
+        worker.run()
+    assert info.value.status_code == 401
+    assert "not-the-token" not in str(info.value)
+    assert worker_threads() == []
+
+
+# ----------------------------------------------------------------------------- signals
+
+
+def _spawn(server: MockOrbitServer, flag: Path, mode: str) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        [sys.executable, str(HELPER), server.url, server.token, server.queue_id, str(flag), mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def _report(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_sigterm_drains_in_a_subprocess(server: MockOrbitServer, tmp_path: Path) -> None:
+    """SIGTERM: drain reported, the running handler finishes normally, the process exits 0."""
+    flag = tmp_path / "release"
+    task_id = server.enqueue("slow", {})
+    proc = _spawn(server, flag, "drain")
+    try:
+        server.wait_for(task_id, {"RUNNING"}, timeout=15)
+        proc.send_signal(signal.SIGTERM)
+        server.wait_until(lambda s: any(x.draining for x in s.sessions()), timeout=10)
+        later = server.enqueue("slow", {})
+        flag.touch()
+        report = _report(proc)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert report == {
+        "drained": True,
+        "cancelled": [],
+        "abandoned": [],
+        "unreported": [],
+        "non_daemon": [],
+    }
+    snap = server.task(task_id)
+    assert snap.state is TaskState.SUCCEEDED and snap.result["cancelled"] is False
+    assert server.task(later).state is TaskState.WAITING
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_second_sigterm_stops_at_once(server: MockOrbitServer, tmp_path: Path) -> None:
+    """A second signal stops without waiting for the drain; a stuck handler is left UNKNOWN."""
+    task_id = server.enqueue("slow", {})
+    proc = _spawn(server, tmp_path / "never", "stubborn")
+    try:
+        server.wait_for(task_id, {"RUNNING"}, timeout=15)
+        proc.send_signal(signal.SIGTERM)
+        server.wait_until(has_event("instance.draining"), timeout=10)
+        began = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        report = _report(proc)
+        elapsed = time.monotonic() - began
+    finally:
+        proc.kill()
+        proc.wait()
+    assert elapsed < 10.0, "the 20 s drain timeout was not waited for"
+    assert report["abandoned"] == [task_id] and report["non_daemon"] == []
+    attempt = server.task(task_id).attempts[-1]
+    assert (attempt.outcome, attempt.error_code) == (Outcome.UNKNOWN, "SHUTDOWN_TIMEOUT")
