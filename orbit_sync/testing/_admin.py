@@ -59,7 +59,7 @@ from ._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, queue_scope
 if TYPE_CHECKING:
     from ._server import MockOrbitServer
 
-__all__ = ["ADMIN_PREFIX", "AdminAPI"]
+__all__ = ["ADMIN_PREFIX", "AdminAPI", "AdminClient", "AdminError", "admin_url"]
 
 _LOG = logging.getLogger("orbit_sync.testing.admin")
 
@@ -836,3 +836,143 @@ def _stopping(server: MockOrbitServer) -> bool:
     # MockOrbitServer has no public "stopping" flag yet; its stop() sets _stopping and notifies
     # the condition wait_until waits on, which is exactly the wake-up needed here.
     return bool(getattr(server, "_stopping", False))
+
+
+# --------------------------------------------------------------------------- client side
+
+
+class AdminError(Exception):
+    """A non-2xx answer of the admin API: ``status``, ``code`` and the server's ``message``."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.status, self.code, self.message))
+
+
+def admin_url(server_url: str) -> str:
+    """The admin API's base URL for a server URL (``ws://h:p`` → ``http://h:p/admin/v1``)."""
+    scheme, sep, rest = server_url.partition("://")
+    if not sep or scheme not in ("ws", "wss", "http", "https"):
+        raise ValueError("expected a ws://, wss://, http:// or https:// URL")
+    secure = scheme in ("wss", "https")
+    return ("https" if secure else "http") + "://" + rest.rstrip("/") + ADMIN_PREFIX
+
+
+class AdminClient:
+    """A small client of the admin API, for tests and scripts (one HTTP connection per call,
+    as the server closes each after answering).
+
+    *url* is the server's URL (``ws://127.0.0.1:PORT``) or the admin base URL. Parameter values
+    may be str, int, float, bool (``true``/``false``) or a list of str (comma-joined); a task
+    payload goes through :meth:`enqueue`, which serializes it as strict JSON.
+    """
+
+    def __init__(
+        self, url: str, token: str, *, timeout: float = MAX_WAIT + 5.0, ssl_context: Any = None
+    ) -> None:
+        base = url if url.rstrip("/").endswith(ADMIN_PREFIX) else admin_url(url)
+        parts = urllib.parse.urlsplit(base)
+        if parts.hostname is None:
+            raise ValueError("the admin URL needs a host")
+        self._secure = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._secure else 80)
+        self._prefix = parts.path.rstrip("/")
+        self._token = token
+        self._timeout = timeout
+        self._ssl = ssl_context
+        self.url = base.rstrip("/")
+
+    def __repr__(self) -> str:
+        return f"AdminClient({self.url!r}, token=<redacted>)"
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Send one request; return ``(status, parsed JSON)`` whatever the status."""
+        import http.client
+
+        query = urllib.parse.urlencode(
+            {k: _param_text(v) for k, v in (params or {}).items() if v is not None}
+        )
+        target = self._prefix + path + (f"?{query}" if query else "")
+        conn: http.client.HTTPConnection
+        if self._secure:
+            conn = http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._timeout, context=self._ssl
+            )
+        else:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._timeout)
+        try:
+            conn.request(
+                method,
+                target,
+                headers={"Authorization": f"Bearer {self._token}", **(headers or {})},
+            )
+            response = conn.getresponse()
+            data = response.read()
+        finally:
+            conn.close()
+        try:
+            body = _json.loads(data)
+        except FrameError:
+            body = {"error": {"code": "NOT_JSON", "message": "the answer is not JSON"}}
+        if not isinstance(body, dict):
+            body = {"error": {"code": "NOT_JSON", "message": "the answer is not a JSON object"}}
+        return response.status, body
+
+    def call(self, method: str, path: str, **params: Any) -> dict[str, Any]:
+        """Send one request; return the JSON answer, or raise :class:`AdminError`."""
+        status, body = self.request(method, path, params)
+        if not 200 <= status < 300:
+            error = body.get("error") or {}
+            raise AdminError(status, str(error.get("code", "")), str(error.get("message", "")))
+        return body
+
+    def get(self, path: str, **params: Any) -> dict[str, Any]:
+        """``GET {admin url}{path}?params``."""
+        return self.call("GET", path, **params)
+
+    def post(self, path: str, **params: Any) -> dict[str, Any]:
+        """``POST {admin url}{path}?params`` (no body)."""
+        return self.call("POST", path, **params)
+
+    def enqueue(self, handler: str, payload: Any, **params: Any) -> str:
+        """Enqueue a task (payload serialized as strict JSON); returns its id."""
+        body = self.post("/tasks", handler=handler, payload=_json.dumps(payload), **params)
+        return str(body["task_id"])
+
+    def task(self, task_id: str) -> dict[str, Any]:
+        """One task snapshot, as JSON."""
+        return dict(self.get(f"/tasks/{task_id}")["task"])
+
+    def wait(self, task_id: str, states: Iterable[str], timeout: float = 10.0) -> dict[str, Any]:
+        """Block until the task is in one of *states*; raise TimeoutError if it is not."""
+        body = self.get(f"/tasks/{task_id}/wait", states=list(states), timeout=timeout)
+        if not body["reached"]:
+            raise TimeoutError(f"task {task_id} is {body['task']['state']} after {timeout} s")
+        return dict(body["task"])
+
+
+def _param_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
+    if isinstance(value, float):
+        # str(1e-07) is "1e-07": the API takes plain decimals only.
+        return f"{value:.9f}".rstrip("0").rstrip(".")
+    if isinstance(value, int | str):
+        return str(value)
+    if isinstance(value, list | tuple | set | frozenset):
+        return ",".join(str(v.value if isinstance(v, enum.Enum) else v) for v in value)
+    raise TypeError(f"cannot send a {type(value).__name__} as a query parameter")

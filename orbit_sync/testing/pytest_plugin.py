@@ -1,41 +1,117 @@
 """pytest plugin (registered through the ``pytest11`` entry point): Orbit fixtures.
 
-``orbit_server`` is a running :class:`~orbit_sync.testing.MockOrbitServer` on loopback, stopped
-after the test; ``orbit_client`` is a :class:`~orbit_sync.client.Client` bound to it. Configure the
-server with the ``orbit_server`` marker, whose keyword arguments go to the server's constructor::
+Fixtures (all function-scoped; every server, worker and thread they start is stopped after the
+test):
 
-    @pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=100)
+``orbit_server``
+    A running :class:`~orbit_sync.testing.MockOrbitServer` on 127.0.0.1 (port 0).
+``orbit_client``
+    A :class:`~orbit_sync.client.Client` bound to it with its default worker token.
+``orbit_clock``
+    A :class:`~orbit_sync.testing.ManualClock`. Requesting it makes ``orbit_server`` run on it:
+    server time then moves only through ``orbit_server.advance(seconds)`` (or
+    ``orbit_clock.advance``), which runs every lease expiry, recovery scan and backoff that falls
+    due on the way, before returning.
+``orbit_worker``
+    A factory: ``orbit_worker(capacity=2, **worker_kwargs)`` returns an unstarted
+    :class:`~orbit_sync.worker.Worker` for the server's default queue; register handlers, then
+    ``start()`` it. It is stopped (without draining) after the test.
+``orbit_admin``
+    An :class:`~orbit_sync.testing.AdminClient` for the server's JSON admin API, for a worker
+    under test that runs in another process or language.
+``orbit_server_options``
+    The default constructor keywords of ``orbit_server`` (empty). Override it in a
+    ``conftest.py``, module or class to configure every server of a suite.
+
+The ``orbit_server`` marker adds keywords for one test (or module, or class; the closest wins)::
+
+    @pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None, manual_clock=True)
     def test_my_handler(orbit_server, orbit_client): ...
+
+Besides the constructor's keywords (``lease_duration``, ``session_window``, ``assignment_rate``,
+``clock``, ...), it takes ``manual_clock=True``, the same as requesting ``orbit_clock``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
 
 if TYPE_CHECKING:
     from orbit_sync.client import Client
-    from orbit_sync.testing import MockOrbitServer
+    from orbit_sync.testing import ManualClock, MockOrbitServer
+    from orbit_sync.testing._admin import AdminAPI, AdminClient
+    from orbit_sync.worker import Worker
+
+_ADMIN_KEY: pytest.StashKey[AdminAPI] = pytest.StashKey()
+
+#: Worker settings that keep a failing test short: a handler that ignores cancellation holds the
+#: teardown for ``cancel_grace``, an undeliverable finish for ``flush_timeout``.
+_WORKER_DEFAULTS: dict[str, Any] = {
+    "capacity": 2,
+    "drain_timeout": 5.0,
+    "cancel_grace": 1.0,
+    "flush_timeout": 2.0,
+    "handle_signals": False,
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Declare the marker so ``--strict-markers`` suites can use it."""
     config.addinivalue_line(
-        "markers", "orbit_server(**kwargs): keyword arguments for the orbit_server fixture"
+        "markers",
+        "orbit_server(**kwargs): keyword arguments for the orbit_server fixture "
+        "(MockOrbitServer's, plus manual_clock=True)",
     )
 
 
+def _marker_options(request: pytest.FixtureRequest) -> dict[str, Any]:
+    options: dict[str, Any] = {}
+    # iter_markers yields the closest first: apply the farthest first so the closest wins.
+    for marker in reversed(list(request.node.iter_markers("orbit_server"))):
+        if marker.args:
+            raise pytest.UsageError("@pytest.mark.orbit_server takes keyword arguments only")
+        options.update(marker.kwargs)
+    return options
+
+
 @pytest.fixture
-def orbit_server(request: pytest.FixtureRequest) -> Iterator[MockOrbitServer]:
+def orbit_server_options() -> dict[str, Any]:
+    """Default keyword arguments of ``orbit_server``; override this fixture to change them."""
+    return {}
+
+
+@pytest.fixture
+def orbit_clock() -> ManualClock:
+    """A manual clock; a test that requests it gets an ``orbit_server`` driven by it."""
+    from orbit_sync.testing import ManualClock
+
+    return ManualClock()
+
+
+@pytest.fixture
+def orbit_server(
+    request: pytest.FixtureRequest, orbit_server_options: dict[str, Any]
+) -> Iterator[MockOrbitServer]:
     """A running mock Orbit server on 127.0.0.1 (port 0), stopped after the test."""
     from orbit_sync.testing import MockOrbitServer
+    from orbit_sync.testing._admin import AdminAPI
 
-    kwargs: dict[str, Any] = {}
-    marker = request.node.get_closest_marker("orbit_server")
-    if marker is not None:
-        kwargs.update(marker.kwargs)
+    kwargs: dict[str, Any] = dict(orbit_server_options)
+    kwargs.update(_marker_options(request))
+    manual = bool(kwargs.pop("manual_clock", False))
+    if manual or "orbit_clock" in request.fixturenames:
+        if kwargs.get("clock") is not None:
+            raise pytest.UsageError(
+                "orbit_server: pass either clock=... or manual_clock/orbit_clock, not both"
+            )
+        kwargs["clock"] = request.getfixturevalue("orbit_clock")
+    if kwargs.get("admin_handler") is None:
+        api = AdminAPI()
+        kwargs["admin_handler"] = api
+        request.node.stash[_ADMIN_KEY] = api
     with MockOrbitServer(**kwargs) as server:
         yield server
 
@@ -46,3 +122,35 @@ def orbit_client(orbit_server: MockOrbitServer) -> Client:
     from orbit_sync.client import Client
 
     return Client(orbit_server.url, orbit_server.token)
+
+
+@pytest.fixture
+def orbit_worker(
+    orbit_server: MockOrbitServer, orbit_client: Client
+) -> Iterator[Callable[..., Worker]]:
+    """A factory of unstarted Workers for the default queue, each stopped after the test."""
+    from orbit_sync.worker import Worker
+
+    made: list[Worker] = []
+
+    def make(**kwargs: Any) -> Worker:
+        options = {**_WORKER_DEFAULTS, "queue_id": orbit_server.queue_id, **kwargs}
+        worker = Worker(orbit_client, **options)
+        made.append(worker)
+        return worker
+
+    yield make
+    # Stopped before orbit_server (which this fixture depends on) shuts down.
+    for worker in reversed(made):
+        worker.stop(drain=False)
+
+
+@pytest.fixture
+def orbit_admin(request: pytest.FixtureRequest, orbit_server: MockOrbitServer) -> AdminClient:
+    """A client of ``orbit_server``'s JSON admin API (base URL and admin token)."""
+    from orbit_sync.testing._admin import AdminClient
+
+    api = request.node.stash.get(_ADMIN_KEY, None)
+    if api is None:
+        raise pytest.UsageError("orbit_admin: the orbit_server marker replaced admin_handler")
+    return AdminClient(orbit_server.url, api.token)
