@@ -1,0 +1,25 @@
+"""``make demo``: the quickstart example runs its mixed batch and exits 0 within seconds."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+
+
+def test_quickstart_runs_clean() -> None:
+    """The demo prints its per-outcome summary, meets a dropped connection and exits 0 fast."""
+    began = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE)], capture_output=True, text=True, timeout=40, check=False
+    )
+    elapsed = time.monotonic() - began
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "per outcome: CANCELLED 1, SUCCEEDED 11" in proc.stdout
+    assert re.search(r"reconnects=[1-9]", proc.stdout)
+    assert proc.stdout.rstrip().endswith("OK")
+    assert elapsed < 15.0
