@@ -872,3 +872,16 @@ def test_enqueue_validates_arguments() -> None:
     with pytest.raises(ValueError):
         kit.enqueue(payload="x" * (512 * 1024))
     assert kit.state.task_snapshots() == ()
+
+
+def test_add_token_with_a_chosen_value() -> None:
+    """A chosen token value works like a generated one; bad or duplicate values are refused."""
+    kit = Kit()
+    scopes = {SCOPE_CONNECT, SCOPE_CONSUME, queue_scope(kit.queue_id)}
+    assert kit.state.add_token(scopes, token="fixed-token-1") == "fixed-token-1"
+    assert kit.worker(token="fixed-token-1").hello().answer.type == "worker.welcome"
+    with pytest.raises(ValueError, match="already registered"):
+        kit.state.add_token(scopes, token="fixed-token-1")
+    with pytest.raises(ValueError) as info:
+        kit.state.add_token(scopes, token="has space")
+    assert "has space" not in str(info.value)

@@ -295,6 +295,10 @@ class MockOrbitServer:
             self._unsubscribe()
         for conn in conns:
             conn.close_after_flush(1001, "server stopping")
+        with self._cond:
+            # Event-driven: each handler removes its connection and notifies when it ends.
+            # Waiting here spares websockets' shutdown() its 100 ms polling loop.
+            self._cond.wait_for(lambda: not self._conns, timeout=2.0)
         if ws is not None:
             ws.shutdown()
         for thread in self._threads:
@@ -354,10 +358,11 @@ class MockOrbitServer:
 
     # ------------------------------------------------------------------ operator API
 
-    def add_token(self, scopes: Iterable[str]) -> str:
-        """A new bearer token with exactly *scopes*."""
+    def add_token(self, scopes: Iterable[str], *, token: str | None = None) -> str:
+        """Register a bearer token with exactly *scopes* and return it: a fresh random one, or
+        *token* itself (e.g. a value fixed in a test's environment)."""
         with self._cond:
-            return self._state.add_token(scopes)
+            return self._state.add_token(scopes, token=token)
 
     def revoke_token(self, token: str) -> None:
         """Invalidate *token*: new upgrades get 401, live sessions ``UNAUTHENTICATED``."""

@@ -24,6 +24,7 @@ import hashlib
 import hmac
 import json
 import math
+import re
 import secrets
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -80,6 +81,8 @@ SCOPE_CONNECT = "workers:connect"
 SCOPE_CONSUME = "workers:consume"
 
 _US = 1_000_000
+#: What an ``Authorization: Bearer`` token may look like here (visible ASCII, no spaces).
+_TOKEN_RE = re.compile(r"[\x21-\x7e]{1,512}")
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 #: Recovery scan period and batch size (PROTOCOL §8).
 SCAN_INTERVAL_US = 2 * _US
@@ -418,15 +421,22 @@ class OrbitState:
 
     # ------------------------------------------------------------------ operator API
 
-    def add_token(self, scopes: Iterable[str]) -> str:
-        """Register a bearer token with *scopes*; returns the token."""
+    def add_token(self, scopes: Iterable[str], *, token: str | None = None) -> str:
+        """Register a bearer token with *scopes* (a fresh random one unless *token* is given);
+        returns the token."""
         if isinstance(scopes, str):
             raise TypeError("scopes must be an iterable of strings, not one string")
         scope_set = frozenset(scopes)
         for scope in scope_set:
             if type(scope) is not str:
                 raise TypeError("scopes must be strings")
-        token = secrets.token_urlsafe(32)
+        if token is None:
+            token = secrets.token_urlsafe(32)
+        elif type(token) is not str or not _TOKEN_RE.fullmatch(token):
+            # Never echo the value: it is a credential.
+            raise ValueError("token must be 1-512 visible ASCII characters without spaces")
+        elif self.token_scopes(token) is not None:
+            raise ValueError("that token is already registered")
         self._tokens[token] = scope_set
         return token
 
