@@ -60,6 +60,7 @@ _OP_BINARY = _abnf.ABNF.OPCODE_BINARY
 _OP_CLOSE = _abnf.ABNF.OPCODE_CLOSE
 _CONTROL = frozenset({_abnf.ABNF.OPCODE_CLOSE, _abnf.ABNF.OPCODE_PING, _abnf.ABNF.OPCODE_PONG})
 _REDIRECTS = range(300, 400)
+_CLOSE_WAIT = 5.0  # bound on waiting for woken writers before the descriptor is closed
 
 
 class FrameRejected(WorkerProtocolError):
@@ -211,6 +212,11 @@ class Transport:
         self._sock = sock
         #: time.monotonic() of the last bytes received (the read-idle bound's reference).
         self.last_rx = time.monotonic()
+        # Writers in progress. The descriptor is closed only once none is left: a write racing a
+        # close could otherwise land on a reused descriptor (another socket, another peer).
+        self._io = threading.Condition(threading.Lock())
+        self._writers = 0
+        self._closed = False
 
     @property
     def subprotocol_header(self) -> str | None:
@@ -220,7 +226,14 @@ class Transport:
         return value if isinstance(value, str) else None
 
     def _counting_recv(self, bufsize: int) -> bytes:
-        data: bytes = self._ws._recv(bufsize)
+        # Our own recv, not WebSocket._recv: that one closes the descriptor on EOF from the reader
+        # thread while writers may still be using it. Each chunk also stamps read activity.
+        try:
+            data = self._sock.recv(bufsize)
+        except TimeoutError:  # only during the dial, the one time a socket timeout is set
+            raise websocket.WebSocketTimeoutException("timed out") from None
+        if not data:
+            raise websocket.WebSocketConnectionClosedException("connection closed by the peer")
         self.last_rx = time.monotonic()
         return data
 
@@ -228,9 +241,27 @@ class Transport:
         """Socket timeout: only during the dial (None afterwards, see the module docstring)."""
         self._ws.settimeout(timeout)
 
+    def _enter_write(self) -> bool:
+        with self._io:
+            if self._closed:
+                return False
+            self._writers += 1
+            return True
+
+    def _exit_write(self) -> None:
+        with self._io:
+            self._writers -= 1
+            if self._writers == 0:
+                self._io.notify_all()
+
     def send_text(self, text: str) -> None:
         """Send one text frame (websocket-client serializes concurrent writers with a lock)."""
-        self._ws.send(text, _OP_TEXT)
+        if not self._enter_write():
+            raise WorkerDisconnected("the connection is closed")
+        try:
+            self._ws.send(text, _OP_TEXT)
+        finally:
+            self._exit_write()
 
     def recv_message(self) -> bytes:
         """The next text message as bytes.
@@ -265,22 +296,34 @@ class Transport:
         The close frame is sent only if no writer holds the lock and the socket can take it now;
         teardown must never block behind a stuck writer.
         """
-        if close_code is not None and self._ws.lock.acquire(blocking=False):
-            try:
-                _, writable, _ = select.select([], [self._sock], [], 0)
-                if writable:
-                    payload = struct.pack("!H", close_code)
-                    frame = _abnf.ABNF.create_frame(payload, _abnf.ABNF.OPCODE_CLOSE).format()
-                    self._sock.send(frame)
-            except (OSError, ValueError):
-                pass
-            finally:
-                self._ws.lock.release()
-        _shutdown(self._sock)
+        if not self._enter_write():
+            return  # already closed
+        try:
+            if close_code is not None and self._ws.lock.acquire(blocking=False):
+                try:
+                    _, writable, _ = select.select([], [self._sock], [], 0)
+                    if writable:
+                        payload = struct.pack("!H", close_code)
+                        frame = _abnf.ABNF.create_frame(payload, _abnf.ABNF.OPCODE_CLOSE)
+                        self._sock.send(frame.format())
+                except (OSError, ValueError):
+                    pass
+                finally:
+                    self._ws.lock.release()
+            _shutdown(self._sock)
+        finally:
+            self._exit_write()
 
     def close(self) -> None:
-        """Release the file descriptor. Only once no thread reads or writes any more."""
+        """Release the file descriptor, once the reader is done and no writer is left.
+
+        The shutdown first wakes every blocked writer (they fail at once), so the wait is short;
+        it is bounded all the same.
+        """
         _shutdown(self._sock)
+        with self._io:
+            self._closed = True
+            self._io.wait_for(lambda: self._writers == 0, timeout=_CLOSE_WAIT)
         with contextlib.suppress(OSError):
             self._sock.close()
         self._ws.sock = None

@@ -333,6 +333,9 @@ class WorkerConnection:
     ) -> tuple[Any, float]:
         # t_sent precedes the send, so the local deadline never outlives the server's lease.
         t_sent = self._clock()
+        if threading.current_thread() is self._reader:
+            # From on_cancel: the answer could only be read by this very thread.
+            raise RuntimeError("requests cannot be made from the on_cancel callback")
         mid = new_message_id() if message_id is None else _check_message_id(message_id)
         bound = self._bound(timeout)
         slot = _Slot(request_type, mid, time.monotonic() + bound)

@@ -209,3 +209,28 @@ def test_on_cancel_may_close_the_connection() -> None:
         assert conn.done.wait(WAIT)
         assert isinstance(conn.err, WorkerClosed)
         conn.close()
+
+
+def test_on_cancel_cannot_make_requests() -> None:
+    """A request from inside on_cancel (it would wait on its own reader) raises RuntimeError."""
+    raised: queue.Queue[BaseException] = queue.Queue()
+    holder: dict[str, Any] = {}
+
+    def on_cancel(notice: CancelNotice) -> None:
+        try:
+            holder["conn"].capacity(CapacityReport(1, 1))
+        except BaseException as exc:
+            raised.put(exc)
+
+    with ScriptedServer() as server:
+        conn, peer = open_pair(
+            server, registration(cancellation_notifications=True), on_cancel=on_cancel
+        )
+        holder["conn"] = conn
+        try:
+            peer.push("task.cancel", cancel_body())
+            assert isinstance(raised.get(timeout=WAIT), RuntimeError)
+            _roundtrip(conn, peer)  # nothing was sent by the callback; the connection lives
+            assert conn.err is None
+        finally:
+            conn.close()
