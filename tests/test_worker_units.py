@@ -10,7 +10,15 @@ import threading
 import pytest
 
 from orbit_sync.models import Outcome, Task, TaskState, new_id
-from orbit_sync.worker import Backoff, Fail, TaskCancelled, TaskContext, UnknownEffect, Worker
+from orbit_sync.worker import (
+    Backoff,
+    Fail,
+    HandlerEnvironment,
+    TaskCancelled,
+    TaskContext,
+    UnknownEffect,
+    Worker,
+)
 from orbit_sync.worker._outcomes import abandoned, not_run, outcome_of
 from orbit_sync.worker._pool import DaemonPool
 
@@ -259,3 +267,28 @@ def test_worker_validates_configuration() -> None:
     assert worker.stop().drained is True
     with pytest.raises(RuntimeError):
         worker.start()
+
+
+# ----------------------------------------------------------------------------- environment
+
+
+def test_handler_environment_runs_handlers_without_a_server() -> None:
+    """HandlerEnvironment maps a handler's ending to the verdict the worker would send."""
+    env = HandlerEnvironment(handler="resize", attempt=2)
+
+    def resize(ctx: TaskContext, payload: dict[str, int]) -> dict[str, int]:
+        ctx.raise_if_cancelled()
+        return {"w": payload["w"] * 2, "attempt": ctx.attempt}
+
+    verdict = env.run(resize, {"w": 10})
+    assert (verdict.outcome, verdict.result) == (Outcome.SUCCEEDED, {"w": 20, "attempt": 2})
+    assert env.context is not None and env.context.remaining() > 29
+    env.cancel()
+    verdict = env.run(resize, {"w": 10})
+    assert (verdict.outcome, verdict.error_code) == (Outcome.CANCELLED, "CANCELLED")
+    env.cancel("shutdown")
+    assert env.run(resize, {"w": 1}).error_code == "WORKER_SHUTDOWN"
+    assert env.run(lambda ctx, p: 1 / 0, {}).result == {
+        "error": "HANDLER_ERROR",
+        "exception": "ZeroDivisionError",
+    }

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from ._backoff import Backoff
 from ._context import TaskContext
-from ._outcomes import Fail, TaskCancelled, UnknownEffect
+from ._environment import HandlerEnvironment
+from ._outcomes import Fail, TaskCancelled, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
 
@@ -18,10 +19,12 @@ __all__ = [
     "Backoff",
     "Fail",
     "Handler",
+    "HandlerEnvironment",
     "ShutdownReport",
     "TaskCancelled",
     "TaskContext",
     "UnknownEffect",
+    "Verdict",
     "Worker",
     "WorkerStats",
 ]

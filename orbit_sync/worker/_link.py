@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..errors import OrbitError
 from ..models import (
     Assignment,
     AttemptRef,
@@ -40,6 +41,9 @@ class Connection(Protocol):
 
     @property
     def done(self) -> threading.Event: ...
+
+    @property
+    def err(self) -> OrbitError | None: ...
 
     def capacity(
         self, report: CapacityReport, *, message_id: str | None = ..., timeout: float | None = ...

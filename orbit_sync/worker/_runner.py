@@ -556,8 +556,8 @@ class Worker:
             except TimeoutError:
                 continue
             self._dispatch(assignment)
-        err = getattr(conn, "err", None)
-        if isinstance(err, OrbitError) and not self._link.is_closed():
+        err = conn.err
+        if err is not None and not self._link.is_closed():
             raise err
 
     def _on_cancel(self, notice: CancelNotice) -> None:
