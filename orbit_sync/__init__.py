@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ._version import __version__
+from .client import Client
+from .connection import WorkerConnection
 from .errors import (
     CallTimeout,
     FrameError,
@@ -44,6 +46,7 @@ __all__ = [
     "CancelNotice",
     "Capability",
     "CapacityReport",
+    "Client",
     "CommandResult",
     "Disposition",
     "Finish",
@@ -61,6 +64,7 @@ __all__ = [
     "WorkerBackpressure",
     "WorkerBusy",
     "WorkerClosed",
+    "WorkerConnection",
     "WorkerDisconnected",
     "WorkerError",
     "WorkerProtocolError",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 
 import pytest
 
@@ -20,3 +21,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             f"non-daemon threads left running: {alive}", red=True
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def _no_orbit_sync_threads_left() -> Iterator[None]:
+    """Fail a test that leaves one of the SDK's or mock server's threads running."""
+    before = set(threading.enumerate())
+    yield
+    left = [
+        t for t in threading.enumerate() if t not in before and t.name.startswith("orbit-sync-")
+    ]
+    for thread in left:
+        thread.join(timeout=2.0)
+    alive = [t.name for t in left if t.is_alive()]
+    assert not alive, f"orbit-sync threads left running: {alive}"
