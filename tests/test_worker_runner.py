@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 from typing import Any
 
 import pytest
 from _worker_helpers import Probe, events, has_event, make_worker, running
 
-from orbit_sync.models import AttemptState, Outcome, TaskState
+from orbit_sync.models import SECRET_RE, AttemptState, Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Fail, TaskContext, UnknownEffect
 
@@ -126,8 +128,11 @@ def test_lease_loss_cancels_handler_and_late_result_is_evidence(server: MockOrbi
 
 
 @pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)
-def test_connection_cut_mid_handler(server: MockOrbitServer) -> None:
+def test_connection_cut_mid_handler(
+    server: MockOrbitServer, caplog: pytest.LogCaptureFixture
+) -> None:
     """A cut connection: reconnect with the same instance, resume, keep renewing, one finish."""
+    caplog.set_level(logging.DEBUG)
     probe = Probe()
     worker = make_worker(server)
 
@@ -160,6 +165,13 @@ def test_connection_cut_mid_handler(server: MockOrbitServer) -> None:
     assert len(sessions) >= 2
     assert len({s.instance_id for s in sessions}) == 1, "same registration on reconnect"
     assert sessions[-1].epoch > sessions[0].epoch
+    # Every log line of the whole scenario (DEBUG included) is free of secrets.
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert task_id in text and "reconnecting" in text
+    assert server.token not in text
+    assert worker.registration.instance_secret not in text
+    words = re.split(r"[^A-Za-z0-9_-]+", text)
+    assert not [w for w in words if SECRET_RE.fullmatch(w)], "no lease_secret-shaped word"
 
 
 @pytest.mark.parametrize("fault", ["close_after", "close_before"])
@@ -260,10 +272,8 @@ def test_lease_not_surviving_reconnect_cancels_handler(server: MockOrbitServer) 
     assert stats.lease_losses == 1
 
 
-@pytest.mark.parametrize("notifications", [True, False], ids=["push", "renewal"])
-@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None)
-def test_cancellation(server: MockOrbitServer, notifications: bool) -> None:
-    """A cancel request (pushed, or seen on renewal) stops the handler: CANCELLED."""
+def _cancel_running_task(server: MockOrbitServer, notifications: bool) -> tuple[Probe, Any]:
+    """Run one handler, request its task's cancel, return the probe and the worker's stats."""
     probe = Probe()
     worker = make_worker(server, cancellation_notifications=notifications)
 
@@ -287,9 +297,21 @@ def test_cancellation(server: MockOrbitServer, notifications: bool) -> None:
         Outcome.CANCELLED,
         "CANCELLED",
     )
-    stats = worker.stats()
-    assert stats.cancelled == 1 and stats.lease_losses == 0
     assert bool(events(server, "task.cancel_pushed", task_id)) is notifications
+    return probe, worker.stats()
+
+
+def test_cancel_push_stops_handler(server: MockOrbitServer) -> None:
+    """A task.cancel push cancels the context at once (no renewal needed on a 30 s lease)."""
+    _, stats = _cancel_running_task(server, notifications=True)
+    assert stats.cancelled == 1 and stats.renewals == 0 and stats.lease_losses == 0
+
+
+@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None)
+def test_cancel_seen_on_renewal_stops_handler(server: MockOrbitServer) -> None:
+    """Without notifications, the renewal's cancel_requested_at cancels the context."""
+    _, stats = _cancel_running_task(server, notifications=False)
+    assert stats.cancelled == 1 and stats.renewals >= 1 and stats.lease_losses == 0
 
 
 def test_exceptions_mapped_to_outcomes(server: MockOrbitServer) -> None:
@@ -354,3 +376,52 @@ def test_exceptions_mapped_to_outcomes(server: MockOrbitServer) -> None:
     assert last("weird") == (TaskState.FAILED, Outcome.FAILED, "RESULT_NOT_JSON")
     for name in ("denied", "broken", "huge", "weird"):
         assert len(snaps[name].attempts) == 1, f"{name} is not retryable"
+
+
+@pytest.mark.orbit_server(lease_duration=5.0, assignment_rate=None)
+def test_finish_waits_for_the_connection(server: MockOrbitServer) -> None:
+    """A handler that returns while disconnected: its finish waits and is sent after reconnect."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        probe.release.wait(10)
+        return {"ok": True}
+
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        probe.wait_started()
+        refused = server.faults.refuse_connections(count=3)
+        server.disconnect()
+        probe.release.set()  # returns while the worker cannot get back in
+        assert refused.wait(10), "the worker kept trying to reconnect"
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert snap.state is TaskState.SUCCEEDED and snap.result == {"ok": True}
+    assert snap.evidence == () and len(snap.attempts) == 1
+
+
+def test_undeliverable_finish_is_reported_at_shutdown(server: MockOrbitServer) -> None:
+    """When no connection comes back, stop() is still bounded and lists the unreported finish."""
+    probe = Probe()
+    worker = make_worker(server, flush_timeout=0.3)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        probe.release.wait(10)
+        return {"ok": True}
+
+    task_id = server.enqueue("work", {})
+    worker.start()
+    try:
+        probe.wait_started()
+        server.faults.refuse_connections(count=1_000_000)
+        server.disconnect()
+        probe.release.set()
+        report = worker.stop(timeout=0.2)
+    finally:
+        worker.stop(drain=False)
+    assert [a.task_id for a in report.unreported] == [task_id]
+    assert server.task(task_id).state is TaskState.RUNNING
