@@ -611,3 +611,70 @@ def test_secrets_never_logged_or_shown(caplog: pytest.LogCaptureFixture) -> None
         )
     for secret in (srv.token, client.registration.instance_secret, ref.lease_secret):
         assert secret not in shown
+
+
+def test_deadline_latest_start_and_time_limit_over_socket(server: MockOrbitServer) -> None:
+    """Overdue WAITING tasks fail; an attempt's lease stops at start + attempt_time_limit."""
+    late = server.enqueue("crop", {"n": 1}, latest_start=3)
+    overdue = server.enqueue("crop", {"n": 2}, deadline=5)
+    server.advance(4)
+    assert server.task(late).state is TaskState.FAILED
+    server.advance(2)
+    assert server.task(overdue).error_code == "DEADLINE_EXCEEDED"
+    client = RawClient(server).open()
+    server.enqueue("resize", {"n": 3}, attempt_time_limit=4)
+    ref = client.ref(client.next_push())
+    lease = client.start(ref)["body"]["lease"]
+    window = parse_time(lease["lease_until"]) - parse_time(lease["server_time"])
+    assert window.total_seconds() == 4
+
+
+def test_unknown_outcome_over_socket(server: MockOrbitServer) -> None:
+    """UNKNOWN retries an IDEMPOTENT task (keeping effect_uncertain), else NEEDS_REVIEW."""
+    client = RawClient(server, capacity=2).open()
+    retried = server.enqueue("resize", {"n": 1}, retry_safety="IDEMPOTENT", backoff_initial=2)
+    reviewed = server.enqueue("resize", {"n": 2})
+    pushes = [client.next_push(), client.next_push()]
+    for ref in (client.ref(a) for a in pushes):
+        client.start(ref)
+        client.finish(ref, "UNKNOWN", {}, "TIMEOUT")
+    assert server.task(reviewed).state is TaskState.NEEDS_REVIEW
+    server.advance(2)
+    again = client.next_push()
+    assert again["body"]["task"]["task_id"] == retried
+    snap = server.task(retried)
+    assert snap.effect_uncertain and [a.state.value for a in snap.attempts] == [
+        "UNKNOWN",
+        "LEASED",
+    ]
+
+
+def test_cancel_before_start_over_socket(server: MockOrbitServer) -> None:
+    """Cancelling an assigned, unstarted task pushes task.cancel and its start is LEASE_LOST."""
+    client = RawClient(server, notifications=True).open()
+    task_id = server.enqueue("resize", {"n": 1})
+    ref = client.ref(client.next_push())
+    server.request_cancel(task_id)
+    assert client.next_push("task.cancel")["body"]["task_id"] == task_id
+    assert error_code(client.start(ref)) == "LEASE_LOST"
+    assert server.task(task_id).state is TaskState.CANCELLED
+    waiting = server.enqueue("crop", {"n": 2})
+    server.request_cancel(waiting)
+    assert server.task(waiting).state is TaskState.CANCELLED
+
+
+def test_events_and_invariants_over_socket(server: MockOrbitServer) -> None:
+    """The event log names sessions and attempts; invariants hold after a busy run."""
+    clients = [RawClient(server, capacity=2).open() for _ in range(3)]
+    ids = [server.enqueue("resize", {"n": i}) for i in range(6)]
+    for client in clients:
+        for _ in range(2):
+            ref = client.ref(client.next_push())
+            client.start(ref)
+            client.finish(ref)
+    for task_id in ids:
+        server.wait_for(task_id, {"SUCCEEDED"})
+    server.check_invariants()
+    assigned = [e for e in server.events() if e.kind == "attempt.assigned"]
+    assert {e.session_id for e in assigned} == {c.session_id for c in clients}
+    assert all(e.attempt_id for e in assigned)
