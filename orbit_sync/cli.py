@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import logging
 import os
 import shlex
@@ -267,15 +266,9 @@ def _replace_worker_token(server: MockOrbitServer, token: str) -> None:
     """Accept *token* with the default token's scopes, and retire the generated one."""
     from .testing import SCOPE_CONNECT, SCOPE_CONSUME, queue_scope
 
-    scopes = frozenset({SCOPE_CONNECT, SCOPE_CONSUME, queue_scope(server.queue_id)})
-    if "token" in inspect.signature(server.add_token).parameters:
-        server.add_token(scopes, token=token)  # type: ignore[call-arg]
-    else:
-        # MockOrbitServer.add_token cannot take a chosen value yet: register it the way
-        # add_token does (tests/test_cli_mock_server.py fails if this stops working).
-        state: Any = server._state
-        with server._cond:
-            state._tokens[token] = scopes
+    scopes = {SCOPE_CONNECT, SCOPE_CONSUME, queue_scope(server.queue_id)}
+    server.add_token(scopes, token=token)
+    # Only the printed token should open sessions on this server.
     server.revoke_token(server.token)
 
 

@@ -76,6 +76,10 @@ _SAFE_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 _FRAME_TYPE = re.compile(r"[a-z]+\.[a-z]+")
 _UINT = re.compile(r"0|[1-9][0-9]{0,8}")
 _SECONDS = re.compile(r"(0|[1-9][0-9]{0,9})(\.[0-9]{1,9})?")
+_ENQUEUE_PARAMS = (
+    "handler payload handler_version payload_version queue_id max_attempts backoff_initial"
+    " backoff_max attempt_time_limit retry_safety deadline latest_start"
+)
 #: Worker-visible frame types a fault may target (requests) and pushes.
 _FAULT_KINDS = (
     "drop_reply",
@@ -144,6 +148,12 @@ class _Params:
     def _raw(self, name: str) -> str | None:
         self._used.add(name)
         return self._values.get(name)
+
+    def only(self, known: frozenset[str]) -> None:
+        """Refuse any parameter outside *known*."""
+        unknown = sorted(set(self._values) - known)
+        if unknown:
+            raise _bad(f"unknown parameter {_shown(unknown[0])}")
 
     def done(self) -> None:
         """Refuse parameters no handler asked for: a typo must not be silently ignored."""
@@ -323,35 +333,46 @@ class AdminAPI:
         self._token = token
         self._lock = threading.Lock()
         self._faults: list[Fault] = []
-        self._routes: list[tuple[str, re.Pattern[str], Route]] = []
+        self._routes: list[tuple[str, re.Pattern[str], Route, frozenset[str]]] = []
         hexid = r"([0-9a-f]{32})"
         queue = r"([0-9a-f]{32}|default)"
-        for method, pattern, route in (
-            ("GET", r"/server", self._server_info),
-            ("GET", r"/clock", self._clock),
-            ("POST", r"/clock/advance", self._advance),
-            ("GET", r"/tasks", self._list_tasks),
-            ("POST", r"/tasks", self._enqueue),
-            ("GET", rf"/tasks/{hexid}", self._get_task),
-            ("POST", rf"/tasks/{hexid}/cancel", self._cancel_task),
-            ("GET", rf"/tasks/{hexid}/wait", self._wait_task),
-            ("POST", r"/queues", self._add_queue),
-            ("POST", rf"/queues/{queue}/(pause|resume)", self._pause_resume),
-            ("POST", rf"/queues/{queue}/concurrency", self._concurrency),
-            ("POST", r"/tokens", self._add_token),
-            ("POST", r"/tokens/revoke", self._revoke_token),
-            ("GET", r"/sessions", self._sessions),
-            ("POST", r"/disconnect", self._disconnect),
-            ("GET", r"/events", self._events),
-            ("GET", r"/invariants", self._invariants),
-            ("GET", r"/faults", self._list_faults),
-            ("POST", r"/faults", self._arm_fault),
-            ("POST", r"/faults/clear", self._clear_faults),
-            ("POST", r"/faults/send-raw", self._send_raw),
-            ("GET", r"/faults/([1-9][0-9]{0,8})/wait", self._wait_fault),
-            ("POST", r"/faults/([1-9][0-9]{0,8})/cancel", self._cancel_fault),
+        for method, pattern, route, names in (
+            ("GET", r"/server", self._server_info, ""),
+            ("GET", r"/clock", self._clock, ""),
+            ("POST", r"/clock/advance", self._advance, "seconds"),
+            ("GET", r"/tasks", self._list_tasks, "state queue_id handler"),
+            (
+                "POST",
+                r"/tasks",
+                self._enqueue,
+                _ENQUEUE_PARAMS,
+            ),
+            ("GET", rf"/tasks/{hexid}", self._get_task, ""),
+            ("POST", rf"/tasks/{hexid}/cancel", self._cancel_task, ""),
+            ("GET", rf"/tasks/{hexid}/wait", self._wait_task, "states timeout"),
+            ("POST", r"/queues", self._add_queue, "max_concurrency paused"),
+            ("POST", rf"/queues/{queue}/(pause|resume)", self._pause_resume, ""),
+            ("POST", rf"/queues/{queue}/concurrency", self._concurrency, "max_concurrency"),
+            ("POST", r"/tokens", self._add_token, "scopes queue_id"),
+            ("POST", r"/tokens/revoke", self._revoke_token, ""),
+            ("GET", r"/sessions", self._sessions, ""),
+            ("POST", r"/disconnect", self._disconnect, "session_id"),
+            ("GET", r"/events", self._events, "since limit"),
+            ("GET", r"/invariants", self._invariants, ""),
+            ("GET", r"/faults", self._list_faults, ""),
+            (
+                "POST",
+                r"/faults",
+                self._arm_fault,
+                "kind frame_type session_id count seconds code status",
+            ),
+            ("POST", r"/faults/clear", self._clear_faults, ""),
+            ("POST", r"/faults/send-raw", self._send_raw, "text session_id"),
+            ("GET", r"/faults/([1-9][0-9]{0,8})/wait", self._wait_fault, "timeout"),
+            ("POST", r"/faults/([1-9][0-9]{0,8})/cancel", self._cancel_fault, ""),
         ):
-            self._routes.append((method, re.compile(re.escape(ADMIN_PREFIX) + pattern), route))
+            compiled = re.compile(re.escape(ADMIN_PREFIX) + pattern)
+            self._routes.append((method, compiled, route, frozenset(names.split())))
 
     @property
     def token(self) -> str:
@@ -396,7 +417,7 @@ class AdminAPI:
     ) -> tuple[int, dict[str, Any]]:
         self._authenticate(request)
         allowed = []
-        for method, pattern, route in self._routes:
+        for method, pattern, route, known in self._routes:
             match = pattern.fullmatch(path)
             if match is None:
                 continue
@@ -404,6 +425,9 @@ class AdminAPI:
                 allowed.append(method)
                 continue
             params = _Params(query)
+            # Unknown names first: a misspelt optional parameter must not pass unnoticed, and a
+            # misspelt required one is better reported as the typo than as missing.
+            params.only(known)
             try:
                 result = route(server, params, match, request)
             except KeyError as exc:
