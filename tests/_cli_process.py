@@ -1,0 +1,124 @@
+"""Run the ``orbit-sync`` command in a subprocess; read its output line by line, with timeouts."""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+#: The installed console script (``pip install -e .`` puts it beside the interpreter).
+SCRIPT = Path(sys.executable).with_name("orbit-sync")
+
+
+def command(*args: str) -> list[str]:
+    """The console script with *args* (or the same entry point through the interpreter)."""
+    if SCRIPT.exists():
+        return [str(SCRIPT), *args]
+    return [
+        sys.executable,
+        "-c",
+        "from orbit_sync.cli import main; raise SystemExit(main())",
+        *args,
+    ]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The current environment without ORBIT_* variables, plus *extra*."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORBIT_")}
+    env.update(extra)
+    return env
+
+
+class Proc:
+    """A child process whose stdout and stderr are drained by threads into line queues."""
+
+    def __init__(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+    ) -> None:
+        self.popen = subprocess.Popen(
+            list(argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env() if env is None else env,
+            cwd=cwd,
+        )
+        self.out: queue.Queue[str | None] = queue.Queue()
+        self.err_lines: list[str] = []
+        self.out_lines: list[str] = []
+        assert self.popen.stdout is not None and self.popen.stderr is not None
+        self._threads = [
+            threading.Thread(target=self._drain_out, daemon=True),
+            threading.Thread(target=self._drain_err, daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _drain_out(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.out_lines.append(line)
+            self.out.put(line.rstrip("\n"))
+        self.out.put(None)
+
+    def _drain_err(self) -> None:
+        assert self.popen.stderr is not None
+        for line in self.popen.stderr:
+            self.err_lines.append(line)
+
+    def line(self, timeout: float = 15.0) -> str:
+        """The next stdout line; AssertionError on timeout or end of output."""
+        try:
+            line = self.out.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output within {timeout} s; stderr: {self.stderr}") from None
+        if line is None:
+            raise AssertionError(f"the process ended; stderr: {self.stderr}")
+        return line
+
+    def banner(self) -> dict[str, str]:
+        """Read the mock server's banner up to ``# ready``; return its KEY=value pairs."""
+        values: dict[str, str] = {}
+        while True:
+            line = self.line()
+            if line == "# ready":
+                return values
+            if not line.startswith("#"):
+                key, _, value = line.partition("=")
+                values[key] = value
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Send *sig*; wait for the exit status and for the output to be drained."""
+        self.popen.send_signal(sig)
+        return self.wait(timeout)
+
+    def wait(self, timeout: float = 15.0) -> int:
+        """Wait for the exit status and for the output to be drained."""
+        code = self.popen.wait(timeout)
+        for thread in self._threads:
+            thread.join(timeout)
+        return code
+
+    @property
+    def stderr(self) -> str:
+        """Everything written to stderr so far."""
+        return "".join(self.err_lines)
+
+    @property
+    def stdout(self) -> str:
+        """Everything written to stdout so far."""
+        return "".join(self.out_lines)
+
+    def kill(self) -> None:
+        """Make sure the process is gone (for test teardown)."""
+        if self.popen.poll() is None:
+            self.popen.kill()
+        self.wait()
+        for stream in (self.popen.stdout, self.popen.stderr):
+            if stream is not None:
+                stream.close()
