@@ -87,7 +87,7 @@ class _Conn:
         self._aborted = False
         self._want_kick = False
         self._writer = threading.Thread(
-            target=self._write_loop, name="orbit-sync-mock-writer", daemon=True
+            target=self._write_loop, name="orbit-mock-writer", daemon=True
         )
 
     def start(self) -> None:
@@ -273,8 +273,8 @@ class MockOrbitServer:
             if isinstance(self._clock, ManualClock):
                 self._unsubscribe = self._clock.subscribe(self._wake)
             for target, name in (
-                (self._ws.serve_forever, "orbit-sync-mock-accept"),
-                (self._schedule_loop, "orbit-sync-mock-scheduler"),
+                (self._ws.serve_forever, "orbit-mock-accept"),
+                (self._schedule_loop, "orbit-mock-scheduler"),
             ):
                 thread = threading.Thread(target=target, name=name, daemon=True)
                 thread.start()
