@@ -28,13 +28,14 @@ from orbit_sync.client import Client
 from orbit_sync.testing import EventRecord, MockOrbitServer
 from orbit_sync.worker import Backoff, TaskContext, Worker
 
-#: Prefixes of the threads a worker (and its connections) create.
+#: Prefixes of the threads a worker (and its connections) create; never the mock server's.
 WORKER_THREAD_PREFIXES = (
     "orbit-worker",
     "orbit-handler",
     "orbit-lease",
-    "orbit-sync",
     "orbit-finish",
+    "orbit-sync-reader",
+    "orbit-sync-deadlines",
 )
 
 
