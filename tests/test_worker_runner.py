@@ -425,3 +425,25 @@ def test_undeliverable_finish_is_reported_at_shutdown(server: MockOrbitServer) -
         worker.stop(drain=False)
     assert [a.task_id for a in report.unreported] == [task_id]
     assert server.task(task_id).state is TaskState.RUNNING
+
+
+def test_duplicate_assignment_runs_once(
+    server: MockOrbitServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The same assignment pushed twice is recognised; the handler runs once, one start sent."""
+    probe = Probe()
+    worker = make_worker(server)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        return {"ok": True}
+
+    twice = server.faults.duplicate_push("task.assign")
+    task_id = server.enqueue("work", {})
+    with running(worker):
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert twice.fired == 1
+    assert snap.state is TaskState.SUCCEEDED and probe.runs[task_id] == 1
+    assert any("assigned twice" in r.getMessage() for r in caplog.records)
+    assert not any("start refused" in r.getMessage() for r in caplog.records)
