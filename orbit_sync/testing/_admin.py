@@ -80,7 +80,7 @@ _ENQUEUE_PARAMS = (
     "handler payload handler_version payload_version queue_id max_attempts backoff_initial"
     " backoff_max attempt_time_limit retry_safety deadline latest_start"
 )
-#: Worker-visible frame types a fault may target (requests) and pushes.
+#: Fault kinds: the names of ``server.faults``' arming methods.
 _FAULT_KINDS = (
     "drop_reply",
     "close_before",
@@ -293,32 +293,34 @@ class AdminAPI:
     """The admin endpoints; pass the instance (or :meth:`handle`) as the server's
     ``admin_handler``. *token* defaults to a fresh random one (see :attr:`token`).
 
-    =======  ==================================  ==========================================
-    method   path (under ``/admin/v1``)          what
-    =======  ==================================  ==========================================
-    GET      ``/server``                         url, default queue, windows, server time
-    GET      ``/clock``                          server time
-    POST     ``/clock/advance?seconds=S``        ``server.advance(S)``; due work runs
-    GET      ``/tasks[?state=A,B&queue_id=&handler=]``  task snapshots
-    POST     ``/tasks?handler=&payload=JSON...``  enqueue (201); policy parameters optional
-    GET      ``/tasks/{id}``                     one snapshot
-    POST     ``/tasks/{id}/cancel``              ``server.request_cancel``
-    GET      ``/tasks/{id}/wait?states=A,B[&timeout=S]``  block until reached (<= 30 s)
-    POST     ``/queues[?max_concurrency=&paused=]``  new queue (201)
-    POST     ``/queues/{id}/pause`` / ``resume``  pause or resume (``{id}`` may be ``default``)
-    POST     ``/queues/{id}/concurrency?max_concurrency=N|none``  change the limit
-    POST     ``/tokens[?scopes=a,b | queue_id=]``  new worker token (201)
-    POST     ``/tokens/revoke`` + header ``Orbit-Worker-Token``  revoke one
-    GET      ``/sessions``                       session snapshots
-    POST     ``/disconnect[?session_id=]``       cut connections abruptly
-    GET      ``/events[?since=N&limit=M]``       the event log from offset N
-    GET      ``/invariants``                     ``{"ok": bool, "problems": [...]}``
-    GET      ``/faults``                         faults armed through this API
-    POST     ``/faults?kind=&frame_type=&count=...``  arm one (201)
-    GET      ``/faults/{n}/wait[?timeout=S]``    block until it fired ``count`` times
-    POST     ``/faults/{n}/cancel``, ``/faults/clear``  disarm one, or all
-    POST     ``/faults/send-raw?text=&session_id=``  push one unchecked text frame
-    =======  ==================================  ==========================================
+    Endpoints, under ``/admin/v1``::
+
+        GET  /server                             url, default queue, windows, server time
+        GET  /clock                              server time
+        POST /clock/advance?seconds=S            server.advance(S): due work runs on the way
+        GET  /tasks[?state=A,B&queue_id=&handler=]   task snapshots
+        POST /tasks?handler=&payload=JSON[&...]  enqueue (201); policy parameters optional:
+                                                 handler_version, payload_version, queue_id,
+                                                 max_attempts, backoff_initial, backoff_max,
+                                                 retry_safety, deadline, latest_start,
+                                                 attempt_time_limit
+        GET  /tasks/{id}                         one snapshot
+        POST /tasks/{id}/cancel                  server.request_cancel(id)
+        GET  /tasks/{id}/wait?states=A,B[&timeout=S]   block until reached (at most 30 s)
+        POST /queues[?max_concurrency=N&paused=true]   new queue (201)
+        POST /queues/{id|default}/pause          pause; /resume resumes
+        POST /queues/{id|default}/concurrency?max_concurrency=N|none
+        POST /tokens[?scopes=a,b | ?queue_id=]   new worker token (201)
+        POST /tokens/revoke                      the token in header Orbit-Worker-Token
+        GET  /sessions                           session snapshots
+        POST /disconnect[?session_id=]           cut one connection, or all, abruptly
+        GET  /events[?since=N&limit=M]           the event log from offset N; "next" offset
+        GET  /invariants                         {"ok": bool, "problems": [...]}
+        GET  /faults                             faults armed through this API
+        POST /faults?kind=K[&frame_type=&count=&session_id=&seconds=&code=&status=]  (201)
+        GET  /faults/{n}/wait[?timeout=S]        block until it fired count times
+        POST /faults/{n}/cancel                  disarm one; POST /faults/clear disarms all
+        POST /faults/send-raw?text=&session_id=  push one unchecked text frame
     """
 
     def __init__(self, token: str | None = None) -> None:
