@@ -132,7 +132,16 @@ class Worker:
     server. On stop, running handlers get *drain_timeout* seconds to return (their leases are
     renewed meanwhile); then their contexts are cancelled (``shutdown``) and they get
     *cancel_grace* more; handlers still running are finished ``UNKNOWN`` with
-    ``SHUTDOWN_TIMEOUT``; finishes still waiting for a connection get *flush_timeout*.
+    ``SHUTDOWN_TIMEOUT``; finishes still waiting for a connection get *flush_timeout*. Keep
+    *cancel_grace* under half the lease window: cancelled attempts are no longer renewed.
+
+    Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded);
+    *dial_timeout* and *call_timeout* bound one dial and one request (after which the request is
+    re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32) bounds the
+    requests outstanding at once so the server's 8-frame outbound queue never overflows;
+    *renew_retry_delay* (0.1-5 s) spaces retries of a failed renewal. *cancellation_notifications*
+    asks the server for ``task.cancel`` pushes. *handle_signals* lets :meth:`run` on the main
+    thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``).
     """
 
     def __init__(
@@ -176,6 +185,8 @@ class Worker:
         # at a time) are outside the gate, so handler traffic can never starve a renewal.
         self._gate = threading.BoundedSemaphore(max_in_flight - 2)
         self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
+        if not 0.1 <= self._retry_delay <= 5.0:
+            raise ValueError("renew_retry_delay must be between 0.1 and 5 seconds")
         self._notifications = bool(cancellation_notifications)
         self._handle_signals = handle_signals
         self._log = logger or _LOG
@@ -212,7 +223,7 @@ class Worker:
         self._registration: Registration | None = None
         self._watchdog = LeaseWatchdog(
             self._renew,
-            retry_delay=min(max(self._retry_delay, 0.1), 5.0),
+            retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
             logger=self._log,
         )
