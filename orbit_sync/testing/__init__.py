@@ -17,6 +17,7 @@ The state machine behind it (:class:`OrbitState`) is plain Python with an inject
 
 from __future__ import annotations
 
+from ._admin import AdminAPI, AdminClient, AdminError
 from ._clock import Clock, ManualClock, SystemClock
 from ._faults import Fault, Faults
 from ._server import AdminHandler, MockOrbitServer
@@ -34,6 +35,9 @@ from ._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, OrbitState, qu
 __all__ = [
     "SCOPE_CONNECT",
     "SCOPE_CONSUME",
+    "AdminAPI",
+    "AdminClient",
+    "AdminError",
     "AdminHandler",
     "AttemptSnapshot",
     "Clock",
