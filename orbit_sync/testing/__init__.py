@@ -17,20 +17,52 @@ The state machine behind it (:class:`OrbitState`) is plain Python with an inject
 
 from __future__ import annotations
 
-from ._admin import AdminAPI, AdminClient, AdminError
-from ._clock import Clock, ManualClock, SystemClock
-from ._faults import Fault, Faults
-from ._server import AdminHandler, MockOrbitServer
-from ._snapshots import (
-    AttemptSnapshot,
-    EventRecord,
-    EvidenceSnapshot,
-    RetrySafety,
-    SessionSnapshot,
-    TaskPolicy,
-    TaskSnapshot,
-)
-from ._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, OrbitState, queue_scope
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._admin import AdminAPI, AdminClient, AdminError
+    from ._clock import Clock, ManualClock, SystemClock
+    from ._faults import Fault, Faults
+    from ._server import AdminHandler, MockOrbitServer
+    from ._snapshots import (
+        AttemptSnapshot,
+        EventRecord,
+        EvidenceSnapshot,
+        RetrySafety,
+        SessionSnapshot,
+        TaskPolicy,
+        TaskSnapshot,
+    )
+    from ._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, OrbitState, queue_scope
+
+# Imported on first use (PEP 562): the pytest plugin lives in this package and is loaded by every
+# pytest run of a project that installed orbit-sync, even without the ``testing`` extra; the mock
+# server's WebSocket side (websockets) must not be needed until a test actually uses it.
+_EXPORTS: dict[str, str] = {
+    "AdminAPI": "._admin",
+    "AdminClient": "._admin",
+    "AdminError": "._admin",
+    "AdminHandler": "._server",
+    "AttemptSnapshot": "._snapshots",
+    "Clock": "._clock",
+    "EventRecord": "._snapshots",
+    "EvidenceSnapshot": "._snapshots",
+    "Fault": "._faults",
+    "Faults": "._faults",
+    "InvariantError": "._state",
+    "ManualClock": "._clock",
+    "MockOrbitServer": "._server",
+    "OrbitState": "._state",
+    "RetrySafety": "._snapshots",
+    "SCOPE_CONNECT": "._state",
+    "SCOPE_CONSUME": "._state",
+    "SessionSnapshot": "._snapshots",
+    "SystemClock": "._clock",
+    "TaskPolicy": "._snapshots",
+    "TaskSnapshot": "._snapshots",
+    "queue_scope": "._state",
+}
 
 __all__ = [
     "SCOPE_CONNECT",
@@ -56,3 +88,22 @@ __all__ = [
     "TaskSnapshot",
     "queue_scope",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        value = getattr(importlib.import_module(module, __name__), name)
+    except ImportError as exc:
+        raise ImportError(
+            f"orbit_sync.testing.{name} needs the 'testing' extra: "
+            "pip install 'orbit-sync[testing]'"
+        ) from exc
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
