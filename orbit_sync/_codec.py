@@ -106,6 +106,20 @@ def format_time(value: _dt.datetime) -> str:
     return text + "Z"
 
 
+_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_NS = 1_000_000_000
+
+
+def time_ns(value: Any) -> int:
+    """POSIX nanoseconds of a wire time, every fraction digit kept (``parse_time`` keeps
+    microseconds only, so windows are checked with this: PROTOCOL §12 allows 9 digits)."""
+    whole = parse_time(value)
+    m = _TIME_RE.fullmatch(value)
+    assert m is not None  # parse_time accepted it
+    sub_micro = int((m.group(7) or "").ljust(9, "0")[6:])
+    return (whole - _EPOCH) // _dt.timedelta(microseconds=1) * 1000 + sub_micro
+
+
 def parse_counter(value: Any) -> int:
     """A canonical decimal string: ``"1"``, ``"42"``; never ``"01"``, ``"+1"``, ``1``."""
     if type(value) is not str:
@@ -195,12 +209,47 @@ def _make_converter(*, forbid_extra_keys: bool) -> cattrs.Converter:
                     s_over[f.name] = override(struct_hook=_strict(bool))
                 elif f.name == "error_code":
                     s_over[f.name] = override(struct_hook=_strict(str))
-        generated = make_dict_structure_fn(
+        generated: Callable[[Any, Any], Any] = make_dict_structure_fn(
             cls, conv, _cattrs_forbid_extra_keys=forbid_extra_keys, **s_over
         )
+        if cls in _WINDOWS:
+            generated = _exact_window(cls, generated)
         conv.register_structure_hook(cls, _require(cls, tuple(required), generated))
         conv.register_unstructure_hook(cls, make_dict_unstructure_fn(cls, conv, **u_over))
     return conv
+
+
+# Windows bounded by PROTOCOL §5.2 (a Welcome) and §6.6 (an active Lease): (start, end, limit).
+_WINDOWS: dict[type[Any], tuple[str, str, int]] = {
+    Welcome: ("server_time", "expires_at", 300 * _NS),
+    Lease: ("server_time", "lease_until", 120 * _NS),
+}
+
+
+def _exact_window(
+    cls: type[Any], generated: Callable[[Any, Any], Any]
+) -> Callable[[Any, Any], Any]:
+    """Check a window in (0, limit] on the wire's nanoseconds, before the model sees times cut
+    to microseconds: cut, 120 s + 1 ns would pass and a 1 ns window would read as zero."""
+    start, end, limit = _WINDOWS[cls]
+
+    def hook(value: dict[str, Any], typ: Any) -> Any:
+        if cls is Welcome or value.get("active") is True:
+            try:
+                window = time_ns(value[end]) - time_ns(value[start])
+            except (TypeError, ValueError):
+                window = None  # malformed: the field's own hook reports it
+            if window is not None:
+                if not 0 < window <= limit:
+                    raise ValueError(f"{end} must be after {start}, by at most {limit // _NS} s")
+                if parse_time(value[end]) <= parse_time(value[start]):
+                    # A valid window under one microsecond: the end is rounded up, not cut, so
+                    # the model (microseconds) sees it positive as it is.
+                    later = parse_time(value[start]) + _dt.timedelta(microseconds=1)
+                    value = {**value, end: format_time(later)}
+        return generated(value, typ)
+
+    return hook
 
 
 def _require(

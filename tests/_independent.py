@@ -444,7 +444,9 @@ def check_server_frame(raw: str | bytes, ctx: ClientContext) -> dict[str, Any]:
         _obj(_get(f, "body", "frame"), "body")
     reply_to = f.get("reply_to")
     if ctx.session_id is None:
-        # §5.1: the only frame before the session is the answer to the hello.
+        if kind == "error" and reply_to is None:
+            return f  # fatal for the connection (§11); no session exists yet (§12)
+        # §5.1: the only other frame before the session is the answer to the hello.
         if reply_to is None or ctx.pending.get(reply_to) != "worker.hello":
             raise Violation("the first server frame must answer worker.hello")
         if kind == "error":
@@ -956,22 +958,30 @@ class Peer:
             raise Violation("the client sent a binary frame")
         return check_client_frame(raw, self.session_id)
 
-    def send(self, value: dict[str, Any] | str | bytes) -> None:
-        self.ws.send(value if isinstance(value, str | bytes) else dumps(value))
+    def send(self, value: dict[str, Any] | str | bytes) -> bool:
+        """Send one frame; False when the client closed the connection meanwhile (it may,
+        e.g. on reading an oversized frame's header)."""
+        try:
+            self.ws.send(value if isinstance(value, str | bytes) else dumps(value))
+        except ConnectionClosed:
+            return False
+        return True
 
-    def welcome(self, hello: dict[str, Any], epoch: int = 1, **kw: Any) -> dict[str, Any]:
+    def welcome(
+        self, hello: dict[str, Any], epoch: int = 1, *, session_id: str | None = None, **kw: Any
+    ) -> dict[str, Any]:
         """Answer *hello* with a valid welcome and enter the session."""
-        sid = new_id()
+        sid = session_id or new_id()
         body = welcome_body(sid, epoch, **kw)
         self.send(frame("worker.welcome", session_id=sid, reply_to=hello["message_id"], body=body))
         self.session_id, self.epoch = sid, epoch
         return body
 
-    def handshake(self, epoch: int = 1) -> dict[str, Any]:
-        """Read the hello, answer a welcome; returns the hello frame."""
-        hello = self.recv()
+    def handshake(self, epoch: int = 1, **kw: Any) -> dict[str, Any]:
+        """Read the hello (due within 5 s, §5.1), answer a welcome; returns the hello frame."""
+        hello = self.recv(timeout=5.0)
         assert hello["type"] == "worker.hello"
-        self.welcome(hello, epoch)
+        self.welcome(hello, epoch, **kw)
         return hello
 
     def reply(self, request: dict[str, Any], body: dict[str, Any]) -> None:
