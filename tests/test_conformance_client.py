@@ -11,6 +11,7 @@ import json
 import logging
 import queue
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -881,3 +882,89 @@ def test_call_bound_closes_the_connection(raw: RawServer, conns: list[WorkerConn
     err = call.error()
     assert isinstance(err, CallTimeout), repr(err)
     ended(conn, peer, CallTimeout)
+
+
+# --------------------------------------------------------------------------- limits and transport
+
+
+def _ack_of_size(reply_to: str, size: int) -> str:
+    """A valid start ack padded (in an unknown body field) to exactly *size* bytes."""
+    body = command_body("start")
+    body["pad"] = ""
+    text = dumps(frame("ack", session_id=SID, reply_to=reply_to, body=body))
+    body["pad"] = "x" * (size - len(text.encode("utf-8")))
+    text = dumps(frame("ack", session_id=SID, reply_to=reply_to, body=body))
+    assert len(text.encode("utf-8")) == size
+    return text
+
+
+@pytest.mark.parametrize(("size", "valid"), [(524_288, True), (524_289, False)])
+def test_frame_size_limit_is_512_kib(
+    raw: RawServer, conns: list[WorkerConnection], size: int, valid: bool
+) -> None:
+    """A server frame of 524,288 bytes is read; one byte more is a protocol error (§2)."""
+    conn, peer = session(raw, conns, session_id=SID)
+    call = Background(conn.start, REF)
+    peer.send(_ack_of_size(peer.recv()["message_id"], size))
+    if valid:
+        assert call.result().receipt.operation.value == "start"
+        still_open(conn, peer)
+    else:
+        assert isinstance(call.error(), WorkerProtocolError)
+        ended(conn, peer, WorkerProtocolError)
+
+
+def test_result_of_exactly_256_kib_is_sent(raw: RawServer, conns: list[WorkerConnection]) -> None:
+    """A result of 262,144 bytes serialized is within the limit and is sent (§2)."""
+    conn, peer = session(raw, conns)
+    result = "é" * ((256 * 1024 - 2) // 2)  # 2 bytes each in UTF-8, plus the quotes
+    assert len(dumps(result).encode("utf-8")) == 256 * 1024
+    call = Background(conn.finish, Finish(ref=REF, outcome="SUCCEEDED", result=result))
+    req = peer.recv()
+    assert req["body"]["result"] == result
+    peer.reply(req, command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED"))
+    call.result()
+
+
+@pytest.mark.parametrize("payload", [False, 0, "", [], {}, 1.5, "null"], ids=repr)
+def test_any_payload_but_null_is_accepted(
+    raw: RawServer, conns: list[WorkerConnection], payload: Any
+) -> None:
+    """A task's payload is any JSON except null (§4, §6.1)."""
+    conn, peer = session(raw, conns)
+    a = assignment_body(QID)
+    a["task"]["payload"] = payload
+    peer.push("task.assign", a)
+    assert conn.next_assignment(WAIT).task.payload == payload
+    still_open(conn, peer)
+
+
+def test_other_subprotocol_selected_is_a_protocol_error() -> None:
+    """A server selecting a subprotocol other than pulse.worker.v1 fails the dial (§1)."""
+    with RawServer(select=lambda offered: "pulse.worker.v2") as raw:
+        err = dial(raw).error()
+        assert isinstance(err, WorkerProtocolError | HTTPError), repr(err)
+
+
+@pytest.mark.parametrize("status", [200, 400, 500])
+def test_any_non_101_answer_is_an_http_error(status: int) -> None:
+    """Any answer other than 101 to the upgrade is an HTTPError carrying its status (§1)."""
+    with RawServer(refuse=_refuse(status)) as raw:
+        err = dial(raw).error()
+        assert isinstance(err, HTTPError), repr(err)
+        assert err.status_code == status
+
+
+def test_silent_server_bounds_the_dial() -> None:
+    """A server that accepts TCP and never answers the upgrade: CallTimeout in time (§1, §12)."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        started = time.monotonic()
+        pending = Background(
+            Client(f"ws://127.0.0.1:{port}", TOKEN).dial_worker, registration(), timeout=0.5
+        )
+        accepted, _ = listener.accept()
+        with accepted:
+            err = pending.error()
+        assert isinstance(err, CallTimeout), repr(err)
+        assert time.monotonic() - started < 3.0

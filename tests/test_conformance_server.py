@@ -580,7 +580,7 @@ def test_cancel_waiting_task_is_cancelled_at_once(server: MockOrbitServer) -> No
 def test_at_most_four_assignments_per_second() -> None:
     """New assignments are limited to 4 per second per node (§10)."""
     with (
-        MockOrbitServer(assignment_rate=4.0, clock=ManualClock()) as srv,
+        MockOrbitServer(clock=ManualClock()) as srv,  # the default rate
         client(srv, capacity=8).open() as c,
     ):
         ids = [srv.enqueue("resize", {"n": n}) for n in range(6)]
@@ -800,3 +800,93 @@ def test_read_idle_closes_the_connection() -> None:
         client(srv).open() as c,
     ):
         assert all(f["type"] == "error" for f in c.frames_until_closed())
+
+
+# --------------------------------------------------------------------------- defaults and policy
+
+
+def test_default_windows() -> None:
+    """The server's defaults: session window 45 s, lease window 30 s (§5.6)."""
+    with MockOrbitServer(clock=ManualClock()) as srv, client(srv) as c:
+        body = c.do_hello()["body"]
+        assert window(body, "expires_at") == 45.0
+        assert body["lease_duration_ms"] == 30_000
+
+
+def test_connection_limit_refuses_the_extra_connection() -> None:
+    """Connections per node are bounded (§10; limit shortened): one more is not served."""
+    with MockOrbitServer(clock=ManualClock(), max_connections=2) as srv:
+        first, second = client(srv).open(), client(srv).open()
+        with first, second:
+            try:
+                extra = client(srv)
+            except InvalidStatus as exc:
+                assert exc.response.status_code >= 400
+            else:
+                with extra:
+                    assert [f["type"] for f in extra.frames_until_closed()] in ([], ["error"])
+
+
+@pytest.mark.parametrize(
+    ("safety", "cancel", "expected"),
+    [
+        ("IDEMPOTENT", False, "WAITING"),
+        ("RECONCILE_ONLY", False, "NEEDS_REVIEW"),
+        ("IDEMPOTENT", True, "NEEDS_REVIEW"),
+    ],
+)
+def test_unknown_outcome_follows_the_retry_policy(
+    server: MockOrbitServer, safety: str, cancel: bool, expected: str
+) -> None:
+    """UNKNOWN retries only if IDEMPOTENT, uncancelled, with budget; else NEEDS_REVIEW (§6.4)."""
+    with client(server).open() as c:
+        a, _ = started(c, server, retry_safety=safety, max_attempts=3)
+        if cancel:
+            server.request_cancel(a["task"]["task_id"])
+        fin = c.request("task.finish", finish_body(ref_of(a), "UNKNOWN", error_code="LOST"))
+        assert fin["body"]["receipt"]["task_state"] == expected
+        assert server.task(a["task"]["task_id"]).state == expected
+
+
+def test_failed_retryable_without_budget_is_failed(server: MockOrbitServer) -> None:
+    """retryable:true retries only while attempts remain (§6.4)."""
+    with client(server).open() as c:
+        a, _ = started(c, server, max_attempts=1)
+        body = finish_body(ref_of(a), "FAILED", error_code="BOOM", retryable=True)
+        assert c.request("task.finish", body)["body"]["receipt"]["task_state"] == "FAILED"
+
+
+def test_lost_started_attempt_keeps_uncertainty(server: MockOrbitServer) -> None:
+    """A started attempt lost with its lease is UNKNOWN; IDEMPOTENT retries it, and a later
+    failure never overwrites the uncertain history (§8)."""
+    with client(server).open() as c:
+        a, _ = started(c, server, retry_safety="IDEMPOTENT", max_attempts=3)
+        task_id = a["task"]["task_id"]
+        server.advance(31)  # lease lost at 30 s; backoff 1 s; the session lives until 45 s
+        c.capacity(1, 4)
+        b = c.next_push()["body"]
+        assert b["task"]["attempt"] == "2"
+        assert server.task(task_id).attempts[0].state == "UNKNOWN"
+        c.request("task.start", ref_of(b))
+        body = finish_body(ref_of(b), "FAILED", error_code="BOOM")
+        assert c.request("task.finish", body)["body"]["receipt"]["task_state"] == "NEEDS_REVIEW"
+
+
+def test_truthful_success_after_cancel_request(server: MockOrbitServer) -> None:
+    """After a cancel request the attempt may still report a truthful SUCCEEDED (§9)."""
+    with client(server).open() as c:
+        a, _ = started(c, server)
+        server.request_cancel(a["task"]["task_id"])
+        fin = c.request("task.finish", finish_body(ref_of(a)))["body"]
+        assert fin["receipt"]["disposition"] == "APPLIED"
+        assert fin["receipt"]["task_state"] == "SUCCEEDED"
+
+
+def test_second_start_grants_nothing_new(server: MockOrbitServer) -> None:
+    """A new start of a running attempt never grants a second run (§7)."""
+    with client(server).open() as c:
+        a, _ = started(c, server)
+        again = c.request("task.start", ref_of(a))
+        if again["type"] == "ack":
+            receipt = again["body"]["receipt"]
+            assert again["body"]["deduplicated"] or receipt["disposition"] == "EVIDENCE_ONLY"
