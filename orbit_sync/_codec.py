@@ -416,7 +416,7 @@ def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
         raise _bad("unknown envelope field")
     if frame.get("protocol_version") != PROTOCOL_VERSION:
         raise _bad("protocol_version must be '1'")
-    if frame.get("type") not in SERVER_TYPES:
+    if type(frame.get("type")) is not str or frame["type"] not in SERVER_TYPES:
         raise _bad("unknown frame type")
     if not _is_id(frame.get("message_id")):
         raise _bad("message_id must be 32 lowercase hex")
@@ -581,7 +581,7 @@ def decode_client_frame(raw: bytes | str) -> ClientFrame:
     if frame.get("protocol_version") != PROTOCOL_VERSION:
         raise bad("protocol_version must be '1'")
     kind = frame.get("type")
-    if kind not in CLIENT_BODIES:
+    if type(kind) is not str or kind not in CLIENT_BODIES:
         raise bad("unknown request type")
     if kind == "worker.hello":
         if "session_id" in frame:

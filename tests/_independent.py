@@ -428,7 +428,7 @@ def check_server_frame(raw: str | bytes, ctx: ClientContext) -> dict[str, Any]:
     if f.get("protocol_version") != "1" or type(f.get("protocol_version")) is not str:
         raise Violation('protocol_version must be "1"')
     kind = f.get("type")
-    if kind not in SERVER_TYPES:
+    if type(kind) is not str or kind not in SERVER_TYPES:
         raise Violation(f"unknown server frame type {kind!r}")
     check_id(f.get("message_id"), "message_id")
     for key in ("reply_to", "session_id"):
@@ -563,7 +563,7 @@ def check_client_frame(raw: str | bytes, session_id: str | None) -> dict[str, An
     if f.get("protocol_version") != "1" or type(f.get("protocol_version")) is not str:
         raise Violation('protocol_version must be "1"')
     kind = f.get("type")
-    if kind not in CLIENT_TYPES:
+    if type(kind) is not str or kind not in CLIENT_TYPES:
         raise Violation(f"unknown request type {kind!r}")
     check_id(f.get("message_id"), "message_id")
     if kind == "worker.hello":

@@ -7,6 +7,7 @@ server answers and checks how ``Client.dial_worker`` / ``WorkerConnection`` reac
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import queue
@@ -33,6 +34,7 @@ from _independent import (
     new_secret,
     welcome_body,
 )
+from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.sync.server import ServerConnection
 
@@ -968,3 +970,61 @@ def test_silent_server_bounds_the_dial() -> None:
             err = pending.error()
         assert isinstance(err, CallTimeout), repr(err)
         assert time.monotonic() - started < 3.0
+
+
+@pytest.mark.parametrize("kind", [["ack"], {"t": "ack"}, 1, None], ids=repr)
+def test_non_string_frame_type_is_a_protocol_error(
+    raw: RawServer, conns: list[WorkerConnection], kind: Any
+) -> None:
+    """A frame type of the wrong JSON type is a protocol error, like any wrong type (§2)."""
+    conn, peer = session(raw, conns, session_id=SID)
+    call = Background(conn.start, REF)
+    bad = frame(
+        "ack", session_id=SID, reply_to=peer.recv()["message_id"], body=command_body("start")
+    )
+    bad["type"] = kind
+    peer.send(bad)
+    assert isinstance(call.error(), WorkerProtocolError)
+    ended(conn, peer, WorkerProtocolError)
+
+
+@pytest.mark.parametrize("kind", [["worker.welcome"], {"t": 1}], ids=repr)
+def test_non_string_welcome_type_fails_the_dial(raw: RawServer, kind: Any) -> None:
+    """The welcome's type of the wrong JSON type fails the dial as a protocol error (§2)."""
+    pending = dial(raw)
+    peer = raw.accept()
+    hello = peer.recv()
+    peer.send(_welcome_text(hello["message_id"], _set("type", kind)))
+    assert isinstance(pending.error(), WorkerProtocolError)
+
+
+def test_fragmented_message_is_one_frame(raw: RawServer, conns: list[WorkerConnection]) -> None:
+    """A text message split into WebSocket fragments is read as one frame (§1, §2)."""
+    conn, peer = session(raw, conns, session_id=SID)
+    call = Background(conn.start, REF)
+    text = dumps(
+        frame("ack", session_id=SID, reply_to=peer.recv()["message_id"], body=command_body("start"))
+    )
+    peer.ws.send([text[:10], text[10:100], text[100:]])
+    assert call.result().receipt.operation.value == "start"
+    still_open(conn, peer)
+
+
+def test_fragments_over_512_kib_are_a_protocol_error(
+    raw: RawServer, conns: list[WorkerConnection]
+) -> None:
+    """The 512 KiB bound covers a whole fragmented message (§2)."""
+    conn, peer = session(raw, conns, session_id=SID)
+    call = Background(conn.start, REF)
+    text = _ack_of_size(peer.recv()["message_id"], 524_289)
+    with contextlib.suppress(ConnectionClosed):
+        peer.ws.send([text[i : i + 65_536] for i in range(0, len(text), 65_536)])
+    assert isinstance(call.error(), WorkerProtocolError)
+    ended(conn, peer, WorkerProtocolError)
+
+
+def test_ping_is_answered(raw: RawServer, conns: list[WorkerConnection]) -> None:
+    """A WebSocket ping from the server is answered while the session is idle (§1)."""
+    conn, peer = session(raw, conns)
+    assert peer.ws.ping().wait(WAIT)
+    assert conn.err is None

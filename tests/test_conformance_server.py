@@ -890,3 +890,11 @@ def test_second_start_grants_nothing_new(server: MockOrbitServer) -> None:
         if again["type"] == "ack":
             receipt = again["body"]["receipt"]
             assert again["body"]["deduplicated"] or receipt["disposition"] == "EVIDENCE_ONLY"
+
+
+@pytest.mark.parametrize("kind", [["worker.capacity"], {"t": 1}], ids=repr)
+def test_non_string_request_type_is_invalid_frame(server: MockOrbitServer, kind: Any) -> None:
+    """A request type of the wrong JSON type is INVALID_FRAME with reply_to, then close (§2)."""
+    with client(server).open() as c:
+        body = {"sequence": "2", "capacity": 4, "drain": False}
+        _expect_invalid(c, c.send("worker.capacity", body, extra={"type": kind}))
