@@ -292,6 +292,7 @@ VALID_WELCOMES: dict[str, Callable[[str], str]] = {
         h, _set("body.expires_at", "2026-09-17T08:05:00Z")
     ),
     "lease-1000-ms": lambda h: _welcome_text(h, _set("body.lease_duration_ms", 1000)),
+    "epoch-beyond-64-bits": lambda h: _welcome_text(h, _set("body.epoch", "99999999999999999999")),
     "lease-120000-ms": lambda h: _welcome_text(h, _set("body.lease_duration_ms", 120_000)),
     "unknown-body-fields": lambda h: _welcome_text(
         h, lambda f: f["body"].update(region="eu", limits={"x": [1, 2.5]})
@@ -671,6 +672,8 @@ def test_session_window_is_exact_to_the_nanosecond(
         pytest.param(lease_body(cancel_requested_at=T0 - 10**9), id="cancel-requested"),
         pytest.param(lease_body(active=False, state="EXPIRED"), id="inactive"),
         pytest.param(lease_body(active=False, state="RUNNING"), id="inactive-running"),
+        pytest.param(lease_body(active=False, window=-60), id="inactive-in-the-past"),
+        pytest.param(lease_body(active=False, window=600), id="inactive-beyond-2-min"),
     ],
 )
 def test_only_an_active_running_uncancelled_lease_may_run(
@@ -765,12 +768,13 @@ def test_non_fatal_code_keeps_the_connection(
 ) -> None:
     """Other codes, unknown ones included, are delivered and are not fatal (§11, §12)."""
     conn, peer = session(raw, conns)
+    message = "" if code == "X" else "public message"  # any string is a message
     call = Background(conn.renew, REF)
     sent = peer.recv()
-    peer.fail(sent, code, "public message")
+    peer.fail(sent, code, message)
     err = call.error()
     assert type(err) is WorkerError, repr(err)
-    assert (err.code, err.message, err.message_id) == (code, "public message", sent["message_id"])
+    assert (err.code, err.message, err.message_id) == (code, message, sent["message_id"])
     still_open(conn, peer)
 
 

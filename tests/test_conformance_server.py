@@ -281,7 +281,7 @@ def test_reconnect_increments_epoch_and_stales_old_session(server: MockOrbitServ
     """A new connection of the same process gets epoch+1; the old one gets STALE_SESSION (§5.4)."""
     instance, secret = new_id(), new_secret()
     a = client(server, instance_id=instance, instance_secret=secret).open()
-    attempt, _ = started(a, server)
+    attempt, start = started(a, server)
     with a, client(server, instance_id=instance, instance_secret=secret) as b:
         welcome = b.do_hello()
         assert int(welcome["body"]["epoch"]) == a.ctx.epoch + 1 == 2
@@ -289,11 +289,15 @@ def test_reconnect_increments_epoch_and_stales_old_session(server: MockOrbitServ
             a.send("task.renew", ref_of(attempt))
         seen = a.frames_until_closed()
         assert "STALE_SESSION" in [code(f) for f in seen]
+        waiting = server.enqueue("resize", {"w": 2})
+        assert server.task(waiting).state == "WAITING"  # §5.5: not before b's first capacity
         # §5.5: the new session may resume before its first capacity report.
         lease = b.request("worker.resume", ref_of(attempt))
         assert lease["type"] == "ack"
         assert lease["body"]["active"] is True
         assert lease["body"]["state"] == "RUNNING"
+        # Resume moves the attempt; it renews nothing.
+        assert lease["body"]["lease_until"] == start["lease"]["lease_until"]
         renewed = b.request("task.renew", ref_of(attempt))
         assert renewed["type"] == "ack"
         assert renewed["body"]["lease"]["active"] is True
@@ -898,3 +902,26 @@ def test_non_string_request_type_is_invalid_frame(server: MockOrbitServer, kind:
     with client(server).open() as c:
         body = {"sequence": "2", "capacity": 4, "drain": False}
         _expect_invalid(c, c.send("worker.capacity", body, extra={"type": kind}))
+
+
+def test_other_serializations_are_accepted(server: MockOrbitServer) -> None:
+    """Pretty-printed JSON with escaped characters is the same frame to a conforming server (§2)."""
+    with client(server) as c:
+        mid = new_id()
+        c.ctx.pending[mid] = "worker.hello"
+        hello = {"protocol_version": "1", "type": "worker.hello", "message_id": mid}
+        hello["body"] = c.hello
+        text = json.dumps(hello, indent=2, ensure_ascii=True).replace('"resize"', '"\\u0072esize"')
+        c.send_text(text)
+        welcome = c.answer(mid)
+        assert welcome["type"] == "worker.welcome"
+
+
+def test_falsy_result_and_explicit_retryable_false(server: MockOrbitServer) -> None:
+    """result may be any JSON but null; retryable:false is valid with any outcome (§4)."""
+    with client(server).open() as c:
+        a, _ = started(c, server)
+        body = finish_body(ref_of(a), result=False, retryable=False)
+        fin = c.request("task.finish", body)
+        assert fin["type"] == "ack"
+        assert fin["body"]["receipt"]["disposition"] == "APPLIED"
