@@ -32,6 +32,7 @@ from _independent import (
     lease_body,
     new_id,
     new_secret,
+    ref_of,
     welcome_body,
 )
 from websockets.exceptions import ConnectionClosed
@@ -40,6 +41,7 @@ from websockets.sync.server import ServerConnection
 
 from orbit_sync import (
     AttemptRef,
+    Backoff,
     CallTimeout,
     Capability,
     CapacityReport,
@@ -48,6 +50,7 @@ from orbit_sync import (
     HTTPError,
     OrbitError,
     Registration,
+    Worker,
     WorkerBackpressure,
     WorkerBusy,
     WorkerConnection,
@@ -538,16 +541,24 @@ def test_server_vector_over_a_live_session(
     raw: RawServer, conns: list[WorkerConnection], vector: dict[str, Any]
 ) -> None:
     """Each server_to_client vector, sent while task.start 4444… is pending, is accepted or
-    closes the connection with WorkerProtocolError, releasing the caller (§2-§6, §11, §12)."""
+    closes the connection with WorkerProtocolError, releasing every waiting caller (§2-§6, §11,
+    §12)."""
     conn, peer = session(raw, conns, session_id=SID, epoch=2)
     call = Background(conn.start, REF, message_id=MID)
     assert peer.recv()["message_id"] == MID
+    if not vector["valid"]:
+        # More waiters, released too: another request in flight and a reader of assignments.
+        other = Background(conn.capacity, CapacityReport(sequence=1, capacity=4))
+        assert peer.recv()["type"] == "worker.capacity"
+        reader = Background(conn.next_assignment, None)
     peer.send(vector["frame"])
     sent = json.loads(vector["frame"]) if vector["valid"] else None
     if sent is None:
         err = call.error()
         assert isinstance(err, WorkerProtocolError), repr(err)
         assert err.message_id == MID
+        assert isinstance(other.error(), WorkerProtocolError)
+        assert isinstance(reader.error(), WorkerProtocolError)
         ended(conn, peer, WorkerProtocolError)
     elif sent["type"] == "ack":
         result = call.result()
@@ -1032,3 +1043,114 @@ def test_ping_is_answered(raw: RawServer, conns: list[WorkerConnection]) -> None
     conn, peer = session(raw, conns)
     assert peer.ws.ping().wait(WAIT)
     assert conn.err is None
+
+
+# --------------------------------------------------------------------------- the Worker (§7)
+
+
+class Responder:
+    """Answers every request of one connection as a conforming server would, on a daemon
+    thread, and records them; ``drop`` decides which request is left unanswered and the
+    connection cut instead (an ambiguous failure)."""
+
+    def __init__(
+        self,
+        peer: Peer,
+        *,
+        after: Callable[[dict[str, Any]], None] | None = None,
+        drop: Callable[[dict[str, Any]], bool] | None = None,
+    ) -> None:
+        self.peer = peer
+        self.frames: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._after = after
+        self._drop = drop
+        threading.Thread(target=self._run, name="conformance-responder", daemon=True).start()
+
+    def _run(self) -> None:
+        peer = self.peer
+        while True:
+            try:
+                f = peer.recv(timeout=30)
+            except Exception:
+                return
+            if self._drop is not None and self._drop(f):
+                self.frames.put(f)
+                peer.close()
+                return
+            kind = f["type"]
+            if kind == "worker.capacity":
+                peer.reply(f, welcome_body(peer.session_id or "", peer.epoch))
+            elif kind == "worker.resume":
+                peer.reply(f, lease_body())
+            elif kind == "task.finish":
+                done = lease_body(active=False, state="SUCCEEDED")
+                body = command_body(
+                    "finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED", lease=done
+                )
+                body["deduplicated"] = True
+                peer.reply(f, body)
+            else:
+                peer.reply(f, command_body(kind.removeprefix("task.")))
+            self.frames.put(f)
+            if self._after is not None:
+                self._after(f)
+
+    def next(self, kind: str, timeout: float = WAIT) -> dict[str, Any]:
+        """The next recorded request of *kind* (others are skipped)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            f = self.frames.get(timeout=max(0.0, deadline - time.monotonic()))
+            if f["type"] == kind:
+                return f
+
+
+def test_worker_resends_an_ambiguous_finish_with_its_message_id(raw: RawServer) -> None:
+    """After a finish lost with its connection, the worker reconnects as the same process,
+    resumes the attempt, and re-sends the same finish with the same message_id; the handler
+    ran once (§3, §5.4, §7)."""
+    runs: list[Any] = []
+    worker = Worker(
+        Client(raw.url, TOKEN),
+        queue_id=QID,
+        capacity=2,
+        reconnect_backoff=Backoff(initial=0.01, maximum=0.05),
+        cancellation_notifications=False,
+        handle_signals=False,
+        dial_timeout=2.0,
+    )
+
+    @worker.handler("resize")
+    def resize(ctx: Any, payload: Any) -> Any:
+        runs.append(payload)
+        return {"resized": payload}
+
+    a = assignment_body(QID, payload={"w": 3})
+    worker.start()
+    try:
+        first = raw.accept()
+        hello1 = first.handshake()
+        pushed = threading.Event()
+
+        def assign_once(f: dict[str, Any]) -> None:
+            if f["type"] == "worker.capacity" and not pushed.is_set():
+                pushed.set()
+                first.push("task.assign", a)
+
+        r1 = Responder(first, after=assign_once, drop=lambda f: f["type"] == "task.finish")
+        lost = r1.next("task.finish")
+        second = raw.accept()
+        hello2 = second.recv()
+        for key in ("instance_id", "instance_secret", "queue_id", "capabilities", "capacity"):
+            assert hello2["body"][key] == hello1["body"][key]
+        second.welcome(hello2, 2)
+        r2 = Responder(second)
+        resumed = r2.next("worker.resume")
+        assert resumed["body"] == ref_of(a)
+        again = r2.next("task.finish")
+        assert again["message_id"] == lost["message_id"]
+        assert again["session_id"] == second.session_id != first.session_id
+        assert again["body"] == lost["body"]
+        assert again["body"]["result"] == {"resized": {"w": 3}}
+    finally:
+        worker.stop(drain=True, timeout=1.0)
+    assert runs == [{"w": 3}]
