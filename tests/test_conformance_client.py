@@ -1154,3 +1154,20 @@ def test_worker_resends_an_ambiguous_finish_with_its_message_id(raw: RawServer) 
     finally:
         worker.stop(drain=True, timeout=1.0)
     assert runs == [{"w": 3}]
+
+
+@pytest.mark.parametrize(
+    "garbage", [b"\xff", b"\xed\xa0\x80", b"\xc0\xaf"], ids=["ff", "cesu-surrogate", "overlong"]
+)
+def test_invalid_utf8_text_frame_is_a_protocol_error(
+    raw: RawServer, conns: list[WorkerConnection], garbage: bytes
+) -> None:
+    """A text frame that is not UTF-8 is a protocol error (§2)."""
+    conn, peer = session(raw, conns, session_id=SID)
+    call = Background(conn.start, REF)
+    body = command_body("start")
+    body["note"] = "@"
+    text = dumps(frame("ack", session_id=SID, reply_to=peer.recv()["message_id"], body=body))
+    peer.ws.send(text.encode().replace(b"@", garbage), text=True)
+    assert isinstance(call.error(), WorkerProtocolError)
+    ended(conn, peer, WorkerProtocolError)

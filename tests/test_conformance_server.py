@@ -23,6 +23,8 @@ from _independent import (
     check_client_frame,
     check_server_frame,
     check_time,
+    dumps,
+    frame,
     new_id,
     new_secret,
     ref_of,
@@ -925,3 +927,22 @@ def test_falsy_result_and_explicit_retryable_false(server: MockOrbitServer) -> N
         fin = c.request("task.finish", body)
         assert fin["type"] == "ack"
         assert fin["body"]["receipt"]["disposition"] == "APPLIED"
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "§2 rejects invalid UTF-8 and §11 says a frame the server cannot parse is answered "
+        "INVALID_FRAME, then the connection closed; the mock server (websockets' UTF-8 check) "
+        "closes with WebSocket code 1007 and sends no INVALID_FRAME"
+    ),
+)
+def test_invalid_utf8_text_frame_is_invalid_frame(server: MockOrbitServer) -> None:
+    """A text frame that is not UTF-8 is answered INVALID_FRAME, then the close (§2, §11)."""
+    with client(server).open() as c:
+        mid = new_id()
+        c.ctx.pending[mid] = "worker.capacity"
+        body = {"sequence": "2", "capacity": 4, "drain": False}
+        data = dumps(frame("worker.capacity", message_id=mid, session_id=c.session_id, body=body))
+        c.ws.send(data.encode().replace(b'"drain"', b'"dr\xffain"'), text=True)
+        _expect_invalid(c, mid, unreadable_ok=True)
