@@ -946,3 +946,29 @@ def test_invalid_utf8_text_frame_is_invalid_frame(server: MockOrbitServer) -> No
         data = dumps(frame("worker.capacity", message_id=mid, session_id=c.session_id, body=body))
         c.ws.send(data.encode().replace(b'"drain"', b'"dr\xffain"'), text=True)
         _expect_invalid(c, mid, unreadable_ok=True)
+
+
+def test_wrong_lease_secret_grants_and_stores_nothing(server: MockOrbitServer) -> None:
+    """Identity and secret are checked before anything, evidence included (§6.7)."""
+    with client(server).open() as c:
+        a, _ = started(c, server)
+        forged = dict(ref_of(a), lease_secret=new_secret())
+        for kind, body in (
+            ("worker.resume", forged),
+            ("task.renew", forged),
+            ("task.finish", finish_body(forged)),
+        ):
+            assert c.request(kind, body)["type"] == "error", kind
+        snap = server.task(a["task"]["task_id"])
+        assert snap.state == "RUNNING"
+        assert snap.evidence == ()
+
+
+def test_instance_id_alone_takes_nothing_over(server: MockOrbitServer) -> None:
+    """A hello with a known instance_id but another instance_secret is refused and leaves the
+    process's session current (§3, §5.4)."""
+    instance = new_id()
+    with client(server, instance_id=instance).open() as a:
+        with client(server, instance_id=instance) as rogue:
+            assert rogue.do_hello()["type"] == "error"
+        assert a.capacity(1, 4)["type"] == "ack"
