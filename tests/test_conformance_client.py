@@ -345,11 +345,9 @@ def test_error_answering_hello_is_a_worker_error(
 
 
 def test_error_without_reply_to_before_the_welcome_fails_the_dial(raw: RawServer) -> None:
-    """An error without reply_to instead of the welcome ends the dial (§11).
-
-    PROTOCOL.md does not say whether that is a WorkerError or a protocol error (the Go reference
-    reports a protocol error): both are accepted.
-    """
+    """An error without reply_to instead of the welcome ends the dial (§11)."""
+    # PROTOCOL.md does not say whether that is a WorkerError or a protocol error (the Go
+    # reference reports a protocol error): both are accepted.
     pending = dial(raw)
     peer = raw.accept()
     peer.recv()
@@ -414,8 +412,7 @@ def test_dial_is_bounded(raw: RawServer) -> None:
 def test_requests_are_well_formed(
     raw: RawServer, conns: list[WorkerConnection], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Every request carries the session id, canonical counters, explicit drain and nothing
-    secret in logs (§2, §3, §4)."""
+    """Requests carry session id, canonical counters, explicit drain; nothing secret logged."""
     caplog.set_level(logging.DEBUG, logger="orbit_sync")
     reg = registration()
     conn, peer = session(raw, conns, reg, epoch=4)
@@ -476,8 +473,7 @@ def test_requests_are_well_formed(
 def test_timed_out_operation_keeps_its_message_id(
     raw: RawServer, conns: list[WorkerConnection]
 ) -> None:
-    """A call with no answer closes the connection and names the operation's message_id, which
-    the caller re-sends, unchanged, on the next session (§7, §10)."""
+    """An unanswered call names its message_id, re-sent unchanged on the next session (§7, §10)."""
     conn, peer = session(raw, conns, max_call_timeout=0.3)
     call = Background(conn.start, REF)
     sent = peer.recv()
@@ -540,9 +536,7 @@ S2C = VECTORS["server_to_client"]
 def test_server_vector_over_a_live_session(
     raw: RawServer, conns: list[WorkerConnection], vector: dict[str, Any]
 ) -> None:
-    """Each server_to_client vector, sent while task.start 4444… is pending, is accepted or
-    closes the connection with WorkerProtocolError, releasing every waiting caller (§2-§6, §11,
-    §12)."""
+    """Each server vector is accepted, or fails the connection and every waiter (§2-§6, §11)."""
     conn, peer = session(raw, conns, session_id=SID, epoch=2)
     call = Background(conn.start, REF, message_id=MID)
     assert peer.recv()["message_id"] == MID
@@ -1105,9 +1099,7 @@ class Responder:
 
 
 def test_worker_resends_an_ambiguous_finish_with_its_message_id(raw: RawServer) -> None:
-    """After a finish lost with its connection, the worker reconnects as the same process,
-    resumes the attempt, and re-sends the same finish with the same message_id; the handler
-    ran once (§3, §5.4, §7)."""
+    """A finish lost with its connection is resumed and re-sent with its message_id, once (§7)."""
     runs: list[Any] = []
     worker = Worker(
         Client(raw.url, TOKEN),

@@ -458,8 +458,7 @@ def test_same_message_id_other_content_is_idempotency_conflict(server: MockOrbit
 
 
 def test_same_finish_new_message_id_returns_first_receipt(server: MockOrbitServer) -> None:
-    """Re-reporting a finish under a new id returns the first receipt, never a later attempt's
-    state (§7)."""
+    """A finish re-reported under a new id returns the first receipt, not a later state (§7)."""
     with client(server).open() as c:
         a = assigned(c, server, max_attempts=3)
         c.request("task.start", ref_of(a))
@@ -863,8 +862,7 @@ def test_failed_retryable_without_budget_is_failed(server: MockOrbitServer) -> N
 
 
 def test_lost_started_attempt_keeps_uncertainty(server: MockOrbitServer) -> None:
-    """A started attempt lost with its lease is UNKNOWN; IDEMPOTENT retries it, and a later
-    failure never overwrites the uncertain history (§8)."""
+    """A lost started attempt is UNKNOWN; a later failure never hides that uncertainty (§8)."""
     with client(server).open() as c:
         a, _ = started(c, server, retry_safety="IDEMPOTENT", max_attempts=3)
         task_id = a["task"]["task_id"]
@@ -965,8 +963,7 @@ def test_wrong_lease_secret_grants_and_stores_nothing(server: MockOrbitServer) -
 
 
 def test_instance_id_alone_takes_nothing_over(server: MockOrbitServer) -> None:
-    """A hello with a known instance_id but another instance_secret is refused and leaves the
-    process's session current (§3, §5.4)."""
+    """A known instance_id with another secret is refused; the real session stays (§3, §5.4)."""
     instance = new_id()
     with client(server, instance_id=instance).open() as a:
         with client(server, instance_id=instance) as rogue:
