@@ -166,6 +166,43 @@ def test_stop_from_a_handler_is_refused_but_request_stop_works(server: MockOrbit
     assert server.task(task_id).state is TaskState.SUCCEEDED
 
 
+def test_request_stop_returns_while_a_capacity_report_is_unanswered() -> None:
+    """request_stop() returns at once even while a capacity report waits for its answer."""
+    probe = Probe()
+    returned = threading.Event()
+    # 1.5 s sessions: the report is repeated (a heartbeat) every half second.
+    with MockOrbitServer(lease_duration=2.0, session_window=1.5, assignment_rate=None) as server:
+        worker = make_worker(server, call_timeout=5.0)
+
+        @worker.handler("work")
+        def work(ctx: TaskContext, payload: Any) -> Any:
+            probe.enter(ctx)
+            probe.release.wait(10)
+            return {"ok": True}
+
+        task_id = server.enqueue("work", {})
+        worker.start()
+        try:
+            probe.wait_started()
+            # The next heartbeat is sent and never answered: that call waits up to 5 s.
+            dropped = server.faults.drop_reply("worker.capacity")
+            assert dropped.wait(10), "the worker never repeated its capacity report"
+            asker = threading.Thread(
+                target=lambda: (worker.request_stop(), returned.set()), daemon=True
+            )
+            asker.start()
+            assert returned.wait(1.0), "request_stop() waited for the capacity report's answer"
+            probe.release.set()
+            report = worker.stop()
+        finally:
+            probe.release.set()
+            worker.stop(drain=False)
+        snap = server.wait_for(task_id, DONE)
+    assert report.drained and report.unreported == ()
+    assert snap.state is TaskState.SUCCEEDED
+    assert worker_threads() == []
+
+
 def test_bad_token_stops_run_with_the_error(server: MockOrbitServer) -> None:
     """Credentials the server refuses end run() with that error instead of retrying forever."""
     worker = Worker(Client(server.url, "not-the-token"), queue_id=server.queue_id)

@@ -542,10 +542,13 @@ class Worker:
                 ctx.logger.warning("lease did not survive the reconnect (%s)", reason)
 
     def _send_capacity(self, conn: Connection) -> None:
+        # Only this (connection) thread sends reports. The lock is never held across the call:
+        # request_stop() takes it to queue the drain report and must not wait for an answer.
         with self._capacity_lock:
             report = self._report_next
-            sent_at = self._clock()
-            welcome = conn.capacity(report, timeout=self._call_timeout)
+        sent_at = self._clock()
+        welcome = conn.capacity(report, timeout=self._call_timeout)
+        with self._capacity_lock:
             self._report_sent = report
             # PROTOCOL §5.6: repeat the report at least every third of the session window.
             self._heartbeat = max(0.1, welcome.session_window / 3)
