@@ -7,7 +7,9 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import socket
 import time
+import urllib.parse
 from typing import Any
 
 from websockets.exceptions import ConnectionClosed
@@ -238,6 +240,18 @@ class RawClient:
     def reconnect(self) -> RawClient:
         """A new connection of the same process (same registration)."""
         return RawClient(self.server, token=self.token, registration=self.registration)
+
+
+def small_window_socket(server: MockOrbitServer, rcvbuf: int = 16 * 1024) -> socket.socket:
+    """A TCP connection to *server* with a small, fixed receive window (no autotuning), to pass
+    as ``connect(sock=...)``: once such a client stops reading, what the server writes soon
+    stops being accepted by its socket."""
+    url = urllib.parse.urlsplit(server.url)
+    assert url.hostname is not None and url.port is not None
+    sock = socket.socket(socket.AF_INET6 if ":" in url.hostname else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)  # before connect: sets the window
+    sock.connect((url.hostname, url.port))
+    return sock
 
 
 def error_code(frame: dict[str, Any]) -> str | None:

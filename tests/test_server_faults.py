@@ -4,6 +4,7 @@ exactly what it says (applied or not, answered or not, connection kept or cut)."
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -108,6 +109,36 @@ def test_refuse_connections(server: MockOrbitServer) -> None:
         assert info.value.response.status_code == 503
     assert fault.wait(0) and fault.fired == 2
     assert RawClient(server).connect().hello()["type"] == "worker.welcome"
+
+
+def test_a_firing_fault_wakes_wait_until(server: MockOrbitServer) -> None:
+    """wait_until re-checks a predicate over fault.fired as soon as the fault fires."""
+    fault = server.faults.refuse_connections(status=503)
+    waiting = threading.Event()
+    statuses: list[int] = []
+
+    def fired(_: MockOrbitServer) -> bool:
+        done = fault.fired == 1
+        waiting.set()  # we hold the server's lock: the fault fires only once we wait
+        return done
+
+    def connect() -> None:
+        waiting.wait(5)
+        try:
+            RawClient(server).connect()
+        except InvalidStatus as exc:
+            statuses.append(exc.response.status_code)
+
+    thread = threading.Thread(target=connect)
+    thread.start()
+    started = time.monotonic()
+    try:
+        server.wait_until(fired, timeout=3)  # nothing but the fault changes meanwhile
+    finally:
+        thread.join()
+    # Woken by the fault, not by the timeout (after which wait_until checks once more).
+    assert time.monotonic() - started < 2
+    assert statuses == [503]
 
 
 def test_reply_error_refuses_without_applying(server: MockOrbitServer) -> None:

@@ -4,6 +4,7 @@ the SDK's own client-side decoder."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -16,11 +17,11 @@ from typing import Any
 
 import pytest
 import trustme
-from _rawclient import RawClient, error_code
+from _rawclient import RawClient, error_code, small_window_socket
 from websockets.exceptions import InvalidStatus
 
 from orbit_sync._codec import parse_time
-from orbit_sync.models import TaskState, new_message_id
+from orbit_sync.models import CapacityReport, TaskState, new_message_id
 from orbit_sync.testing import SCOPE_CONNECT, ManualClock, MockOrbitServer
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
@@ -539,18 +540,118 @@ def test_request_rate_limited_over_socket() -> None:
         assert client.capacity(1, 4)["type"] == "ack"
 
 
-def test_slow_consumer_is_disconnected(server: MockOrbitServer) -> None:
-    """A client that stops reading is cut off once 8 frames wait in its outbox."""
-    client = RawClient(server, strict=False).connect(max_queue=1)
+def _stalled_client(server: MockOrbitServer) -> RawClient:
+    """A session whose client stops reading at once, over a small receive window."""
+    client = RawClient(server, strict=False)
+    client.connect(max_queue=1, sock=small_window_socket(server))
     client.hello()
-    big = json.dumps({"pad": "x" * (400 * 1024)})
-    for _ in range(60):
-        try:
-            server.faults.send_raw(big, client.session_id)
-        except LookupError:
-            break
-    server.wait_until(lambda s: any(e.kind == "connection.slow_consumer" for e in s.events()))
-    server.wait_until(lambda s: not s.sessions()[0].connected)
+    return client
+
+
+#: A few of these fill a small window, the frames a stopped client has buffered and the server's
+#: socket buffer (a few MiB on loopback): the writer sending them then gets stuck in the socket.
+_PAD = json.dumps({"pad": "x" * (4 * 1024 * 1024)})
+
+
+def _disconnected(server: MockOrbitServer) -> bool:
+    return not any(s.connected for s in server.sessions())
+
+
+@pytest.mark.parametrize("seconds", [0, -1.0, float("inf"), float("nan")])
+def test_write_timeout_is_positive_and_finite(seconds: float) -> None:
+    """write_timeout must be a positive, finite number of seconds."""
+    with pytest.raises(ValueError, match="write_timeout"):
+        MockOrbitServer(write_timeout=seconds)
+
+
+def test_answers_wait_out_a_short_stall() -> None:
+    """A link that takes nothing for less than write_timeout delays answers, never drops them."""
+    with MockOrbitServer(clock=ManualClock(), assignment_rate=None, write_timeout=2.0) as srv:
+        client = RawClient(srv).open()
+        srv.faults.delay_reply("worker.capacity", seconds=0.3)  # the writer holds the first
+        sent = [client.send("worker.capacity", CapacityReport(1, 4, False)) for _ in range(16)]
+        assert [client.answer(mid)["type"] for mid in sent] == ["ack"] * 16
+        assert srv.sessions()[0].connected
+        assert not any(e.kind == "connection.slow_consumer" for e in srv.events())
+
+
+def test_slow_consumer_is_disconnected() -> None:
+    """An answer that finds no room within write_timeout disconnects the client."""
+    with MockOrbitServer(clock=ManualClock(), assignment_rate=None, write_timeout=0.3) as srv:
+        client = RawClient(srv).open()
+        srv.faults.delay_reply("worker.capacity", seconds=3.0)  # a link that takes nothing
+        started = time.monotonic()
+        for _ in range(10):  # one held by the writer, 8 queued, one that finds no room
+            client.send("worker.capacity", CapacityReport(1, 4, False))
+        srv.wait_until(_disconnected, timeout=5)
+        assert 0.3 <= time.monotonic() - started < 3.0
+        kinds = [e.kind for e in srv.events() if e.kind.startswith("connection.")]
+        assert kinds == ["connection.slow_consumer"]
+
+
+def test_pushes_to_a_stalled_client_disconnect_it() -> None:
+    """A client that stops reading is cut off by a push once its socket took nothing for 0.3 s."""
+    with MockOrbitServer(clock=ManualClock(), assignment_rate=None, write_timeout=0.3) as srv:
+        client = _stalled_client(srv)
+        started = time.monotonic()
+        for _ in range(100):  # one push per 20 ms at most: 2 s, then the test fails
+            try:
+                srv.faults.send_raw(_PAD, client.session_id)
+            except LookupError:
+                break  # disconnected: no session left to push to
+            with contextlib.suppress(TimeoutError):
+                srv.wait_until(_disconnected, timeout=0.02)
+        srv.wait_until(_disconnected, timeout=1)
+        assert time.monotonic() - started >= 0.3
+        assert [e.kind for e in srv.events() if e.kind == "connection.slow_consumer"] == [
+            "connection.slow_consumer"
+        ]
+        client.wait_closed()  # read what it buffered, up to the cut
+
+
+def test_32_requests_in_flight_are_answered(server: MockOrbitServer) -> None:
+    """A client that reads promptly gets every answer with 32 requests in flight (PROTOCOL §10)."""
+    client = RawClient(server).open()
+    report = CapacityReport(1, 4, False)
+    pending = {client.send("worker.capacity", report) for _ in range(32)}  # all at once
+    answered = 0
+    while pending:
+        frame = client.recv()
+        assert frame["type"] == "ack"
+        pending.remove(frame["reply_to"])
+        answered += 1
+        if answered + len(pending) < 256:  # keep 32 in flight, 256 requests in all
+            pending.add(client.send("worker.capacity", report))
+    assert answered == 256
+    assert server.sessions()[0].connected
+    assert not any(e.kind == "connection.slow_consumer" for e in server.events())
+
+
+def test_cancel_notices_amid_32_requests_in_flight(server: MockOrbitServer) -> None:
+    """Cancel notices that find the outbox full of answers still reach a prompt reader."""
+    client = RawClient(server, capacity=16, notifications=True).open()
+    task_ids = [server.enqueue("resize", {"n": i}) for i in range(16)]
+    for ref in [client.ref(client.next_push()) for _ in task_ids]:
+        assert client.start(ref)["type"] == "ack"
+    report = CapacityReport(1, 16, False)
+    pending = {client.send("worker.capacity", report) for _ in range(32)}
+    canceller = threading.Thread(target=lambda: [server.request_cancel(t) for t in task_ids])
+    canceller.start()
+    try:
+        notices, answered = set(), 0
+        while pending or len(notices) < len(task_ids):
+            frame = client.recv()
+            if frame["type"] == "task.cancel":
+                notices.add(frame["body"]["task_id"])
+                continue
+            pending.remove(frame["reply_to"])
+            answered += 1
+            if answered + len(pending) < 128:
+                pending.add(client.send("worker.capacity", report))
+    finally:
+        canceller.join()
+    assert notices == set(task_ids) and answered == 128
+    assert not any(e.kind == "connection.slow_consumer" for e in server.events())
 
 
 def test_dispatch_keeps_room_for_answers(server: MockOrbitServer) -> None:

@@ -2,7 +2,8 @@
 
 Each fault is armed for one kind of frame (optionally one session) and a number of firings; it
 counts what it did, so a test can assert that the fault really happened (``fault.fired``,
-``fault.wait(timeout)``). Faults fire in the order they were armed.
+``fault.wait(timeout)``, or ``server.wait_until`` over ``fault.fired``: every firing wakes it).
+Faults fire in the order they were armed.
 """
 
 from __future__ import annotations

@@ -4,24 +4,36 @@ Threads (all joined by :meth:`MockOrbitServer.stop`):
 
 * ``serve_forever`` of :mod:`websockets.sync.server` (accepts connections),
 * one handler thread per connection (websockets'), which reads frames and applies them,
-* one writer thread per connection (ours), which drains a bounded outbox so that a slow
-  consumer never blocks the server: a frame that finds 8 frames already queued disconnects it,
+* one writer thread per connection (ours), which drains a bounded outbox of 8 frames into the
+  socket. A slow consumer is a client whose socket accepts no data for the write deadline
+  (``write_timeout``, 5 s); a writer thread that merely lags behind the producers (GIL
+  scheduling) is not one. So an answer that finds the outbox full waits for room, outside the
+  lock, up to the write deadline and only then disconnects the client; assignments are only
+  dispatched while the outbox has room for them and for answers (they pause, never block); other
+  pushes (cancel notices), which cannot wait, may go past a full outbox while the writer keeps
+  taking frames, up to a hard bound. (A writer stuck in ``sendall`` also holds websockets'
+  connection lock, so that connection's incoming frames wait too: a stalled client is caught
+  by the next push, or by the read-idle bound.)
 * one scheduler thread, which runs due work (recovery scans, backoff, rate-limit windows).
 
-One re-entrant lock guards the state machine; every mutation is followed by ``notify_all`` on
-its condition, which is what :meth:`MockOrbitServer.wait_for` waits on.
+One re-entrant lock guards the state machine; every mutation (and every recorded event, fired
+faults included) is followed by ``notify_all`` on its condition, which is what
+:meth:`MockOrbitServer.wait_for` and :meth:`MockOrbitServer.wait_until` wait on.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import datetime as _dt
 import http
 import logging
+import math
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
@@ -32,7 +44,7 @@ from websockets.sync.server import Server, ServerConnection, serve
 
 from .._codec import SUBPROTOCOL, ClientFrame, InvalidClientFrame, decode_client_frame, encode_frame
 from .._json import MAX_FRAME_BYTES
-from ..models import TaskState, new_message_id
+from ..models import MAX_CAPACITY, TaskState, new_message_id
 from ._clock import Clock, ManualClock, SystemClock
 from ._faults import PUSH_TYPES, Fault, Faults
 from ._snapshots import EventRecord, RetrySafety, SessionSnapshot, TaskSnapshot
@@ -53,11 +65,16 @@ __all__ = ["AdminHandler", "MockOrbitServer"]
 AdminHandler = Callable[["MockOrbitServer", ServerConnection, Request], "Response | None"]
 
 CONNECT_PATH = "/v1/worker/connect"
-#: Frames a connection may have waiting to be written; one more disconnects it (PROTOCOL §10).
+#: Frames a connection may have waiting to be written (PROTOCOL §10). An answer finding no room
+#: waits for it up to the write deadline; assignments pause before it fills (``PUSH_ROOM``).
 OUTBOX_FRAMES = 8
 #: Pushes stop while this many frames wait, keeping room for answers to requests.
 PUSH_ROOM = 4
-#: Inbound frames buffered per connection before websockets stops reading (flow control).
+#: How far pushes that cannot wait may go past a full outbox while its writer keeps up: one
+#: cancel notice per attempt a session can hold.
+SPILL_FRAMES = MAX_CAPACITY
+#: Inbound frames buffered per connection before websockets stops reading (flow control); the
+#: handler thread applies one frame at a time and reads the next only once its answer is queued.
 INBOX_FRAMES = 4
 
 
@@ -71,18 +88,34 @@ class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class _Late:
+    """An answer that found its connection's outbox full, and what must follow it."""
+
+    text: str
+    delay: float
+    actions: tuple[Action, ...]
+    close: str | None
+
+
 class _Conn:
     """One accepted WebSocket: its session binding and its bounded outbox."""
 
-    def __init__(self, server: MockOrbitServer, ws: ServerConnection, token: str) -> None:
+    def __init__(
+        self, server: MockOrbitServer, ws: ServerConnection, token: str, write_timeout: float
+    ) -> None:
         self.server = server
         self.ws = ws
         self.token = token
         self.session_id: str | None = None
+        self._write_timeout = write_timeout
         self._cv = threading.Condition()
         # (text, delay) frames, or (code, reason) close markers as ints/str.
         self._items: collections.deque[tuple[str, float] | tuple[int, str]] = collections.deque()
         self._frames = 0
+        # When the writer last took a frame, or was last handed one while idle (monotonic s).
+        self._took = time.monotonic()
+        self._idle = False
         self.closing = False
         self._aborted = False
         self._want_kick = False
@@ -95,17 +128,39 @@ class _Conn:
 
     # ------------------------------------------------------------------ producer side
 
-    def send(self, text: str, delay: float = 0.0) -> bool:
-        """Queue one frame; False when the outbox is full (the caller disconnects)."""
+    def offer(self, text: str, delay: float = 0.0) -> bool:
+        """Queue one frame if the outbox has room now; False when it is full."""
         with self._cv:
-            if self.closing:
-                return True  # the connection is going away; nothing more is delivered
-            if self._frames >= OUTBOX_FRAMES:
-                return False
-            self._items.append((text, delay))
-            self._frames += 1
-            self._cv.notify()
-            return True
+            return self._put(text, delay, OUTBOX_FRAMES)
+
+    def put(self, text: str, delay: float = 0.0) -> bool:
+        """Queue one answer, waiting for room up to the write deadline; False when none came."""
+        with self._cv:
+            self._cv.wait_for(
+                lambda: self.closing or self._frames < OUTBOX_FRAMES, self._write_timeout
+            )
+            return self._put(text, delay, OUTBOX_FRAMES)
+
+    def spill(self, text: str) -> bool:
+        """Queue one push that cannot wait: past a full outbox too (up to ``SPILL_FRAMES``
+        more) while the writer keeps up, i.e. took a frame within the write deadline. False
+        when the writer is stuck on a socket that accepts no data, or too far behind."""
+        with self._cv:
+            keeping_up = time.monotonic() - self._took < self._write_timeout
+            return self._put(text, 0.0, OUTBOX_FRAMES + (SPILL_FRAMES if keeping_up else 0))
+
+    def _put(self, text: str, delay: float, limit: int) -> bool:
+        if self.closing:
+            return True  # the connection is going away; nothing more is delivered
+        if self._frames >= limit:
+            return False
+        if self._idle:
+            self._idle = False
+            self._took = time.monotonic()  # the writer had nothing to do: its clock starts now
+        self._items.append((text, delay))
+        self._frames += 1
+        self._cv.notify_all()
+        return True
 
     def push_room(self, emitted: int = 0) -> bool:
         """May a push be queued now, *emitted* more being on their way (room for answers)?"""
@@ -123,7 +178,7 @@ class _Conn:
                 return
             self.closing = True
             self._items.append((code, reason))
-            self._cv.notify()
+            self._cv.notify_all()
 
     def abort(self) -> None:
         """Cut the TCP connection now: no close frame, queued frames dropped."""
@@ -132,7 +187,7 @@ class _Conn:
             self._aborted = True
             self._items.clear()
             self._frames = 0
-            self._cv.notify()
+            self._cv.notify_all()
         # shutdown() (not close()) wakes a writer blocked in sendall and the reader thread,
         # without taking the websockets mutex a blocked writer may hold (LIBRARY-NOTES).
         with contextlib.suppress(OSError):
@@ -152,12 +207,15 @@ class _Conn:
         while True:
             with self._cv:
                 while not self._items and not self._aborted:
+                    self._idle = True
                     self._cv.wait()
                 if self._aborted:
                     return
                 item = self._items.popleft()
                 if isinstance(item[0], str):
                     self._frames -= 1
+                    self._took = time.monotonic()
+                    self._cv.notify_all()  # an answer may be waiting for this room
             if isinstance(item[0], int):
                 try:
                     self.ws.close(item[0], str(item[1]))
@@ -201,13 +259,20 @@ class MockOrbitServer:
         max_connections: int = 128,
         hello_timeout: float = 5.0,
         read_idle_timeout: float = 60.0,
+        write_timeout: float = 5.0,
         admin_handler: AdminHandler | None = None,
     ) -> None:
+        """*write_timeout* is the write deadline (PROTOCOL §10): how long an answer may wait
+        for room in a connection's full outbox before the client is dropped as a slow consumer."""
         if type(max_connections) is not int or max_connections < 1:
             raise ValueError("max_connections must be an int >= 1")
-        for name, value in (("hello_timeout", hello_timeout), ("read_idle", read_idle_timeout)):
-            if not value > 0:
-                raise ValueError(f"{name} must be > 0")
+        for name, value in (
+            ("hello_timeout", hello_timeout),
+            ("read_idle", read_idle_timeout),
+            ("write_timeout", write_timeout),
+        ):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} must be > 0 and finite")
         self._host = host
         self._port = port
         self._ssl = ssl_context
@@ -225,6 +290,7 @@ class MockOrbitServer:
         self._max_connections = max_connections
         self._hello_timeout = hello_timeout
         self._read_idle = read_idle_timeout
+        self._write_timeout = float(write_timeout)
         self._admin_handler = admin_handler
         self._cond = threading.Condition(threading.RLock())
         self._conns: set[_Conn] = set()
@@ -299,6 +365,11 @@ class MockOrbitServer:
             # Event-driven: each handler removes its connection and notifies when it ends.
             # Waiting here spares websockets' shutdown() its 100 ms polling loop.
             self._cond.wait_for(lambda: not self._conns, timeout=2.0)
+            stuck = list(self._conns)
+        for conn in stuck:
+            # A writer stuck on a socket that takes no data holds the websockets lock that
+            # shutdown() needs to close the connection: cut it instead.
+            conn.abort()
         if ws is not None:
             ws.shutdown()
         for thread in self._threads:
@@ -510,7 +581,7 @@ class MockOrbitServer:
                 conn = self._by_session.get(session_id)
                 targets = [conn] if conn is not None and not conn.closing else []
             for conn in targets:
-                self._state.record("connection.cut", session=conn.session_id)
+                self._record("connection.cut", session=conn.session_id)
                 conn.abort()
             self._cond.notify_all()
         return len(targets)
@@ -540,10 +611,20 @@ class MockOrbitServer:
                 self._queue(conn, text)
         self._cond.notify_all()
 
-    def _queue(self, conn: _Conn, text: str, delay: float = 0.0) -> None:
-        if not conn.send(text, delay):
-            self._state.record("connection.slow_consumer", session=conn.session_id)
+    def _queue(self, conn: _Conn, text: str) -> None:
+        """Queue a push; it never waits (the caller holds the lock)."""
+        if not conn.spill(text):
+            self._slow_consumer(conn)
+
+    def _slow_consumer(self, conn: _Conn) -> None:
+        with self._cond:
+            self._record("connection.slow_consumer", session=conn.session_id)
             conn.abort()
+
+    def _record(self, kind: str, *, session: str | None = None, detail: str = "") -> None:
+        """Record a shell-level event and wake every waiter. Caller holds the lock."""
+        self._state.record(kind, session=session, detail=detail)
+        self._cond.notify_all()
 
     def _push_gate(self, session_id: str, emitted: int) -> bool:
         conn = self._by_session.get(session_id)
@@ -559,8 +640,9 @@ class MockOrbitServer:
             self._cond.notify_all()
 
     def _fault_fired(self, fault: Fault, session_id: str | None) -> None:
+        # Wakes wait_until(), whose predicate may look at fault.fired (already counted).
         with self._cond:
-            self._state.record(
+            self._record(
                 "fault.fired", session=session_id, detail=f"{fault.kind} {fault.frame_type or ''}"
             )
 
@@ -611,12 +693,12 @@ class MockOrbitServer:
         with self._cond:
             scopes = None if token is None else self._state.token_scopes(token)
             if scopes is None:
-                self._state.record("connection.refused", detail="401")
+                self._record("connection.refused", detail="401")
                 response = ws.respond(http.HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
             if SCOPE_CONNECT not in scopes:
-                self._state.record("connection.refused", detail="403")
+                self._record("connection.refused", detail="403")
                 return ws.respond(http.HTTPStatus.FORBIDDEN, "Forbidden\n")
             offered = [
                 p.strip()
@@ -631,7 +713,7 @@ class MockOrbitServer:
             for pending in [p for p in self._handshaking if p.state.name == "CLOSED"]:
                 del self._handshaking[pending]
             if len(self._conns) + len(self._handshaking) >= self._max_connections:
-                self._state.record("connection.refused", detail="503 connection limit")
+                self._record("connection.refused", detail="503 connection limit")
                 return ws.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
             assert token is not None
             self._handshaking[ws] = token
@@ -642,7 +724,7 @@ class MockOrbitServer:
     def _handle(self, ws: ServerConnection) -> None:
         with self._cond:
             token = self._handshaking.pop(ws, "")
-            conn = _Conn(self, ws, token)
+            conn = _Conn(self, ws, token, self._write_timeout)
             if self._stopping:
                 return
             self._conns.add(conn)
@@ -667,7 +749,7 @@ class MockOrbitServer:
             except TimeoutError:
                 with self._cond:
                     kind = "hello_timeout" if conn.session_id is None else "read_idle"
-                    self._state.record(f"connection.{kind}", session=conn.session_id)
+                    self._record(f"connection.{kind}", session=conn.session_id)
                 conn.close_after_flush(1008, kind.replace("_", " "))
                 return
             except ConnectionClosed:
@@ -678,87 +760,102 @@ class MockOrbitServer:
 
     def _on_frame(self, conn: _Conn, raw: str | bytes) -> bool:
         """Apply one frame; False when the connection must stop reading."""
+        outcome: bool | _Late
         if isinstance(raw, bytes):
-            self._invalid(conn, None, "binary frames are not allowed")
-            return False
-        try:
-            frame = decode_client_frame(raw)
-        except InvalidClientFrame as exc:
-            self._invalid(conn, exc.message_id, str(exc))
-            return False
-        with self._cond:
-            if conn.closing:
-                return False
-            sid = conn.session_id
-            if sid is None and frame.type != "worker.hello":
-                self._invalid(conn, frame.message_id, "the first frame must be worker.hello")
-                return False
-            if self.faults.take("close_before", frame.type, sid):
-                conn.abort()
-                return False
-            fault = self.faults.take("reply_error", frame.type, sid)
-            if fault is not None:
-                self._answer(conn, frame, "error", None, (fault.code, "injected fault"), sid)
-                return True
-            if sid is None:
-                handled = self._state.hello(conn.token, frame)
-                if handled.session_id is not None:
-                    conn.session_id = handled.session_id
-                    self._by_session[handled.session_id] = conn
+            outcome = self._invalid(conn, None, "binary frames are not allowed")
+        else:
+            try:
+                frame = decode_client_frame(raw)
+            except InvalidClientFrame as exc:
+                outcome = self._invalid(conn, exc.message_id, str(exc))
             else:
-                handled = self._state.handle(sid, frame)
-            self._respond(conn, frame, handled)
-            return not (handled.answer.close or conn.closing)
+                with self._cond:
+                    outcome = self._apply(conn, frame)
+        if isinstance(outcome, _Late):
+            return self._deliver_late(conn, outcome)
+        return outcome
 
-    def _respond(self, conn: _Conn, frame: ClientFrame, handled: Handled) -> None:
+    def _apply(self, conn: _Conn, frame: ClientFrame) -> bool | _Late:
+        """Apply one decoded frame and queue its answer. Caller holds the lock."""
+        if conn.closing:
+            return False
+        sid = conn.session_id
+        if sid is None and frame.type != "worker.hello":
+            return self._invalid(conn, frame.message_id, "the first frame must be worker.hello")
+        if self.faults.take("close_before", frame.type, sid):
+            conn.abort()
+            return False
+        fault = self.faults.take("reply_error", frame.type, sid)
+        if fault is not None:
+            text = _answer(frame, "error", None, (fault.code, "injected fault"), sid)
+            return self._reply(conn, text, 0.0, (), None)
+        if sid is None:
+            handled = self._state.hello(conn.token, frame)
+            if handled.session_id is not None:
+                conn.session_id = handled.session_id
+                self._by_session[handled.session_id] = conn
+        else:
+            handled = self._state.handle(sid, frame)
+        return self._respond(conn, frame, handled)
+
+    def _respond(self, conn: _Conn, frame: ClientFrame, handled: Handled) -> bool | _Late:
         sid = handled.session_id
         answer = handled.answer
         if self.faults.take("close_after", frame.type, sid):
             conn.abort()
             self._commit(handled.actions)
-            return
+            return False
         dropped = self.faults.take("drop_reply", frame.type, sid) is not None
         delay = self.faults.take("delay_reply", frame.type, sid)
-        if not dropped:
-            self._answer(
-                conn,
-                frame,
-                answer.type,
-                answer.body,
-                answer.error,
-                sid,
-                delay.seconds if delay is not None else 0.0,
-            )
-        self._commit(handled.actions)
-        if answer.close:
-            conn.close_after_flush(1008, answer.error[0] if answer.error else "")
+        close = (answer.error[0] if answer.error else "") if answer.close else None
+        if dropped:
+            return self._follow(conn, handled.actions, close)
+        text = _answer(frame, answer.type, answer.body, answer.error, sid)
+        return self._reply(
+            conn, text, delay.seconds if delay is not None else 0.0, handled.actions, close
+        )
 
-    def _answer(
+    def _reply(
         self,
         conn: _Conn,
-        frame: ClientFrame,
-        kind: str,
-        body: dict[str, Any] | None,
-        error: tuple[str, str] | None,
-        session_id: str | None,
-        delay: float = 0.0,
-    ) -> None:
-        text = encode_frame(
-            kind,
-            new_message_id(),
-            session_id=session_id,
-            body=body,
-            reply_to=frame.message_id,
-            error=error,
-        )
-        if not conn.send(text, delay):
-            self._state.record("connection.slow_consumer", session=session_id)
-            conn.abort()
+        text: str,
+        delay: float,
+        actions: Iterable[Action],
+        close: str | None,
+    ) -> bool | _Late:
+        """Queue an answer, then *actions*, then close with *close* (a reason) when not None.
+        Caller holds the lock. Returns whether the connection keeps reading, or, when the
+        outbox is full, the part that must wait for room (outside the lock: ``_deliver_late``).
+        """
+        if conn.offer(text, delay):
+            return self._follow(conn, actions, close)
+        # Pushes to other sessions go now; this connection's own wait behind their answer.
+        sid = conn.session_id
+        actions = tuple(actions)
+        self._commit(a for a in actions if a.session_id != sid)
+        return _Late(text, delay, tuple(a for a in actions if a.session_id == sid), close)
 
-    def _invalid(self, conn: _Conn, message_id: str | None, reason: str) -> None:
+    def _follow(self, conn: _Conn, actions: Iterable[Action], close: str | None) -> bool:
+        """What follows an answer: *actions*, then the close. Caller holds the lock."""
+        self._commit(actions)
+        if close is not None:
+            conn.close_after_flush(1008, close)
+        return close is None and not conn.closing
+
+    def _deliver_late(self, conn: _Conn, late: _Late) -> bool:
+        """Wait for room for an answer up to the write deadline, without the lock (so the
+        scheduler and every other connection go on meanwhile); none came: a slow consumer.
+        The handler reads nothing more meanwhile, so inbound frames stay bounded too."""
+        if not conn.put(late.text, late.delay):
+            self._slow_consumer(conn)
+            return False
+        with self._cond:
+            return self._follow(conn, late.actions, late.close)
+
+    def _invalid(self, conn: _Conn, message_id: str | None, reason: str) -> bool | _Late:
         # Answer INVALID_FRAME (with reply_to when the id was readable), then close (§11).
         with self._cond:
-            self._state.record("frame.invalid", session=conn.session_id, detail=reason[:200])
+            self._record("frame.invalid", session=conn.session_id, detail=reason[:200])
             text = encode_frame(
                 "error",
                 new_message_id(),
@@ -766,10 +863,25 @@ class MockOrbitServer:
                 reply_to=message_id,
                 error=("INVALID_FRAME", "the frame is not a valid pulse.worker.v1 request"),
             )
-            if conn.send(text):
-                conn.close_after_flush(1008, "invalid frame")
-            else:
-                conn.abort()
+            return self._reply(conn, text, 0.0, (), "invalid frame")
+
+
+def _answer(
+    frame: ClientFrame,
+    kind: str,
+    body: dict[str, Any] | None,
+    error: tuple[str, str] | None,
+    session_id: str | None,
+) -> str:
+    """The encoded answer to *frame*."""
+    return encode_frame(
+        kind,
+        new_message_id(),
+        session_id=session_id,
+        body=body,
+        reply_to=frame.message_id,
+        error=error,
+    )
 
 
 def _bearer(request: Request) -> str | None:
