@@ -859,9 +859,8 @@ def _wait(server: MockOrbitServer, condition: Callable[[], bool], timeout: float
 
 
 def _stopping(server: MockOrbitServer) -> bool:
-    # MockOrbitServer has no public "stopping" flag yet; its stop() sets _stopping and notifies
-    # the condition wait_until waits on, which is exactly the wake-up needed here.
-    return bool(getattr(server, "_stopping", False))
+    # stop() sets this and notifies the condition wait_until waits on: the wake-up needed here.
+    return server.stopping
 
 
 # --------------------------------------------------------------------------- client side

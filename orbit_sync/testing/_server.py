@@ -392,6 +392,11 @@ class MockOrbitServer:
     # ------------------------------------------------------------------ properties
 
     @property
+    def stopping(self) -> bool:
+        """True once :meth:`stop` has begun; waits on this server should give up."""
+        return self._stopping
+
+    @property
     def url(self) -> str:
         """``ws://host:port`` (or ``wss://``); workers connect to ``url + /v1/worker/connect``."""
         if self._url is None:
