@@ -30,7 +30,7 @@ from .errors import (
     WorkerError,
     WorkerProtocolError,
 )
-from .models import CancelNotice, Registration, Welcome, new_message_id
+from .models import Assignment, CancelNotice, Registration, Welcome, new_message_id
 
 __all__ = ["DIAL_TIMEOUT", "Client"]
 
@@ -108,6 +108,7 @@ class Client:
         timeout: float = DIAL_TIMEOUT,
         *,
         on_cancel: Callable[[CancelNotice], None] | None = None,
+        on_assignment: Callable[[Assignment], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_call_timeout: float = CALL_TIMEOUT,
         read_idle_timeout: float = READ_IDLE_TIMEOUT,
@@ -126,6 +127,14 @@ class Client:
         answers); exceptions it raises are logged and ignored. Without ``on_cancel`` they are
         queued for :meth:`WorkerConnection.next_cancel`.
 
+        ``task.assign`` pushes go to ``on_assignment`` when given, under the same rules (reader
+        thread, quick, no requests of this connection); use it when the consumer may fall behind a
+        burst of up to ``registration.capacity`` assignments. An exception it raises is logged and
+        the assignment is dropped: unstarted, the reservation returns to the queue when its lease
+        expires on the server. Without ``on_assignment`` they are queued for
+        :meth:`WorkerConnection.next_assignment`, at most 8 unread (PROTOCOL §10: a 9th closes the
+        connection with ``WorkerBackpressure``).
+
         ``clock`` anchors every lease's local ``deadline`` (pass the same clock to
         ``lease.may_run()``). ``max_call_timeout`` (≤ 10 s) and ``read_idle_timeout`` (≤ 60 s)
         may only tighten the protocol's bounds.
@@ -140,6 +149,8 @@ class Client:
                 raise TypeError("on_cancel must be callable")
             if not registration.cancellation_notifications:
                 raise ValueError("on_cancel needs registration.cancellation_notifications=True")
+        if on_assignment is not None and not callable(on_assignment):
+            raise TypeError("on_assignment must be callable")
         if not callable(clock):
             raise TypeError("clock must be callable")
         hello_id = new_message_id()
@@ -185,6 +196,7 @@ class Client:
             welcome,
             registration,
             on_cancel=on_cancel,
+            on_assignment=on_assignment,
             clock=clock,
             max_call_timeout=max_call,
             read_idle_timeout=idle,

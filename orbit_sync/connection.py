@@ -5,8 +5,9 @@ bounded, blocking client of the protocol, mirroring the reference Go ``WorkerCon
 
 Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`:
 
-* the **reader** decodes every server frame, answers the waiting caller, queues pushes and never
-  blocks (a full assignment queue closes the connection with ``WorkerBackpressure``);
+* the **reader** decodes every server frame, answers the waiting caller, queues pushes (or hands
+  them to the ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment
+  queue closes the connection with ``WorkerBackpressure``);
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send, LIBRARY-NOTES), and a caller
@@ -68,7 +69,8 @@ log = logging.getLogger("orbit_sync.connection")
 
 #: In-flight control requests per connection; one more raises WorkerBusy before encoding (§10).
 MAX_IN_FLIGHT: Final = 32
-#: Unread assignments buffered; one more closes the connection with WorkerBackpressure (§10).
+#: Unread assignments buffered when no ``on_assignment`` callback is set; one more closes the
+#: connection with WorkerBackpressure (§10).
 ASSIGNMENT_BUFFER: Final = 8
 #: Unread cancel notices buffered when no ``on_cancel`` callback is set: at most one per held
 #: attempt is expected, and a process holds at most 256 attempts.
@@ -120,6 +122,9 @@ class WorkerConnection:
     ``timeout`` (default and cap 10 s); an error raised once the frame may have been sent carries
     ``.message_id`` so the same operation can be re-sent on a new connection after ``resume``.
     ``close()`` ends the transport; it never cancels a business effect.
+
+    Pushes go to ``on_assignment`` / ``on_cancel`` when given (on the reader thread, see
+    :meth:`orbit_sync.Client.dial_worker`), else to :meth:`next_assignment` / :meth:`next_cancel`.
     """
 
     def __init__(
@@ -129,6 +134,7 @@ class WorkerConnection:
         registration: Registration,
         *,
         on_cancel: Callable[[CancelNotice], None] | None = None,
+        on_assignment: Callable[[Assignment], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         max_call_timeout: float = CALL_TIMEOUT,
         read_idle_timeout: float = READ_IDLE_TIMEOUT,
@@ -138,6 +144,7 @@ class WorkerConnection:
         self._registration = registration
         self._ctx = _codec.SessionContext(welcome.session_id, welcome.epoch, registration)
         self._on_cancel = on_cancel
+        self._on_assignment = on_assignment
         self._clock = clock
         self._max_call = max_call_timeout
         self._idle = read_idle_timeout
@@ -189,8 +196,8 @@ class WorkerConnection:
     def close(self) -> None:
         """Close the transport at once and wait for the reader to exit. Idempotent, any thread.
 
-        Waiting callers are released with ``WorkerClosed``. Called from the ``on_cancel`` callback
-        (the reader thread), it does not wait for the reader.
+        Waiting callers are released with ``WorkerClosed``. Called from the ``on_cancel`` or
+        ``on_assignment`` callback (the reader thread), it does not wait for the reader.
         """
         self._fail(WorkerClosed("the connection was closed by close()"))
         if threading.current_thread() not in (self._reader, self._deadlines):
@@ -213,13 +220,19 @@ class WorkerConnection:
     # ------------------------------------------------------------------ pushes
 
     def next_assignment(self, timeout: float | None = None) -> Assignment:
-        """The next ``task.assign``: a reservation. Only ``start`` grants the right to run.
+        """The next ``task.assign``, when no ``on_assignment`` callback was given: a reservation.
+        Only ``start`` grants the right to run.
 
         Waits at most *timeout* seconds (``None``: until one arrives or the connection ends) and
         raises the built-in ``TimeoutError`` if none arrived, leaving the connection open. Once the
         connection has ended it raises the connection's error (``err``) instead; that error may be
-        a ``CallTimeout``, itself a ``TimeoutError``: check ``done`` before waiting again.
+        a ``CallTimeout``, itself a ``TimeoutError``: check ``done`` before waiting again. At most
+        8 unread assignments are kept; one more closes the connection with ``WorkerBackpressure``
+        (PROTOCOL §10): a consumer that cannot keep up with bursts of up to its capacity should
+        pass ``on_assignment`` instead.
         """
+        if self._on_assignment is not None:
+            raise RuntimeError("assignments go to the on_assignment callback of this connection")
         item = self._take(self._assignments, _check_wait(timeout), "assignment")
         assert isinstance(item, Assignment)
         return item
@@ -334,8 +347,10 @@ class WorkerConnection:
         # t_sent precedes the send, so the local deadline never outlives the server's lease.
         t_sent = self._clock()
         if threading.current_thread() is self._reader:
-            # From on_cancel: the answer could only be read by this very thread.
-            raise RuntimeError("requests cannot be made from the on_cancel callback")
+            # From on_cancel or on_assignment: the answer could only be read by this very thread.
+            raise RuntimeError(
+                "requests cannot be made from the on_cancel or on_assignment callback"
+            )
         mid = new_message_id() if message_id is None else _check_message_id(message_id)
         bound = self._bound(timeout)
         slot = _Slot(request_type, mid, time.monotonic() + bound)
@@ -498,6 +513,13 @@ class WorkerConnection:
         if isinstance(event, _codec.AssignPush):
             a = event.assignment
             log.debug("assignment task_id=%s attempt_id=%s", a.task.task_id, a.attempt_id)
+            if self._on_assignment is not None:
+                try:
+                    self._on_assignment(a)
+                except Exception:
+                    # Unstarted, the reservation returns to the queue when its lease expires.
+                    log.exception("on_assignment callback raised; the assignment is dropped")
+                return self._err is None  # the callback may have closed the connection
             try:
                 self._assignments.put_nowait(a)
             except queue.Full:
