@@ -447,3 +447,22 @@ def test_duplicate_assignment_runs_once(
     assert snap.state is TaskState.SUCCEEDED and probe.runs[task_id] == 1
     assert any("assigned twice" in r.getMessage() for r in caplog.records)
     assert not any("start refused" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("capacity", [16, 24])
+def test_burst_of_assignments_beyond_eight_keeps_the_connection(
+    server: MockOrbitServer, capacity: int
+) -> None:
+    """With capacity above the 8-slot queue and no rate limit, 64 quick tasks need no reconnect."""
+    worker = make_worker(server, capacity=capacity)
+
+    @worker.handler("quick")
+    def quick(ctx: TaskContext, payload: Any) -> Any:
+        return payload["i"]
+
+    ids = [server.enqueue("quick", {"i": i}) for i in range(64)]
+    with running(worker):
+        for task_id in ids:
+            assert server.wait_for(task_id, DONE, timeout=20).state is TaskState.SUCCEEDED
+        assert worker.stats().reconnects == 0
+    assert worker.stats().succeeded == 64

@@ -65,8 +65,6 @@ class Connection(Protocol):
         self, finish: Finish, *, message_id: str | None = ..., timeout: float | None = ...
     ) -> CommandResult: ...
 
-    def next_assignment(self, timeout: float | None = ...) -> Assignment: ...
-
     def close(self) -> None: ...
 
 
@@ -79,6 +77,7 @@ class Dialer(Protocol):
         timeout: float = ...,
         *,
         on_cancel: Callable[[CancelNotice], None] | None = ...,
+        on_assignment: Callable[[Assignment], None] | None = ...,
     ) -> Any: ...
 
 

@@ -3,8 +3,11 @@
 Threads (all daemons, so the process can always exit):
 
 - ``orbit-worker-connection``: dial, ``resume`` every live attempt, publish the connection, send
-  the capacity report, then read assignments and repeat the report before the session expires;
-  on loss, back off with jitter and start again with the same registration.
+  the capacity report, then repeat it before the session expires until the connection ends; on
+  loss, back off with jitter and start again with the same registration.
+- ``orbit-sync-reader-*`` (the connection's own): hands each assignment to :meth:`Worker._dispatch`
+  (``on_assignment``), which only records it and queues it for the pool, so a burst of up to
+  ``capacity`` assignments never overflows the connection's 8-slot queue (PROTOCOL §10).
 - ``orbit-handler-N`` (``capacity`` of them): per assignment ``start`` → handler (only if the
   lease allows) → ``finish``. A request whose answer was lost is re-sent with its original
   ``message_id`` once a newer connection is reconciled (:mod:`._link`).
@@ -63,7 +66,7 @@ H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: How often the connection thread looks up from the assignment queue (stop flags, drain).
+#: How often the connection thread looks up from its connection (stop flags, drain report).
 _POLL = 0.25
 #: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
 _BUSY_DELAY = 0.05
@@ -459,6 +462,7 @@ class Worker:
                     self.registration,
                     timeout=self._dial_timeout,
                     on_cancel=self._on_cancel if self._notifications else None,
+                    on_assignment=self._dispatch,
                 )
             except Exception as exc:
                 # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
@@ -558,18 +562,14 @@ class Worker:
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
 
     def _serve(self, conn: Connection) -> None:
-        while not self._link.is_closed() and not conn.done.is_set():
+        # Assignments are dispatched by the connection's reader (on_assignment); this thread only
+        # keeps the session alive and reports capacity changes until the connection ends.
+        while not self._link.is_closed():
             if self._report_next is not self._report_sent or self._clock() >= self._next_heartbeat:
                 self._send_capacity(conn)
                 continue
-            wait = min(_POLL, max(0.0, self._next_heartbeat - self._clock()))
-            try:
-                assignment = conn.next_assignment(timeout=wait)
-            except OrbitError:
-                raise
-            except TimeoutError:
-                continue
-            self._dispatch(assignment)
+            if conn.done.wait(min(_POLL, max(0.0, self._next_heartbeat - self._clock()))):
+                break
         err = conn.err
         if err is not None and not self._link.is_closed():
             raise err
@@ -586,6 +586,9 @@ class Worker:
     # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self, assignment: Assignment) -> None:
+        # Runs on the connection's reader thread (on_assignment): it must never block or make a
+        # request. It takes the worker's lock (never held across a wait for the network) and
+        # queues the attempt on the pool, whose submit never blocks.
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
         with self._cond:
