@@ -366,6 +366,18 @@ def _seconds_us(name: str, value: float | None, *, allow_none: bool = True) -> i
     return round(value * _US)
 
 
+def _receipt(operation: Operation, task: _Task, att: _Attempt, disposition: Disposition) -> Receipt:
+    """The receipt of *operation* as the task and attempt stand now."""
+    return Receipt(
+        operation=operation,
+        task_state=task.state,
+        attempt_state=att.state,
+        task_revision=task.revision,
+        lease_until=to_datetime(att.lease_until),
+        disposition=disposition,
+    )
+
+
 class OrbitState:
     """The server side of ``pulse.worker.v1`` as a pure state machine (see module docstring)."""
 
@@ -946,14 +958,7 @@ class OrbitState:
         att.lease_until = until
         self._set_attempt(att, AttemptState.RUNNING)
         self._set_task(task, TaskState.RUNNING)
-        receipt = Receipt(
-            operation=Operation.START,
-            task_state=task.state,
-            attempt_state=att.state,
-            task_revision=task.revision,
-            lease_until=to_datetime(att.lease_until),
-            disposition=Disposition.APPLIED,
-        )
+        receipt = _receipt(Operation.START, task, att, Disposition.APPLIED)
         self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
         return self._result(task, att, session, receipt, False), []
 
@@ -975,14 +980,7 @@ class OrbitState:
             if until > att.lease_until:  # a renewal never shortens a lease
                 att.lease_until = until
                 self._event("attempt.renewed", task=task, attempt=att, detail=str(until))
-        receipt = Receipt(
-            operation=Operation.RENEW,
-            task_state=task.state,
-            attempt_state=att.state,
-            task_revision=task.revision,
-            lease_until=to_datetime(att.lease_until),
-            disposition=Disposition.APPLIED,
-        )
+        receipt = _receipt(Operation.RENEW, task, att, Disposition.APPLIED)
         self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
         return self._result(task, att, session, receipt, False), []
 
@@ -1046,14 +1044,7 @@ class OrbitState:
                 self._finalize(task, TaskState.NEEDS_REVIEW, fin.outcome, result, fin.error_code)
         else:
             self._finalize(task, TaskState.CANCELLED, fin.outcome, result, fin.error_code)
-        receipt = Receipt(
-            operation=Operation.FINISH,
-            task_state=task.state,
-            attempt_state=att.state,
-            task_revision=task.revision,
-            lease_until=to_datetime(att.lease_until),
-            disposition=Disposition.APPLIED,
-        )
+        receipt = _receipt(Operation.FINISH, task, att, Disposition.APPLIED)
         att.finish = _FinishRecord(fkey, receipt)
         self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
         return self._result(task, att, session, receipt, False), self._pump()
@@ -1081,14 +1072,7 @@ class OrbitState:
                 reason=reason,
             )
         )
-        receipt = Receipt(
-            operation=Operation.FINISH,
-            task_state=task.state,
-            attempt_state=att.state,
-            task_revision=task.revision,
-            lease_until=to_datetime(att.lease_until),
-            disposition=Disposition.EVIDENCE_ONLY,
-        )
+        receipt = _receipt(Operation.FINISH, task, att, Disposition.EVIDENCE_ONLY)
         att.evidence[fkey] = receipt
         self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
         self._event(
