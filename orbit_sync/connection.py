@@ -513,24 +513,10 @@ class WorkerConnection:
         if isinstance(event, _codec.AssignPush):
             a = event.assignment
             log.debug("assignment task_id=%s attempt_id=%s", a.task.task_id, a.attempt_id)
-            if self._on_assignment is not None:
-                try:
-                    self._on_assignment(a)
-                except Exception:
-                    # Unstarted, the reservation returns to the queue when its lease expires.
-                    log.exception("on_assignment callback raised; the assignment is dropped")
-                return self._err is None  # the callback may have closed the connection
-            try:
-                self._assignments.put_nowait(a)
-            except queue.Full:
-                self._fail(
-                    WorkerBackpressure(
-                        f"more than {ASSIGNMENT_BUFFER} assignments left unread; "
-                        "the connection is closed"
-                    )
-                )
-                return False
-            return True
+            # Unstarted, a dropped reservation returns to the queue when its lease expires.
+            return self._push(
+                a, self._on_assignment, "on_assignment", "assignment", self._assignments
+            )
         if isinstance(event, _codec.CancelPush):
             return self._cancel(event.notice)
         log.debug("server ended the session: %s", event.error.code)
@@ -562,19 +548,29 @@ class WorkerConnection:
 
     def _cancel(self, notice: CancelNotice) -> bool:
         log.debug("cancel requested task_id=%s attempt_id=%s", notice.task_id, notice.attempt_id)
-        if self._on_cancel is not None:
+        return self._push(notice, self._on_cancel, "on_cancel", "cancel notice", self._cancels)
+
+    def _push(
+        self,
+        item: Any,
+        callback: Callable[[Any], None] | None,
+        name: str,
+        what: str,
+        source: queue.Queue[Any],
+    ) -> bool:
+        """Hand a push to its callback, or queue it; False once the connection has ended."""
+        if callback is not None:
             try:
-                self._on_cancel(notice)
+                callback(item)
             except Exception:
-                log.exception("on_cancel callback raised; the notice is dropped")
+                log.exception("%s callback raised; the %s is dropped", name, what)
             return self._err is None  # the callback may have closed the connection
         try:
-            self._cancels.put_nowait(notice)
+            source.put_nowait(item)
         except queue.Full:
             self._fail(
                 WorkerBackpressure(
-                    f"more than {CANCEL_BUFFER} cancel notices left unread; "
-                    "the connection is closed"
+                    f"more than {source.maxsize} {what}s left unread; the connection is closed"
                 )
             )
             return False
