@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import enum
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -82,15 +83,25 @@ def parse_time(value: Any) -> _dt.datetime:
     """RFC 3339 in UTC with ``Z``; at most 9 fraction digits (kept to the microsecond)."""
     if type(value) is not str:
         raise TypeError("time must be an RFC 3339 string")
+    return _parse_time(value)[0]
+
+
+@functools.lru_cache(maxsize=512)
+def _parse_time(value: str) -> tuple[_dt.datetime, int]:
+    # Cached: a frame repeats its times (receipt and lease) and every window check reads both
+    # ends again to the nanosecond. Returns the datetime and the nanoseconds below its microsecond.
     m = _TIME_RE.fullmatch(value)
     if not m:
         raise ValueError("time must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
     year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
-    micro = int((m.group(7) or "").ljust(6, "0")[:6])
+    digits = (m.group(7) or "").ljust(9, "0")
     try:
-        return _dt.datetime(year, month, day, hour, minute, second, micro, tzinfo=_dt.timezone.utc)
+        moment = _dt.datetime(
+            year, month, day, hour, minute, second, int(digits[:6]), tzinfo=_dt.timezone.utc
+        )
     except ValueError:
         raise ValueError("time is not a real date and time") from None
+    return moment, int(digits[6:])
 
 
 def format_time(value: _dt.datetime) -> str:
@@ -113,10 +124,9 @@ _NS = 1_000_000_000
 def time_ns(value: Any) -> int:
     """POSIX nanoseconds of a wire time, every fraction digit kept (``parse_time`` keeps
     microseconds only, so windows are checked with this: PROTOCOL §12 allows 9 digits)."""
-    whole = parse_time(value)
-    m = _TIME_RE.fullmatch(value)
-    assert m is not None  # parse_time accepted it
-    sub_micro = int((m.group(7) or "").ljust(9, "0")[6:])
+    if type(value) is not str:
+        raise TypeError("time must be an RFC 3339 string")
+    whole, sub_micro = _parse_time(value)
     return (whole - _EPOCH) // _dt.timedelta(microseconds=1) * 1000 + sub_micro
 
 
