@@ -21,7 +21,7 @@ from _rawclient import RawClient, error_code, small_window_socket
 from websockets.exceptions import InvalidStatus
 
 from orbit_sync._codec import parse_time
-from orbit_sync.models import CapacityReport, TaskState, new_message_id
+from orbit_sync.models import CapacityReport, Lease, TaskState, new_message_id
 from orbit_sync.testing import SCOPE_CONNECT, ManualClock, MockOrbitServer
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
@@ -751,17 +751,52 @@ def test_unknown_outcome_over_socket(server: MockOrbitServer) -> None:
 
 
 def test_cancel_before_start_over_socket(server: MockOrbitServer) -> None:
-    """Cancelling an assigned, unstarted task pushes task.cancel and its start is LEASE_LOST."""
+    """Cancel while LEASED: task.cancel, start answers RUNNING + cancel, CANCELLED is accepted."""
     client = RawClient(server, notifications=True).open()
     task_id = server.enqueue("resize", {"n": 1})
     ref = client.ref(client.next_push())
     server.request_cancel(task_id)
-    assert client.next_push("task.cancel")["body"]["task_id"] == task_id
-    assert error_code(client.start(ref)) == "LEASE_LOST"
+    notice = client.next_push("task.cancel")["body"]
+    assert notice["task_id"] == task_id and notice["attempt_id"] == ref.attempt_id
+    assert server.task(task_id).state is TaskState.LEASED
+    start = client.start(ref)["body"]
+    lease = start["lease"]
+    assert start["receipt"]["disposition"] == "APPLIED"
+    assert lease["active"] is True and lease["state"] == "RUNNING"
+    assert lease["cancel_requested_at"] == notice["cancel_requested_at"]
+    cancelled = parse_time(lease["cancel_requested_at"])
+    parsed = Lease(
+        active=True,
+        state="RUNNING",
+        lease_until=parse_time(lease["lease_until"]),
+        server_time=parse_time(lease["server_time"]),
+        cancel_requested_at=cancelled,
+    ).with_deadline(time.monotonic())
+    assert parsed.may_run() is False
+    done = client.finish(ref, "CANCELLED", {"ran": False}, "CANCELLED")["body"]
+    assert done["receipt"]["task_state"] == "CANCELLED"
     assert server.task(task_id).state is TaskState.CANCELLED
+    assert server.sessions()[0].held == 0
     waiting = server.enqueue("crop", {"n": 2})
     server.request_cancel(waiting)
     assert server.task(waiting).state is TaskState.CANCELLED
+    server.check_invariants()
+
+
+def test_cancel_before_start_then_lease_expiry_over_socket(server: MockOrbitServer) -> None:
+    """Cancel while LEASED and never started: past the lease the task is CANCELLED, slot freed."""
+    client = RawClient(server, notifications=True).open()
+    task_id = server.enqueue("resize", {"n": 1})
+    ref = client.ref(client.next_push())
+    server.request_cancel(task_id)
+    client.next_push("task.cancel")
+    assert server.sessions()[0].held == 1
+    server.advance(31)
+    snap = server.wait_for(task_id, {"CANCELLED"})
+    assert [a.state.value for a in snap.attempts] == ["EXPIRED"]
+    assert server.sessions()[0].held == 0
+    assert error_code(client.start(ref)) == "LEASE_LOST"
+    server.check_invariants()
 
 
 def test_events_and_invariants_over_socket(server: MockOrbitServer) -> None:

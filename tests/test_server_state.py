@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import attrs
@@ -9,7 +10,14 @@ import pytest
 from _serverkit import CAP, Kit, Proc, body, client_frame, code, pushes_of
 
 from orbit_sync._codec import parse_time
-from orbit_sync.models import AttemptRef, Capability, Registration, TaskState, new_secret
+from orbit_sync.models import (
+    AttemptRef,
+    Capability,
+    Lease,
+    Registration,
+    TaskState,
+    new_secret,
+)
 from orbit_sync.testing import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, queue_scope
 
 # --------------------------------------------------------------------------- sessions
@@ -716,18 +724,80 @@ def test_cancel_notice_only_for_sessions_that_asked() -> None:
     assert [p for p in proc.pushes if p.type == "task.cancel"] == []
 
 
-def test_cancel_leased_frees_the_reservation() -> None:
-    """A never-started attempt is cancelled at once; its start is LEASE_LOST."""
+def _may_run(lease: dict[str, Any]) -> bool:
+    cancel = lease.get("cancel_requested_at")
+    return (
+        Lease(
+            active=lease["active"],
+            state=lease["state"],
+            lease_until=parse_time(lease["lease_until"]),
+            server_time=parse_time(lease["server_time"]),
+            cancel_requested_at=None if cancel is None else parse_time(cancel),
+        )
+        .with_deadline(time.monotonic())
+        .may_run()
+    )
+
+
+def test_cancel_leased_keeps_the_attempt_and_start_carries_the_request() -> None:
+    """Cancel while LEASED keeps the attempt; start answers RUNNING + cancel; CANCELLED ends it."""
+    kit = Kit()
+    proc = kit.worker(notifications=True).open()
+    task_id = kit.enqueue()
+    ref = proc.take()
+    kit.cancel(task_id)
+    (notice,) = [p for p in proc.pushes if p.type == "task.cancel"]
+    assert notice.body is not None and notice.body["attempt_id"] == ref.attempt_id
+    snap = kit.state.task_snapshot(task_id)
+    assert snap.state is TaskState.LEASED and snap.attempts[0].state.value == "LEASED"
+    assert body(proc.resume(ref))["cancel_requested_at"] == notice.body["cancel_requested_at"]
+    lease = body(proc.start(ref))["lease"]
+    assert lease["active"] is True and lease["state"] == "RUNNING"
+    assert lease["cancel_requested_at"] == notice.body["cancel_requested_at"]
+    assert not _may_run(lease)
+    assert kit.state.task_snapshot(task_id).state is TaskState.RUNNING
+    result = body(proc.finish(ref, "CANCELLED", {"ran": False}, "CANCELLED"))
+    assert result["receipt"]["disposition"] == "APPLIED"
+    assert result["receipt"]["task_state"] == "CANCELLED"
+    snap = kit.state.task_snapshot(task_id)
+    assert snap.state is TaskState.CANCELLED and snap.attempts[0].state.value == "CANCELLED"
+    assert kit.state.session_snapshots()[0].held == 0
+    kit.state.check_invariants()
+
+
+def test_cancel_leased_without_start_ends_cancelled_at_lease_expiry() -> None:
+    """Cancel while LEASED, never started: lease expiry ends the task CANCELLED, slot freed once."""
     kit = Kit()
     proc = kit.worker().open()
     task_id = kit.enqueue()
     ref = proc.take()
     kit.cancel(task_id)
-    assert kit.state.task_snapshot(task_id).state is TaskState.CANCELLED
-    assert code(proc.start(ref)) == "LEASE_LOST"
-    lease = body(proc.resume(ref))
-    assert lease["active"] is False and "cancel_requested_at" in lease
+    assert kit.state.session_snapshots()[0].held == 1
+    kit.state.check_invariants()
+    kit.advance(31)
+    snap = kit.state.task_snapshot(task_id)
+    assert snap.state is TaskState.CANCELLED and snap.attempts[0].state.value == "EXPIRED"
+    assert len(snap.attempts) == 1 and not snap.effect_uncertain
     assert kit.state.session_snapshots()[0].held == 0
+    assert code(proc.start(ref)) == "LEASE_LOST"
+    kit.advance(120)
+    assert kit.state.task_snapshot(task_id).state is TaskState.CANCELLED
+    kit.state.check_invariants()
+
+
+def test_cancel_started_then_lost_is_never_retried() -> None:
+    """Cancelled, started, then lost: NEEDS_REVIEW, never retried even when IDEMPOTENT."""
+    kit = Kit()
+    proc = kit.worker().open()
+    task_id = kit.enqueue(retry_safety="IDEMPOTENT")
+    ref = proc.take()
+    kit.cancel(task_id)
+    proc.start(ref)
+    kit.advance(31)
+    snap = kit.state.task_snapshot(task_id)
+    assert snap.state is TaskState.NEEDS_REVIEW and len(snap.attempts) == 1
+    assert kit.state.session_snapshots()[0].held == 0
+    kit.state.check_invariants()
 
 
 def test_cancel_never_overwrites_uncertain_history() -> None:

@@ -314,6 +314,32 @@ def test_cancel_seen_on_renewal_stops_handler(server: MockOrbitServer) -> None:
     assert stats.cancelled == 1 and stats.renewals >= 1 and stats.lease_losses == 0
 
 
+def test_cancel_before_start_finishes_cancelled_without_running(server: MockOrbitServer) -> None:
+    """A cancel while LEASED: the start takes effect, the handler never runs, finish CANCELLED."""
+    probe = Probe()
+    worker = make_worker(server, cancellation_notifications=True, renew_retry_delay=2.0)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        return {"ok": True}
+
+    refused = server.faults.reply_error("task.start", "UNAVAILABLE")
+    with running(worker):
+        task_id = server.enqueue("work", {})
+        assert refused.wait(10)
+        server.request_cancel(task_id)
+        snap = server.wait_for(task_id, DONE, timeout=10)
+    assert snap.state is TaskState.CANCELLED and len(snap.attempts) == 1
+    assert (snap.attempts[0].outcome, snap.attempts[0].error_code) == (
+        Outcome.CANCELLED,
+        "CANCELLED",
+    )
+    assert snap.result is not None and snap.result["ran"] is False
+    assert probe.runs[task_id] == 0
+    server.check_invariants()
+
+
 def test_exceptions_mapped_to_outcomes(server: MockOrbitServer) -> None:
     """Return, Fail, UnknownEffect, other errors and unsendable results map to their outcomes."""
     worker = make_worker(server)

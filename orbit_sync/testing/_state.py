@@ -594,14 +594,9 @@ class OrbitState:
         att = task.current
         if task.state is TaskState.WAITING:
             self._finalize(task, TaskState.CANCELLED, error_code=None, outcome=None, result=None)
-        elif att is not None and att.state is AttemptState.LEASED:
-            # Never started: no effect can exist, so the reservation ends here and frees its
-            # slot (a later start gets LEASE_LOST). Decided; see the package docs.
-            self._set_attempt(att, AttemptState.CANCELLED)
-            att.finished_at = now
-            self._release(att)
-            self._finalize(task, TaskState.CANCELLED, error_code=None, outcome=None, result=None)
-        if att is not None:
+        # A LEASED or RUNNING attempt is kept (PROTOCOL §9): its leases carry the request, a
+        # start is still applied, and it ends by a truthful finish or by lease recovery.
+        if att is not None and att.state in _LIVE:
             actions.extend(self._cancel_push(task, att))
         actions.extend(self._pump())
         return actions
