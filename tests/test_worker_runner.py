@@ -317,19 +317,22 @@ def test_cancel_seen_on_renewal_stops_handler(server: MockOrbitServer) -> None:
 def test_cancel_before_start_finishes_cancelled_without_running(server: MockOrbitServer) -> None:
     """A cancel while LEASED: the start takes effect, the handler never runs, finish CANCELLED."""
     probe = Probe()
-    worker = make_worker(server, cancellation_notifications=True, renew_retry_delay=2.0)
+    worker = make_worker(server, cancellation_notifications=True, renew_retry_delay=0.2)
 
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
         probe.enter(ctx)
         return {"ok": True}
 
-    refused = server.faults.reply_error("task.start", "UNAVAILABLE")
+    # Every start is refused until the cancel is stored, so the order is fixed, not raced.
+    refused = server.faults.reply_error("task.start", "UNAVAILABLE", count=1_000_000)
     with running(worker):
         task_id = server.enqueue("work", {})
-        assert refused.wait(10)
+        server.wait_until(lambda _: refused.fired >= 1, timeout=10)
         server.request_cancel(task_id)
+        refused.cancel()
         snap = server.wait_for(task_id, DONE, timeout=10)
+    assert refused.fired >= 1
     assert snap.state is TaskState.CANCELLED and len(snap.attempts) == 1
     assert (snap.attempts[0].outcome, snap.attempts[0].error_code) == (
         Outcome.CANCELLED,
