@@ -873,6 +873,21 @@ class OrbitState:
         )
         return unstructure(lease)
 
+    def _answer(
+        self,
+        frame: ClientFrame,
+        key: str,
+        session: _Session,
+        task: _Task,
+        att: _Attempt,
+        receipt: Receipt,
+        *,
+        dedup: bool = False,
+    ) -> Answer:
+        """Remember *receipt* under the request's message_id and build its CommandResult."""
+        self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
+        return self._result(task, att, session, receipt, dedup)
+
     def _result(
         self, task: _Task, att: _Attempt, session: _Session, receipt: Receipt, dedup: bool
     ) -> Answer:
@@ -954,8 +969,7 @@ class OrbitState:
         self._set_attempt(att, AttemptState.RUNNING)
         self._set_task(task, TaskState.RUNNING)
         receipt = _receipt(Operation.START, task, att, Disposition.APPLIED)
-        self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
-        return self._result(task, att, session, receipt, False), []
+        return self._answer(frame, key, session, task, att, receipt), []
 
     def _renew(
         self, session: _Session, frame: ClientFrame, key: str
@@ -976,8 +990,7 @@ class OrbitState:
                 att.lease_until = until
                 self._event("attempt.renewed", task=task, attempt=att, detail=str(until))
         receipt = _receipt(Operation.RENEW, task, att, Disposition.APPLIED)
-        self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
-        return self._result(task, att, session, receipt, False), []
+        return self._answer(frame, key, session, task, att, receipt), []
 
     def _finish(
         self, session: _Session, frame: ClientFrame, key: str
@@ -990,13 +1003,11 @@ class OrbitState:
         if att.finish is not None and att.finish.key == fkey:
             # Same result re-reported under a new message_id: the first applied receipt.
             receipt = att.finish.receipt
-            self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
             self._event("finish.repeated", task=task, attempt=att, session=session.session_id)
-            return self._result(task, att, session, receipt, True), []
+            return self._answer(frame, key, session, task, att, receipt, dedup=True), []
         if fkey in att.evidence:
             receipt = att.evidence[fkey]
-            self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
-            return self._result(task, att, session, receipt, True), []
+            return self._answer(frame, key, session, task, att, receipt, dedup=True), []
         if att.finish is not None:
             return self._evidence(session, frame, key, task, att, fin, fkey, "conflict"), []
         if att.state is AttemptState.RUNNING and now < att.lease_until:
@@ -1041,8 +1052,7 @@ class OrbitState:
             self._finalize(task, TaskState.CANCELLED, fin.outcome, result, fin.error_code)
         receipt = _receipt(Operation.FINISH, task, att, Disposition.APPLIED)
         att.finish = _FinishRecord(fkey, receipt)
-        self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
-        return self._result(task, att, session, receipt, False), self._pump()
+        return self._answer(frame, key, session, task, att, receipt), self._pump()
 
     def _evidence(
         self,
@@ -1069,11 +1079,10 @@ class OrbitState:
         )
         receipt = _receipt(Operation.FINISH, task, att, Disposition.EVIDENCE_ONLY)
         att.evidence[fkey] = receipt
-        self._record(frame.message_id, frame.type, key, receipt, att.attempt_id)
         self._event(
             "finish.evidence", task=task, attempt=att, session=session.session_id, detail=reason
         )
-        return self._result(task, att, session, receipt, False)
+        return self._answer(frame, key, session, task, att, receipt)
 
     # ------------------------------------------------------------------ transitions
 
