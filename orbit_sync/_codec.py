@@ -181,7 +181,8 @@ def _make_converter(*, forbid_extra_keys: bool) -> cattrs.Converter:
         conv.register_structure_hook(kind, _strict(kind))
     conv.register_structure_hook(_dt.datetime, lambda v, _: parse_time(v))
     conv.register_unstructure_hook(_dt.datetime, format_time)
-    conv.register_structure_hook(Any, lambda v, _: v)
+    # A predicate, not a singledispatch registration: typing.Any is not a class before 3.11.
+    conv.register_structure_hook_func(lambda t: t is Any, lambda v, _: v)
     for enum_cls in (TaskState, AttemptState, Outcome, Disposition, Operation):
         conv.register_structure_hook(enum_cls, _strict_enum)
         conv.register_unstructure_hook(enum_cls, lambda e: e.value)
