@@ -26,7 +26,7 @@ import json
 import math
 import re
 import secrets
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import attrs
@@ -87,6 +87,21 @@ _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
 #: Recovery scan period and batch size (PROTOCOL §8).
 SCAN_INTERVAL_US = 2 * _US
 SCAN_BATCH = 100
+#: The keywords ``enqueue`` (and each ``enqueue_many`` spec) accepts besides handler/payload.
+_ENQUEUE_KEYWORDS = frozenset(
+    {
+        "handler_version",
+        "payload_version",
+        "queue_id",
+        "max_attempts",
+        "backoff_initial",
+        "backoff_max",
+        "retry_safety",
+        "deadline",
+        "latest_start",
+        "attempt_time_limit",
+    }
+)
 #: Room kept for the task payload's envelope when checking that an assignment fits a frame.
 _ASSIGN_OVERHEAD = 4096
 
@@ -520,6 +535,71 @@ class OrbitState:
         attempt_time_limit: float | None = None,
     ) -> tuple[str, list[Action]]:
         """Create a WAITING task; returns its id and the assignments that follow at once."""
+        task = self._new_task(
+            handler,
+            payload,
+            handler_version=handler_version,
+            payload_version=payload_version,
+            queue_id=queue_id,
+            max_attempts=max_attempts,
+            backoff_initial=backoff_initial,
+            backoff_max=backoff_max,
+            retry_safety=retry_safety,
+            deadline=deadline,
+            latest_start=latest_start,
+            attempt_time_limit=attempt_time_limit,
+        )
+        self._add_task(task)
+        return task.task_id, self._pump()
+
+    def enqueue_many(self, specs: Iterable[Mapping[str, Any]]) -> tuple[list[str], list[Action]]:
+        """Create many WAITING tasks at once, all or none; returns their ids (in order) and the
+        assignments that follow.
+
+        Each spec is a mapping of :meth:`enqueue`'s arguments (``handler``, ``payload`` and any
+        of its keywords). Every spec is validated before the first task is created, so a bad
+        one raises (naming its index) and leaves the state untouched; dispatch runs once.
+        """
+        if isinstance(specs, Mapping | str | bytes):
+            raise TypeError("specs must be an iterable of mappings")
+        tasks: list[_Task] = []
+        for index, spec in enumerate(specs):
+            if not isinstance(spec, Mapping):
+                raise TypeError(f"spec {index} must be a mapping")
+            args = dict(spec)
+            try:
+                handler = args.pop("handler")
+                payload = args.pop("payload")
+            except KeyError as exc:
+                raise ValueError(f"spec {index} lacks {exc.args[0]!r}") from None
+            unknown = set(args) - _ENQUEUE_KEYWORDS
+            if unknown:
+                raise TypeError(f"spec {index} has unknown keys: {', '.join(sorted(unknown))}")
+            try:
+                tasks.append(self._new_task(handler, payload, **args))
+            except (TypeError, ValueError, KeyError) as exc:
+                raise type(exc)(f"spec {index}: {exc.args[0] if exc.args else exc}") from None
+        for task in tasks:
+            self._add_task(task)
+        return [t.task_id for t in tasks], self._pump()
+
+    def _new_task(
+        self,
+        handler: str,
+        payload: Any,
+        *,
+        handler_version: str = "1",
+        payload_version: str = "1",
+        queue_id: str | None = None,
+        max_attempts: int = 3,
+        backoff_initial: float = 1.0,
+        backoff_max: float = 60.0,
+        retry_safety: RetrySafety | str = RetrySafety.RECONCILE_ONLY,
+        deadline: float | _dt.datetime | None = None,
+        latest_start: float | _dt.datetime | None = None,
+        attempt_time_limit: float | None = None,
+    ) -> _Task:
+        """Validate one enqueue and build its task, without storing it."""
         # Capability validates handler and versions exactly as the wire does.
         cap = Capability(handler, handler_version, payload_version)
         queue = self._queue(queue_id)
@@ -550,10 +630,9 @@ class OrbitState:
             latest_start=self._moment("latest_start", latest_start, now),
             attempt_time_limit_us=limit,
         )
-        self._seq += 1
-        task = _Task(
+        return _Task(
             task_id=new_id(),
-            seq=self._seq,
+            seq=0,  # numbered when stored
             queue_id=queue.queue_id,
             handler=cap.handler,
             handler_version=cap.handler_version,
@@ -563,10 +642,13 @@ class OrbitState:
             created_at=now,
             next_run_at=now,
         )
+
+    def _add_task(self, task: _Task) -> None:
+        self._seq += 1
+        task.seq = self._seq
         self._tasks[task.task_id] = task
         self._waiting[task.task_id] = None
-        self._event("task.enqueued", task=task, new=TaskState.WAITING.value, detail=cap.handler)
-        return task.task_id, self._pump()
+        self._event("task.enqueued", task=task, new=TaskState.WAITING.value, detail=task.handler)
 
     @staticmethod
     def _moment(name: str, value: float | _dt.datetime | None, now: int) -> int | None:
