@@ -106,13 +106,13 @@ def test_other_exception_is_failed_without_its_message() -> None:
 @pytest.mark.parametrize(
     ("value", "code"),
     [
-        ({1, 2}, "RESULT_NOT_JSON"),
+        ({"blob": b"x"}, "RESULT_NOT_JSON"),
         ({"x": float("nan")}, "RESULT_NOT_JSON"),
         ({"s": "\ud800"}, "RESULT_NOT_JSON"),
         ({1: "a", "1": "b"}, "RESULT_NOT_JSON"),
         ("x" * (256 * 1024), "RESULT_TOO_LARGE"),
     ],
-    ids=["set", "nan", "surrogate", "duplicate-key", "too-large"],
+    ids=["bytes", "nan", "surrogate", "duplicate-key", "too-large"],
 )
 def test_unsendable_result_is_failed(value: object, code: str) -> None:
     """A result that is not strict JSON or is over 256 KiB becomes FAILED with a stable code."""
@@ -123,7 +123,7 @@ def test_unsendable_result_is_failed(value: object, code: str) -> None:
 
 def test_unsendable_details_keep_the_outcome() -> None:
     """A Fail/UnknownEffect with unsendable details keeps its outcome and code, minus details."""
-    v = outcome_of(error=UnknownEffect("CHARGED", details={"card": {1, 2}}))
+    v = outcome_of(error=UnknownEffect("CHARGED", details={"card": b"1234"}))
     assert (v.outcome, v.error_code) == (Outcome.UNKNOWN, "CHARGED")
     assert v.result["result_dropped"] == "RESULT_NOT_JSON"
 
@@ -184,12 +184,16 @@ def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -
     assert ctx.remaining() == 10.0
     now[0] = 70.0
     assert ctx.remaining() == 0.0
-    with caplog.at_level(logging.INFO, logger="orbit_sync.worker"):
+    with caplog.at_level(logging.INFO, logger="orbit_sync"):
         ctx.logger.info("hello")
-    record = caplog.records[-1]
+        ctx._log.info("library line")
+    record, library = caplog.records[-2:]
+    # The handler's lines go under orbit_sync.task.<handler>, apart from the library's own.
+    assert (record.name, library.name) == ("orbit_sync.task.resize", "orbit_sync.worker")
     assert task.task_id in record.getMessage() and attempt_id in record.getMessage()
     assert record.task_id == task.task_id  # type: ignore[attr-defined]
     assert record.attempt_id == attempt_id  # type: ignore[attr-defined]
+    assert record.handler == "resize"  # type: ignore[attr-defined]
     assert attempt_id in repr(ctx)
 
 

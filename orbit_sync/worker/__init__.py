@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ._backoff import Backoff
 from ._context import TaskContext
+from ._encoding import result_converter
 from ._environment import HandlerEnvironment
 from ._outcomes import Fail, TaskCancelled, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
@@ -27,4 +28,5 @@ __all__ = [
     "Verdict",
     "Worker",
     "WorkerStats",
+    "result_converter",
 ]

@@ -14,10 +14,18 @@ from ._outcomes import CANCEL_REASONS, TaskCancelled
 __all__ = ["TaskContext"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
+#: ``ctx.logger`` logs under ``orbit_sync.task.<handler>``: a tree users route apart from the
+#: library's own ``orbit_sync.worker`` lines.
+TASK_LOGGER_PREFIX = "orbit_sync.task"
+
+
+def task_logger(handler: str) -> logging.Logger:
+    """The logger behind ``ctx.logger`` for *handler*'s tasks."""
+    return logging.getLogger(f"{TASK_LOGGER_PREFIX}.{handler}")
 
 
 class _TaskLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
-    """Prefixes messages with the task and attempt ids and adds them as ``extra`` fields."""
+    """Prefixes messages with the task and attempt ids; adds them and the handler as ``extra``."""
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
         extra = dict(self.extra or {})
@@ -34,6 +42,9 @@ class TaskContext:
     before a renewal), ``lease_lost`` (the server no longer holds the lease for us),
     ``session_replaced`` (the lease did not survive a reconnect) or ``shutdown`` (the worker is
     stopping). Cancellation is cooperative: call :meth:`raise_if_cancelled` at safe points.
+
+    ``logger`` logs under ``orbit_sync.task.<handler>`` (or the *logger* given), with the task and
+    attempt ids in each line and as ``extra`` fields (``task_id``, ``attempt_id``, ``handler``).
     """
 
     __slots__ = (
@@ -41,6 +52,7 @@ class TaskContext:
         "_clock",
         "_deadline",
         "_lock",
+        "_log",
         "_reason",
         "attempt_id",
         "cancelled",
@@ -56,14 +68,19 @@ class TaskContext:
         deadline: float | None = None,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
+        worker_logger: logging.Logger | None = None,
     ) -> None:
         self.task = task
         self.attempt_id = attempt_id
         #: Set once the handler should stop (see ``cancel_reason``).
         self.cancelled = threading.Event()
+        extra = {"task_id": task.task_id, "attempt_id": attempt_id, "handler": task.handler}
+        #: For the handler's own lines (``orbit_sync.task.<handler>`` unless given).
         self.logger: logging.LoggerAdapter[logging.Logger] = _TaskLogger(
-            logger or _LOG, {"task_id": task.task_id, "attempt_id": attempt_id}
+            logger or task_logger(task.handler), extra
         )
+        # The worker's lines about this attempt stay under the library's logger.
+        self._log: logging.LoggerAdapter[logging.Logger] = _TaskLogger(worker_logger or _LOG, extra)
         self._clock = clock
         self._deadline = deadline
         self._reason: str | None = None

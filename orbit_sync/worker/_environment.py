@@ -18,8 +18,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import cattrs
+
 from ..models import Task, TaskState, new_id
 from ._context import TaskContext
+from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._outcomes import Verdict, outcome_of
 
 __all__ = ["HandlerEnvironment"]
@@ -38,8 +41,12 @@ class HandlerEnvironment:
         lease_seconds: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         logger: logging.Logger | None = None,
+        result_converter: cattrs.BaseConverter | None = None,
     ) -> None:
         self._handler = handler
+        self._encoder = (
+            DEFAULT_ENCODER if result_converter is None else ResultEncoder(result_converter)
+        )
         self._attempt = attempt
         self._max_attempts = max_attempts
         self._lease = lease_seconds
@@ -103,4 +110,5 @@ class HandlerEnvironment:
             error=error,
             cancel_requested=ctx.cancel_requested,
             cancel_reason=ctx.cancel_reason,
+            encoder=self._encoder,
         )

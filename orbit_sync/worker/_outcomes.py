@@ -12,6 +12,9 @@ any other exception                           FAILED     ``HANDLER_ERROR``
 a result not JSON / over 256 KiB              FAILED     ``RESULT_NOT_JSON``/``RESULT_TOO_LARGE``
 ============================================  =========  ======================================
 
+Results (and ``details``) are encoded by a :class:`~._encoding.ResultEncoder` when the verdict
+is made: the verdict holds a plain-JSON snapshot, never the handler's live object.
+
 Pure functions, no I/O: :func:`outcome_of` maps a finished call to a :class:`Verdict`.
 """
 
@@ -21,13 +24,20 @@ from typing import Any
 
 import attrs
 
-from .. import _json
-from .._codec import check_result
-from ..errors import FrameError, OrbitError
+from ..errors import OrbitError
 from ..models import CODE_RE, AttemptRef, Finish, Outcome
+from ._encoding import (
+    DEFAULT_ENCODER,
+    RESULT_NOT_JSON,
+    RESULT_TOO_LARGE,
+    ResultEncoder,
+    ResultProblem,
+)
 
 __all__ = [
     "CANCEL_REASONS",
+    "RESULT_NOT_JSON",
+    "RESULT_TOO_LARGE",
     "Fail",
     "TaskCancelled",
     "UnknownEffect",
@@ -51,8 +61,6 @@ STOP_CODES = {
 }
 
 HANDLER_ERROR = "HANDLER_ERROR"
-RESULT_NOT_JSON = "RESULT_NOT_JSON"
-RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
 CANCELLED = "CANCELLED"
 #: A handler still running after shutdown's grace: its effect is uncertain.
 SHUTDOWN_TIMEOUT = "SHUTDOWN_TIMEOUT"
@@ -127,6 +135,10 @@ class Verdict:
     retryable: bool | None = None
     #: True when the handler ran (False: started on the server, but the handler never ran).
     ran: bool = True
+    #: Seconds the handler ran (``None`` when it did not run, or nobody timed it).
+    duration: float | None = attrs.field(default=None, eq=False)
+    #: Why the handler's result or details could not be sent (logged at ERROR), if so.
+    problem: str | None = attrs.field(default=None, eq=False)
 
     def finish(self, ref: AttemptRef) -> Finish:
         """The ``task.finish`` body for *ref*."""
@@ -148,29 +160,22 @@ def _error_result(code: str, message: str, details: Any = None) -> dict[str, Any
     return result
 
 
-def result_problem(value: Any) -> tuple[str, str] | None:
-    """``(code, description)`` when *value* cannot be sent as a result, else ``None``."""
+def _error_verdict(
+    outcome: Outcome,
+    code: str,
+    error: Fail | UnknownEffect,
+    encoder: ResultEncoder,
+    retryable: bool | None,
+    duration: float | None,
+) -> Verdict:
+    """A FAILED/UNKNOWN verdict for a raised error; unsendable details are dropped, not fatal."""
+    raw = _error_result(code, error.message, error.details)
     try:
-        size = _json.encoded_size(value)
-    except FrameError as exc:
-        return RESULT_NOT_JSON, _short(str(exc))
-    if size > _json.MAX_RESULT_BYTES:
-        return RESULT_TOO_LARGE, f"result is {size} bytes, over the {_json.MAX_RESULT_BYTES} limit"
-    try:
-        check_result(value)
-    except FrameError as exc:
-        return RESULT_NOT_JSON, _short(str(exc))
-    return None
-
-
-def _with_safe_result(verdict: Verdict, code: str) -> Verdict:
-    """Replace an unsendable result of a FAILED/UNKNOWN verdict, keeping its outcome and code."""
-    problem = result_problem(verdict.result)
-    if problem is None:
-        return verdict
-    return attrs.evolve(
-        verdict, result={"error": code, "result_dropped": problem[0], "message": problem[1]}
-    )
+        return Verdict(outcome, encoder.encode(raw), code, retryable, duration=duration)
+    except ResultProblem as problem:
+        # The handler chose the outcome; only its details cannot travel. Keep the outcome.
+        result = {"error": code, "result_dropped": problem.code, "message": problem.message}
+        return Verdict(outcome, result, code, retryable, duration=duration, problem=problem.message)
 
 
 def outcome_of(
@@ -179,41 +184,49 @@ def outcome_of(
     error: BaseException | None = None,
     cancel_requested: bool = False,
     cancel_reason: str | None = None,
+    encoder: ResultEncoder = DEFAULT_ENCODER,
+    duration: float | None = None,
 ) -> Verdict:
     """Map how a handler ended (its return *value* or raised *error*) to a :class:`Verdict`.
 
     *cancel_requested* is True when the server asked to cancel this attempt (push or lease);
-    *cancel_reason* is the context's cancel reason, if it was cancelled.
+    *cancel_reason* is the context's cancel reason, if it was cancelled. The result is encoded
+    with *encoder* now: the verdict keeps a plain-JSON snapshot of it. *duration* is how long
+    the handler ran, in seconds.
     """
     if error is None:
-        result = {} if value is None else value
-        problem = result_problem(result)
-        if problem is not None:
-            code, description = problem
-            return Verdict(Outcome.FAILED, _error_result(code, description), code, False)
-        return Verdict(Outcome.SUCCEEDED, result)
+        try:
+            result = encoder.encode({} if value is None else value)
+        except ResultProblem as problem:
+            return Verdict(
+                Outcome.FAILED,
+                problem.as_result(),
+                problem.code,
+                False,
+                duration=duration,
+                problem=problem.message,
+            )
+        return Verdict(Outcome.SUCCEEDED, result, duration=duration)
     if isinstance(error, Fail):
-        verdict = Verdict(
-            Outcome.FAILED,
-            _error_result(error.code, error.message, error.details),
-            error.code,
-            error.retryable,
-        )
-        return _with_safe_result(verdict, error.code)
+        return _error_verdict(Outcome.FAILED, error.code, error, encoder, error.retryable, duration)
     if isinstance(error, UnknownEffect):
-        verdict = Verdict(
-            Outcome.UNKNOWN,
-            _error_result(error.code, error.message, error.details),
-            error.code,
-        )
-        return _with_safe_result(verdict, error.code)
+        return _error_verdict(Outcome.UNKNOWN, error.code, error, encoder, None, duration)
     if isinstance(error, TaskCancelled) and cancel_reason is not None:
         if cancel_requested:
             return Verdict(
-                Outcome.CANCELLED, {"cancelled": True, "reason": "cancel_requested"}, CANCELLED
+                Outcome.CANCELLED,
+                {"cancelled": True, "reason": "cancel_requested"},
+                CANCELLED,
+                duration=duration,
             )
         code = STOP_CODES.get(cancel_reason, HANDLER_ERROR)
-        return Verdict(Outcome.FAILED, {"error": code, "stopped": cancel_reason}, code, True)
+        return Verdict(
+            Outcome.FAILED,
+            {"error": code, "stopped": cancel_reason},
+            code,
+            True,
+            duration=duration,
+        )
     # Only the exception's type travels: its message may quote data or credentials.
     kind = type(error)
     name = (
@@ -222,7 +235,11 @@ def outcome_of(
         else f"{kind.__module__}.{kind.__qualname__}"
     )
     return Verdict(
-        Outcome.FAILED, {"error": HANDLER_ERROR, "exception": name}, HANDLER_ERROR, False
+        Outcome.FAILED,
+        {"error": HANDLER_ERROR, "exception": name},
+        HANDLER_ERROR,
+        False,
+        duration=duration,
     )
 
 

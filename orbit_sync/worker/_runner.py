@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import enum
+import inspect
 import logging
 import signal
 import threading
@@ -29,6 +30,8 @@ from collections.abc import Callable
 from functools import partial
 from types import FrameType
 from typing import Any, TypeVar
+
+import cattrs
 
 from ..errors import OrbitError, WorkerBusy
 from ..models import (
@@ -49,7 +52,8 @@ from ..models import (
     new_secret,
 )
 from ._backoff import Backoff
-from ._context import TaskContext
+from ._context import TaskContext, task_logger
+from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_fatal_dial_error, is_link_failure, is_transient
 from ._link import Connection, Dialer, GaveUp, Link
 from ._outcomes import HANDLER_ERROR, Verdict, abandoned, not_run, outcome_of
@@ -109,6 +113,25 @@ class _Attempt:
         return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
 
 
+def _check_handler_signature(fn: object) -> None:
+    """Refuse at registration what would only fail at run time as ``HANDLER_ERROR``."""
+    if not callable(fn):
+        raise TypeError(f"handler must be callable as fn(ctx, payload), not {type(fn).__name__}")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    ):
+        raise TypeError("handlers run on threads: use a plain def, not async def")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to check
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"handler {name}{signature} cannot be called as fn(ctx, payload)") from None
+
+
 def _check_seconds(name: str, value: float, *, positive: bool = False) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number of seconds")
@@ -144,7 +167,12 @@ class Worker:
     requests outstanding at once so the server's 8-frame outbound queue never overflows;
     *renew_retry_delay* (0.1-5 s) spaces retries of a failed renewal. *cancellation_notifications*
     asks the server for ``task.cancel`` pushes. *handle_signals* lets :meth:`run` on the main
-    thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``).
+    thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``);
+    ``ctx.logger`` logs under ``orbit_sync.task.<handler>``.
+
+    Results are encoded by *result_converter* (a cattrs converter; default
+    :func:`~orbit_sync.worker.result_converter`, which knows datetimes, ``Decimal``, ``UUID``,
+    enums, attrs classes and dataclasses) when the handler returns.
     """
 
     def __init__(
@@ -164,6 +192,7 @@ class Worker:
         max_in_flight: int = 4,
         handle_signals: bool = True,
         logger: logging.Logger | None = None,
+        result_converter: cattrs.BaseConverter | None = None,
     ) -> None:
         if type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
             raise ValueError("queue_id must be 32 lowercase hex characters")
@@ -193,6 +222,9 @@ class Worker:
         self._notifications = bool(cancellation_notifications)
         self._handle_signals = handle_signals
         self._log = logger or _LOG
+        self._encoder = (
+            DEFAULT_ENCODER if result_converter is None else ResultEncoder(result_converter)
+        )
         self._clock = time.monotonic
         # instance_id is new for this Worker (so two Workers of one process never fence each
         # other); instance_secret is kept across all its reconnects (PROTOCOL §3).
@@ -200,6 +232,7 @@ class Worker:
         self._instance_secret = new_secret()
 
         self._handlers: dict[tuple[str, str, str], Handler] = {}
+        self._task_logs: dict[str, logging.Logger] = {}
         self._cond = threading.Condition()
         self._attempts: dict[str, _Attempt] = {}
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -241,8 +274,14 @@ class Worker:
     ) -> Callable[[H], H]:
         """Register the decorated function for (*name*, *version*, *payload_version*).
 
-        The function is called as ``fn(ctx, payload)`` on a pool thread.
+        The function is called as ``fn(ctx, payload)`` on a pool thread. Use it with a name,
+        ``@worker.handler("resize")``: the bare ``@worker.handler`` raises ``TypeError``.
         """
+        if callable(name) and not isinstance(name, str):
+            raise TypeError(
+                'worker.handler needs the handler\'s name: use @worker.handler("name"), '
+                "not a bare @worker.handler"
+            )
 
         def register(fn: H) -> H:
             self.register(name, fn, version=version, payload_version=payload_version)
@@ -258,9 +297,11 @@ class Worker:
         version: str | int = "1",
         payload_version: str | int = "1",
     ) -> None:
-        """Register *fn* as a handler (the non-decorator form of :meth:`handler`)."""
-        if not callable(fn):
-            raise TypeError("handler must be callable as fn(ctx, payload)")
+        """Register *fn* as a handler (the non-decorator form of :meth:`handler`).
+
+        Raises ``TypeError`` when *fn* cannot be called as ``fn(ctx, payload)``.
+        """
+        _check_handler_signature(fn)
         cap = Capability(name, version, payload_version)  # validates the names
         key = (cap.handler, cap.handler_version, cap.payload_version)
         with self._cond:
@@ -271,6 +312,7 @@ class Worker:
                     f"handler {name!r} version {key[1]}/{key[2]} is already registered"
                 )
             self._handlers[key] = fn
+            self._task_logs.setdefault(cap.handler, task_logger(cap.handler))
 
     @property
     def registration(self) -> Registration:
@@ -543,7 +585,7 @@ class Worker:
             if ctx._cancel(reason):
                 with self._cond:
                     self._counts["resume_losses"] += 1
-                ctx.logger.warning("lease did not survive the reconnect (%s)", reason)
+                ctx._log.warning("lease did not survive the reconnect (%s)", reason)
 
     def _send_capacity(self, conn: Connection) -> None:
         # Only this (connection) thread sends reports. The lock is never held across the call:
@@ -581,7 +623,7 @@ class Worker:
         if att is None or att.ref.epoch != notice.epoch:
             return
         if att.ctx._cancel("cancel_requested"):
-            att.ctx.logger.info("cancel requested by the server")
+            att.ctx._log.info("cancel requested by the server")
 
     # ------------------------------------------------------------------ dispatch
 
@@ -609,10 +651,16 @@ class Worker:
                     task.task_id,
                 )
                 return
-            ctx = TaskContext(task, assignment.attempt_id, clock=self._clock, logger=self._log)
+            ctx = TaskContext(
+                task,
+                assignment.attempt_id,
+                clock=self._clock,
+                logger=self._task_logs[task.handler],
+                worker_logger=self._log,
+            )
             att = _Attempt(assignment, ctx, handler)
             self._attempts[att.id] = att
-        ctx.logger.debug(
+        ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
         self._pool.submit(lambda: self._run_attempt(att))
@@ -621,7 +669,7 @@ class Worker:
         try:
             self._attempt_body(att)
         except Exception:  # a bug here must not lose the slot silently
-            att.ctx.logger.exception("worker error while running the attempt")
+            att.ctx._log.exception("worker error while running the attempt")
         finally:
             with att.lock:
                 abandoned_ = att.abandoned
@@ -635,10 +683,10 @@ class Worker:
                 lambda c: c.start(att.ref, message_id=att.start_id, timeout=self._call_timeout)
             )
         except GaveUp:
-            ctx.logger.warning("not started: the worker stopped before start was answered")
+            ctx._log.warning("not started: the worker stopped before start was answered")
             return
         except OrbitError as exc:
-            ctx.logger.warning("start refused (%s); handler not run", getattr(exc, "code", exc))
+            ctx._log.warning("start refused (%s); handler not run", getattr(exc, "code", exc))
             return
         lease = result.lease
         if lease.cancel_requested:
@@ -656,17 +704,17 @@ class Worker:
         self._notify()
         if not may_run:
             if not started:
-                ctx.logger.info("not started (lease %s, active=%s)", lease.state, lease.active)
+                ctx._log.info("not started (lease %s, active=%s)", lease.state, lease.active)
                 return
             reason = ctx.cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
             verdict = not_run(cancel_requested=ctx.cancel_requested, reason=reason)
-            ctx.logger.info("started but not run (%s): finishing %s", reason, verdict.outcome)
+            ctx._log.info("started but not run (%s): finishing %s", reason, verdict.outcome)
         else:
             verdict = self._execute(att)
             self._watchdog.untrack(att.id)
         with att.lock:
             if att.abandoned:
-                ctx.logger.warning(
+                ctx._log.warning(
                     "handler returned after shutdown finished it UNKNOWN; its result is dropped"
                 )
                 return
@@ -680,11 +728,13 @@ class Worker:
             self._running += 1
         error: BaseException | None = None
         value: Any = None
+        began = time.perf_counter()
         try:
             value = att.handler(ctx, ctx.payload)
         except BaseException as exc:  # every ending is an outcome; the thread must survive
             error = exc
         finally:
+            duration = time.perf_counter() - began
             with self._cond:
                 self._running -= 1
         verdict = outcome_of(
@@ -692,12 +742,23 @@ class Worker:
             error=error,
             cancel_requested=ctx.cancel_requested,
             cancel_reason=ctx.cancel_reason,
+            encoder=self._encoder,
+            duration=duration,
         )
         if verdict.error_code == HANDLER_ERROR and error is not None:
             # The traceback stays local: only the exception's type goes to the server.
-            ctx.logger.error("handler raised %s", type(error).__name__, exc_info=error)
+            ctx._log.error("handler raised %s", type(error).__name__, exc_info=error)
+        elif verdict.problem is not None:
+            # The handler's side effects happened; only its result cannot travel. Say where.
+            ctx._log.error(
+                "handler %s: result cannot be sent, finishing %s %s: %s",
+                att.task.handler,
+                verdict.outcome,
+                verdict.error_code,
+                verdict.problem,
+            )
         elif verdict.outcome is not Outcome.SUCCEEDED:
-            ctx.logger.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
+            ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
         return verdict
 
     def _finish(self, att: _Attempt, verdict: Verdict) -> None:
@@ -710,23 +771,23 @@ class Worker:
         except GaveUp:
             with self._cond:
                 self._unreported.append(att.info)
-            att.ctx.logger.error("finish %s not delivered: the worker stopped", verdict.outcome)
+            att.ctx._log.error("finish %s not delivered: the worker stopped", verdict.outcome)
             return
         except OrbitError as exc:
             with self._cond:
                 self._counts["finish_rejected"] += 1
-            att.ctx.logger.error(
-                "finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc)
-            )
+            att.ctx._log.error("finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc))
             return
         evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
         with self._cond:
             self._counts[verdict.outcome.value] += 1
             if evidence:
                 self._counts["evidence_only"] += 1
-        att.ctx.logger.info(
-            "finished %s%s%s",
+        att.ctx._log.info(
+            "handler %s finished %s%s%s%s",
+            att.task.handler,
             verdict.outcome,
+            "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
             " (kept as evidence only)" if evidence else "",
             " (deduplicated)" if result.deduplicated else "",
         )
@@ -867,7 +928,7 @@ class Worker:
                 att.abandoned = True
                 att.phase = _Phase.FINISHING
             self._watchdog.untrack(att.id)
-            att.ctx.logger.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
+            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
             gave_up.append(att)
             threading.Thread(
                 target=self._finish_abandoned, args=(att,), name="orbit-finish", daemon=True
