@@ -27,8 +27,12 @@ test: lint typecheck pytest
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
 
-bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py
+# Sets up its own venv (benchmarks/.venv: Dramatiq, Celery, py-spy) and redis-server, then runs
+# everything in one go (~10 min on 2 cores). BENCH_ARGS=--quick for a small run without peers.
+BENCH_PY := benchmarks/.venv/bin/python
+bench:
+	$(PYTHON) benchmarks/setup_env.py
+	$(BENCH_PY) benchmarks/run.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -1,72 +1,220 @@
-"""Round trip of one ``task.renew`` through WorkerConnection, against a raw echo baseline.
+"""Call overhead: ``conn.renew()`` against a bare websocket-client round trip of the same frame to
+the same server (the mock server in its own process).
 
-The baseline is the floor: websocket-client sending the same frame text to a websockets echo server
-on loopback and reading it back. The ratio is what our connection (encode, slot table, reader
-thread hand-off, strict decode, lease checks) plus the mock server's processing cost on top.
+The baseline sends pre-encoded ``task.renew`` frames (a fresh ``message_id`` each, so the server
+does the same work as for ours) on its own session and reads the answer: it is the floor of a
+renewal on this machine, server included. Ours adds encoding, the slot table, the reader thread's
+hand-off and the strict decode. With 32 threads, ours shares one ``WorkerConnection`` (32 calls in
+flight) and the baseline uses 32 raw sockets, one per thread.
 """
 
 from __future__ import annotations
 
-import statistics
+import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import websocket
-from websockets.sync.server import ServerConnection, serve
 
+from benchmarks._common import Child, percentile
 from orbit_sync import _codec
 from orbit_sync.client import Client
-from orbit_sync.models import Capability, CapacityReport, Registration
-from orbit_sync.testing import MockOrbitServer
+from orbit_sync.models import (
+    AttemptRef,
+    Capability,
+    CapacityReport,
+    Registration,
+    new_id,
+    new_message_id,
+    new_secret,
+)
 
-ROUNDS = 400
-
-
-def _median_per_call(fn: Any, rounds: int = ROUNDS, repeat: int = 5) -> float:
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(rounds):
-            fn()
-        samples.append((time.perf_counter() - start) / rounds)
-    return statistics.median(samples)
+HANDLER = "bench"
 
 
-def _echo(connection: ServerConnection) -> None:
-    for message in connection:
-        connection.send(message)
+class RawSession:
+    """One bare websocket-client session: hello, capacity, assignments, start; then raw frames."""
+
+    def __init__(
+        self, url: str, token: str, queue_id: str, capacity: int, handler: str = HANDLER
+    ) -> None:
+        self.registration = Registration(
+            queue_id=queue_id,
+            capabilities=[Capability(handler, "1", "1")],
+            capacity=capacity,
+            instance_id=new_id(),
+            instance_secret=new_secret(),
+        )
+        self.ws = websocket.create_connection(
+            url + "/v1/worker/connect",
+            header=[f"Authorization: Bearer {token}"],
+            subprotocols=[_codec.SUBPROTOCOL],
+            skip_utf8_validation=True,
+            enable_multithread=False,
+        )
+        welcome = self.request("worker.hello", self.registration, None)
+        self.session_id: str = welcome["session_id"]
+        self.pushes: list[dict[str, Any]] = []
+        self.request("worker.capacity", CapacityReport(sequence=1, capacity=capacity))
+
+    def request(self, kind: str, body: Any, session_id: str | bool | None = True) -> dict[str, Any]:
+        sid = self.session_id if session_id is True else session_id
+        mid = new_message_id()
+        self.ws.send(_codec.encode_request(kind, mid, sid, body))  # type: ignore[arg-type]
+        while True:
+            frame: dict[str, Any] = json.loads(self.ws.recv())
+            if frame.get("reply_to") == mid:
+                if frame["type"] == "error":
+                    raise RuntimeError(f"{kind}: {frame['body'].get('code')}")
+                return frame
+            self.pushes.append(frame)
+
+    def attempts(self, n: int) -> list[AttemptRef]:
+        """Wait for *n* assignments and start each; return their refs."""
+        refs: list[AttemptRef] = []
+        while len(refs) < n:
+            frame = self.pushes.pop(0) if self.pushes else json.loads(self.ws.recv())
+            if frame.get("type") != "task.assign":
+                continue
+            body = frame["body"]
+            ref = AttemptRef(
+                body["task"]["task_id"],
+                body["attempt_id"],
+                int(body["epoch"]),
+                body["lease_secret"],
+            )
+            self.request("task.start", ref)
+            refs.append(ref)
+        return refs
+
+    def renew_frames(self, ref: AttemptRef, n: int) -> list[str]:
+        return [
+            _codec.encode_request("task.renew", new_message_id(), self.session_id, ref)
+            for _ in range(n)
+        ]
+
+    def close(self) -> None:
+        self.ws.close()
 
 
-def bench_baseline(frame: str) -> float:
-    """Raw websocket-client round trip of *frame* to an echo server."""
-    with serve(_echo, "127.0.0.1", 0, compression=None, ping_interval=None) as server:
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        port = server.socket.getsockname()[1]
-        ws = websocket.create_connection(f"ws://127.0.0.1:{port}/", skip_utf8_validation=True)
-        try:
-
-            def once() -> None:
-                ws.send(frame)
-                ws.recv()
-
-            return _median_per_call(once)
-        finally:
-            ws.close()
-            server.shutdown()
-            thread.join(timeout=5)
+def _registration(queue_id: str, capacity: int) -> Registration:
+    # A fresh instance per connection: capacity sequences belong to an instance.
+    return Registration(
+        queue_id=queue_id,
+        capabilities=[Capability(HANDLER, "1", "1")],
+        capacity=capacity,
+        instance_id=new_id(),
+        instance_secret=new_secret(),
+    )
 
 
-def bench_round_trip() -> tuple[float, float]:
-    """(ours, baseline) seconds per renew round trip."""
-    with MockOrbitServer(assignment_rate=1000, lease_duration=60.0) as server:
-        server.enqueue("bench", {"n": 1})
-        registration = Registration(server.queue_id, [Capability("bench", "1", "1")], 1)
-        with Client(server.url, server.token).dial_worker(registration) as conn:
-            conn.capacity(CapacityReport(sequence=1, capacity=1))
-            ref = conn.next_assignment(timeout=10).attempt
-            conn.start(ref)
-            ours = _median_per_call(lambda: conn.renew(ref))
-            frame = _codec.encode_request("task.renew", "4" * 32, conn.session_id, ref)
-    return ours, bench_baseline(frame)
+def _timed(fn: Callable[[], object], n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _raw_loop(session: RawSession, frames: list[str]) -> list[float]:
+    ws = session.ws
+    out = []
+    for text in frames:
+        t = time.perf_counter()
+        ws.send(text)
+        ws.recv()
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def _threads(work: list[Callable[[], list[float]]]) -> tuple[list[float], float]:
+    """Run each callable on its own thread at once; (all samples, wall seconds)."""
+    results: list[list[float]] = [[] for _ in work]
+    gate = threading.Barrier(len(work) + 1)
+
+    def run(i: int) -> None:
+        gate.wait()
+        results[i] = work[i]()
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(work))]
+    for t in threads:
+        t.start()
+    gate.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    return [s for r in results for s in r], wall
+
+
+def _summary(samples: list[float], wall: float | None = None) -> dict[str, float]:
+    out = {"p50": percentile(samples, 50), "p99": percentile(samples, 99), "n": len(samples)}
+    if wall:
+        out["per_s"] = len(samples) / wall
+    return out
+
+
+def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> dict[str, Any]:
+    """Both comparisons; each side measured in alternating halves to share the machine's drift."""
+    url, token, queue_id = info["url"], info["token"], info["queue_id"]
+    server.send({"op": "enqueue", "n": 2 + threads * 2, "handler": HANDLER})
+    results: dict[str, Any] = {}
+
+    # --- 1 thread
+    registration = _registration(queue_id, 1)
+    raw = RawSession(url, token, queue_id, 1)
+    raw_ref = raw.attempts(1)[0]
+    with Client(url, token).dial_worker(registration) as conn:
+        conn.capacity(CapacityReport(sequence=1, capacity=1))
+        ref = conn.next_assignment(timeout=10).attempt
+        conn.start(ref)
+        ours: list[float] = []
+        base: list[float] = []
+        half = max(1, rounds // 2)
+        for _ in range(2):
+            ours += _timed(lambda: conn.renew(ref), half)
+            base += _raw_loop(raw, raw.renew_frames(raw_ref, half))
+    raw.close()
+    results["one"] = {"ours": _summary(ours), "base": _summary(base)}
+
+    # --- 32 threads: one connection vs one raw socket per thread
+    assigned: list[AttemptRef] = []
+    got = threading.Condition()
+
+    def on_assignment(a: Any) -> None:
+        with got:
+            assigned.append(a.attempt)
+            got.notify_all()
+
+    registration = _registration(queue_id, threads)
+    per_thread = max(1, rounds // 4)
+    with Client(url, token).dial_worker(registration, on_assignment=on_assignment) as conn:
+        conn.capacity(CapacityReport(sequence=1, capacity=threads))
+        with got:
+            if not got.wait_for(lambda: len(assigned) >= threads, timeout=30):
+                raise RuntimeError(f"only {len(assigned)} of {threads} assignments came")
+        refs = assigned[:threads]
+        for r in refs:
+            conn.start(r)
+        ours_n, ours_wall = _threads(
+            [lambda r=r: _timed(lambda: conn.renew(r), per_thread) for r in refs]  # type: ignore[misc]
+        )
+    sessions = [RawSession(url, token, queue_id, 1) for _ in range(threads)]
+    try:
+        work = []
+        for s in sessions:
+            frames = s.renew_frames(s.attempts(1)[0], per_thread)
+            work.append(lambda s=s, f=frames: _raw_loop(s, f))
+        base_n, base_wall = _threads(work)  # type: ignore[arg-type]
+    finally:
+        for s in sessions:
+            s.close()
+    results["many"] = {
+        "threads": threads,
+        "ours": _summary(ours_n, ours_wall),
+        "base": _summary(base_n, base_wall),
+    }
+    return results

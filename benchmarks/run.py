@@ -1,27 +1,52 @@
-"""Benchmarks: every figure is a ratio against a baseline measured in the same run.
+"""``make bench``: every figure against a baseline measured in the same run, targets beside them.
 
-Run with ``make bench``. Absolute times vary by machine; the ratios are what we track.
+Run ``make bench`` (it sets up ``benchmarks/.venv`` with the peers and Debian's redis-server
+first, see ``benchmarks/setup_env.py``), or ``python benchmarks/run.py --quick`` for a small run
+without peers that checks the harness itself (tests/test_bench_harness.py runs it). The mock
+server always runs in its own process; our Worker and each peer run in theirs, measured from
+inside (process CPU time of every thread, peak RSS). Prints one table and writes
+``benchmarks/results.json``.
 
-- ``decode``: our strict decode of a start ``ack`` (strict JSON + envelope + cattrs + checks)
-  against ``json.loads`` of the same bytes.
-- ``encode``: our encoding of a ``task.finish`` request against ``json.dumps`` of the same dict.
-- ``round-trip`` (when the connection and mock server are importable): one ``renew`` through
-  ``WorkerConnection`` against the mock server, against a raw websocket-client echo round trip
-  of the same frame to a websockets echo server on loopback.
+Sections:
+
+- codec: our strict decode / encode against ``json.loads`` / ``json.dumps`` of the same frames;
+- call overhead: ``conn.renew()`` against a bare websocket-client round trip of the same frame to
+  the same server, 1 thread, and 32 threads (one connection) against 32 raw sockets;
+- worker: CPU per task, tasks/s and peak RSS draining no-op tasks with ``Worker(capacity=32)``,
+  against Dramatiq 2 (``-p 1 -t 32``; one Redis INCR per task, and pure no-op) and Celery 5
+  (``--pool threads -c 32``, ``acks_late``) in the same run;
+- dispatch latency: an assignment frame leaving the frame reader to the handler's first line
+  (it includes the ``start`` round trip), against the raw round trip;
+- renewal lateness: p99 with 8 CPU-bound handlers and a 2 s lease, against a bare
+  ``Event.wait`` thread in the same process (the floor); lease losses;
+- idle: RSS and threads of ``Worker(capacity=256)`` before and after a burst;
+- mock server: its CPU per task against the worker's with 1,000 and 100,000 tasks waiting
+  (flatness), enqueue through the admin API, RSS after 10^5 and 10^6 requests.
 """
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
+import os
+import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import contextlib
+
+from benchmarks import _server_proc, mockserver, roundtrip
+from benchmarks._common import HERE, ROOT, Child, percentile
 from orbit_sync import _codec
 from orbit_sync.models import (
     AttemptRef,
@@ -32,13 +57,115 @@ from orbit_sync.models import (
     new_secret,
 )
 
-VECTORS = json.loads(
-    (Path(__file__).resolve().parent.parent / "tests" / "vectors" / "frames.json").read_text()
-)
+VECTORS = json.loads((ROOT / "tests" / "vectors" / "frames.json").read_text())
+
+FULL = {
+    "rounds": 2000,
+    "threads": 32,
+    "tasks": 5000,
+    "dispatch_tasks": 1000,
+    "spin_seconds": 12.0,
+    "idle_capacity": 256,
+    "burst": 2000,
+    "retire": 30.0,
+    "flat_drained": 2000,
+    "flat_waiting": (1000, 100_000),
+    "flat_timeout": 120.0,
+    "admin_n": 100_000,
+    "admin_per_task": 2000,
+    "memory_marks": [100_000, 1_000_000],
+    "peers": True,
+    "profile": True,
+}
+QUICK = {
+    "rounds": 40,
+    "threads": 4,
+    "tasks": 60,
+    "dispatch_tasks": 0,  # taken from the no-op run
+    "spin_seconds": 1.0,
+    "idle_capacity": 8,
+    "burst": 40,
+    "retire": 0.2,
+    "flat_drained": 10,
+    "flat_waiting": (20, 200),
+    "flat_timeout": 30.0,
+    "admin_n": 200,
+    "admin_per_task": 5,
+    "memory_marks": [100, 300],
+    "peers": False,
+    "profile": False,
+}
 
 
-def per_call(fn: Callable[[], object], *, repeat: int = 7, number: int = 2000) -> float:
-    """Median seconds per call over *repeat* batches of *number* calls."""
+# --------------------------------------------------------------------------- table rows
+
+
+def row(
+    name: str,
+    ours: float,
+    base: float,
+    unit: str,
+    *,
+    target: float | None = None,
+    higher_is_better: bool = False,
+    absolute: bool = False,
+    note: str = "",
+) -> dict[str, Any]:
+    """One line of the table; the ratio is always ours / baseline.
+
+    The target applies to the ratio, or with *absolute* to our figure itself (in *unit*).
+    """
+    ratio = ours / base if base else float("nan")
+    verdict = None
+    if target is not None:
+        value = ours * _SCALE[unit] if absolute else ratio
+        verdict = value >= target if higher_is_better else value <= target
+    return {
+        "name": name,
+        "ours": ours,
+        "base": base,
+        "unit": unit,
+        "ratio": ratio,
+        "target": None
+        if target is None
+        else (">= " if higher_is_better else "<= ")
+        + f"{target:g}"
+        + (f" {unit}" if absolute else ""),
+        "pass": verdict,
+        "note": note,
+    }
+
+
+_SCALE = {"us": 1e6, "ms": 1e3, "s": 1.0, "MB": 1 / 1e6, "/s": 1.0, "n": 1.0}
+
+
+def _fmt(value: float, unit: str) -> str:
+    if value != value:
+        return "n/a"
+    scaled = value * _SCALE[unit]
+    text = f"{scaled:,.0f}" if abs(scaled) >= 100 else f"{scaled:.3g}"
+    return f"{text} {unit}" if unit != "n" else text
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'figure':<46}{'ours':>13}{'baseline':>13}{'ratio':>8}  {'target':<9}{'':<5}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        verdict = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
+        ratio = "n/a" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}"
+        lines.append(
+            f"{r['name']:<46}{_fmt(r['ours'], r['unit']):>13}{_fmt(r['base'], r['unit']):>13}"
+            f"{ratio:>8}  {r['target'] or '':<9}{verdict:<5}"
+        )
+        if r["note"]:
+            lines.append(f"    {r['note']}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- codec
+
+
+def _per_call(fn: Callable[[], object], *, repeat: int, number: int) -> float:
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
@@ -48,11 +175,9 @@ def per_call(fn: Callable[[], object], *, repeat: int = 7, number: int = 2000) -
     return statistics.median(samples)
 
 
-def bench_decode() -> tuple[float, float]:
-    """Strict decode of start acks vs json.loads of the same bytes.
-
-    Every frame carries different times (as real frames do), so no per-string cache flatters us.
-    """
+def bench_codec(quick: bool) -> list[dict[str, Any]]:
+    """Strict decode of start acks (times vary per frame) and encoding of a finish."""
+    repeat, number = (2, 50) if quick else (7, 2000)
     frame = next(v for v in VECTORS["server_to_client"] if v["name"] == "ack-start-ok")["frame"]
     frames = [
         frame.replace("08:00:30Z", f"08:00:30.{i:06d}Z")
@@ -65,13 +190,11 @@ def bench_decode() -> tuple[float, float]:
     session = _codec.SessionContext(ctx["session_id"], 2, reg)
     pending = dict.fromkeys(ctx["pending_message_ids"], "task.start").get
     it = itertools.cycle(frames)
-    ours = per_call(lambda: _codec.decode_server_frame(next(it), session, pending))
-    base = per_call(lambda: json.loads(next(it)))
-    return ours, base
+    dec = _per_call(
+        lambda: _codec.decode_server_frame(next(it), session, pending), repeat=repeat, number=number
+    )
+    dec_base = _per_call(lambda: json.loads(next(it)), repeat=repeat, number=number)
 
-
-def bench_encode() -> tuple[float, float]:
-    """Encoding a finish request vs json.dumps of the equivalent dict."""
     ref = AttemptRef("1" * 32, "2" * 32, 3, new_secret())
     finish = Finish(ref, Outcome.SUCCEEDED, {"rows": list(range(50)), "ok": True})
     as_dict = {
@@ -81,23 +204,496 @@ def bench_encode() -> tuple[float, float]:
         "session_id": "3" * 32,
         "body": _codec.unstructure(finish),
     }
-    ours = per_call(lambda: _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish))
-    base = per_call(lambda: json.dumps(as_dict))
-    return ours, base
+    enc = _per_call(
+        lambda: _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish),
+        repeat=repeat,
+        number=number,
+    )
+    enc_base = _per_call(lambda: json.dumps(as_dict), repeat=repeat, number=number)
+    return [
+        row("decode start ack vs json.loads", dec, dec_base, "us"),
+        row("encode finish vs json.dumps", enc, enc_base, "us"),
+    ]
 
 
-def main() -> int:
-    """Print each benchmark as ours / baseline."""
-    rows = [("decode start ack", *bench_decode()), ("encode finish", *bench_encode())]
+# --------------------------------------------------------------------------- processes
+
+
+class Servers:
+    """Mock server processes: a fresh one per section, or one shared by all in quick mode."""
+
+    def __init__(self, shared: bool) -> None:
+        self._shared: tuple[Child, dict[str, Any]] | None = None
+        if shared:
+            # A 2 s lease serves every section, the renewal one included.
+            self._shared = _server_proc.start(lease_duration=2.0)
+
+    def open(self, lease: float = 30.0) -> tuple[Child, dict[str, Any]]:
+        return self._shared or _server_proc.start(lease_duration=lease)
+
+    def done(self, server: Child) -> None:
+        if self._shared is None or server is not self._shared[0]:
+            server.close()
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared[0].close()
+
+
+def worker_child(
+    info: dict[str, Any], mode: str, *extra: str, prefix: list[str] | None = None
+) -> Child:
+    """Our worker process (:mod:`benchmarks._worker_proc`); the token goes in its environment."""
+    args = [
+        str(HERE / "_worker_proc.py"),
+        mode,
+        "--url",
+        info["url"],
+        "--queue-id",
+        info["queue_id"],
+        *extra,
+    ]
+    if prefix:
+        return Child([*prefix[1:], sys.executable, *args], python=prefix[0], env=_token_env(info))
+    return Child(args, env=_token_env(info))
+
+
+def _token_env(info: dict[str, Any]) -> dict[str, str]:
+    return {"ORBIT_BENCH_TOKEN": info["token"]}
+
+
+def run_noop(
+    server: Child,
+    info: dict[str, Any],
+    tasks: int,
+    timeout: float,
+    *,
+    frames: bool = False,
+    capacity: int = 32,
+) -> dict[str, Any]:
+    extra = ["--tasks", str(tasks), "--capacity", str(capacity), "--timeout", str(timeout)]
+    extra += ["--server-pid", str(server.pid)]
+    if frames:
+        extra.append("--frames")
+    with worker_child(info, "noop", *extra) as child:
+        return child.read()
+
+
+# --------------------------------------------------------------------------- sections
+
+
+def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+    server, info = servers.open(lease=60.0)
     try:
-        from benchmarks import roundtrip
-    except ImportError:
-        roundtrip = None  # type: ignore[assignment]
-    if roundtrip is not None:
-        rows.append(("renew round trip", *roundtrip.bench_round_trip()))
-    print(f"{'benchmark':<22}{'ours':>12}{'baseline':>12}{'ratio':>8}")
-    for name, ours, base in rows:
-        print(f"{name:<22}{ours * 1e6:>10.1f}us{base * 1e6:>10.1f}us{ours / base:>8.2f}")
+        r = roundtrip.bench(server, info, rounds=o["rounds"], threads=o["threads"])
+    finally:
+        servers.done(server)
+    out["calls"] = r
+    one, many = r["one"], r["many"]
+    n = many["threads"]
+    return [
+        row(
+            "renew p50, 1 thread vs raw round trip",
+            one["ours"]["p50"],
+            one["base"]["p50"],
+            "us",
+            target=1.3,
+        ),
+        row("renew p99, 1 thread vs raw round trip", one["ours"]["p99"], one["base"]["p99"], "us"),
+        row(
+            f"renew p50, {n} threads vs {n} raw sockets",
+            many["ours"]["p50"],
+            many["base"]["p50"],
+            "us",
+        ),
+        row(
+            f"renew p99, {n} threads vs {n} raw sockets",
+            many["ours"]["p99"],
+            many["base"]["p99"],
+            "us",
+        ),
+        row(
+            f"renews/s, {n} threads vs {n} raw sockets",
+            many["ours"]["per_s"],
+            many["base"]["per_s"],
+            "/s",
+            higher_is_better=True,
+        ),
+    ]
+
+
+def bench_worker(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+    tasks = o["tasks"]
+    server, info = servers.open()
+    try:
+        server.send({"op": "enqueue", "n": tasks, "handler": "noop"})
+        ours = run_noop(server, info, tasks, 600, frames=not o["peers"])
+    finally:
+        servers.done(server)
+    if not ours["ok"]:
+        raise RuntimeError(f"our worker finished {ours['tasks']} of {tasks} tasks")
+    ours["per_task"] = ours["cpu"] / tasks
+    ours["per_s"] = tasks / ours["wall"]
+    out["worker"] = {k: v for k, v in ours.items() if k != "dispatch"}
+    rows: list[dict[str, Any]] = []
+    if o["peers"]:
+        from benchmarks.peers import driver
+
+        peers: dict[str, dict[str, Any]] = {}
+        with driver.redis_server() as url:
+            peers["Dramatiq INCR"] = driver.dramatiq(url, tasks, "incr")
+            peers["Dramatiq no-op"] = driver.dramatiq(url, tasks, "noop")
+            peers["Celery no-op"] = driver.celery(url, tasks)
+        for name, p in peers.items():
+            if not p["ok"]:
+                raise RuntimeError(f"{name} did not finish {tasks} tasks")
+            p["per_task"] = p["cpu"] / tasks
+            p["per_s"] = tasks / p["wall"]
+        out["peers"] = peers
+        for name, p in peers.items():
+            target = 1.0 if name == "Dramatiq INCR" else None
+            rows.append(
+                row(
+                    f"worker CPU/task vs {name}",
+                    ours["per_task"],
+                    p["per_task"],
+                    "us",
+                    target=target,
+                )
+            )
+        for name, p in peers.items():
+            rows.append(
+                row(f"tasks/s vs {name}", ours["per_s"], p["per_s"], "/s", higher_is_better=True)
+            )
+        for name, p in peers.items():
+            rows.append(row(f"peak RSS vs {name}", ours["peak_rss"], p["peak_rss"], "MB"))
+    else:
+        rows.append(
+            row("worker CPU/task (no peers in --quick)", ours["per_task"], float("nan"), "us")
+        )
+    if "dispatch" in ours:
+        out["dispatch_samples"] = ours["dispatch"]
+    return rows
+
+
+def bench_dispatch(
+    servers: Servers, o: dict[str, Any], out: dict[str, Any]
+) -> list[dict[str, Any]]:
+    delays = out.pop("dispatch_samples", None)
+    if delays is None:
+        server, info = servers.open()
+        try:
+            server.send({"op": "enqueue", "n": o["dispatch_tasks"], "handler": "noop"})
+            delays = run_noop(server, info, o["dispatch_tasks"], 300, frames=True)["dispatch"]
+        finally:
+            servers.done(server)
+    if not delays:
+        raise RuntimeError("no dispatch latency sample: the frame tap saw no assignment")
+    base = out["calls"]["one"]["base"]
+    out["dispatch"] = {
+        "p50": percentile(delays, 50),
+        "p99": percentile(delays, 99),
+        "n": len(delays),
+    }
+    note = "includes the start round trip; baseline: one raw renew round trip"
+    return [
+        row(
+            "dispatch latency p50 vs raw round trip p50",
+            out["dispatch"]["p50"],
+            base["p50"],
+            "us",
+            note=note,
+        ),
+        row(
+            "dispatch latency p99 vs raw round trip p99", out["dispatch"]["p99"], base["p99"], "us"
+        ),
+    ]
+
+
+def bench_lateness(
+    servers: Servers, o: dict[str, Any], out: dict[str, Any]
+) -> list[dict[str, Any]]:
+    server, info = servers.open(lease=2.0)
+    try:
+        server.send({"op": "enqueue", "n": 8, "handler": "spin"})
+        extra = ["--tasks", "8", "--seconds", str(o["spin_seconds"]), "--timeout", "60"]
+        with worker_child(info, "lateness", *extra) as child:
+            r = child.read()
+    finally:
+        servers.done(server)
+    late, floor = r["lateness"], r["floor"]
+    out["lateness"] = {
+        "p50": percentile(late, 50),
+        "p99": percentile(late, 99),
+        "max": max(late, default=float("nan")),
+        "n": len(late),
+        "floor_p50": percentile(floor, 50),
+        "floor_p99": percentile(floor, 99),
+        "floor_n": len(floor),
+        "lease_losses": r["lease_losses"],
+        "succeeded": r["succeeded"],
+    }
+    lat = out["lateness"]
+    return [
+        row(
+            "renewal lateness p99 (8 CPU-bound, 2 s lease)",
+            lat["p99"],
+            lat["floor_p99"],
+            "ms",
+            target=1.2,
+            note=f"{lat['n']} renewals; baseline: bare Event.wait thread, {lat['floor_n']} wakes",
+        ),
+        row(
+            "lease losses (8 CPU-bound, 2 s lease)",
+            lat["lease_losses"],
+            float("nan"),
+            "n",
+            target=0,
+            absolute=True,
+        ),
+    ]
+
+
+def bench_idle(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+    server, info = servers.open()
+    cap = o["idle_capacity"]
+    try:
+        extra = ["--capacity", str(cap), "--retire", str(o["retire"]), "--timeout", "120"]
+        extra += ["--settle", "1.0" if o["peers"] else "0.1"]
+        with worker_child(info, "idle", *extra) as child:
+            before = child.read()
+            server.send({"op": "enqueue", "n": o["burst"], "handler": "burst"})
+            after = child.send({"n": o["burst"]})
+    finally:
+        servers.done(server)
+    out["idle"] = {"before": before, "after": after, "capacity": cap}
+    return [
+        row(f"idle RSS after/before burst, capacity {cap}", after["rss"], before["rss"], "MB"),
+        row(
+            f"idle threads after/before burst, capacity {cap}",
+            after["threads"],
+            before["threads"],
+            "n",
+            target=1.1,
+            note=f"peak {after['peak_threads']} threads in the burst; read "
+            f"{after['waited']:.1f} s after it (idle pool threads retire)",
+        ),
+    ]
+
+
+def bench_server(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+    def drain(server: Child, info: dict[str, Any], n: int, timeout: float) -> dict[str, Any]:
+        return run_noop(server, info, n, timeout)
+
+    flat = {}
+    for waiting in o["flat_waiting"]:
+        flat[waiting] = mockserver.cpu_flatness(
+            drain, waiting, o["flat_drained"], o["flat_timeout"], servers
+        )
+    low, high = (flat[w] for w in o["flat_waiting"])
+    out["server_cpu"] = {str(k): v for k, v in flat.items()}
+    admin = mockserver.admin_enqueue(o["admin_n"], o["admin_per_task"], servers)
+    out["admin_enqueue"] = admin
+    memory = mockserver.memory_under_load(o["memory_marks"], servers)
+    out["server_memory"] = memory
+    m1, m2 = (memory["marks"][str(m)] for m in o["memory_marks"])
+    lw, hw = o["flat_waiting"]
+    admin_note = (
+        f"bulk endpoint, {admin['count']:,} tasks"
+        if admin["bulk"]
+        else f"no bulk endpoint: per-task endpoint on {admin['count']:,} tasks, ratio and "
+        f"100k estimate ({admin['estimate_100k']:.0f} s) extrapolated"
+    )
+    partial = [
+        f"{w:,} waiting: {f['tasks']} of {o['flat_drained']} drained in the time limit"
+        for w, f in flat.items()
+        if not f["ok"]
+    ]
+    return [
+        row(
+            f"server CPU/task vs worker's, {lw:,} waiting",
+            low["server_per_task"],
+            low["worker_per_task"],
+            "us",
+            target=1.0,
+        ),
+        row(
+            f"server CPU/task vs worker's, {hw:,} waiting",
+            high["server_per_task"],
+            high["worker_per_task"],
+            "us",
+            target=1.0,
+            note="; ".join(partial),
+        ),
+        row(
+            f"server CPU/task, {hw:,} vs {lw:,} waiting (flat)",
+            high["server_per_task"],
+            low["server_per_task"],
+            "us",
+            target=1.25,
+        ),
+        row(
+            f"admin enqueue of {o['admin_n']:,} vs Python API",
+            admin["estimate_100k"] * o["admin_n"] / 100_000,
+            admin["base_seconds"] * o["admin_n"] / admin["count"],
+            "s",
+            target=60 * o["admin_n"] / 100_000,
+            absolute=True,
+            note=admin_note + " (target: seconds, not minutes)",
+        ),
+        row(
+            f"server RSS after {o['memory_marks'][1]:,} vs {o['memory_marks'][0]:,} requests",
+            m2,
+            m1,
+            "MB",
+            target=1.1,
+            note=f"idle {memory['idle_rss'] / 1e6:.0f} MB; {memory['errors']} error answers",
+        ),
+    ]
+
+
+# --------------------------------------------------------------------------- profile
+
+
+def profile_worker(o: dict[str, Any], out: dict[str, Any], top: int = 12) -> list[str]:
+    """py-spy over a no-op run of our worker (not the measured one): top functions by own time."""
+    py_spy = Path(sys.executable).parent / "py-spy"
+    if not py_spy.exists():
+        return ["(py-spy is not installed in this venv: no profile)"]
+    server, info = _server_proc.start()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = Path(tmp) / "profile.txt"
+        try:
+            server.send({"op": "enqueue", "n": o["tasks"], "handler": "noop"})
+            prefix = [
+                str(py_spy),
+                "record",
+                "--format",
+                "raw",
+                "--rate",
+                "250",
+                "--threads",
+                "--subprocesses",
+                "-o",
+                str(raw),
+                "--",
+            ]
+            with worker_child(info, "noop", "--tasks", str(o["tasks"]), prefix=prefix) as child:
+                child.read()
+        except RuntimeError as exc:
+            return [f"(py-spy failed: {str(exc).splitlines()[-1] if str(exc) else exc})"]
+        finally:
+            server.close()
+        if not raw.exists():
+            return ["(py-spy wrote no profile)"]
+        own: Counter[str] = Counter()
+        total = 0
+        for line in raw.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            if not count.isdigit():
+                continue
+            frames = stack.split(";")
+            leaf = frames[-1]
+            total += int(count)
+            own[_short(leaf)] += int(count)
+    entries = [(name, n / total) for name, n in own.most_common(top)] if total else []
+    out["profile"] = [{"function": name, "own": share} for name, share in entries]
+    return [f"{share:6.1%}  {name}" for name, share in entries]
+
+
+def _short(frame: str) -> str:
+    """``fn (path/to/module.py:12)`` -> ``fn (module.py)``: lines change, functions do not."""
+    name, _, where = frame.partition(" (")
+    file = where.split(":")[0].rstrip(")")
+    return f"{name} ({'/'.join(Path(file).parts[-2:])})"
+
+
+# --------------------------------------------------------------------------- main
+
+
+def machine() -> dict[str, Any]:
+    model = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = 0
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    return {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "memory": mem,
+        "python": platform.python_version(),
+        "system": platform.platform(),
+        "load_before": os.getloadavg()[0],
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
+    }
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return ""
+
+
+SECTIONS: list[tuple[str, Callable[[Servers, dict[str, Any], dict[str, Any]], list[Any]]]] = [
+    ("call overhead", bench_calls),
+    ("worker and peers", bench_worker),
+    ("dispatch latency", bench_dispatch),
+    ("renewal lateness", bench_lateness),
+    ("idle", bench_idle),
+    ("mock server", bench_server),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small counts, no peers (seconds)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
+    parser.add_argument(
+        "--output", type=Path, default=HERE / "results.json", help="where to write the JSON"
+    )
+    args = parser.parse_args(argv)
+    o = QUICK if args.quick else FULL
+    out: dict[str, Any] = {"mode": "quick" if args.quick else "full", "machine": machine()}
+    rows = bench_codec(args.quick)
+    servers = Servers(shared=args.quick)
+    try:
+        for name, section in SECTIONS:
+            start = time.perf_counter()
+            print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+            rows += section(servers, o, out)
+            out.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 2)
+    finally:
+        servers.close()
+    profile: list[str] = []
+    if o["profile"] and not args.no_profile:
+        print("[bench] profile ...", file=sys.stderr, flush=True)
+        profile = profile_worker(o, out)
+    out["rows"] = rows
+    m = out["machine"]
+    print(
+        f"\nmake bench ({out['mode']}) on {m['cores']} cores ({m['cpu'] or 'unknown CPU'}), "
+        f"Python {m['python']}, commit {m['commit'] or '?'}; ratios are ours / baseline"
+    )
+    print(table(rows))
+    if profile:
+        print(f"\nworker profile, no-op run ({o['tasks']:,} tasks), own time:")
+        print("\n".join(profile))
+    args.output.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    print(f"\nwrote {args.output}")
     return 0
 
 

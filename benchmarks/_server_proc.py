@@ -1,0 +1,97 @@
+"""The mock server in its own process, driven by JSON lines on stdin.
+
+Started by the harness (:func:`start`); prints one ready line with its URL, tokens and pid, then
+answers commands until stdin closes:
+
+- ``{"op": "enqueue", "n": N, "handler": H}``: N tasks through the Python API in this process
+  (the bulk method when the server has one), answers ``{"seconds": s, "bulk": bool}``.
+
+Tokens travel only over the pipe to the harness; nothing here prints them elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import Child, commands, emit
+
+#: Names a bulk enqueue method may have on MockOrbitServer, newest first.
+BULK_METHODS = ("enqueue_many", "enqueue_bulk", "bulk_enqueue")
+
+
+def enqueue(server: Any, n: int, handler: str) -> tuple[float, bool]:
+    """Enqueue *n* no-op tasks; return (seconds, whether a bulk method was used)."""
+    start = time.perf_counter()
+    for name in BULK_METHODS:
+        method = getattr(server, name, None)
+        if method is not None:
+            done = 0
+            while done < n:
+                chunk = min(10_000, n - done)
+                method([{"handler": handler, "payload": {"i": done + i}} for i in range(chunk)])
+                done += chunk
+            return time.perf_counter() - start, True
+    for i in range(n):
+        server.enqueue(handler, {"i": i})
+    return time.perf_counter() - start, False
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--lease-duration", type=float, default=30.0)
+    parser.add_argument("--session-window", type=float, default=45.0)
+    parser.add_argument("--max-connections", type=int, default=128)
+    args = parser.parse_args()
+
+    from orbit_sync.testing import AdminAPI, MockOrbitServer
+
+    api = AdminAPI()
+    server = MockOrbitServer(
+        lease_duration=args.lease_duration,
+        session_window=args.session_window,
+        assignment_rate=None,
+        max_connections=args.max_connections,
+        admin_handler=api,
+    )
+    with server:
+        emit(
+            {
+                "url": server.url,
+                "token": server.token,
+                "queue_id": server.queue_id,
+                "admin_token": api.token,
+            }
+        )
+        for command in commands():
+            if command["op"] == "enqueue":
+                seconds, bulk = enqueue(server, int(command["n"]), str(command["handler"]))
+                emit({"seconds": seconds, "bulk": bulk})
+            else:
+                emit({"error": f"unknown op {command['op']!r}"})
+    return 0
+
+
+def start(
+    *, lease_duration: float = 30.0, max_connections: int = 128
+) -> tuple[Child, dict[str, Any]]:
+    """Start the server process; return it and its ready line (url, token, queue_id, ...)."""
+    child = Child(
+        [
+            str(Path(__file__).resolve()),
+            "--lease-duration",
+            str(lease_duration),
+            "--max-connections",
+            str(max_connections),
+        ]
+    )
+    return child, child.read()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

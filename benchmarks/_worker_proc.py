@@ -1,0 +1,289 @@
+"""Our Worker in its own process, measured from inside it; prints one JSON line per phase.
+
+Modes (the server URL and queue come as arguments, the token in ``$ORBIT_BENCH_TOKEN`` so that
+no command line shows it):
+
+- ``noop``: drain ``--tasks`` pre-enqueued no-op tasks with ``Worker(capacity=--capacity)``;
+  reports process CPU, wall time and peak RSS over the run (and the server's CPU over the same
+  window when ``--server-pid`` is given). ``--frames`` adds the dispatch latency: the time from
+  an assignment frame leaving websocket-client's frame reader to the handler's first line.
+- ``lateness``: ``--tasks`` CPU-bound handlers for ``--seconds`` under a short lease; reports
+  every renewal's lateness (its send time past the moment it was due: half the remaining local
+  lease, as the README promises) and a bare ``Event.wait`` thread's lateness in the same
+  process over the same time (the floor), with lease losses.
+- ``idle``: ``Worker(capacity=--capacity)`` idle, then (on the harness's ``go``) a burst, then
+  idle again; reports RSS and thread counts.
+
+The frame hooks wrap websocket-client's own classes, so they see what the connection does
+whatever its internals; they parse only the frames they need.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import commands, emit, proc_cpu, proc_status
+
+#: The local deadline is the lease minus this margin (README: "At most once, nothing lost").
+LEASE_MARGIN = 0.25
+#: The watchdog never renews sooner than this after a grant.
+MIN_RENEW_INTERVAL = 0.05
+
+
+def _wire_time(text: str) -> float:
+    """Seconds since the epoch of an RFC 3339 UTC wire time (any number of fraction digits)."""
+    main, _, frac = text.rstrip("Z").partition(".")
+    base = _dt.datetime.strptime(main, "%Y-%m-%dT%H:%M:%S").replace(tzinfo=_dt.timezone.utc)
+    return base.timestamp() + (float("0." + frac) if frac else 0.0)
+
+
+class FrameTap:
+    """Timestamps frames as websocket-client reads and sends them (class-level wrappers)."""
+
+    def __init__(self, *, renewals: bool) -> None:
+        import websocket
+        from websocket import _abnf
+
+        self.assigned: dict[str, float] = {}
+        self.lateness: list[float] = []
+        self._renewals = renewals
+        self._sent: dict[str, tuple[str, float]] = {}  # message_id -> (attempt_id, sent at)
+        self._due: dict[str, float] = {}  # attempt_id -> when its next renewal is due
+        self._lock = threading.Lock()
+        original_recv = _abnf.frame_buffer.recv_frame
+        original_send = websocket.WebSocket.send
+        tap = self
+
+        def recv_frame(buffer: Any) -> Any:
+            frame = original_recv(buffer)
+            tap._received(frame.data, time.perf_counter())
+            return frame
+
+        def send(ws: Any, payload: Any, opcode: int = 1) -> Any:
+            if renewals and isinstance(payload, str):
+                tap._sending(payload, time.perf_counter())
+            return original_send(ws, payload, opcode)
+
+        _abnf.frame_buffer.recv_frame = recv_frame
+        websocket.WebSocket.send = send
+
+    def _received(self, data: bytes, now: float) -> None:
+        if b'"task.assign"' in data:
+            body = json.loads(data)["body"]
+            with self._lock:
+                self.assigned.setdefault(body["attempt_id"], now)
+        elif self._renewals and b'"lease"' in data:
+            frame = json.loads(data)
+            with self._lock:
+                sent = self._sent.pop(frame.get("reply_to", ""), None)
+            lease = frame.get("body", {}).get("lease") or {}
+            if sent is None or not lease.get("active"):
+                return
+            attempt_id, sent_at = sent
+            window = _wire_time(lease["lease_until"]) - _wire_time(lease["server_time"])
+            deadline = sent_at + window - LEASE_MARGIN
+            due = now + min(max(deadline - now, 0.0), max(MIN_RENEW_INTERVAL, (deadline - now) / 2))
+            with self._lock:
+                self._due[attempt_id] = due
+
+    def _sending(self, text: str, now: float) -> None:
+        if '"task.renew"' not in text and '"task.start"' not in text:
+            return
+        frame = json.loads(text)
+        attempt_id = frame["body"]["attempt_id"]
+        with self._lock:
+            self._sent[frame["message_id"]] = (attempt_id, now)
+            if frame["type"] == "task.renew":
+                due = self._due.pop(attempt_id, None)
+                if due is not None:
+                    self.lateness.append(now - due)
+
+
+def _worker(args: argparse.Namespace, capacity: int) -> Any:
+    from orbit_sync import Client, Worker
+
+    return Worker(
+        Client(args.url, token=os.environ["ORBIT_BENCH_TOKEN"]),
+        queue_id=args.queue_id,
+        capacity=capacity,
+        handle_signals=False,
+        drain_timeout=5.0,
+        cancel_grace=1.0,
+        flush_timeout=5.0,
+    )
+
+
+def _wait_succeeded(worker: Any, n: int, timeout: float) -> bool:
+    # Bench-side wait for the finishes to be answered; 5 ms steps cost the worker nothing.
+    end = time.monotonic() + timeout
+    while worker.stats().succeeded < n:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def run_noop(args: argparse.Namespace) -> dict[str, Any]:
+    tap = FrameTap(renewals=False) if args.frames else None
+    started: dict[str, float] = {}
+    count = [0]
+    lock = threading.Lock()
+    all_ran = threading.Event()
+    worker = _worker(args, args.capacity)
+
+    @worker.handler("noop")
+    def noop(ctx: Any, payload: Any) -> None:
+        if tap is not None:
+            started[ctx.attempt_id] = time.perf_counter()
+        with lock:
+            count[0] += 1
+            if count[0] >= args.tasks:
+                all_ran.set()
+
+    server_cpu0 = proc_cpu(args.server_pid) if args.server_pid else 0.0
+    cpu0, t0 = proc_cpu(), time.perf_counter()
+    worker.start()
+    ok = all_ran.wait(args.timeout) and _wait_succeeded(worker, args.tasks, args.timeout)
+    wall = time.perf_counter() - t0
+    cpu = proc_cpu() - cpu0
+    server_cpu = proc_cpu(args.server_pid) - server_cpu0 if args.server_pid else None
+    stats = worker.stats()
+    worker.stop(drain=False, timeout=5)
+    out: dict[str, Any] = {
+        "ok": ok,
+        "tasks": stats.succeeded,
+        "wall": wall,
+        "cpu": cpu,
+        "server_cpu": server_cpu,
+        "peak_rss": proc_status()["VmHWM"],
+    }
+    if tap is not None:
+        delays = [started[a] - t for a, t in tap.assigned.items() if a in started]
+        out["dispatch"] = delays
+    return out
+
+
+def _cpu_bound(ctx: Any, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not ctx.cancelled.is_set():
+        sum(range(3000))
+
+
+def run_lateness(args: argparse.Namespace) -> dict[str, Any]:
+    tap = FrameTap(renewals=True)
+    worker = _worker(args, args.tasks)
+    running = threading.Barrier(args.tasks + 1)
+
+    @worker.handler("spin")
+    def spin(ctx: Any, payload: Any) -> None:
+        running.wait()
+        _cpu_bound(ctx, args.seconds)
+
+    floor: list[float] = []
+    stop = threading.Event()
+
+    def bare_waiter() -> None:
+        # The same kind of wait the watchdog does, with nothing to do when it wakes.
+        idle = threading.Event()
+        while not stop.is_set():
+            target = time.perf_counter() + 0.1
+            idle.wait(0.1)
+            floor.append(time.perf_counter() - target)
+
+    worker.start()
+    running.wait(timeout=args.timeout)
+    waiter = threading.Thread(target=bare_waiter, daemon=True)
+    waiter.start()
+    ok = _wait_succeeded(worker, args.tasks, args.seconds + args.timeout)
+    stop.set()
+    waiter.join(timeout=5)
+    stats = worker.stats()
+    worker.stop(drain=False, timeout=5)
+    return {
+        "ok": ok,
+        "lateness": tap.lateness,
+        "floor": floor,
+        "lease_losses": stats.lease_losses,
+        "succeeded": stats.succeeded,
+    }
+
+
+def run_idle(args: argparse.Namespace) -> None:
+    worker = _worker(args, args.capacity)
+    done = [0]
+    lock = threading.Lock()
+    burst_done = threading.Event()
+    target = [0]
+
+    @worker.handler("burst")
+    def burst(ctx: Any, payload: Any) -> None:
+        time.sleep(0.02)  # long enough that the burst occupies every slot at once
+        with lock:
+            done[0] += 1
+            if done[0] >= target[0]:
+                burst_done.set()
+
+    worker.start()
+    end = time.monotonic() + args.timeout
+    while not worker.stats().connected and time.monotonic() < end:
+        time.sleep(0.01)
+    time.sleep(args.settle)  # let the connection's start-up settle before the idle reading
+    before = proc_status()
+    emit({"phase": "idle", "rss": before["VmRSS"], "threads": before["Threads"]})
+    for command in commands():
+        target[0] = int(command["n"])
+        ok = burst_done.wait(args.timeout) and _wait_succeeded(worker, target[0], args.timeout)
+        peak = proc_status()
+        # Give idle pool threads the chance to retire, watching for it, up to --retire seconds.
+        retire_end = time.monotonic() + args.retire
+        while proc_status()["Threads"] > before["Threads"] and time.monotonic() < retire_end:
+            time.sleep(0.1)
+        after = proc_status()
+        emit(
+            {
+                "ok": ok,
+                "peak_threads": peak["Threads"],
+                "rss": after["VmRSS"],
+                "threads": after["Threads"],
+                "waited": args.retire - max(0.0, retire_end - time.monotonic()),
+            }
+        )
+        break
+    worker.stop(drain=False, timeout=5)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["noop", "lateness", "idle"])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--queue-id", required=True)
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--capacity", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--settle", type=float, default=1.0)
+    parser.add_argument("--retire", type=float, default=10.0)
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--server-pid", type=int, default=0)
+    parser.add_argument("--frames", action="store_true")
+    args = parser.parse_args()
+    if args.mode == "noop":
+        emit(run_noop(args))
+    elif args.mode == "lateness":
+        emit(run_lateness(args))
+    else:
+        run_idle(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
