@@ -11,22 +11,38 @@ from ._backoff import Backoff
 from ._context import TaskContext
 from ._encoding import result_converter
 from ._environment import HandlerEnvironment
+from ._hooks import (
+    AttemptEvent,
+    AttemptFinished,
+    DisconnectEvent,
+    DrainEvent,
+    LeaseEvent,
+    SessionEvent,
+    WorkerListener,
+)
 from ._outcomes import Fail, TaskCancelled, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
 
 __all__ = [
+    "AttemptEvent",
+    "AttemptFinished",
     "AttemptInfo",
     "Backoff",
+    "DisconnectEvent",
+    "DrainEvent",
     "Fail",
     "Handler",
     "HandlerEnvironment",
+    "LeaseEvent",
+    "SessionEvent",
     "ShutdownReport",
     "TaskCancelled",
     "TaskContext",
     "UnknownEffect",
     "Verdict",
     "Worker",
+    "WorkerListener",
     "WorkerStats",
     "result_converter",
 ]

@@ -26,7 +26,7 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 from types import FrameType
 from typing import Any, TypeVar
@@ -55,6 +55,15 @@ from ._backoff import Backoff
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_fatal_dial_error, is_link_failure, is_transient
+from ._hooks import (
+    AttemptEvent,
+    AttemptFinished,
+    DisconnectEvent,
+    DrainEvent,
+    Hooks,
+    LeaseEvent,
+    SessionEvent,
+)
 from ._link import Connection, Dialer, GaveUp, Link
 from ._outcomes import HANDLER_ERROR, Verdict, abandoned, not_run, outcome_of
 from ._pool import DaemonPool
@@ -111,6 +120,30 @@ class _Attempt:
     @property
     def info(self) -> AttemptInfo:
         return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
+
+
+def _event(att: _Attempt) -> AttemptEvent:
+    task = att.task
+    return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
+
+
+def _finished(att: _Attempt, verdict: Verdict, delivered: bool) -> AttemptFinished:
+    task = att.task
+    return AttemptFinished(
+        task_id=task.task_id,
+        attempt_id=att.id,
+        handler=task.handler,
+        attempt=task.attempt,
+        outcome=verdict.outcome,
+        error_code=verdict.error_code,
+        duration=verdict.duration,
+        ran=verdict.ran,
+        delivered=delivered,
+    )
+
+
+def _lease_event(att: _Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
+    return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
 
 
 def _check_handler_signature(fn: object) -> None:
@@ -172,7 +205,9 @@ class Worker:
 
     Results are encoded by *result_converter* (a cattrs converter; default
     :func:`~orbit_sync.worker.result_converter`, which knows datetimes, ``Decimal``, ``UUID``,
-    enums, attrs classes and dataclasses) when the handler returns.
+    enums, attrs classes and dataclasses) when the handler returns. *listeners*
+    (:class:`~orbit_sync.worker.WorkerListener`) observe attempts, leases and sessions; see also
+    :meth:`add_listener`.
     """
 
     def __init__(
@@ -193,6 +228,7 @@ class Worker:
         handle_signals: bool = True,
         logger: logging.Logger | None = None,
         result_converter: cattrs.BaseConverter | None = None,
+        listeners: Iterable[object] = (),
     ) -> None:
         if type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
             raise ValueError("queue_id must be 32 lowercase hex characters")
@@ -226,6 +262,7 @@ class Worker:
             DEFAULT_ENCODER if result_converter is None else ResultEncoder(result_converter)
         )
         self._clock = time.monotonic
+        self._hooks = Hooks(listeners, logger=self._log)
         # instance_id is new for this Worker (so two Workers of one process never fence each
         # other); instance_secret is kept across all its reconnects (PROTOCOL §3).
         self._instance_id = new_id()
@@ -261,6 +298,8 @@ class Worker:
             self._renew,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
+            on_renew=self._on_renewed,
+            on_loss=self._on_lease_lost,
             logger=self._log,
         )
         self._watchdog_thread = WatchdogThread(self._watchdog)
@@ -329,6 +368,11 @@ class Worker:
                 cancellation_notifications=self._notifications,
             )
         return self._registration
+
+    def add_listener(self, listener: object) -> None:
+        """Subscribe *listener* (a :class:`~orbit_sync.worker.WorkerListener`) to this worker's
+        events; safe at any time, from any thread. A listener that raises is logged and skipped."""
+        self._hooks.add(listener)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -409,7 +453,8 @@ class Worker:
                 return
             now = self._clock()
             window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
-            if not self._stop_requested:
+            first = not self._stop_requested
+            if first:
                 self._stop_requested = True
                 self._drain_deadline = now + window
                 self._log.info(
@@ -425,6 +470,8 @@ class Worker:
                 self._report_next = CapacityReport(
                     sequence=current.sequence + 1, capacity=current.capacity, drain=True
                 )
+        if first and self._hooks:
+            self._hooks.emit("draining", DrainEvent(drain, window, self._running))
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> ShutdownReport:
         """Stop (draining for *timeout* seconds) and return the shutdown report.
@@ -521,6 +568,7 @@ class Worker:
     def _session(self, conn: Connection, failures: int) -> int:
         """Reconcile, publish and serve one connection; return the updated failure count."""
         gen: int | None = None
+        reason = "closed"
         try:
             if self._link.is_closed():
                 return failures
@@ -529,9 +577,13 @@ class Worker:
             self._send_capacity(conn)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
+            if self._hooks:
+                again = self._counts["reconnects"] > 0
+                self._hooks.emit("connected", SessionEvent(conn.session_id, again))
             failures = 0
             self._serve(conn)
         except Exception as exc:  # any failure of this connection means: reconnect
+            reason = type(exc).__name__
             if not self._link.is_closed():
                 failures += 1
                 if is_fatal_dial_error(exc):
@@ -548,6 +600,8 @@ class Worker:
         if not self._link.is_closed():
             with self._cond:
                 self._counts["reconnects"] += 1
+            if self._hooks:
+                self._hooks.emit("disconnected", DisconnectEvent(reason))
         return failures
 
     def _reconcile(self, conn: Connection) -> None:
@@ -586,6 +640,8 @@ class Worker:
                 with self._cond:
                     self._counts["resume_losses"] += 1
                 ctx._log.warning("lease did not survive the reconnect (%s)", reason)
+                if self._hooks:
+                    self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
     def _send_capacity(self, conn: Connection) -> None:
         # Only this (connection) thread sends reports. The lock is never held across the call:
@@ -663,6 +719,8 @@ class Worker:
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
+        if self._hooks:
+            self._hooks.emit("attempt_received", _event(att))
         self._pool.submit(lambda: self._run_attempt(att))
 
     def _run_attempt(self, att: _Attempt) -> None:
@@ -728,9 +786,12 @@ class Worker:
             self._running += 1
         error: BaseException | None = None
         value: Any = None
+        hooks = self._hooks
+        if hooks:
+            hooks.emit("attempt_started", _event(att))
         began = time.perf_counter()
         try:
-            value = att.handler(ctx, ctx.payload)
+            value = hooks.call_handler(att.handler, ctx) if hooks else att.handler(ctx, ctx.payload)
         except BaseException as exc:  # every ending is an outcome; the thread must survive
             error = exc
         finally:
@@ -762,6 +823,12 @@ class Worker:
         return verdict
 
     def _finish(self, att: _Attempt, verdict: Verdict) -> None:
+        delivered = self._deliver(att, verdict)
+        if self._hooks:
+            self._hooks.emit("attempt_finished", _finished(att, verdict, delivered))
+
+    def _deliver(self, att: _Attempt, verdict: Verdict) -> bool:
+        """Send *verdict*'s finish until it is answered; True when the server accepted it."""
         finish = verdict.finish(att.ref)
         message_id = new_message_id()
         try:
@@ -772,12 +839,12 @@ class Worker:
             with self._cond:
                 self._unreported.append(att.info)
             att.ctx._log.error("finish %s not delivered: the worker stopped", verdict.outcome)
-            return
+            return False
         except OrbitError as exc:
             with self._cond:
                 self._counts["finish_rejected"] += 1
             att.ctx._log.error("finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc))
-            return
+            return False
         evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
         with self._cond:
             self._counts[verdict.outcome.value] += 1
@@ -791,6 +858,7 @@ class Worker:
             " (kept as evidence only)" if evidence else "",
             " (deduplicated)" if result.deduplicated else "",
         )
+        return True
 
     def _settle(self, att: _Attempt) -> None:
         with att.lock:
@@ -832,6 +900,20 @@ class Worker:
             return fn()
         finally:
             self._gate.release()
+
+    def _on_renewed(self, attempt_id: str, lag: float) -> None:
+        if self._hooks:
+            with self._cond:
+                att = self._attempts.get(attempt_id)
+            if att is not None:
+                self._hooks.emit("lease_renewed", _lease_event(att, lag=lag))
+
+    def _on_lease_lost(self, attempt_id: str, reason: str) -> None:
+        if self._hooks and reason != "cancel_requested":
+            with self._cond:
+                att = self._attempts.get(attempt_id)
+            if att is not None:
+                self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
     def _renew(self, attempt_id: str, message_id: str) -> Lease:
         """The watchdog's renew function: one try on the current connection, never waiting."""
@@ -881,6 +963,8 @@ class Worker:
             self._log.exception("worker shutdown failed")
             report = ShutdownReport(drained=False, error=exc)
         self._report = report
+        if self._hooks:
+            self._hooks.emit("stopped", report)
         self._done.set()
         atexit.unregister(self._at_exit)
         self._log.info(

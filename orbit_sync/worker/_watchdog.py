@@ -85,6 +85,7 @@ class LeaseWatchdog:
         retry_delay: float = 1.0,
         on_change: Callable[[], None] | None = None,
         on_loss: Callable[[str, str], None] | None = None,
+        on_renew: Callable[[str, float], None] | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
         if not MIN_RETRY_DELAY <= retry_delay <= MAX_RETRY_DELAY:
@@ -96,6 +97,8 @@ class LeaseWatchdog:
         self._retry_delay = retry_delay
         self._on_change = on_change or (lambda: None)
         self._on_loss = on_loss or (lambda attempt_id, reason: None)
+        #: ``on_renew(attempt_id, lag)`` after each acknowledged renewal (lag: seconds late).
+        self._on_renew = on_renew
         self._log = logger or _LOG
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -198,14 +201,14 @@ class LeaseWatchdog:
                     self._lag_last,
                 )
             try:
-                self._process(entry, now)
+                self._process(entry, now, now - due)
             finally:
                 with self._lock:
                     entry.busy = False
                     if self._entries.get(attempt_id) is entry:
                         self._push(entry)
 
-    def _process(self, entry: _Entry, now: float) -> None:
+    def _process(self, entry: _Entry, now: float, lag: float = 0.0) -> None:
         if entry.ctx.cancelled.is_set():
             self._forget(entry)
             return
@@ -233,6 +236,8 @@ class LeaseWatchdog:
             entry.deadline = lease.deadline
             entry.due = self._half_way(after, lease.deadline)
             entry.ctx._set_deadline(lease.deadline)
+            if self._on_renew is not None:
+                self._on_renew(entry.attempt_id, lag)
 
     def _renew_failed(self, entry: _Entry, exc: Exception) -> None:
         with self._lock:

@@ -1,0 +1,314 @@
+"""Worker events for several subscribers: listeners (observers) and handler middleware.
+
+Subclass :class:`WorkerListener`, override the events you need, and pass it as
+``Worker(listeners=[...])`` or ``worker.add_listener(...)``. Every event is one frozen object, so
+fields can be added without breaking a listener. Which thread calls what:
+
+=====================  ============================  =========================================
+event                  thread                        when
+=====================  ============================  =========================================
+``attempt_received``   the connection's reader       an assignment was accepted (keep it fast)
+``attempt_started``    the handler's pool thread     the lease allows running: the handler is next
+``around_handler``     the handler's pool thread     wraps the handler's call (middleware)
+``attempt_finished``   the handler's pool thread     the finish was answered (or given up on)
+``lease_renewed``      the lease watchdog            a renewal was acknowledged
+``lease_lost``         the watchdog / connection     the handler's context was cancelled for it
+``connected``          the connection thread         a session is established (``reconnect``)
+``disconnected``       the connection thread         a session ended; the worker reconnects
+``draining``           the caller of ``request_stop``  the worker stops taking work
+``stopped``            the supervisor thread         shutdown finished, with its report
+=====================  ============================  =========================================
+
+A listener that raises is logged (with its traceback) and skipped: it never breaks a task, the
+renewal of a lease, or another listener. Listeners run on the worker's own threads: do not
+block in them (hand slow work to a queue). With no listener registered the worker pays one
+truth test per event.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from ..models import Outcome
+from ._report import ShutdownReport
+
+if TYPE_CHECKING:
+    from ._context import TaskContext
+
+__all__ = [
+    "AttemptEvent",
+    "AttemptFinished",
+    "DisconnectEvent",
+    "DrainEvent",
+    "LeaseEvent",
+    "SessionEvent",
+    "WorkerListener",
+]
+
+_LOG = logging.getLogger("orbit_sync.worker")
+
+EVENTS = (
+    "attempt_received",
+    "attempt_started",
+    "attempt_finished",
+    "lease_renewed",
+    "lease_lost",
+    "connected",
+    "disconnected",
+    "draining",
+    "stopped",
+)
+
+
+@attrs.frozen
+class AttemptEvent:
+    """One attempt of a task (``attempt_received``, ``attempt_started``)."""
+
+    task_id: str
+    attempt_id: str
+    handler: str
+    #: The 1-based attempt number and the task's attempt budget.
+    attempt: int
+    max_attempts: int
+
+
+@attrs.frozen
+class AttemptFinished:
+    """How an attempt ended (``attempt_finished``).
+
+    ``outcome`` is what the worker reported (``SUCCEEDED``, ``FAILED``, ``CANCELLED``,
+    ``UNKNOWN``); ``duration`` is how long the handler ran in seconds (``None`` when it never
+    ran: ``ran`` is then False). ``delivered`` is False when the finish could not be delivered
+    before the worker stopped, or the server refused it (the server then recovers the attempt
+    when its lease expires).
+    """
+
+    task_id: str
+    attempt_id: str
+    handler: str
+    attempt: int
+    outcome: Outcome
+    error_code: str | None
+    duration: float | None
+    ran: bool
+    delivered: bool
+
+
+@attrs.frozen
+class LeaseEvent:
+    """A lease renewal (``lease_renewed``) or loss (``lease_lost``) of one attempt.
+
+    ``lag`` is how many seconds after its schedule the renewal was sent (CPU-bound handlers
+    holding the GIL make it grow); ``reason`` says why a lease was lost (``lease_expired``,
+    ``lease_lost``, ``session_replaced``).
+    """
+
+    task_id: str
+    attempt_id: str
+    handler: str
+    lag: float = 0.0
+    reason: str | None = None
+
+
+@attrs.frozen
+class SessionEvent:
+    """A session was established (``connected``); ``reconnect`` is False for the first one."""
+
+    session_id: str
+    reconnect: bool
+
+
+@attrs.frozen
+class DisconnectEvent:
+    """A session ended and the worker will reconnect (``disconnected``): ``reason`` is the
+    error's type name (never its text)."""
+
+    reason: str
+
+
+@attrs.frozen
+class DrainEvent:
+    """The worker stopped taking work (``draining``).
+
+    ``drain`` is False for a stop that cancels running handlers at once; ``timeout`` is how long
+    running handlers get to return; ``running`` is how many were running then.
+    """
+
+    drain: bool
+    timeout: float
+    running: int
+
+
+class WorkerListener:
+    """Base class of worker listeners: every method is a no-op; override what you need.
+
+    :meth:`around_handler` is middleware: it wraps the handler's call on the handler's thread
+    (open a span, set a context variable, time it). It must call ``call()`` once and return what
+    it returns; whatever it does, the worker reports the handler's own result or exception.
+    """
+
+    def attempt_received(self, event: AttemptEvent) -> None:
+        """An assignment was accepted (on the connection's reader thread: keep it fast)."""
+
+    def attempt_started(self, event: AttemptEvent) -> None:
+        """The server started the attempt and its handler is about to run."""
+
+    def around_handler(self, ctx: TaskContext, call: Callable[[], Any]) -> Any:
+        """Wrap the handler's call (``call()`` runs it and returns its result)."""
+        return call()
+
+    def attempt_finished(self, event: AttemptFinished) -> None:
+        """The attempt's finish was answered (``event.delivered``) or given up on."""
+
+    def lease_renewed(self, event: LeaseEvent) -> None:
+        """A renewal of a running attempt's lease was acknowledged."""
+
+    def lease_lost(self, event: LeaseEvent) -> None:
+        """A running attempt lost its lease; its handler's context was cancelled."""
+
+    def connected(self, event: SessionEvent) -> None:
+        """A session was established (the first, or after a reconnect)."""
+
+    def disconnected(self, event: DisconnectEvent) -> None:
+        """A session ended unexpectedly; the worker is reconnecting."""
+
+    def draining(self, event: DrainEvent) -> None:
+        """The worker was asked to stop and takes no new work."""
+
+    def stopped(self, report: ShutdownReport) -> None:
+        """The worker stopped; *report* is what ``run()``/``stop()`` return."""
+
+
+class _Called:
+    """What the handler did inside one middleware (isolates a failing middleware)."""
+
+    __slots__ = ("called", "error", "value")
+
+    def __init__(self) -> None:
+        self.called = False
+        self.value: Any = None
+        self.error: BaseException | None = None
+
+
+class Hooks:
+    """The worker's listeners, and the dispatch that keeps a failing one from breaking work."""
+
+    def __init__(self, listeners: Iterable[object] = (), *, logger: logging.Logger | None = None):
+        self._log = logger or _LOG
+        self._lock = threading.Lock()
+        self._listeners: tuple[object, ...] = ()
+        # Per event, only the listeners that override it: a no-op base method costs nothing.
+        self._by_event: dict[str, tuple[Callable[[Any], None], ...]] = dict.fromkeys(EVENTS, ())
+        self._wrappers: tuple[Callable[[TaskContext, Callable[[], Any]], Any], ...] = ()
+        for listener in listeners:
+            self.add(listener)
+
+    def __bool__(self) -> bool:
+        return bool(self._listeners)
+
+    def add(self, listener: object) -> None:
+        """Subscribe *listener* (a :class:`WorkerListener`, or any object with such methods)."""
+        if listener is None or isinstance(listener, type):
+            raise TypeError("add a listener instance (e.g. MyListener()), not a class or None")
+        if not any(callable(getattr(listener, name, None)) for name in (*EVENTS, "around_handler")):
+            raise TypeError(
+                f"{type(listener).__name__} has none of the listener methods: {', '.join(EVENTS)}"
+            )
+        with self._lock:  # copy on write: emitters read the tuples without a lock
+            by_event = dict(self._by_event)
+            for name in EVENTS:
+                method = self._overridden(listener, name)
+                if method is not None:
+                    by_event[name] = (*by_event[name], method)
+            wrap = self._overridden(listener, "around_handler")
+            if wrap is not None:
+                self._wrappers = (*self._wrappers, wrap)
+            self._by_event = by_event
+            self._listeners = (*self._listeners, listener)
+
+    @staticmethod
+    def _overridden(listener: object, name: str) -> Any:
+        method = getattr(listener, name, None)
+        if not callable(method):
+            return None
+        if getattr(type(listener), name, None) is getattr(WorkerListener, name):
+            return None  # the base class's no-op
+        return method
+
+    def emit(self, name: str, event: object) -> None:
+        """Call every listener of event *name*; log and skip one that raises."""
+        for method in self._by_event[name]:
+            try:
+                method(event)
+            except Exception:
+                self._log.exception("worker listener %s failed on %s", _owner(method), name)
+
+    def call_handler(self, handler: Callable[[TaskContext, Any], Any], ctx: TaskContext) -> Any:
+        """Run ``handler(ctx, payload)`` inside every listener's :meth:`around_handler`."""
+        wrappers = self._wrappers
+        if not wrappers:
+            return handler(ctx, ctx.payload)
+
+        def call() -> Any:
+            return handler(ctx, ctx.payload)
+
+        for wrap in reversed(wrappers):
+            call = self._isolate(wrap, ctx, call)
+        return call()
+
+    def _isolate(
+        self,
+        wrap: Callable[[TaskContext, Callable[[], Any]], Any],
+        ctx: TaskContext,
+        inner: Callable[[], Any],
+    ) -> Callable[[], Any]:
+        def run() -> Any:
+            seen = _Called()
+
+            def guarded() -> Any:
+                if seen.called:
+                    raise RuntimeError("around_handler called the handler twice")
+                seen.called = True
+                try:
+                    seen.value = inner()
+                except BaseException as exc:
+                    seen.error = exc
+                    raise
+                return seen.value
+
+            try:
+                wrap(ctx, guarded)
+            except BaseException:
+                if seen.error is not None:
+                    raise seen.error from None  # the handler's own ending, whatever was raised
+                if seen.called:
+                    self._log.exception(
+                        "worker middleware %s failed after the handler returned", _owner(wrap)
+                    )
+                    return seen.value
+                self._log.exception(
+                    "worker middleware %s failed before calling the handler; running it without",
+                    _owner(wrap),
+                )
+                return inner()
+            if not seen.called:
+                self._log.error(
+                    "worker middleware %s did not call the handler; running it without",
+                    _owner(wrap),
+                )
+                return inner()
+            if seen.error is not None:
+                raise seen.error  # a middleware swallowed the handler's exception: keep it
+            return seen.value
+
+        return run
+
+
+def _owner(method: Callable[..., Any]) -> str:
+    owner = getattr(method, "__self__", method)
+    return type(owner).__qualname__
