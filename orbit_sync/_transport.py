@@ -14,9 +14,13 @@ Other choices (LIBRARY-NOTES):
 
 * We open the TCP socket and wrap TLS ourselves and hand the socket to ``WebSocket.connect``. So
   the dial is bounded by our own deadline, certificates and host names are always verified with the
-  caller's ``ssl.SSLContext``, and no environment variable (``http_proxy``/``https_proxy``,
-  ``WEBSOCKET_CLIENT_CA_BUNDLE``) silently changes where the token goes or whom we trust: proxies
-  are not used.
+  caller's ``ssl.SSLContext`` (re-checked at every dial: the caller may have weakened it since), and
+  websocket-client's own environment variables (``http_proxy``/``https_proxy``,
+  ``WEBSOCKET_CLIENT_CA_BUNDLE``) change nothing: proxies are not used.
+* Trust does follow the standard library's environment: the default context
+  (``ssl.create_default_context()``) loads the OpenSSL default verify paths, which
+  ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` replace. Whoever sets those variables for the process
+  chooses which certificate authorities it trusts; pass an explicit ``ssl_context`` to pin them.
 * ``redirect_limit=0``: a redirect would re-send ``Authorization`` to another host.
 * ``skip_utf8_validation=True``; the payload stays bytes and the strict JSON layer decodes it.
 * After the dial the socket timeout is ``None``: over TLS a socket timeout breaks concurrent
@@ -161,6 +165,10 @@ class DialGuard:
         if sock is not None:
             _shutdown(sock)
 
+    def cut(self) -> None:
+        """End the dial now, from any thread, as if its deadline had passed."""
+        self._fire()
+
     def stop(self) -> None:
         """Disarm and join the timer thread."""
         self._timer.cancel()
@@ -260,6 +268,10 @@ class Transport:
             raise WorkerDisconnected("the connection is closed")
         try:
             self._ws.send(text, _OP_TEXT)
+        except (websocket.WebSocketException, OSError, ValueError, AttributeError) as exc:
+            # Network failures only (ValueError/AttributeError: the socket was torn down under
+            # the writer); anything else is a bug and propagates as itself.
+            raise WorkerDisconnected("connection lost while sending") from exc
         finally:
             self._exit_write()
 
@@ -280,9 +292,9 @@ class Transport:
             raise WorkerProtocolError(f"invalid WebSocket framing: {exc}") from None
         except websocket.WebSocketTimeoutException:
             raise CallTimeout("dial did not complete in time") from None
-        except (websocket.WebSocketException, OSError, ValueError, AttributeError):
+        except (websocket.WebSocketException, OSError, ValueError, AttributeError) as exc:
             # AttributeError/ValueError: the socket was torn down under the reader.
-            raise WorkerDisconnected("connection to the Orbit server lost") from None
+            raise WorkerDisconnected("connection to the Orbit server lost") from exc
         if opcode == _OP_TEXT:
             return bytes(data)
         if opcode == _OP_CLOSE:
@@ -429,6 +441,11 @@ def _upgrade(
         raise HTTPError(int(exc.status_code)) from None
     except websocket.WebSocketTimeoutException:
         raise CallTimeout("dial did not complete in time") from None
+    except websocket.WebSocketConnectionClosedException as exc:
+        # Cut before the whole 101 answer arrived: the network, not the server's protocol.
+        if guard.fired:
+            raise CallTimeout("dial did not complete in time") from None
+        raise WorkerDisconnected("connection lost before the upgrade was answered") from exc
     except websocket.WebSocketException:
         status = ws.getstatus()
         if isinstance(status, int) and status in _REDIRECTS:
@@ -439,7 +456,7 @@ def _upgrade(
         raise WorkerProtocolError(
             f"invalid WebSocket upgrade answer (subprotocol {subprotocol} required)"
         ) from None
-    except OSError:
+    except OSError as exc:
         if guard.fired:
             raise CallTimeout("dial did not complete in time") from None
-        raise WorkerDisconnected("connection lost during the WebSocket upgrade") from None
+        raise WorkerDisconnected("connection lost during the WebSocket upgrade") from exc

@@ -7,6 +7,10 @@ never in a ``repr``, log line or exception message.
 
 Proxies: orbit-sync opens its own socket, so ``http_proxy``/``https_proxy``/``no_proxy`` are not
 consulted; connections always go directly to the host of ``base_url``.
+
+Trust: without an ``ssl_context``, ``wss://`` uses ``ssl.create_default_context()``, whose
+certificate authorities come from the OpenSSL default paths, which the ``SSL_CERT_FILE`` and
+``SSL_CERT_DIR`` environment variables replace. Pass an explicit context to pin the trusted CAs.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import logging
 import math
 import re
 import ssl
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -26,13 +31,12 @@ from .errors import (
     CallTimeout,
     HTTPError,
     OrbitError,
-    WorkerDisconnected,
     WorkerError,
     WorkerProtocolError,
 )
 from .models import Assignment, CancelNotice, Registration, Welcome, new_message_id
 
-__all__ = ["DIAL_TIMEOUT", "Client"]
+__all__ = ["DIAL_TIMEOUT", "Client", "DialCut"]
 
 log = logging.getLogger("orbit_sync.client")
 
@@ -44,13 +48,46 @@ CONNECT_PATH: Final = "/v1/worker/connect"
 _TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/=:!#$%&'*^`|]+")
 
 
+class DialCut:
+    """Lets another thread end a :meth:`Client.dial_worker` in progress (``cut()``): the dial
+    then raises ``CallTimeout`` at once instead of running to its deadline. A dial started after
+    ``cut()`` ends at once too."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._guard: _transport.DialGuard | None = None
+        self._cut = False
+
+    def cut(self) -> None:
+        """End the dial in progress, if any, and every later one."""
+        with self._lock:
+            self._cut = True
+            guard = self._guard
+        if guard is not None:
+            guard.cut()
+
+    @property
+    def is_cut(self) -> bool:
+        """True once :meth:`cut` was called."""
+        return self._cut
+
+    def _attach(self, guard: _transport.DialGuard | None) -> None:
+        with self._lock:
+            self._guard = guard
+            cut = self._cut
+        if cut and guard is not None:
+            guard.cut()
+
+
 class Client:
     """An Orbit endpoint and its credentials.
 
     ``base_url`` is ``ws://host[:port][/prefix]`` (development) or ``wss://...`` (production),
     without query string, fragment or user info. For ``wss://`` the ``ssl_context`` (default:
-    ``ssl.create_default_context()``) must verify certificates and host names; there is no switch
-    to skip verification.
+    ``ssl.create_default_context()``, which honours ``SSL_CERT_FILE``/``SSL_CERT_DIR``) must
+    verify certificates and host names; there is no switch to skip verification. The context is
+    the caller's mutable object: it is checked again at every dial, and a dial with a context
+    weakened since raises ``ValueError`` before connecting.
     """
 
     def __init__(
@@ -81,8 +118,7 @@ class Client:
         if ssl_context is not None:
             if not isinstance(ssl_context, ssl.SSLContext):
                 raise TypeError("ssl_context must be an ssl.SSLContext")
-            if ssl_context.verify_mode != ssl.CERT_REQUIRED or not ssl_context.check_hostname:
-                raise ValueError("ssl_context must verify certificates and host names")
+            _check_verifying(ssl_context)
         elif parts.scheme == "wss":
             ssl_context = ssl.create_default_context()
         self._base_url = base_url.rstrip("/")
@@ -112,6 +148,7 @@ class Client:
         clock: Callable[[], float] = time.monotonic,
         max_call_timeout: float = CALL_TIMEOUT,
         read_idle_timeout: float = READ_IDLE_TIMEOUT,
+        cut: DialCut | None = None,
     ) -> WorkerConnection:
         """Connect, say hello, check the welcome (PROTOCOL §5.1, §5.2); return the connection.
 
@@ -137,7 +174,8 @@ class Client:
 
         ``clock`` anchors every lease's local ``deadline`` (pass the same clock to
         ``lease.may_run()``). ``max_call_timeout`` (≤ 10 s) and ``read_idle_timeout`` (≤ 60 s)
-        may only tighten the protocol's bounds.
+        may only tighten the protocol's bounds. ``cut`` (a :class:`DialCut`) lets another thread
+        end the dial early (``CallTimeout``).
         """
         if not isinstance(registration, Registration):
             raise TypeError("registration must be a Registration")
@@ -153,10 +191,18 @@ class Client:
             raise TypeError("on_assignment must be callable")
         if not callable(clock):
             raise TypeError("clock must be callable")
+        if cut is not None and not isinstance(cut, DialCut):
+            raise TypeError("cut must be a DialCut")
+        if self._ssl_context is not None:
+            # The caller may have weakened its context since it was given: verification off
+            # must never reach a socket.
+            _check_verifying(self._ssl_context)
         hello_id = new_message_id()
         hello = _codec.encode_request("worker.hello", hello_id, None, registration)
         log.debug("dialing %s (hello message_id=%s)", self._base_url, hello_id)
         guard = _transport.DialGuard(bound)
+        if cut is not None:
+            cut._attach(guard)
         transport: _transport.Transport | None = None
         try:
             transport = _transport.connect(
@@ -171,6 +217,8 @@ class Client:
             welcome = _handshake(transport, hello, hello_id, guard)
         except BaseException as exc:
             guard.stop()
+            if cut is not None:
+                cut._attach(None)
             if transport is not None:
                 transport.abort(None)
                 transport.close()
@@ -185,6 +233,8 @@ class Client:
                 raise CallTimeout(f"dial did not complete within {bound:g} s") from None
             raise
         guard.stop()
+        if cut is not None:
+            cut._attach(None)
         if guard.fired:
             # The deadline passed as the dial finished: its socket was shut down.
             transport.close()
@@ -208,10 +258,7 @@ def _handshake(
 ) -> Welcome:
     """Send ``worker.hello`` and read its answer, under the dial's deadline."""
     transport.set_timeout(guard.remaining())
-    try:
-        transport.send_text(hello)
-    except Exception:
-        raise WorkerDisconnected("connection lost while sending worker.hello") from None
+    transport.send_text(hello)  # WorkerDisconnected on a network failure; a bug stays itself
     transport.set_timeout(guard.remaining())
     raw = transport.recv_message()
     try:
@@ -221,6 +268,11 @@ def _handshake(
     except OrbitError as exc:
         exc.message_id = None  # the hello is not an operation to re-send
         raise
+
+
+def _check_verifying(context: ssl.SSLContext) -> None:
+    if context.verify_mode != ssl.CERT_REQUIRED or not context.check_hostname:
+        raise ValueError("ssl_context must verify certificates and host names")
 
 
 def _seconds(value: object, name: str, cap: float) -> float:

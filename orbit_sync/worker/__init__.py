@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 from ._backoff import Backoff
+from ._clock import FakeClock, WorkerClock
 from ._context import TaskContext
 from ._encoding import result_converter
 from ._environment import HandlerEnvironment
@@ -32,6 +33,7 @@ __all__ = [
     "DisconnectEvent",
     "DrainEvent",
     "Fail",
+    "FakeClock",
     "Handler",
     "HandlerEnvironment",
     "LeaseEvent",
@@ -42,6 +44,7 @@ __all__ = [
     "UnknownEffect",
     "Verdict",
     "Worker",
+    "WorkerClock",
     "WorkerListener",
     "WorkerStats",
     "result_converter",

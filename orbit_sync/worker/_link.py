@@ -10,7 +10,6 @@ that is how shutdown bounds a finish waiting for a connection that never comes b
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -26,6 +25,7 @@ from ..models import (
     Registration,
     Welcome,
 )
+from ._clock import WorkerClock
 
 __all__ = ["Connection", "Dialer", "GaveUp", "Link"]
 
@@ -88,7 +88,8 @@ class GaveUp(Exception):
 class Link:
     """The current connection and its generation number, under one condition variable."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: WorkerClock | None = None) -> None:
+        self._clock = clock or WorkerClock()
         self._cond = threading.Condition()
         self._conn: Connection | None = None
         self._gen = 0
@@ -137,20 +138,20 @@ class Link:
 
     def wait(self, *, newer_than: int = 0, deadline: float | None = None) -> tuple[Connection, int]:
         """Wait for a connection newer than *newer_than*; raise :class:`GaveUp` when the link is
-        closed or *deadline* (``time.monotonic()``) passes."""
+        closed or *deadline* (on the link's clock) passes."""
         with self._cond:
             while True:
                 if self._closed:
                     raise GaveUp("worker stopped")
                 if self._conn is not None and self._gen > newer_than:
                     return self._conn, self._gen
-                timeout = None if deadline is None else deadline - time.monotonic()
-                if timeout is not None and timeout <= 0:
+                if deadline is not None and self._clock.now() >= deadline:
                     raise GaveUp("no connection in time")
-                self._cond.wait(timeout)
+                self._clock.wait(self._cond, deadline)
 
     def pause(self, seconds: float) -> None:
-        """Sleep up to *seconds*, waking early if the link is closed (a retry delay)."""
+        """Sleep *seconds* (on the link's clock), waking early if the link is closed."""
         with self._cond:
-            if not self._closed:
-                self._cond.wait(seconds)
+            until = self._clock.now() + seconds
+            while not self._closed and self._clock.now() < until:
+                self._clock.wait(self._cond, until)

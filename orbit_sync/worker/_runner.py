@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import enum
 import inspect
 import logging
+import math
+import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
 from types import FrameType
@@ -33,6 +37,7 @@ from typing import Any, TypeVar
 
 import cattrs
 
+from ..client import Client, DialCut
 from ..errors import OrbitError, WorkerBusy
 from ..models import (
     ID_RE,
@@ -52,6 +57,7 @@ from ..models import (
     new_secret,
 )
 from ._backoff import Backoff
+from ._clock import Wakeup, WorkerClock
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_fatal_dial_error, is_link_failure, is_transient
@@ -79,12 +85,14 @@ H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: How often the connection thread looks up from its connection (stop flags, drain report).
+#: How often a handler waiting for a request slot looks up (is the worker stopping?).
 _POLL = 0.25
 #: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
 _BUSY_DELAY = 0.05
-#: How long shutdown waits for the drain report to be acknowledged before going on without it.
-_DRAIN_REPORT_WAIT = 1.0
+#: After the last shutdown phase: how long the worker's own threads get to exit once everything
+#: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
+#: one).
+_CLOSE_ALLOWANCE = 0.5
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
 _SEEN_LIMIT = 65_536
 
@@ -99,7 +107,17 @@ class _Phase(enum.Enum):
 class _Attempt:
     """One assignment as the worker tracks it, from ``start`` until its finish is settled."""
 
-    __slots__ = ("abandoned", "ctx", "handler", "lock", "phase", "ref", "start_id", "task")
+    __slots__ = (
+        "abandoned",
+        "ctx",
+        "handler",
+        "handler_done",
+        "lock",
+        "phase",
+        "ref",
+        "start_id",
+        "task",
+    )
 
     def __init__(self, assignment: Assignment, ctx: TaskContext, handler: Handler) -> None:
         self.task = assignment.task
@@ -111,6 +129,8 @@ class _Attempt:
         self.phase = _Phase.STARTING
         #: Shutdown gave up on the handler and finished it UNKNOWN: its late result is dropped.
         self.abandoned = False
+        #: The pool thread is done with this attempt (an abandoned one may never be).
+        self.handler_done = False
         self.lock = threading.Lock()
 
     @property
@@ -168,9 +188,27 @@ def _check_handler_signature(fn: object) -> None:
 def _check_seconds(name: str, value: float, *, positive: bool = False) -> float:
     if not isinstance(value, int | float) or isinstance(value, bool):
         raise TypeError(f"{name} must be a number of seconds")
+    # NaN compares false with everything: a NaN bound would make every wait loop spin.
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number of seconds")
     if value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'}")
     return float(value)
+
+
+#: Every Worker of this process, so a forked child can give each a new identity.
+_WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # PROTOCOL §3: instance_id is new for every process. A child that kept its parent's identity
+    # would fence it (or be fenced) with STALE_SESSION on every reconnect.
+    for worker in list(_WORKERS):
+        worker._new_identity()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Worker:
@@ -208,6 +246,10 @@ class Worker:
     enums, attrs classes and dataclasses) when the handler returns. *listeners*
     (:class:`~orbit_sync.worker.WorkerListener`) observe attempts, leases and sessions; see also
     :meth:`add_listener`.
+
+    *clock* (a :class:`~orbit_sync.worker.WorkerClock`) is the worker's time: lease deadlines,
+    renewals, heartbeats, retry delays, the shutdown phases and idle handler threads run on it.
+    Tests pass a :class:`~orbit_sync.worker.FakeClock` to let those windows pass without sleeping.
     """
 
     def __init__(
@@ -229,6 +271,7 @@ class Worker:
         logger: logging.Logger | None = None,
         result_converter: cattrs.BaseConverter | None = None,
         listeners: Iterable[object] = (),
+        clock: WorkerClock | None = None,
     ) -> None:
         if type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
             raise ValueError("queue_id must be 32 lowercase hex characters")
@@ -261,12 +304,17 @@ class Worker:
         self._encoder = (
             DEFAULT_ENCODER if result_converter is None else ResultEncoder(result_converter)
         )
-        self._clock = time.monotonic
+        if clock is not None and not isinstance(clock, WorkerClock):
+            raise TypeError("clock must be a WorkerClock")
+        self._time = clock or WorkerClock()
+        self._clock = self._time.now
         self._hooks = Hooks(listeners, logger=self._log)
         # instance_id is new for this Worker (so two Workers of one process never fence each
-        # other); instance_secret is kept across all its reconnects (PROTOCOL §3).
+        # other); instance_secret is kept across all its reconnects (PROTOCOL §3). A forked
+        # child gets new ones (_after_fork_in_child).
         self._instance_id = new_id()
         self._instance_secret = new_secret()
+        _WORKERS.add(self)
 
         self._handlers: dict[tuple[str, str, str], Handler] = {}
         self._task_logs: dict[str, logging.Logger] = {}
@@ -284,26 +332,34 @@ class Worker:
         self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
+        # run() on the main thread sleeps on this pipe: signal handlers and the end of shutdown
+        # write a byte to it (a signal handler may not take locks).
+        self._pipe_lock = threading.Lock()
+        self._pipe_w: int | None = None
 
         self._capacity_lock = threading.Lock()
         self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
         self._report_sent: CapacityReport | None = None
-        self._drain_acked = threading.Event()
+        self._drain_acked = Wakeup(self._time)
         self._heartbeat = 15.0
         self._next_heartbeat = 0.0
+        #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
+        self._serve_wake = Wakeup(self._time)
+        self._dial_cut = DialCut()
 
-        self._link = Link()
+        self._link = Link(self._time)
         self._registration: Registration | None = None
         self._watchdog = LeaseWatchdog(
             self._renew,
+            clock=self._clock,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
             on_renew=self._on_renewed,
             on_loss=self._on_lease_lost,
             logger=self._log,
         )
-        self._watchdog_thread = WatchdogThread(self._watchdog)
-        self._pool = DaemonPool(capacity)
+        self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
+        self._pool = DaemonPool(capacity, clock=self._time)
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ registration
@@ -374,6 +430,12 @@ class Worker:
         events; safe at any time, from any thread. A listener that raises is logged and skipped."""
         self._hooks.add(listener)
 
+    def _new_identity(self) -> None:
+        """A new instance_id and instance_secret (in a forked child: a new process)."""
+        self._instance_id = new_id()
+        self._instance_secret = new_secret()
+        self._registration = None
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Worker:
@@ -409,32 +471,61 @@ class Worker:
         """
         install = self._handle_signals and threading.current_thread() is threading.main_thread()
         previous: dict[signal.Signals, Any] = {}
+        read_fd = -1
         if install:
+            read_fd, write_fd = os.pipe()
+            os.set_blocking(write_fd, False)
+            with self._pipe_lock:
+                self._pipe_w = write_fd
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
             self.start()
-            seen = 0
-            # Signal handlers only bump a counter (taking locks there can deadlock); this loop
-            # turns the count into stop requests from ordinary code.
-            while not self._done.wait(_POLL if install else None):
-                if self._signals > seen:
-                    seen = self._signals
-                    self.request_stop(drain=seen == 1)
+            if install:
+                self._wait_for_signals(read_fd)
+            else:
+                self._done.wait()
         except KeyboardInterrupt:
             self.request_stop(drain=False)
             self._done.wait()
         finally:
+            # Handlers first: once restored, ours can no longer run and write to a closed pipe.
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            if install:
+                with self._pipe_lock:
+                    write_fd, self._pipe_w = self._pipe_w or -1, None
+                os.close(write_fd)
+                os.close(read_fd)
         report = self._report
         assert report is not None
         if report.error is not None:
             raise report.error
         return report
 
+    def _wait_for_signals(self, read_fd: int) -> None:
+        # Sleeps in read() until a signal handler or the end of shutdown writes a byte: signal
+        # handlers only count and write (taking locks there can deadlock); this turns the count
+        # into stop requests from ordinary code.
+        seen = 0
+        while not self._done.is_set():
+            os.read(read_fd, 64)
+            if self._signals > seen:
+                seen = self._signals
+                self.request_stop(drain=seen == 1)
+
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         self._signals += 1
+        fd = self._pipe_w  # no lock in a signal handler; run() restores handlers before closing
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, b"s")
+
+    def _wake_run(self) -> None:
+        with self._pipe_lock:
+            if self._pipe_w is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._pipe_w, b"d")
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the first session is established; True when it is."""
@@ -472,12 +563,15 @@ class Worker:
                 )
         if first and self._hooks:
             self._hooks.emit("draining", DrainEvent(drain, window, self._running))
+        self._serve_wake.set()
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> ShutdownReport:
         """Stop (draining for *timeout* seconds) and return the shutdown report.
 
         Safe to call again, and from any thread but the worker's own (use :meth:`request_stop`
-        from a handler). Returns after at most about ``timeout + cancel_grace + flush_timeout``.
+        from a handler). Returns after at most ``timeout + cancel_grace + flush_timeout`` (with
+        ``timeout`` 0 when not draining), plus up to half a second for the worker's threads to
+        exit once their connection is closed; a dial in progress is cut.
         """
         with self._cond:
             started = self._started
@@ -538,7 +632,7 @@ class Worker:
     # ------------------------------------------------------------------ connection thread
 
     def _connection_main(self) -> None:
-        failures = 0
+        failures = 0  # dials that failed since the last welcome
         first = True
         while not self._link.is_closed():
             if not first:
@@ -547,31 +641,61 @@ class Worker:
                     break
             first = False
             try:
-                conn: Connection = self._client.dial_worker(
-                    self.registration,
-                    timeout=self._dial_timeout,
-                    on_cancel=self._on_cancel if self._notifications else None,
-                    on_assignment=self._dispatch,
-                )
+                conn = self._dial()
             except Exception as exc:
+                if self._link.is_closed():
+                    break  # shutdown cut the dial
                 # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
                 # cannot help, so the worker stops and run() raises it.
-                if is_fatal_dial_error(exc) or not isinstance(exc, OrbitError | OSError):
+                if is_fatal_dial_error(exc):
                     self._log.error("worker cannot connect: %s", exc)
+                    self._fail(exc)
+                    return
+                if not isinstance(exc, OrbitError | OSError):
+                    self._log.exception("worker cannot connect: unexpected error")
                     self._fail(exc)
                     return
                 failures += 1
                 self._log.warning("connect failed (%s); retrying", type(exc).__name__)
                 continue
-            failures = self._session(conn, failures)
+            # A welcome arrived: the server is reachable and accepts us. Whatever ends this
+            # session, the next reconnect starts again from the shortest delay, so a link that
+            # keeps cutting sessions does not push the delay to its cap.
+            failures = 0
+            self._session(conn)
 
-    def _session(self, conn: Connection, failures: int) -> int:
-        """Reconcile, publish and serve one connection; return the updated failure count."""
+    def _dial(self) -> Connection:
+        if isinstance(self._client, Client):
+            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
+            # the worker's clock.
+            conn: Connection = self._client.dial_worker(
+                self.registration,
+                timeout=self._dial_timeout,
+                on_cancel=self._on_cancel if self._notifications else None,
+                on_assignment=self._dispatch,
+                clock=self._clock,
+                cut=self._dial_cut,
+            )
+            return conn
+        conn = self._client.dial_worker(
+            self.registration,
+            timeout=self._dial_timeout,
+            on_cancel=self._on_cancel if self._notifications else None,
+            on_assignment=self._dispatch,
+        )
+        return conn
+
+    def _session(self, conn: Connection) -> None:
+        """Reconcile, publish and serve one connection until it ends."""
         gen: int | None = None
         reason = "closed"
+        watcher = threading.Thread(
+            target=self._watch_connection, args=(conn,), name="orbit-worker-watch", daemon=True
+        )
+        watcher.start()
         try:
             if self._link.is_closed():
-                return failures
+                return
             self._reconcile(conn)
             gen = self._link.publish(conn)
             self._send_capacity(conn)
@@ -580,12 +704,10 @@ class Worker:
             if self._hooks:
                 again = self._counts["reconnects"] > 0
                 self._hooks.emit("connected", SessionEvent(conn.session_id, again))
-            failures = 0
             self._serve(conn)
         except Exception as exc:  # any failure of this connection means: reconnect
             reason = type(exc).__name__
             if not self._link.is_closed():
-                failures += 1
                 if is_fatal_dial_error(exc):
                     self._log.error("worker rejected by the server: %s", exc)
                     self._fail(exc)
@@ -597,12 +719,38 @@ class Worker:
             if gen is not None:
                 self._link.retract(gen)
             conn.close()
+            watcher.join()
         if not self._link.is_closed():
             with self._cond:
                 self._counts["reconnects"] += 1
             if self._hooks:
                 self._hooks.emit("disconnected", DisconnectEvent(reason))
-        return failures
+
+    def _watch_connection(self, conn: Connection) -> None:
+        # The connection thread sleeps on _serve_wake; this turns "the connection ended" into it.
+        conn.done.wait()
+        self._serve_wake.set()
+
+    def _in_place(self, conn: Connection, fn: Callable[[], T]) -> T:
+        """One request of the connection thread, retried on this same connection after a
+        transient error answer (``RATE_LIMITED``, ``UNAVAILABLE``, busy): the session itself is
+        fine, so it is not torn down. A link failure still raises (reconnect)."""
+        while True:
+            try:
+                return fn()
+            except OrbitError as exc:
+                if (
+                    is_link_failure(exc)
+                    or not is_transient(exc)
+                    or self._link.is_closed()
+                    or conn.done.is_set()
+                ):
+                    raise
+                self._log.info(
+                    "request answered %s; retrying on the same connection",
+                    getattr(exc, "code", type(exc).__name__),
+                )
+                self._link.pause(_BUSY_DELAY if isinstance(exc, WorkerBusy) else self._retry_delay)
 
     def _reconcile(self, conn: Connection) -> None:
         """``resume`` every live attempt before the first capacity report (PROTOCOL §5.5)."""
@@ -612,7 +760,9 @@ class Worker:
         for att in live:
             lease: Lease | None
             try:
-                lease = conn.resume(att.ref, timeout=self._call_timeout)
+                lease = self._in_place(
+                    conn, partial(conn.resume, att.ref, timeout=self._call_timeout)
+                )
             except OrbitError as exc:
                 if is_transient(exc):
                     raise
@@ -649,7 +799,7 @@ class Worker:
         with self._capacity_lock:
             report = self._report_next
         sent_at = self._clock()
-        welcome = conn.capacity(report, timeout=self._call_timeout)
+        welcome = self._in_place(conn, partial(conn.capacity, report, timeout=self._call_timeout))
         with self._capacity_lock:
             self._report_sent = report
             # PROTOCOL §5.6: repeat the report at least every third of the session window.
@@ -657,17 +807,24 @@ class Worker:
             self._next_heartbeat = sent_at + self._heartbeat
         if report.drain and not self._drain_acked.is_set():
             self._drain_acked.set()
+            self._notify()  # shutdown's drain phase waits for it
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
 
     def _serve(self, conn: Connection) -> None:
         # Assignments are dispatched by the connection's reader (on_assignment); this thread only
-        # keeps the session alive and reports capacity changes until the connection ends.
-        while not self._link.is_closed():
-            if self._report_next is not self._report_sent or self._clock() >= self._next_heartbeat:
+        # keeps the session alive and reports capacity changes until the connection ends. It
+        # sleeps until the next heartbeat unless woken (new report, connection ended, shutdown).
+        while True:
+            self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
+            if self._link.is_closed() or conn.done.is_set():
+                break
+            with self._capacity_lock:
+                changed = self._report_next is not self._report_sent
+                next_heartbeat = self._next_heartbeat
+            if changed or self._clock() >= next_heartbeat:
                 self._send_capacity(conn)
                 continue
-            if conn.done.wait(min(_POLL, max(0.0, self._next_heartbeat - self._clock()))):
-                break
+            self._serve_wake.wait(next_heartbeat - self._clock())
         err = conn.err
         if err is not None and not self._link.is_closed():
             raise err
@@ -731,8 +888,11 @@ class Worker:
         finally:
             with att.lock:
                 abandoned_ = att.abandoned
+                att.handler_done = True
             if not abandoned_:
                 self._settle(att)
+            else:
+                self._notify()  # shutdown counts the abandoned handlers still running
 
     def _attempt_body(self, att: _Attempt) -> None:
         ctx = att.ctx
@@ -942,15 +1102,16 @@ class Worker:
                 self._error = exc
         self.request_stop(drain=False)
         self._link.close()
+        self._serve_wake.set()
 
     def _wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Wait (on the worker's condition) until *done()* or *deadline*; return *done()*."""
+        """Wait (on the worker's condition) until *done()* or *deadline* (clock time); return
+        *done()*."""
         with self._cond:
             while not done():
-                remaining = deadline - self._clock()
-                if remaining <= 0:
+                if self._clock() >= deadline:
                     return False
-                self._cond.wait(remaining)
+                self._time.wait(self._cond, deadline)
             return True
 
     def _supervisor_main(self) -> None:
@@ -966,6 +1127,7 @@ class Worker:
         if self._hooks:
             self._hooks.emit("stopped", report)
         self._done.set()
+        self._wake_run()
         atexit.unregister(self._at_exit)
         self._log.info(
             "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d",
@@ -980,16 +1142,20 @@ class Worker:
             return [a for a in self._attempts.values() if a.phase in phases]
 
     def _shutdown(self) -> ShutdownReport:
-        # 0. Tell the server (drain: true) so it assigns nothing more; best effort, bounded.
-        if self._link.current() is not None:
-            self._drain_acked.wait(_DRAIN_REPORT_WAIT)
-        # 1. Drain: running handlers keep their leases renewed until they return or time is up.
+        # A plan over the clock: each phase ends at its deadline, or as soon as what it waits
+        # for has happened; the next phase's budget starts from there. So the whole shutdown
+        # takes at most drain + cancel_grace + flush_timeout (+ the close allowance).
+        #
+        # 1. Drain: running handlers keep their leases renewed until they return or time is up
+        #    (a later request_stop may shorten the window); meanwhile the connection thread
+        #    tells the server (drain: true) so it assigns nothing more.
         with self._cond:
-            while self._attempts:
-                remaining = self._drain_deadline - self._clock()
-                if remaining <= 0:
+            while True:
+                deadline = self._drain_deadline
+                reported = self._drain_acked.is_set() or self._link.current() is None
+                if (not self._attempts and reported) or self._clock() >= deadline:
                     break
-                self._cond.wait(remaining)
+                self._time.wait(self._cond, deadline)
             drained = not self._attempts
 
         # 2. Cancel what is still running, and give it a grace period to return.
@@ -1021,17 +1187,23 @@ class Worker:
         # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
         self._wait_until(lambda: not self._attempts, self._clock() + self._flush_timeout)
 
-        # 5. Close: every remaining waiter gives up; the threads wind down.
+        # 5. Close: every remaining waiter gives up (a dial in progress is cut); the threads,
+        #    woken by that, wind down within the close allowance.
+        close_end = self._clock() + _CLOSE_ALLOWANCE
         current = self._link.current()
         self._link.close()
+        self._dial_cut.cut()
+        self._serve_wake.set()
         if current is not None:
             current[0].close()
-        self._wait_until(lambda: not self._attempts, self._clock() + 1.0)
-        self._watchdog_thread.stop(timeout=2.0)
-        self._pool.shutdown(timeout=0.5)
+        self._wait_until(lambda: not self._attempts, close_end)
+        self._watchdog_thread.stop(timeout=max(0.0, close_end - self._clock()))
+        with self._cond:
+            stuck = sum(1 for a in gave_up if not a.handler_done)
+        self._pool.shutdown(close_end, stuck=stuck)
         for thread in self._threads:
             if thread is not threading.current_thread():
-                thread.join(timeout=self._dial_timeout + 1.0)
+                thread.join(max(0.0, close_end - self._clock()))
         with self._cond:
             unreported = tuple(self._unreported)
             error = self._error

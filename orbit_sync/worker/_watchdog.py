@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import attrs
 
@@ -312,12 +313,27 @@ class LeaseWatchdog:
             heapq.heappop(self._heap)
 
 
+class _Wake(Protocol):
+    def set(self) -> None: ...
+
+    def clear(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
 class WatchdogThread:
     """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time."""
 
-    def __init__(self, core: LeaseWatchdog, *, name: str = "orbit-lease-watchdog") -> None:
+    def __init__(
+        self,
+        core: LeaseWatchdog,
+        *,
+        name: str = "orbit-lease-watchdog",
+        wake: _Wake | None = None,
+    ) -> None:
         self.core = core
-        self._wake = threading.Event()
+        # The worker passes one that waits on its own clock (fake time in tests).
+        self._wake: _Wake = wake or threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 

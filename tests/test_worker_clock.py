@@ -1,0 +1,181 @@
+"""The worker's injectable clock: fake time for waits, idle pool threads, no polling."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+from _scripted import WAIT
+from _worker_helpers import Probe, make_worker, running
+
+from orbit_sync.models import TaskState
+from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.worker import FakeClock, TaskContext, WorkerClock
+from orbit_sync.worker._clock import Wakeup
+from orbit_sync.worker._pool import IDLE_TIMEOUT, DaemonPool
+
+
+def _pool_threads(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_fake_clock_wakes_a_timed_wait_when_advanced_past_its_deadline() -> None:
+    """A Wakeup waiting 30 fake seconds returns once the clock is advanced, not before."""
+    clock = FakeClock()
+    wake = Wakeup(clock)
+    waiting = threading.Event()
+    result: list[bool] = []
+
+    def wait() -> None:
+        waiting.set()
+        result.append(wake.wait(30.0))
+
+    thread = threading.Thread(target=wait, daemon=True)
+    thread.start()
+    assert waiting.wait(WAIT)
+    clock.advance(10.0)
+    thread.join(0.05)
+    assert thread.is_alive(), "10 of 30 seconds must not end the wait"
+    clock.advance(20.0)
+    thread.join(WAIT)
+    assert result == [False]
+    assert clock.now() == 30.0
+
+
+def test_fake_clock_follows_a_manual_clock() -> None:
+    """A FakeClock following a ManualClock moves (and wakes waiters) with it."""
+    manual = ManualClock()
+    clock = FakeClock(5.0, follow=manual)
+    wake = Wakeup(clock)
+    done = threading.Event()
+    threading.Thread(target=lambda: (wake.wait(2.0), done.set()), daemon=True).start()
+    manual.advance(2.0)
+    assert done.wait(WAIT)
+    assert clock.now() == pytest.approx(7.0)
+    with pytest.raises(RuntimeError):
+        clock.advance(1.0)
+
+
+def test_fake_clock_rejects_bad_steps() -> None:
+    """Time never moves backwards, by NaN, or by a non-number."""
+    clock = FakeClock()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError):
+            clock.advance(bad)
+    with pytest.raises(TypeError):
+        clock.advance("1")  # type: ignore[arg-type]
+
+
+def test_idle_pool_threads_retire_after_the_idle_period() -> None:
+    """After a burst, pool threads exit once idle for IDLE_TIMEOUT (fake) seconds, not before."""
+    clock = FakeClock()
+    pool = DaemonPool(8, name="test-idle-pool", clock=clock)
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def job() -> None:
+        started.release()
+        release.wait(WAIT)
+
+    for _ in range(8):
+        pool.submit(job)
+    for _ in range(8):
+        assert started.acquire(timeout=WAIT)
+    threads = _pool_threads("test-idle-pool")
+    assert len(threads) == 8
+    release.set()
+    assert clock.wait_for_sleepers(8, "test-idle-pool")
+    clock.advance(IDLE_TIMEOUT / 2)
+    assert pool.thread_count() == 8, "half the idle period keeps every thread"
+    clock.advance(IDLE_TIMEOUT / 2)
+    for thread in threads:
+        thread.join(WAIT)
+        assert not thread.is_alive()
+    assert pool.thread_count() == 0
+    # The pool still works: a new job starts a new thread.
+    ran = threading.Event()
+    pool.submit(ran.set)
+    assert ran.wait(WAIT)
+    assert pool.shutdown(clock.now() + 1.0) == []
+
+
+def test_worker_handler_threads_retire_after_a_burst() -> None:
+    """A Worker(capacity=16) drops its handler threads once they have been idle long enough."""
+    with MockOrbitServer(assignment_rate=None) as server:
+        clock = FakeClock()
+        together = threading.Barrier(16, timeout=WAIT)
+        worker = make_worker(server, capacity=16, clock=clock)
+
+        @worker.handler("burst")
+        def burst(ctx: TaskContext, payload: Any) -> Any:
+            together.wait()  # sixteen handler threads at once
+            return {"ok": True}
+
+        @worker.handler("one")
+        def one(ctx: TaskContext, payload: Any) -> Any:
+            return {"ok": True}
+
+        with running(worker):
+            ids = [server.enqueue("burst", {"i": i}) for i in range(16)]
+            for task_id in ids:
+                assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
+                    TaskState.SUCCEEDED
+                )
+            handlers = _pool_threads("orbit-handler")
+            assert len(handlers) >= 16
+            assert clock.wait_for_sleepers(len(handlers), "orbit-handler")
+            clock.advance(IDLE_TIMEOUT + 1)
+            for thread in handlers:
+                thread.join(WAIT)
+            assert _pool_threads("orbit-handler") == []
+            # And the worker still takes work.
+            task_id = server.enqueue("one", {})
+            assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
+                TaskState.SUCCEEDED
+            )
+
+
+class _RecordingClock(WorkerClock):
+    """Real time, recording the deadlines the connection thread sleeps until."""
+
+    def __init__(self) -> None:
+        self.waits: list[tuple[float, float | None]] = []
+        self._lock = threading.Lock()
+
+    def wait(self, cond: threading.Condition, deadline: float | None) -> None:
+        """Record (now, deadline) for the connection thread, then wait for real."""
+        if threading.current_thread().name == "orbit-worker-connection":
+            with self._lock:
+                self.waits.append((self.now(), deadline))
+        super().wait(cond, deadline)
+
+
+def test_connection_thread_sleeps_until_the_heartbeat_and_wakes_for_a_drain() -> None:
+    """The connection thread's only timed sleep ends at the next heartbeat (15 s away), and a
+    stop request still reaches the server at once: it is woken, not polling."""
+    clock = _RecordingClock()
+    with MockOrbitServer(assignment_rate=None, session_window=45.0) as server:
+        probe = Probe()
+        worker = make_worker(server, clock=clock, drain_timeout=5.0)
+
+        @worker.handler("slow")
+        def slow(ctx: TaskContext, payload: Any) -> Any:
+            probe.enter(ctx)
+            probe.release.wait(WAIT)
+            return None
+
+        worker.start()
+        try:
+            assert worker.wait_ready(WAIT)
+            server.enqueue("slow", {})
+            probe.wait_started()
+            worker.request_stop()  # drain: the report must go out while the handler runs
+            server.wait_until(lambda s: any(sess.draining for sess in s.sessions()), timeout=WAIT)
+        finally:
+            probe.release.set()
+            worker.stop()
+        sleeps = [(now, deadline) for now, deadline in clock.waits if deadline is not None]
+        assert sleeps, "the connection thread never slept on the worker's clock"
+        for now, deadline in sleeps:
+            assert deadline - now > 10.0, "woke up before the heartbeat was due: polling"
