@@ -26,6 +26,8 @@ from .models import (
     CODE_RE,
     DECIMAL_RE,
     ID_RE,
+    MAX_LEASE_WINDOW,
+    MAX_SESSION_WINDOW,
     Assignment,
     AttemptRef,
     AttemptState,
@@ -232,8 +234,8 @@ def _make_converter(*, forbid_extra_keys: bool) -> cattrs.Converter:
 
 # Windows bounded by PROTOCOL §5.2 (a Welcome) and §6.6 (an active Lease): (start, end, limit).
 _WINDOWS: dict[type[Any], tuple[str, str, int]] = {
-    Welcome: ("server_time", "expires_at", 300 * _NS),
-    Lease: ("server_time", "lease_until", 120 * _NS),
+    Welcome: ("server_time", "expires_at", MAX_SESSION_WINDOW * _NS),
+    Lease: ("server_time", "lease_until", MAX_LEASE_WINDOW * _NS),
 }
 
 
@@ -487,7 +489,7 @@ def decode_welcome(raw: bytes | str, hello_id: str) -> Welcome:
 
 
 #: The body each pending request type is answered with.
-_ACK_BODIES: dict[str, type[Any]] = {
+ACK_BODIES: dict[str, type[Any]] = {
     "worker.capacity": Welcome,
     "worker.resume": Lease,
     "task.start": CommandResult,
@@ -530,7 +532,7 @@ def decode_server_frame(
         raise _bad("reply_to names no pending request")
     if kind == "error":
         return Reply(reply_to, error=_worker_error(frame))
-    value = _body(frame, _ACK_BODIES[request])
+    value = _body(frame, ACK_BODIES[request])
     if isinstance(value, Welcome):
         if value.session_id != ctx.session_id or value.epoch != ctx.epoch:
             raise _bad("capacity ack names another session or epoch")

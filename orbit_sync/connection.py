@@ -1,20 +1,23 @@
 """``WorkerConnection``: one ``pulse.worker.v1`` session over one WebSocket.
 
 No reconnects, renewals or handlers here (that is :mod:`orbit_sync.worker`): a thread-safe,
-bounded, blocking client of the protocol, mirroring the reference Go ``WorkerConnection``.
+bounded client of the protocol, mirroring the reference Go ``WorkerConnection``. The rules live in
+:class:`orbit_sync._protocol.ClientProtocol` (pure, no threads); this module is its threaded shell:
+it moves frames, holds the one lock around the protocol's state and wakes whoever waits.
 
 Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`:
 
-* the **reader** decodes every server frame, answers the waiting caller, queues pushes (or hands
-  them to the ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment
-  queue closes the connection with ``WorkerBackpressure``);
+* the **reader** decodes every server frame, completes the call it answers (waking a blocked
+  caller or running a pipelined request's callback), queues pushes (or hands them to the
+  ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment queue closes
+  the connection with ``WorkerBackpressure``);
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send, LIBRARY-NOTES), and a caller
   stuck in a blocked write cannot time itself out.
 
-On any failure the connection records one error (``err``), releases every waiting caller at once
-with that error bound to the caller's own ``message_id``, and sets ``done`` once the reader exited.
+On any failure the connection records one error (``err``), releases every call in flight at once
+with that error bound to the call's own ``message_id``, and sets ``done`` once the reader exited.
 """
 
 from __future__ import annotations
@@ -28,22 +31,27 @@ import time
 from collections.abc import Callable
 from typing import Any, Final, TypeVar
 
-import attrs
-
 from . import _codec
+from ._protocol import (
+    ASSIGNMENT_BUFFER,
+    CALL_TIMEOUT,
+    CANCEL_BUFFER,
+    MAX_IN_FLIGHT,
+    READ_IDLE_TIMEOUT,
+    Call,
+    ClientProtocol,
+    Done,
+    check_wait,
+)
 from ._transport import Transport
 from .errors import (
-    CallTimeout,
     OrbitError,
     WorkerBackpressure,
-    WorkerBusy,
     WorkerClosed,
     WorkerDisconnected,
     WorkerProtocolError,
 )
 from .models import (
-    ID_RE,
-    MAX_CAPACITY,
     Assignment,
     AttemptRef,
     CancelNotice,
@@ -53,7 +61,6 @@ from .models import (
     Lease,
     Registration,
     Welcome,
-    new_message_id,
 )
 
 __all__ = [
@@ -67,52 +74,40 @@ __all__ = [
 
 log = logging.getLogger("orbit_sync.connection")
 
-#: In-flight control requests per connection; one more raises WorkerBusy before encoding (§10).
-MAX_IN_FLIGHT: Final = 32
-#: Unread assignments buffered when no ``on_assignment`` callback is set; one more closes the
-#: connection with WorkerBackpressure (§10).
-ASSIGNMENT_BUFFER: Final = 8
-#: Unread cancel notices buffered when no ``on_cancel`` callback is set: at most one per held
-#: attempt is expected, and a process holds at most 256 attempts.
-CANCEL_BUFFER: Final = MAX_CAPACITY
-#: Default and maximum bound of one request, from call to answer, write queueing included (§10).
-CALL_TIMEOUT: Final = 10.0
-#: Default and maximum read-idle bound (§10).
-READ_IDLE_TIMEOUT: Final = 60.0
-
 _CLOSED: Final = object()  # wakes queue readers when the connection fails
 T = TypeVar("T")
 
 
-class _Slot:
-    """One in-flight request: who waits, until when, and the answer once it came."""
+class _Waiter:
+    """A blocked caller's parking place, reused across calls (no Event per call).
 
-    __slots__ = ("deadline", "event", "message_id", "reply", "request_type")
+    Its lock is held while nobody has answered: ``done`` releases it, and the waiting thread's
+    successful ``acquire`` both wakes it and makes the waiter ready for the next call.
+    """
 
-    def __init__(self, request_type: str, message_id: str, deadline: float) -> None:
-        self.request_type = request_type
-        self.message_id = message_id
-        self.deadline = deadline
-        self.event = threading.Event()
-        self.reply: _codec.Reply | None = None
+    __slots__ = ("error", "lock", "value")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.value: Any = None
+        self.error: OrbitError | None = None
+
+    def done(self, value: Any, error: OrbitError | None) -> None:
+        self.value = value
+        self.error = error
+        self.lock.release()
 
 
-def _check_message_id(message_id: object) -> str:
-    if type(message_id) is not str or not ID_RE.fullmatch(message_id):
-        raise ValueError("message_id must be 32 lowercase hex characters")
-    return message_id
+#: Idle waiters; list.append/pop are atomic, so taking and returning one needs no lock.
+_WAITERS: list[_Waiter] = []
 
 
-def _check_wait(timeout: object, name: str = "timeout") -> float | None:
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"{name} must be a number of seconds or None")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"{name} must be >= 0")
-    if math.isinf(timeout):
-        return None  # wait without a bound (threading rejects an infinite timeout)
-    return float(timeout)
+def _take_waiter() -> _Waiter:
+    try:
+        return _WAITERS.pop()
+    except IndexError:
+        return _Waiter()
 
 
 class WorkerConnection:
@@ -142,16 +137,20 @@ class WorkerConnection:
         self._transport = transport
         self._welcome = welcome
         self._registration = registration
-        self._ctx = _codec.SessionContext(welcome.session_id, welcome.epoch, registration)
+        # Deadlines are waited for in real time; *clock* only anchors the leases it returns.
+        self._core = ClientProtocol(
+            _codec.SessionContext(welcome.session_id, welcome.epoch, registration),
+            clock=time.monotonic,
+            lease_clock=clock,
+            max_call_timeout=max_call_timeout,
+            read_idle_timeout=read_idle_timeout,
+        )
         self._on_cancel = on_cancel
         self._on_assignment = on_assignment
-        self._clock = clock
-        self._max_call = max_call_timeout
-        self._idle = read_idle_timeout
-        self._cond = threading.Condition(threading.Lock())
-        self._pending: dict[str, _Slot] = {}
-        self._err: OrbitError | None = None
-        self._wake_at = math.inf  # when the deadline thread next wakes on its own
+        self._lock = threading.Lock()
+        # The deadline thread sleeps on this; it is woken only for a call due before that.
+        self._timer = threading.Condition(self._lock)
+        self._wake_at = math.inf
         self._assignments: queue.Queue[Any] = queue.Queue(ASSIGNMENT_BUFFER)
         self._cancels: queue.Queue[Any] = queue.Queue(CANCEL_BUFFER)
         self._done = threading.Event()
@@ -185,8 +184,7 @@ class WorkerConnection:
     @property
     def err(self) -> OrbitError | None:
         """Why the connection ended (``WorkerClosed`` after ``close()``); ``None`` while open."""
-        with self._cond:
-            return self._err
+        return self._core.err
 
     @property
     def done(self) -> threading.Event:
@@ -233,7 +231,7 @@ class WorkerConnection:
         """
         if self._on_assignment is not None:
             raise RuntimeError("assignments go to the on_assignment callback of this connection")
-        item = self._take(self._assignments, _check_wait(timeout), "assignment")
+        item = self._take(self._assignments, check_wait(timeout), "assignment")
         assert isinstance(item, Assignment)
         return item
 
@@ -249,7 +247,7 @@ class WorkerConnection:
             raise RuntimeError("the registration did not ask for cancellation notifications")
         if self._on_cancel is not None:
             raise RuntimeError("cancel notices go to the on_cancel callback of this connection")
-        item = self._take(self._cancels, _check_wait(timeout), "cancel notice")
+        item = self._take(self._cancels, check_wait(timeout), "cancel notice")
         assert isinstance(item, CancelNotice)
         return item
 
@@ -283,8 +281,8 @@ class WorkerConnection:
         """
         if not isinstance(report, CapacityReport):
             raise TypeError("report must be a CapacityReport")
-        value, _ = self._call("worker.capacity", report, message_id, timeout)
-        return _expect(value, Welcome)
+        value: Welcome = self._call("worker.capacity", report, message_id, timeout)
+        return value
 
     def resume(
         self, ref: AttemptRef, *, message_id: str | None = None, timeout: float | None = None
@@ -295,15 +293,16 @@ class WorkerConnection:
         its local ``deadline``.
         """
         _check_ref(ref)
-        value, t_sent = self._call("worker.resume", ref, message_id, timeout)
-        return _expect(value, Lease).with_deadline(t_sent)
+        value: Lease = self._call("worker.resume", ref, message_id, timeout)
+        return value
 
     def start(
         self, ref: AttemptRef, *, message_id: str | None = None, timeout: float | None = None
     ) -> CommandResult:
         """Start the attempt. Run the handler once, only if ``result.lease.may_run()``."""
         _check_ref(ref)
-        return self._command("task.start", ref, message_id, timeout)
+        value: CommandResult = self._call("task.start", ref, message_id, timeout)
+        return value
 
     def renew(
         self, ref: AttemptRef, *, message_id: str | None = None, timeout: float | None = None
@@ -311,7 +310,8 @@ class WorkerConnection:
         """Extend a running attempt's lease. A new ``message_id`` renews again; repeating one only
         returns the original receipt."""
         _check_ref(ref)
-        return self._command("task.renew", ref, message_id, timeout)
+        value: CommandResult = self._call("task.renew", ref, message_id, timeout)
+        return value
 
     def finish(
         self, finish: Finish, *, message_id: str | None = None, timeout: float | None = None
@@ -324,113 +324,103 @@ class WorkerConnection:
         if not isinstance(finish, Finish):
             raise TypeError("finish must be a Finish")
         _check_ref(finish.ref)
-        return self._command("task.finish", finish, message_id, timeout)
+        value: CommandResult = self._call("task.finish", finish, message_id, timeout)
+        return value
 
-    def _command(
-        self, request_type: str, body: Any, message_id: str | None, timeout: float | None
-    ) -> CommandResult:
-        value, t_sent = self._call(request_type, body, message_id, timeout)
-        result = _expect(value, CommandResult)
-        return attrs.evolve(result, lease=result.lease.with_deadline(t_sent))
+    def submit(
+        self,
+        request_type: str,
+        body: Any,
+        on_done: Done,
+        *,
+        message_id: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Send one request without waiting for it (internal: the Worker's pipelined path).
 
-    def _bound(self, timeout: float | None) -> float:
-        wait = _check_wait(timeout)
-        if wait is None:
-            return self._max_call
-        if wait <= 0:
-            raise ValueError("timeout must be > 0")
-        return min(wait, self._max_call)
+        Returns its ``message_id``. ``on_done(value, error)`` is then called exactly once: with
+        the answer (a lease in it carries its local ``deadline``), with the server's error, or
+        with the connection's error once it ends (a timeout included). It runs on the reader
+        thread, the deadline thread or the thread that ended the connection, never under the
+        connection's lock: it must not block, and it must not take a lock held by a thread that
+        calls ``submit``. Errors raised here mean nothing was sent and ``on_done`` is not called.
+        """
+        if type(request_type) is not str or request_type not in _BODIES:
+            raise ValueError("unknown request type")
+        if not isinstance(body, _BODIES[request_type]):
+            raise TypeError(f"{request_type} needs a {_BODIES[request_type].__name__} body")
+        if request_type == "task.finish":
+            _check_ref(body.ref)
+        call = self._send(request_type, body, message_id, timeout, on_done)
+        return call.message_id
 
     def _call(
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
-    ) -> tuple[Any, float]:
-        # t_sent precedes the send, so the local deadline never outlives the server's lease.
-        t_sent = self._clock()
+    ) -> Any:
         if threading.current_thread() is self._reader:
             # From on_cancel or on_assignment: the answer could only be read by this very thread.
             raise RuntimeError(
                 "requests cannot be made from the on_cancel or on_assignment callback"
             )
-        mid = new_message_id() if message_id is None else _check_message_id(message_id)
-        bound = self._bound(timeout)
-        slot = _Slot(request_type, mid, time.monotonic() + bound)
-        with self._cond:
-            if self._err is not None:
-                raise self._err.with_message_id(None)  # nothing was sent
-            if len(self._pending) >= MAX_IN_FLIGHT:
-                raise WorkerBusy(f"{MAX_IN_FLIGHT} requests already in flight; nothing was sent")
-            if mid in self._pending:
-                raise ValueError("message_id is already in flight on this connection")
-            self._pending[mid] = slot
-            if slot.deadline < self._wake_at:
-                self._cond.notify_all()
+        waiter = _take_waiter()
         try:
-            # Encoded only once a slot is held: a caller over the limit copies nothing.
-            text = _codec.encode_request(request_type, mid, self._welcome.session_id, body)
+            call = self._send(request_type, body, message_id, timeout, waiter.done)
         except BaseException:
-            self._forget(slot)
+            _WAITERS.append(waiter)  # never released: still ready for the next call
             raise
+        if not waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic())):
+            # Normally the deadline thread ends the connection first; if it did not, do it here.
+            with self._lock:
+                late = self._core.calls.get(call.message_id) is call
+                err = self._core.timeout_error(call) if late else None
+            if err is not None:
+                self._fail(err)
+            waiter.lock.acquire()  # completed (by the answer or the failure) just now
+        value, error = waiter.value, waiter.error
+        waiter.value = waiter.error = None
+        _WAITERS.append(waiter)
+        if error is not None:
+            raise error
+        return value
+
+    def _send(
+        self,
+        request_type: str,
+        body: Any,
+        message_id: str | None,
+        timeout: float | None,
+        on_done: Done,
+    ) -> Call:
+        with self._lock:
+            call, text = self._core.open(request_type, body, message_id, timeout, on_done)
+            if call.deadline < self._wake_at:
+                self._timer.notify()
         try:
             self._transport.send_text(text)
         except Exception:
-            # Failed first, forgotten second: a reply to a half-sent frame is then ignored, not
-            # mistaken for a protocol violation.
+            # Failed first: a reply to a half-sent frame is then ignored, not mistaken for a
+            # protocol violation; the failure completes this call with its error.
             self._fail(WorkerDisconnected("connection lost while sending"))
-            self._forget(slot)
-            raise self._error_for(mid) from None
-        log.debug("sent %s message_id=%s", request_type, mid)
-        slot.event.wait(max(0.0, slot.deadline - time.monotonic()))
-        timed_out = False
-        with self._cond:
-            reply = slot.reply
-            if self._pending.get(mid) is slot:
-                del self._pending[mid]
-            if reply is None and self._err is None:
-                self._err = CallTimeout(
-                    f"no answer to {request_type} within {bound:g} s; the connection is closed",
-                    message_id=mid,
-                )
-                self._cond.notify_all()
-                timed_out = True
-            err = self._err
-        if timed_out:
-            assert err is not None
-            self._teardown(err)
-        if reply is None:
-            raise self._error_for(mid)
-        if reply.error is not None:
-            raise reply.error.with_message_id(mid)
-        return reply.value, t_sent
-
-    def _forget(self, slot: _Slot) -> None:
-        with self._cond:
-            if self._pending.get(slot.message_id) is slot:
-                del self._pending[slot.message_id]
-
-    def _error_for(self, message_id: str | None) -> OrbitError:
-        with self._cond:
-            err = self._err
-        assert err is not None
-        return err.with_message_id(message_id)
+        else:
+            log.debug("sent %s message_id=%s", request_type, call.message_id)
+        return call
 
     # ------------------------------------------------------------------ failure
 
     def _fail(self, err: OrbitError) -> bool:
-        """Record *err* as the connection's error (first one wins) and tear down."""
-        with self._cond:
-            if self._err is not None:
+        """Record *err* as the connection's error (first one wins), tear down, release calls."""
+        with self._lock:
+            calls = self._core.fail(err)
+            if self._core.err is not err:
                 return False
-            self._err = err
-            self._cond.notify_all()
+            self._timer.notify()
         self._teardown(err)
+        for call in calls:
+            _complete(call, None, err.with_message_id(call.message_id))
         return True
 
     def _teardown(self, err: OrbitError) -> None:
         log.debug("connection %s ended: %s: %s", self.session_id, type(err).__name__, err)
-        with self._cond:
-            waiting = list(self._pending.values())
-        for slot in waiting:
-            slot.event.set()
         if isinstance(err, WorkerDisconnected):
             close_code = None  # the transport is gone or untrusted; nothing to say
         elif isinstance(err, WorkerProtocolError):
@@ -445,35 +435,22 @@ class WorkerConnection:
 
     def _watch(self) -> None:
         """Deadline thread: read-idle and per-call bounds, on the monotonic clock."""
-        while True:
-            with self._cond:
-                if self._err is not None:
+        core = self._core
+        with self._lock:
+            while True:
+                if core.err is not None:
                     return
-                now = time.monotonic()
-                due = self._transport.last_rx + self._idle
-                late: _Slot | None = None
-                for slot in self._pending.values():
-                    if slot.deadline < due:
-                        due, late = slot.deadline, slot
+                due, _ = core.next_deadline(self._transport.last_rx)
+                now = core.clock()
                 if now < due:
                     self._wake_at = due
-                    self._cond.wait(due - now)
+                    self._timer.wait(due - now)
                     self._wake_at = math.inf
                     continue
-                err: OrbitError
-                if late is not None:
-                    err = CallTimeout(
-                        f"no answer to {late.request_type} in time; the connection is closed",
-                        message_id=late.message_id,
-                    )
-                else:
-                    err = WorkerDisconnected(
-                        f"nothing received from the Orbit server for {self._idle:g} s"
-                    )
-                self._err = err
-                self._cond.notify_all()
-            self._teardown(err)
-            return
+                err = core.expired(self._transport.last_rx)
+                if err is not None:
+                    break
+        self._fail(err)
 
     def _read_loop(self) -> None:
         try:
@@ -494,22 +471,30 @@ class WorkerConnection:
             self._transport.close()
             self._done.set()
 
-    def _pending_type(self, message_id: str) -> str | None:
-        with self._cond:
-            slot = self._pending.get(message_id)
-        return None if slot is None else slot.request_type
-
     def _dispatch(self, raw: bytes) -> bool:
         """Handle one server frame; False once the connection has ended."""
-        if self._err is not None:
+        core = self._core
+        if core.err is not None:
             return False
         try:
-            event = _codec.decode_server_frame(raw, self._ctx, self._pending_type)
+            event = core.decode(raw)
+            if isinstance(event, _codec.Reply):
+                with self._lock:
+                    if self._core.err is not None:  # ended while this frame was decoded
+                        return False
+                    call, value, error = core.answer(event)
         except WorkerProtocolError as exc:
             self._fail(exc)
             return False
         if isinstance(event, _codec.Reply):
-            return self._deliver(event)
+            _complete(call, value, error)
+            if error is not None:
+                log.debug("error %s answering message_id=%s", error.code, call.message_id)
+                if core.is_fatal(error):
+                    # Delivered to its caller first (above), then the connection ends (§11).
+                    self._fail(error)
+                    return False
+            return True
         if isinstance(event, _codec.AssignPush):
             a = event.assignment
             log.debug("assignment task_id=%s attempt_id=%s", a.task.task_id, a.attempt_id)
@@ -522,29 +507,6 @@ class WorkerConnection:
         log.debug("server ended the session: %s", event.error.code)
         self._fail(event.error)
         return False
-
-    def _deliver(self, reply: _codec.Reply) -> bool:
-        with self._cond:
-            if self._err is not None:
-                return False
-            slot = self._pending.pop(reply.reply_to, None)
-            if slot is not None:
-                slot.reply = reply
-        if slot is None:
-            self._fail(
-                WorkerProtocolError("invalid server frame: reply_to names no pending request")
-            )
-            return False
-        slot.event.set()
-        if reply.error is not None:
-            log.debug("error %s answering message_id=%s", reply.error.code, reply.reply_to)
-            if reply.error.fatal:
-                # Delivered to its caller first (above), then the connection ends (§11).
-                self._fail(reply.error)
-                return False
-        else:
-            log.debug("answer to message_id=%s", reply.reply_to)
-        return True
 
     def _cancel(self, notice: CancelNotice) -> bool:
         log.debug("cancel requested task_id=%s attempt_id=%s", notice.task_id, notice.attempt_id)
@@ -564,7 +526,7 @@ class WorkerConnection:
                 callback(item)
             except Exception:
                 log.exception("%s callback raised; the %s is dropped", name, what)
-            return self._err is None  # the callback may have closed the connection
+            return self._core.err is None  # the callback may have closed the connection
         try:
             source.put_nowait(item)
         except queue.Full:
@@ -588,7 +550,14 @@ def _check_ref(ref: object) -> None:
         raise TypeError("ref must be an AttemptRef (assignment.attempt)")
 
 
-def _expect(value: object, cls: type[T]) -> T:
-    if not isinstance(value, cls):  # the codec maps each request type to its body; defensive
-        raise WorkerProtocolError(f"invalid server frame: expected a {cls.__name__} body")
-    return value
+def _complete(call: Call, value: Any, error: OrbitError | None) -> None:
+    try:
+        call.on_done(value, error)
+    except Exception:  # one faulty callback must not keep the others from their answers
+        log.exception("completion callback of %s raised", call.request_type)
+
+
+#: The body model of each request type a session sends (the handshake's hello is not one).
+_BODIES: dict[str, type[Any]] = {
+    k: v for k, v in _codec.CLIENT_BODIES.items() if k != "worker.hello"
+}

@@ -36,9 +36,13 @@ __all__ = [
     "WorkerProtocolError",
 ]
 
+#: Codes that refuse the credentials themselves: reconnecting with them cannot help (§3, §11).
+AUTH_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED"})
 #: Codes after which the server's session is dead: delivered to the caller, then the connection
 #: closes (PROTOCOL §11).
-FATAL_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "STALE_SESSION"})
+FATAL_CODES = AUTH_CODES | {"STALE_SESSION"}
+#: Codes after which the same operation may succeed if sent again later, on this connection.
+TRANSIENT_CODES = frozenset({"RATE_LIMITED", "UNAVAILABLE"})
 
 
 class OrbitError(Exception):

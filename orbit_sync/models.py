@@ -12,6 +12,7 @@ No I/O here; the wire mapping lives in :mod:`orbit_sync._codec`.
 from __future__ import annotations
 
 import base64
+import copy
 import datetime as _dt
 import enum
 import re
@@ -405,7 +406,10 @@ class Assignment:
 
 #: Subtracted from every local deadline so work stops before the server's lease does (§6.6).
 SAFETY_MARGIN = 0.250
-MAX_LEASE_WINDOW = 120.0
+#: An active lease's window, ``lease_until - server_time``, is in (0, 120 s] (§6.6).
+MAX_LEASE_WINDOW = 120
+#: A session's window, ``expires_at - server_time``, is in (0, 300 s] (§5.2).
+MAX_SESSION_WINDOW = 300
 
 
 @attrs.frozen
@@ -446,9 +450,10 @@ class Lease:
 
     def with_deadline(self, t_sent: float) -> Lease:
         """This lease with its local deadline anchored at *t_sent* (monotonic, before sending)."""
-        if not self.active:
-            return attrs.evolve(self, deadline=None)
-        return attrs.evolve(self, deadline=t_sent + self.window - SAFETY_MARGIN)
+        # A copy, not attrs.evolve: every field of this lease was validated when it was built.
+        clone = copy.copy(self)
+        anchor_lease(clone, t_sent)
+        return clone
 
     def may_run(self, clock: Callable[[], float] = time.monotonic) -> bool:
         """May the handler run (or keep running) now? (PROTOCOL §6.5)
@@ -469,6 +474,17 @@ class Lease:
         if self.deadline is None:
             return 0.0
         return max(0.0, self.deadline - clock())
+
+
+def anchor_lease(lease: Lease, t_sent: float) -> None:
+    """Set the local deadline of a lease no one else holds yet (just decoded or copied), in place.
+
+    The one place of the deadline rule (PROTOCOL §6.6): ``t_sent + window - 250 ms`` for an active
+    lease, ``None`` for one that grants nothing. *t_sent* is taken before the request was sent,
+    so the local deadline never outlives the server's lease.
+    """
+    deadline = t_sent + lease.window - SAFETY_MARGIN if lease.active else None
+    object.__setattr__(lease, "deadline", deadline)
 
 
 @attrs.frozen
@@ -531,7 +547,7 @@ class Welcome:
 
     def __attrs_post_init__(self) -> None:
         window = (self.expires_at - self.server_time).total_seconds()
-        if not 0 < window <= 300:
+        if not 0 < window <= MAX_SESSION_WINDOW:
             raise ValueError("expires_at must be after server_time and at most 5 minutes later")
 
     @property

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from ..errors import (
+    AUTH_CODES,
+    TRANSIENT_CODES,
     CallTimeout,
     HTTPError,
     OrbitError,
@@ -23,7 +25,7 @@ class NotConnected(OrbitError):
 
 #: Server error codes after which the same operation may succeed later. ``STALE_SESSION`` only
 #: means the connection it was sent on is dead: the operation is re-sent after the reconnect.
-RETRY_CODES = frozenset({"STALE_SESSION", "RATE_LIMITED", "UNAVAILABLE"})
+RETRY_CODES = TRANSIENT_CODES | {"STALE_SESSION"}
 
 #: Errors after which the connection they happened on is unusable.
 _LINK_ERRORS = (
@@ -54,5 +56,5 @@ def is_fatal_dial_error(exc: BaseException) -> bool:
     if isinstance(exc, HTTPError):
         return exc.status_code in (401, 403)
     if isinstance(exc, WorkerError):
-        return exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED")
+        return exc.code in AUTH_CODES
     return False
