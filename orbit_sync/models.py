@@ -461,19 +461,21 @@ class Lease:
         Active, ``RUNNING``, no cancel request, and the local deadline not passed. A ``LEASED``
         active lease is only a reservation.
         """
-        return (
-            self.active
-            and self.state is AttemptState.RUNNING
-            and self.cancel_requested_at is None
-            and self.deadline is not None
-            and clock() < self.deadline
-        )
+        return grants_run(self) and self.deadline is not None and clock() < self.deadline
 
     def remaining(self, clock: Callable[[], float] = time.monotonic) -> float:
         """Seconds left before the local deadline (0 when none or passed)."""
         if self.deadline is None:
             return 0.0
         return max(0.0, self.deadline - clock())
+
+
+def grants_run(lease: Lease) -> bool:
+    """The server's half of the "may run" rule (PROTOCOL §6.5): active, ``RUNNING``, no cancel
+    request. :meth:`Lease.may_run` adds the local deadline."""
+    return (
+        lease.active and lease.state is AttemptState.RUNNING and lease.cancel_requested_at is None
+    )
 
 
 def anchor_lease(lease: Lease, t_sent: float) -> None:

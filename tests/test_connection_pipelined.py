@@ -65,22 +65,25 @@ def test_error_answer_then_close_release_every_callback_once() -> None:
     """An error answer reaches its callback; close() releases the rest with WorkerClosed."""
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
-        out = Outcomes(3)
-        refused = conn.submit("task.renew", REF, out.callback("refused"))
+        answered, out = Outcomes(1), Outcomes(2)
+        refused = conn.submit("task.renew", REF, answered.callback("refused"))
         resume = conn.submit("worker.resume", REF, out.callback("resume"))
         report = conn.submit("worker.capacity", CapacityReport(1, 4), out.callback("report"))
         first = peer.recv()
         assert first["message_id"] == refused
         peer.error(first, "LEASE_LOST")
         peer.recv(), peer.recv()
+        assert answered.all_in.wait(WAIT)
+        [(_, lost, _)] = answered.got["refused"]
+        assert isinstance(lost, WorkerError) and lost.code == "LEASE_LOST"
+        assert conn.err is None and not out.got
         conn.close()
         assert out.all_in.wait(WAIT)
-        [(_, lost, _)] = out.got["refused"]
-        assert isinstance(lost, WorkerError) and lost.code == "LEASE_LOST"
         for key, mid in (("resume", resume), ("report", report)):
             [(value, error, _)] = out.got[key]
             assert value is None and isinstance(error, WorkerClosed)
             assert error.message_id == mid
+        assert len(answered.got["refused"]) == 1
         assert conn.done.wait(WAIT)
 
 

@@ -12,7 +12,7 @@ import pytest
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
 from orbit_sync.worker._context import TaskContext
-from orbit_sync.worker._watchdog import LeaseWatchdog, WatchdogThread
+from orbit_sync.worker._watchdog import LeaseWatchdog, RenewDone, SendRenew, WatchdogThread
 
 T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
 
@@ -66,18 +66,45 @@ def lease(
 
 
 class Renewer:
-    """A scripted renew function that records every call (attempt_id, message_id, time)."""
+    """A scripted send function that records every renewal (attempt_id, message_id, time) and
+    answers it at once, or holds it when ``hold`` is set (answer later with ``release``)."""
 
     def __init__(self, clock: FakeClock) -> None:
         self.clock = clock
         self.calls: list[tuple[str, str, float]] = []
         self.script: list[Callable[[], Lease]] = []
+        self.hold = False
+        self.held: dict[str, RenewDone] = {}
 
-    def __call__(self, attempt_id: str, message_id: str) -> Lease:
+    def __call__(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
         self.calls.append((attempt_id, message_id, self.clock()))
-        if self.script:
-            return self.script.pop(0)()
-        return lease(self.clock)
+        if self.hold:
+            self.held[attempt_id] = on_done
+            return
+        answer(on_done, self.script.pop(0) if self.script else lambda: lease(self.clock))
+
+    def release(self, attempt_id: str, reply: Callable[[], Lease]) -> None:
+        """Answer the held renewal of *attempt_id*."""
+        answer(self.held.pop(attempt_id), reply)
+
+
+def answer(on_done: RenewDone, reply: Callable[[], Lease]) -> None:
+    """Complete a renewal with what *reply* returns or raises."""
+    try:
+        value = reply()
+    except Exception as exc:
+        on_done(None, exc)
+    else:
+        on_done(value, None)
+
+
+def sync(fn: Callable[[str, str], Lease]) -> SendRenew:
+    """A send function answering at once with what *fn* returns or raises."""
+
+    def send(attempt_id: str, message_id: str, on_done: RenewDone) -> None:
+        answer(on_done, lambda: fn(attempt_id, message_id))
+
+    return send
 
 
 def _raise(exc: Exception) -> Callable[[], Lease]:
@@ -298,7 +325,7 @@ def test_retry_delay_is_bounded() -> None:
     """retry_delay outside [0.1, 5] s is refused."""
     for bad in (0.0, 0.05, 6.0):
         with pytest.raises(ValueError):
-            LeaseWatchdog(lambda a, m: lease(FakeClock()), retry_delay=bad)
+            LeaseWatchdog(sync(lambda a, m: lease(FakeClock())), retry_delay=bad)
 
 
 def test_thread_shell_renews_and_stops() -> None:
@@ -310,7 +337,7 @@ def test_thread_shell_renews_and_stops() -> None:
         return lease(time.monotonic)
 
     shells: list[WatchdogThread] = []
-    core = LeaseWatchdog(renew, on_change=lambda: shells[0].wake() if shells else None)
+    core = LeaseWatchdog(sync(renew), on_change=lambda: shells[0].wake() if shells else None)
     shell = WatchdogThread(core)
     shells.append(shell)
     shell.start()
@@ -320,3 +347,56 @@ def test_thread_shell_renews_and_stops() -> None:
     finally:
         shell.stop()
     assert not shell._thread.is_alive()
+
+
+def test_a_held_renewal_does_not_delay_another_attempts(clock: FakeClock, renewer: Renewer) -> None:
+    """Renewals are pipelined: B is sent on time while A's answer is held."""
+    renewer.hold = True
+    wd = LeaseWatchdog(renewer, clock=clock)
+    a, b = "a" * 32, "b" * 32
+    wd.track(a, _ctx(clock), clock() + 20.0)  # due at +10
+    wd.track(b, _ctx(clock), clock() + 22.0)  # due at +11
+    clock.advance(10.0)
+    assert wd.run_due() == pytest.approx(clock() + 1.0), "B is next, A is in flight"
+    clock.advance(1.0)
+    wd.run_due()
+    assert [c[0] for c in renewer.calls] == [a, b], "B sent without waiting for A's answer"
+    renewer.release(b, lambda: lease(clock))
+    renewer.release(a, lambda: lease(clock))
+    assert wd.stats().renewals == 2 and len(renewer.calls) == 2
+
+
+def test_an_unanswered_renewal_still_expires_the_lease(clock: FakeClock, renewer: Renewer) -> None:
+    """While a renewal is in flight the deadline is watched; a late answer is then ignored."""
+    renewer.hold = True
+    wd = LeaseWatchdog(renewer, clock=clock)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 4.0)
+    clock.advance(2.0)
+    assert wd.run_due() == pytest.approx(1004.0), "in flight: next wake-up is the deadline"
+    clock.advance(2.0)
+    assert wd.run_due() is None
+    assert ctx.cancel_reason == "lease_expired"
+    renewer.release("a" * 32, lambda: lease(clock))
+    assert wd.stats().renewals == 0 and not wd.is_tracked("a" * 32)
+
+
+def test_refresh_during_a_renewal_survives_its_failure(clock: FakeClock, renewer: Renewer) -> None:
+    """A reconnect's refresh (renew now, new deadline) made while a renewal is in flight is kept
+    when that renewal then fails: every entry field is written under the watchdog's lock."""
+    renewer.hold = True
+    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
+    ctx = _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    clock.advance(15.0)
+    wd.run_due()
+    [(_, first_id, _)] = renewer.calls
+    assert wd.pending_renewals() == ["a" * 32]
+    wd.refresh("a" * 32, clock() + 25.0, renew_now=True)  # the connection thread, after resume
+    renewer.release("a" * 32, _raise(WorkerDisconnected("old connection gone")))
+    assert wd.next_due() == pytest.approx(clock()), "renew now, not after the 5 s retry delay"
+    assert ctx.remaining() == pytest.approx(25.0)
+    renewer.hold = False
+    wd.run_due()
+    assert [c[1] for c in renewer.calls] == [first_id, first_id], "same message_id re-sent"
+    assert wd.pending_renewals() == []

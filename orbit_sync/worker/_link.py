@@ -27,7 +27,7 @@ from ..models import (
 )
 from ._clock import WorkerClock
 
-__all__ = ["Connection", "Dialer", "GaveUp", "Link"]
+__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link"]
 
 
 class Connection(Protocol):
@@ -65,6 +65,16 @@ class Connection(Protocol):
         self, finish: Finish, *, message_id: str | None = ..., timeout: float | None = ...
     ) -> CommandResult: ...
 
+    def submit(
+        self,
+        request_type: str,
+        body: Any,
+        on_done: Callable[[Any, OrbitError | None], None],
+        *,
+        message_id: str | None = ...,
+        timeout: float | None = ...,
+    ) -> str: ...
+
     def close(self) -> None: ...
 
 
@@ -85,15 +95,49 @@ class GaveUp(Exception):
     """The link was closed for good while waiting for a connection: shutdown is over."""
 
 
-class Link:
-    """The current connection and its generation number, under one condition variable."""
+class Gate:
+    """A counting semaphore whose waiters give up (:class:`GaveUp`) when it is closed, so a
+    wait for a slot ends on an event, never on a polling timeout."""
 
-    def __init__(self, clock: WorkerClock | None = None) -> None:
+    def __init__(self, slots: int) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._free = slots
+        self._closed = False
+
+    def acquire(self) -> None:
+        """Take a slot, waiting for one; raise :class:`GaveUp` once closed."""
+        with self._cond:
+            while not self._closed and self._free <= 0:
+                self._cond.wait()
+            if self._closed:
+                raise GaveUp("worker stopped")
+            self._free -= 1
+
+    def release(self) -> None:
+        """Give a slot back, waking one waiter."""
+        with self._cond:
+            self._free += 1
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Wake every waiter: they give up."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+class Link:
+    """The current connection and its generation number, under one condition variable, and the
+    gate that bounds the handler threads' requests on it."""
+
+    def __init__(self, clock: WorkerClock | None = None, *, slots: int = 24) -> None:
         self._clock = clock or WorkerClock()
         self._cond = threading.Condition()
         self._conn: Connection | None = None
         self._gen = 0
         self._closed = False
+        #: Bounds the starts and finishes in flight (see :class:`Gate`).
+        self.gate = Gate(slots)
 
     def is_closed(self) -> bool:
         """True once :meth:`close` was called."""
@@ -120,6 +164,7 @@ class Link:
             self._closed = True
             self._conn = None
             self._cond.notify_all()
+        self.gate.close()
 
     def current(self) -> tuple[Connection, int] | None:
         """The current connection, without waiting."""

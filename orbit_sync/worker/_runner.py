@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 
 import cattrs
 
+from .._protocol import MAX_IN_FLIGHT
 from ..client import Client, DialCut
 from ..errors import OrbitError, WorkerBusy
 from ..models import (
@@ -85,14 +86,14 @@ H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: How often a handler waiting for a request slot looks up (is the worker stopping?).
-_POLL = 0.25
 #: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
 _BUSY_DELAY = 0.05
 #: After the last shutdown phase: how long the worker's own threads get to exit once everything
 #: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
 #: one).
 _CLOSE_ALLOWANCE = 0.5
+#: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
+_RESERVED_SLOTS = 8
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
 _SEEN_LIMIT = 65_536
 
@@ -234,8 +235,9 @@ class Worker:
 
     Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded);
     *dial_timeout* and *call_timeout* bound one dial and one request (after which the request is
-    re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32) bounds the
-    requests outstanding at once so the server's 8-frame outbound queue never overflows;
+    re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32, default 32)
+    bounds the requests outstanding at once, of which 8 (fewer when it is small) are kept for
+    renewals, resumes and capacity reports;
     *renew_retry_delay* (0.1-5 s) spaces retries of a failed renewal. *cancellation_notifications*
     asks the server for ``task.cancel`` pushes. *handle_signals* lets :meth:`run` on the main
     thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``);
@@ -266,7 +268,7 @@ class Worker:
         cancellation_notifications: bool = True,
         dial_timeout: float = 8.0,
         call_timeout: float = 10.0,
-        max_in_flight: int = 4,
+        max_in_flight: int | None = None,
         handle_signals: bool = True,
         logger: logging.Logger | None = None,
         result_converter: cattrs.BaseConverter | None = None,
@@ -287,14 +289,13 @@ class Worker:
         # Past this a request's connection is closed and the operation re-sent on the next one.
         self._call_timeout = min(10.0, _check_seconds("call_timeout", call_timeout, positive=True))
         self._backoff = reconnect_backoff or Backoff()
-        if type(max_in_flight) is not int or not 3 <= max_in_flight <= 32:
-            raise ValueError("max_in_flight must be an int between 3 and 32")
-        # The server queues at most 8 outbound frames per connection and drops a consumer that
-        # lets more pile up (PROTOCOL §10); it keeps 4 of them for pushes. Bounding our own
-        # requests in flight keeps its answers within the rest, however busy the handlers are.
-        # The watchdog (one renew at a time) and the connection thread (one capacity or resume
-        # at a time) are outside the gate, so handler traffic can never starve a renewal.
-        self._gate = threading.BoundedSemaphore(max_in_flight - 2)
+        if max_in_flight is None:
+            max_in_flight = MAX_IN_FLIGHT
+        if type(max_in_flight) is not int or not 3 <= max_in_flight <= MAX_IN_FLIGHT:
+            raise ValueError(f"max_in_flight must be an int between 3 and {MAX_IN_FLIGHT}")
+        # Starts and finishes get the connection's request budget but a reserve: renewals,
+        # resumes and capacity reports never wait behind handler traffic for a slot.
+        handler_slots = max_in_flight - min(_RESERVED_SLOTS, max_in_flight - 1)
         self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
         if not 0.1 <= self._retry_delay <= 5.0:
             raise ValueError("renew_retry_delay must be between 0.1 and 5 seconds")
@@ -347,10 +348,10 @@ class Worker:
         self._serve_wake = Wakeup(self._time)
         self._dial_cut = DialCut()
 
-        self._link = Link(self._time)
+        self._link = Link(self._time, slots=handler_slots)
         self._registration: Registration | None = None
         self._watchdog = LeaseWatchdog(
-            self._renew,
+            self._send_renew,
             clock=self._clock,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
@@ -753,24 +754,72 @@ class Worker:
                 self._link.pause(_BUSY_DELAY if isinstance(exc, WorkerBusy) else self._retry_delay)
 
     def _reconcile(self, conn: Connection) -> None:
-        """``resume`` every live attempt before the first capacity report (PROTOCOL §5.5)."""
+        """``resume`` every live attempt before the first capacity report (PROTOCOL §5.5).
+
+        The resumes are pipelined: all of them are in flight at once (up to the connection's
+        32-request budget), so reconnecting costs one round trip, not one per attempt. Those
+        answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are retried on
+        this same connection; a link failure raises (reconnect).
+        """
         with self._cond:
-            live = [a for a in self._attempts.values() if a.phase is not _Phase.SETTLED]
+            todo = [a for a in self._attempts.values() if a.phase is not _Phase.SETTLED]
         pending = set(self._watchdog.pending_renewals())
-        for att in live:
-            lease: Lease | None
+        while todo:
+            retry: list[_Attempt] = []
+            failure: OrbitError | None = None
+            for att, lease, error in self._resume_all(conn, todo):
+                if error is not None and is_transient(error):
+                    if is_link_failure(error) or self._link.is_closed() or conn.done.is_set():
+                        failure = failure or error  # resumed again on the next connection
+                    else:
+                        retry.append(att)
+                    continue
+                if error is not None:
+                    self._log.warning(
+                        "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
+                    )
+                self._after_resume(att, lease, renew_now=att.id in pending)
+            if failure is not None:
+                raise failure
+            if retry:
+                self._log.info(
+                    "%d resume(s) answered with a transient error; retrying on the same connection",
+                    len(retry),
+                )
+                self._link.pause(self._retry_delay)
+            todo = retry
+
+    def _resume_all(
+        self, conn: Connection, atts: list[_Attempt]
+    ) -> list[tuple[_Attempt, Lease | None, OrbitError | None]]:
+        """Send a ``resume`` for each of *atts*, at most 32 in flight; return every answer."""
+        answers: list[tuple[_Attempt, Lease | None, OrbitError | None]] = []
+        window = threading.Condition()
+        in_flight = [0]
+
+        def answered(att: _Attempt) -> Callable[[Any, OrbitError | None], None]:
+            def done(lease: Any, error: OrbitError | None) -> None:
+                with window:
+                    answers.append((att, lease, error))
+                    in_flight[0] -= 1
+                    window.notify()
+
+            return done
+
+        for att in atts:
+            with window:
+                # Every request sent completes (answer, failure or deadline): these waits end.
+                while in_flight[0] >= MAX_IN_FLIGHT:
+                    window.wait()
+                in_flight[0] += 1
             try:
-                lease = self._in_place(
-                    conn, partial(conn.resume, att.ref, timeout=self._call_timeout)
-                )
-            except OrbitError as exc:
-                if is_transient(exc):
-                    raise
-                lease = None
-                self._log.warning(
-                    "resume of attempt %s refused (%s)", att.id, getattr(exc, "code", "")
-                )
-            self._after_resume(att, lease, renew_now=att.id in pending)
+                conn.submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
+            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
+                answered(att)(None, exc)
+        with window:
+            while in_flight[0]:
+                window.wait()
+        return answers
 
     def _after_resume(self, att: _Attempt, lease: Lease | None, *, renew_now: bool) -> None:
         ctx = att.ctx
@@ -1052,14 +1101,13 @@ class Worker:
                 raise
 
     def _gated(self, fn: Callable[[], T]) -> T:
-        """Run one handler-side request (start/finish) under the in-flight bound."""
-        while not self._gate.acquire(timeout=_POLL):
-            if self._link.is_closed():
-                raise GaveUp("worker stopped")
+        """Run one handler-side request (start/finish) within the handlers' share of the
+        connection's request budget (the rest stays free for renewals and reports)."""
+        self._link.gate.acquire()  # raises GaveUp once the link is closed
         try:
             return fn()
         finally:
-            self._gate.release()
+            self._link.gate.release()
 
     def _on_renewed(self, attempt_id: str, lag: float) -> None:
         if self._hooks:
@@ -1075,24 +1123,36 @@ class Worker:
             if att is not None:
                 self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
-    def _renew(self, attempt_id: str, message_id: str) -> Lease:
-        """The watchdog's renew function: one try on the current connection, never waiting."""
+    def _send_renew(
+        self, attempt_id: str, message_id: str, on_done: Callable[[Lease | None, Any], None]
+    ) -> None:
+        """The watchdog's send function: one pipelined renew on the current connection; the
+        answer (or failure) comes back through *on_done*, on the connection's reader thread."""
         with self._cond:
             att = self._attempts.get(attempt_id)
         if att is None:
-            raise NotConnected("attempt is no longer tracked")
+            on_done(None, NotConnected("attempt is no longer tracked"))
+            return
         current = self._link.current()
         if current is None:
-            raise NotConnected("no connection")
+            on_done(None, NotConnected("no connection"))
+            return
         conn, gen = current
-        # A slow answer must not stall every other attempt's renewal (one watchdog thread).
+
+        def done(result: Any, error: OrbitError | None) -> None:
+            if error is None:
+                on_done(result.lease, None)
+                return
+            if is_link_failure(error):
+                self._link.broken(gen)
+            on_done(None, error)
+
+        # A slow answer closes its connection before the lease runs out (and is re-sent).
         timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
         try:
-            return conn.renew(att.ref, message_id=message_id, timeout=timeout).lease
-        except OrbitError as exc:
-            if is_link_failure(exc):
-                self._link.broken(gen)
-            raise
+            conn.submit("task.renew", att.ref, done, message_id=message_id, timeout=timeout)
+        except OrbitError as exc:  # nothing was sent
+            done(None, exc)
 
     # ------------------------------------------------------------------ shutdown
 

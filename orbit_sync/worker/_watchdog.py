@@ -1,14 +1,18 @@
 """The lease watchdog: one heap of renew times for every running attempt.
 
-:class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *renew*
-function; :meth:`LeaseWatchdog.run_due` does everything that is due and says when to come back.
-:class:`WatchdogThread` is the thin shell that sleeps until then. Unit tests drive the core with a
-fake clock and no sockets.
+:class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *send* function
+that sends one renewal without waiting for it (the connection's pipelined path) and reports the
+answer through a callback; :meth:`LeaseWatchdog.run_due` sends everything that is due and says
+when to come back. :class:`WatchdogThread` is the thin shell that sleeps until then. A renewal
+whose answer is slow therefore never delays another attempt's renewal. Unit tests drive the core
+with a fake clock and no sockets.
 
-Rules (PROTOCOL §6.3-6.6, seeds/lease-lifecycle.ts):
+Rules (PROTOCOL §6.3-6.6):
 
 - renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL,
   see LIBRARY-NOTES) still has slack;
+- at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
+  watched (an answer that never comes cannot keep a handler running past its lease);
 - a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
   delay while the local deadline allows, re-using the unanswered renew's ``message_id``;
 - the handler's context is cancelled when the deadline passes (``lease_expired``), when the
@@ -16,6 +20,9 @@ Rules (PROTOCOL §6.3-6.6, seeds/lease-lifecycle.ts):
   carries ``cancel_requested_at`` (``cancel_requested``); the attempt is then no longer renewed;
 - a cancelled or untracked (finished) attempt is never renewed;
 - the watchdog measures how late it wakes up and reports it.
+
+Every field of an entry is read and written under the watchdog's lock, whichever thread (the
+watchdog's, the connection's, or the reader completing a renewal) does it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -31,16 +39,19 @@ from typing import Protocol
 import attrs
 
 from ..errors import WorkerError
-from ..models import AttemptState, Lease, new_message_id
+from ..models import Lease, grants_run, new_message_id
 from ._context import TaskContext
 from ._errors import is_transient
 
-__all__ = ["LeaseWatchdog", "RenewFn", "WatchdogStats", "WatchdogThread"]
+__all__ = ["LeaseWatchdog", "RenewDone", "SendRenew", "WatchdogStats", "WatchdogThread"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: ``renew(attempt_id, message_id) -> Lease`` (the lease carries its local ``deadline``).
-RenewFn = Callable[[str, str], Lease]
+#: ``on_done(lease, error)``: the renewal's lease (carrying its local ``deadline``) or why not.
+RenewDone = Callable[["Lease | None", "BaseException | None"], None]
+#: ``send(attempt_id, message_id, on_done)``: send one renewal and return without waiting for
+#: it. ``on_done`` is called exactly once, possibly before ``send`` returns and from any thread.
+SendRenew = Callable[[str, str, RenewDone], None]
 
 MIN_RETRY_DELAY = 0.1
 MAX_RETRY_DELAY = 5.0
@@ -69,10 +80,14 @@ class _Entry:
     attempt_id: str
     ctx: TaskContext
     deadline: float
+    #: When the next renewal is wanted (``inf``: nothing asked while one is in flight).
     due: float
+    #: The moment this entry's live heap item stands for (older items are stale).
+    wake_at: float = math.inf
     #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
     pending_id: str | None = None
-    busy: bool = False
+    #: Token of the renewal in flight (0: none); a completion with another token is stale.
+    flight: int = 0
 
 
 class LeaseWatchdog:
@@ -80,7 +95,7 @@ class LeaseWatchdog:
 
     def __init__(
         self,
-        renew: RenewFn,
+        send: SendRenew,
         *,
         clock: Callable[[], float] = time.monotonic,
         retry_delay: float = 1.0,
@@ -94,17 +109,21 @@ class LeaseWatchdog:
                 f"retry_delay must be between {MIN_RETRY_DELAY} and {MAX_RETRY_DELAY} seconds"
             )
         self.clock = clock
-        self._renew = renew
+        self._send = send
         self._retry_delay = retry_delay
         self._on_change = on_change or (lambda: None)
         self._on_loss = on_loss or (lambda attempt_id, reason: None)
-        #: ``on_renew(attempt_id, lag)`` after each acknowledged renewal (lag: seconds late).
+        #: ``on_renew(attempt_id, lag)`` after each acknowledged renewal (lag: how late the
+        #: watchdog woke to send it, in seconds).
         self._on_renew = on_renew
         self._log = logger or _LOG
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._heap: list[tuple[float, int, str]] = []
-        self._seq = itertools.count()
+        self._seq = itertools.count(1)
+        #: When the thread shell sleeps until (what run_due last returned): pushing anything
+        #: later needs no wake-up.
+        self._sleeping_until = math.inf
         self._renewals = 0
         self._failures = 0
         self._losses = 0
@@ -119,9 +138,9 @@ class LeaseWatchdog:
         with self._lock:
             entry = _Entry(attempt_id, ctx, deadline, self._half_way(now, deadline))
             self._entries[attempt_id] = entry
-            self._push(entry)
+            wake = self._push(entry, entry.due)
         ctx._set_deadline(deadline)
-        self._on_change()
+        self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float, *, renew_now: bool = False) -> None:
         """A fresh lease (e.g. from ``resume``) moved *attempt_id*'s deadline."""
@@ -132,9 +151,11 @@ class LeaseWatchdog:
                 return
             entry.deadline = deadline
             entry.due = now if renew_now else self._half_way(now, deadline)
-            self._push(entry)
-        entry.ctx._set_deadline(deadline)
-        self._on_change()
+            # In flight: the completion schedules from entry.due; meanwhile watch the deadline.
+            wake = self._push(entry, deadline if entry.flight else entry.due)
+            ctx = entry.ctx
+        ctx._set_deadline(deadline)
+        self._wake(wake)
 
     def kick(self, attempt_id: str) -> None:
         """Renew *attempt_id* as soon as possible (e.g. re-send an unanswered renew)."""
@@ -144,14 +165,13 @@ class LeaseWatchdog:
             if entry is None:
                 return
             entry.due = now
-            self._push(entry)
-        self._on_change()
+            wake = False if entry.flight else self._push(entry, now)
+        self._wake(wake)
 
     def untrack(self, attempt_id: str) -> None:
         """Stop renewing *attempt_id* (its handler returned, or the lease is gone)."""
         with self._lock:
             self._entries.pop(attempt_id, None)
-        self._on_change()
 
     def pending_renewals(self) -> list[str]:
         """Attempts with a renew that was (maybe) sent and never answered."""
@@ -184,87 +204,118 @@ class LeaseWatchdog:
     # ------------------------------------------------------------------ the work
 
     def run_due(self) -> float | None:
-        """Do everything due now; return when to call again (clock time) or ``None``."""
+        """Send every renewal due now; return when to call again (clock time) or ``None``."""
         while True:
             now = self.clock()
             with self._lock:
                 self._drop_stale()
                 if not self._heap or self._heap[0][0] > now:
-                    return self._heap[0][0] if self._heap else None
-                due, _, attempt_id = heapq.heappop(self._heap)
+                    nxt = self._heap[0][0] if self._heap else None
+                    self._sleeping_until = math.inf if nxt is None else nxt
+                    return nxt
+                at, _, attempt_id = heapq.heappop(self._heap)
                 entry = self._entries[attempt_id]
-                self._lag_last = now - due
-                self._lag_max = max(self._lag_max, self._lag_last)
-                entry.busy = True
-            if self._lag_last > LAG_WARNING:
+                entry.wake_at = math.inf
+                lag = now - at
+                self._lag_last = lag
+                self._lag_max = max(self._lag_max, lag)
+                action = self._decide(entry, now)
+                message_id = entry.pending_id
+                flight = entry.flight
+            if lag > LAG_WARNING:
                 self._log.warning(
-                    "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL",
-                    self._lag_last,
+                    "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL", lag
                 )
-            try:
-                self._process(entry, now, now - due)
-            finally:
-                with self._lock:
-                    entry.busy = False
-                    if self._entries.get(attempt_id) is entry:
-                        self._push(entry)
+            if action == "expire":
+                self._lose(entry, "lease_expired")
+            elif action == "send":
+                assert message_id is not None
+                self._send_one(entry, message_id, flight, lag)
 
-    def _process(self, entry: _Entry, now: float, lag: float = 0.0) -> None:
+    def _decide(self, entry: _Entry, now: float) -> str:
+        """What to do with an entry that came due (lock held): send, expire, drop or wait."""
         if entry.ctx.cancelled.is_set():
-            self._forget(entry)
-            return
+            del self._entries[entry.attempt_id]
+            return "drop"
         if now >= entry.deadline:
-            self._lose(entry, "lease_expired")
-            return
-        message_id = entry.pending_id or new_message_id()
-        entry.pending_id = message_id
+            return "expire"
+        if entry.flight:
+            self._push(entry, entry.deadline)  # the answer schedules the next renewal
+            return "wait"
+        entry.pending_id = entry.pending_id or new_message_id()
+        entry.flight = next(self._seq)
+        entry.due = math.inf
+        self._push(entry, entry.deadline)  # watched while in flight
+        return "send"
+
+    def _send_one(self, entry: _Entry, message_id: str, flight: int, lag: float) -> None:
+        def done(lease: Lease | None, error: BaseException | None) -> None:
+            self._renewed(entry, flight, lease, error, lag)
+
         try:
-            lease = self._renew(entry.attempt_id, message_id)
-        except Exception as exc:  # classified below; a bug must not kill the watchdog
-            self._renew_failed(entry, exc)
-            return
-        entry.pending_id = None
+            self._send(entry.attempt_id, message_id, done)
+        except Exception as exc:  # a send that raises instead of calling back; a bug otherwise
+            self._renewed(entry, flight, None, exc, lag)
+
+    def _renewed(
+        self,
+        entry: _Entry,
+        flight: int,
+        lease: Lease | None,
+        error: BaseException | None,
+        lag: float = 0.0,
+    ) -> None:
+        """Completion of one renewal, on whatever thread answered it."""
+        now = self.clock()
+        reason = detail = ""
         with self._lock:
-            if self._entries.get(entry.attempt_id) is not entry:
-                return  # finished while the renew was in flight: nothing to do
-            self._renewals += 1
-        if lease.cancel_requested:
-            self._lose(entry, "cancel_requested", count=False)
-        elif not lease.active or lease.state is not AttemptState.RUNNING or lease.deadline is None:
-            self._lose(entry, "lease_lost")
-        else:
-            after = self.clock()
-            entry.deadline = lease.deadline
-            entry.due = self._half_way(after, lease.deadline)
-            entry.ctx._set_deadline(lease.deadline)
+            if entry.flight != flight or self._entries.get(entry.attempt_id) is not entry:
+                return  # stale, or finished while the renew was in flight: nothing to do
+            entry.flight = 0
+            if error is None:
+                assert lease is not None
+                entry.pending_id = None
+                self._renewals += 1
+                if lease.cancel_requested:
+                    reason = "cancel_requested"
+                elif not grants_run(lease) or lease.deadline is None:
+                    reason = "lease_lost"
+                else:
+                    entry.deadline = lease.deadline
+                    entry.due = self._half_way(now, lease.deadline)
+            else:
+                self._failures += 1
+                if isinstance(error, WorkerError) and not is_transient(error):
+                    # LEASE_LOST, STATE_CONFLICT, ...: the server answered; this renew is settled.
+                    entry.pending_id = None
+                    reason, detail = "lease_lost", error.code
+                else:
+                    # The pending message_id is kept: if that renew reached the server, re-sending
+                    # it returns the original receipt instead of applying a second renewal. A
+                    # refresh or kick while it was in flight (entry.due) may ask for sooner; past
+                    # the deadline there is nothing left to renew: wake then to expire it.
+                    entry.due = min(entry.due, now + self._retry_delay, entry.deadline)
+            wake = False if reason else self._push(entry, entry.due)
+            deadline = entry.deadline
+            due = entry.due
+        if reason:
+            self._lose(entry, reason, count=reason != "cancel_requested", detail=detail)
+            return
+        if error is None:
+            entry.ctx._set_deadline(deadline)
             if self._on_renew is not None:
                 self._on_renew(entry.attempt_id, lag)
-
-    def _renew_failed(self, entry: _Entry, exc: Exception) -> None:
-        with self._lock:
-            self._failures += 1
-        if isinstance(exc, WorkerError) and not is_transient(exc):
-            # LEASE_LOST, STATE_CONFLICT, ...: the server answered; this renew is settled.
-            entry.pending_id = None
-            self._lose(entry, "lease_lost", detail=exc.code)
-            return
-        if not is_transient(exc):
-            self._log.error(
-                "renew of attempt %s failed unexpectedly (%s); retrying",
+        else:
+            level = logging.INFO if is_transient(error) else logging.ERROR
+            self._log.log(
+                level,
+                "renew of attempt %s failed (%s); retrying in %.2fs",
                 entry.attempt_id,
-                type(exc).__name__,
+                type(error).__name__,
+                max(0.0, due - now),
+                exc_info=error if level == logging.ERROR else None,
             )
-        # The pending message_id is kept: if that renew reached the server, re-sending it returns
-        # the original receipt (and the current lease) instead of applying a second renewal.
-        retry_at = self.clock() + self._retry_delay
-        # Past the deadline there is nothing left to renew: wake at the deadline to expire it.
-        entry.due = min(retry_at, entry.deadline)
-        self._log.info(
-            "renew of attempt %s failed (%s); retrying in %.2fs",
-            entry.attempt_id,
-            type(exc).__name__,
-            max(0.0, entry.due - self.clock()),
-        )
+        self._wake(wake)
 
     def _lose(self, entry: _Entry, reason: str, *, count: bool = True, detail: str = "") -> None:
         with self._lock:
@@ -285,10 +336,9 @@ class LeaseWatchdog:
         )
         self._on_loss(entry.attempt_id, reason)
 
-    def _forget(self, entry: _Entry) -> None:
-        with self._lock:
-            if self._entries.get(entry.attempt_id) is entry:
-                del self._entries[entry.attempt_id]
+    def _wake(self, needed: bool) -> None:
+        if needed:
+            self._on_change()
 
     # ------------------------------------------------------------------ heap (lock held)
 
@@ -299,16 +349,22 @@ class LeaseWatchdog:
             return now
         return now + min(remaining, max(MIN_RENEW_INTERVAL, remaining / 2))
 
-    def _push(self, entry: _Entry) -> None:
-        if not entry.busy:
-            heapq.heappush(self._heap, (entry.due, next(self._seq), entry.attempt_id))
+    def _push(self, entry: _Entry, at: float) -> bool:
+        """Schedule *entry* at *at* (its earlier item goes stale); True if the thread shell
+        sleeps past it and must be woken."""
+        entry.wake_at = at
+        heapq.heappush(self._heap, (at, next(self._seq), entry.attempt_id))
+        if at < self._sleeping_until:
+            self._sleeping_until = at
+            return True
+        return False
 
     def _drop_stale(self) -> None:
-        # Lazy deletion: an item is live only if its entry is tracked, idle, and due then.
+        # Lazy deletion: an item is live only if its entry is tracked and due then.
         while self._heap:
-            due, _, attempt_id = self._heap[0]
+            at, _, attempt_id = self._heap[0]
             entry = self._entries.get(attempt_id)
-            if entry is not None and not entry.busy and entry.due == due:
+            if entry is not None and entry.wake_at == at:
                 return
             heapq.heappop(self._heap)
 
