@@ -1,0 +1,84 @@
+"""The Worker's pipelined requests against the mock server: renewals and resumes never queue."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _worker_helpers import Probe, events, make_worker, running
+
+from orbit_sync.models import TaskState
+from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import TaskContext
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
+
+
+def _blocked(worker: Any, probe: Probe) -> None:
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        probe.release.wait(10.0)
+        return {"ok": True}
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Any:
+    """A mock server with short leases and no assignment rate limit."""
+    with MockOrbitServer(assignment_rate=None, lease_duration=2.0) as srv:
+        yield srv
+        srv.check_invariants()
+
+
+def test_a_held_renewal_does_not_delay_another_attempts_renewal(server: MockOrbitServer) -> None:
+    """With one renewal's answer lost, the other attempt is renewed on the same connection."""
+    probe = Probe()
+    worker = make_worker(server, capacity=2)
+    _blocked(worker, probe)
+    lost = server.faults.drop_reply("task.renew")
+    tasks = [server.enqueue("work", {}) for _ in range(2)]
+    with running(worker):
+        probe.wait_started(2)
+        assert lost.wait(10.0)
+        server.wait_until(lambda s: all(events(s, "attempt.renewed", t) for t in tasks), timeout=10)
+        # The lost answer times its connection out only later; the other renewal did not wait.
+        assert worker.stats().reconnects == 0
+        probe.release.set()
+        for task_id in tasks:
+            assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+    assert all(probe.runs[t] == 1 for t in tasks)
+
+
+def test_resumes_are_all_in_flight_before_the_capacity_report(server: MockOrbitServer) -> None:
+    """After a cut, every live attempt is resumed at once, then capacity is reported."""
+    probe = Probe()
+    worker = make_worker(server, capacity=3, call_timeout=1.0)
+    _blocked(worker, probe)
+    tasks = [server.enqueue("work", {}) for _ in range(3)]
+    with running(worker):
+        probe.wait_started(3)
+        lost = server.faults.drop_reply("worker.resume")
+        assert server.disconnect() == 1
+        assert lost.wait(10.0)
+        # Sent one at a time, the second resume would wait for the lost answer's timeout and
+        # go out on another connection; pipelined, all three reach the first new session.
+        server.wait_until(lambda s: bool(events(s, "attempt.resumed")), timeout=10)
+        session = events(server, "attempt.resumed")[0].session_id
+        server.wait_until(
+            lambda s: (
+                len([e for e in events(s, "attempt.resumed") if e.session_id == session]) == 3
+            ),
+            timeout=10,
+        )
+        # The capacity report of every session comes after all of that session's resumes.
+        probe.release.set()
+        for task_id in tasks:
+            assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+    log = server.events()
+    reported = [e for e in log if e.kind == "session.capacity"]
+    assert len(reported) >= 2, "the worker reported capacity again after the cut"
+    for report in reported[1:]:
+        before = log[: log.index(report)]
+        resumed = [e for e in before if e.kind == "attempt.resumed"]
+        assert len([e for e in resumed if e.session_id == report.session_id]) == 3
+    assert all(probe.runs[t] == 1 for t in tasks)
