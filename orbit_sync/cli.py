@@ -2,17 +2,17 @@
 
 ::
 
+    orbit-sync --version
     orbit-sync mock-server --port 8765          # also: python -m orbit_sync.testing
-    orbit-sync worker myapp.tasks:worker        # calls .run() on an orbit_sync.worker.Worker
+    orbit-sync worker myapp.tasks:worker        # runs an orbit_sync.worker.Worker (see _cli_worker)
 
-Exit status: 0 after a clean stop (SIGTERM/SIGINT), 1 when the server or worker failed, 2 for a
-usage error.
+``mock-server`` exits 0 after SIGTERM/SIGINT, 1 when it cannot start, 2 for a usage error. The
+worker's exit statuses are in :mod:`orbit_sync._cli_worker` (and docs/cli.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
 import shlex
@@ -22,6 +22,9 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
+
+from . import _cli_worker
+from ._version import __version__
 
 if TYPE_CHECKING:
     from .testing import MockOrbitServer
@@ -40,13 +43,17 @@ Run a mock Orbit server (pulse.worker.v1) on this machine until SIGTERM or SIGIN
 benchmarks and workers written in other languages. It speaks the worker protocol on
 /v1/worker/connect and a JSON admin API on /admin/v1/ (same port).
 
-On start it prints, on standard output, shell-style lines: ORBIT_URL, ORBIT_TOKEN (a worker
-token), ORBIT_QUEUE_ID, ORBIT_ADMIN_URL and ORBIT_ADMIN_TOKEN. The tokens are printed on purpose:
+On start it prints, on standard output, shell lines (export ORBIT_URL=..., so that the output can
+be sourced or eval'd): ORBIT_URL, ORBIT_TOKEN (a worker token), ORBIT_QUEUE_ID, ORBIT_ADMIN_URL and
+ORBIT_ADMIN_TOKEN, then "# ready". The tokens are printed on purpose:
 this is your own throw-away test server, and the banner is how you learn its credentials. Do not
 run it where untrusted users can read its output or reach its port, and never reuse the tokens.
 Tokens given with --token/--admin-token (or the environment variables
 ${TOKEN_ENV} and ${ADMIN_TOKEN_ENV}) are used as is; otherwise fresh random ones are made.
 """
+
+
+_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _positive_float(text: str) -> float:
@@ -70,10 +77,11 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
         prog=prog or "orbit-sync",
         description="orbit-sync: synchronous Orbit worker SDK tools.",
     )
+    parser.add_argument("--version", action="version", version=f"orbit-sync {__version__}")
     parser.add_argument(
         "--log-level",
         default="WARNING",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        choices=_LEVELS,
         help="logging level on standard error (default: WARNING)",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -89,14 +97,18 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     worker = sub.add_parser(
         "worker",
         help="run an orbit_sync.worker.Worker until SIGTERM/SIGINT",
-        description=(
-            "Import MODULE:ATTRIBUTE and call .run() on it. ATTRIBUTE (dotted paths allowed) is an "
-            "orbit_sync.worker.Worker, or a callable without arguments returning one. The "
-            "current directory is importable. SIGTERM/SIGINT drain the worker; a second signal "
-            "stops it at once."
-        ),
+        description=_cli_worker.DESCRIPTION,
+        epilog=_cli_worker.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    worker.add_argument("target", metavar="MODULE:ATTRIBUTE", help="where the Worker is")
+    # SUPPRESS: given after the subcommand it overrides the global option, absent it keeps it.
+    worker.add_argument(
+        "--log-level",
+        default=argparse.SUPPRESS,
+        choices=_LEVELS,
+        help="logging level on standard error (default: WARNING)",
+    )
+    _cli_worker.add_arguments(worker)
     return parser
 
 
@@ -154,7 +166,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     )
     if args.command == "mock-server":
         return _run_mock_server(args, parser)
-    return _run_worker(args.target, parser)
+    return _cli_worker.run(args, parser)
 
 
 def mock_server_main(argv: Sequence[str] | None = None) -> int:
@@ -164,9 +176,7 @@ def mock_server_main(argv: Sequence[str] | None = None) -> int:
         description=_MOCK_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument(
-        "--log-level", default="WARNING", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    parser.add_argument("--log-level", default="WARNING", choices=_LEVELS)
     _mock_arguments(parser)
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -202,8 +212,17 @@ def _run_mock_server(
     args: argparse.Namespace, parser: argparse.ArgumentParser, out: TextIO | None = None
 ) -> int:
     """Start the server, print the banner, serve until a signal, stop; returns the exit status."""
-    from .testing import ManualClock, MockOrbitServer
-    from .testing._admin import AdminAPI
+    try:
+        from .testing import ManualClock, MockOrbitServer
+        from .testing._admin import AdminAPI
+    except ImportError:
+        # One line, not a traceback: the cause is always the same missing extra.
+        print(
+            "orbit-sync: mock-server needs the 'testing' extra (websockets): "
+            "pip install 'orbit-sync[testing]'",
+            file=sys.stderr,
+        )
+        return 1
 
     out = sys.stdout if out is None else out
     try:
@@ -278,54 +297,12 @@ def _banner(out: TextIO, server: MockOrbitServer, token: str, admin_token: str) 
     lines = [
         "# orbit-sync mock server. The tokens below are printed on purpose: this is your own",
         "# local test server. Never reuse them. SIGTERM or Ctrl-C stops it.",
-        f"ORBIT_URL={shlex.quote(base)}",
-        f"ORBIT_TOKEN={shlex.quote(token)}",
-        f"ORBIT_QUEUE_ID={server.queue_id}",
-        f"ORBIT_ADMIN_URL={shlex.quote(admin_url + '/admin/v1')}",
-        f"ORBIT_ADMIN_TOKEN={shlex.quote(admin_token)}",
+        f"export ORBIT_URL={shlex.quote(base)}",
+        f"export ORBIT_TOKEN={shlex.quote(token)}",
+        f"export ORBIT_QUEUE_ID={server.queue_id}",
+        f"export ORBIT_ADMIN_URL={shlex.quote(admin_url + '/admin/v1')}",
+        f"export ORBIT_ADMIN_TOKEN={shlex.quote(admin_token)}",
         "# ready",
     ]
     out.write("\n".join(lines) + "\n")
     out.flush()
-
-
-# --------------------------------------------------------------------------- worker
-
-
-def _run_worker(target: str, parser: argparse.ArgumentParser) -> int:
-    """Import *target* (``module:attribute``), then ``.run()`` the Worker it names."""
-    from .worker import Worker
-
-    module_name, sep, attribute = target.partition(":")
-    if not sep or not module_name or not attribute:
-        parser.error("the worker target must look like module:attribute")
-    # Like `python -m`, let the current directory's modules be found.
-    if "" not in sys.path and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        obj: Any = importlib.import_module(module_name)
-        for part in attribute.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
-        print(f"orbit-sync: cannot load {target}: {exc}", file=sys.stderr)
-        return 1
-    if not isinstance(obj, Worker) and callable(obj):
-        obj = obj()
-    if not isinstance(obj, Worker):
-        print(
-            f"orbit-sync: {target} is a {type(obj).__name__}, not an orbit_sync.worker.Worker",
-            file=sys.stderr,
-        )
-        return 1
-    try:
-        report = obj.run()
-    except Exception as exc:
-        # The worker's errors never carry secrets (errors.py); show the type and message.
-        print(f"orbit-sync: worker stopped on {type(exc).__name__}: {exc}", file=sys.stderr)
-        return 1
-    print(
-        f"orbit-sync: worker stopped (drained={report.drained}, cancelled={len(report.cancelled)},"
-        f" abandoned={len(report.abandoned)}, unreported={len(report.unreported)})",
-        file=sys.stderr,
-    )
-    return 0

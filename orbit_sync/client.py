@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import ssl
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Final
 
 from . import _codec, _transport
@@ -36,7 +37,7 @@ from .errors import (
 )
 from .models import Assignment, CancelNotice, Registration, Welcome, new_message_id
 
-__all__ = ["DIAL_TIMEOUT", "Client", "DialCut"]
+__all__ = ["DIAL_TIMEOUT", "Client", "DialCut", "read_token_file"]
 
 log = logging.getLogger("orbit_sync.client")
 
@@ -129,6 +130,33 @@ class Client:
         self._port = port
         self._token = token
         self._ssl_context = ssl_context
+
+    @classmethod
+    def from_env(
+        cls,
+        environ: Mapping[str, str] | None = None,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> Client:
+        """A client for ``$ORBIT_URL`` with the token in ``$ORBIT_TOKEN`` (or in the file named
+        by ``$ORBIT_TOKEN_FILE``, e.g. a mounted secret; set only one of the two).
+
+        *environ* defaults to ``os.environ``. A missing or bad setting raises ``ValueError``
+        naming the variable, never its token.
+        """
+        env = os.environ if environ is None else environ
+        url = env.get("ORBIT_URL", "")
+        if not url:
+            raise ValueError("ORBIT_URL is not set")
+        token = env.get("ORBIT_TOKEN", "")
+        token_file = env.get("ORBIT_TOKEN_FILE", "")
+        if token and token_file:
+            raise ValueError("set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE")
+        if token_file:
+            token = read_token_file(token_file)
+        elif not token:
+            raise ValueError("ORBIT_TOKEN (or ORBIT_TOKEN_FILE) is not set")
+        return cls(url, token, ssl_context=ssl_context)
 
     @property
     def base_url(self) -> str:
@@ -273,6 +301,26 @@ def _handshake(
 def _check_verifying(context: ssl.SSLContext) -> None:
     if context.verify_mode != ssl.CERT_REQUIRED or not context.check_hostname:
         raise ValueError("ssl_context must verify certificates and host names")
+
+
+def read_token_file(path: str | os.PathLike[str]) -> str:
+    """The token stored in *path* (surrounding whitespace, such as a final newline, removed).
+
+    Raises ``ValueError`` naming the file when it cannot be read or holds no token; the file's
+    content is never part of a message.
+    """
+    try:
+        with open(path, encoding="utf-8") as file:
+            # A token is at most a few hundred bytes: a bounded read of a wrong path (a device, a
+            # huge file) fails fast instead of filling memory.
+            text = file.read(8192)
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "not UTF-8 text"
+        raise ValueError(f"cannot read the token file {os.fspath(path)}: {reason}") from None
+    token = text.strip()
+    if not token or not _TOKEN_RE.fullmatch(token):
+        raise ValueError(f"the token file {os.fspath(path)} does not hold one bearer token")
+    return token
 
 
 def _seconds(value: object, name: str, cap: float) -> float:

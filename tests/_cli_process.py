@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import shlex
 import signal
 import subprocess
 import sys
@@ -38,10 +39,16 @@ class Proc:
     """A child process whose stdout and stderr are drained by threads into line queues."""
 
     def __init__(
-        self, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: Path | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: Path | None = None,
+        stdin: bool = False,
     ) -> None:
         self.popen = subprocess.Popen(
             list(argv),
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -51,6 +58,8 @@ class Proc:
         self.out: queue.Queue[str | None] = queue.Queue()
         self.err_lines: list[str] = []
         self.out_lines: list[str] = []
+        self._err_cond = threading.Condition()
+        self._err_done = False
         assert self.popen.stdout is not None and self.popen.stderr is not None
         self._threads = [
             threading.Thread(target=self._drain_out, daemon=True),
@@ -69,7 +78,31 @@ class Proc:
     def _drain_err(self) -> None:
         assert self.popen.stderr is not None
         for line in self.popen.stderr:
-            self.err_lines.append(line)
+            with self._err_cond:
+                self.err_lines.append(line)
+                self._err_cond.notify_all()
+        with self._err_cond:
+            self._err_done = True
+            self._err_cond.notify_all()
+
+    def wait_stderr(self, text: str, timeout: float = 15.0) -> str:
+        """Wait until a stderr line contains *text*; return that line."""
+
+        def found() -> str | None:
+            return next((line for line in self.err_lines if text in line), None)
+
+        with self._err_cond:
+            ok = self._err_cond.wait_for(lambda: found() is not None or self._err_done, timeout)
+            line = found()
+        if not ok or line is None:
+            raise AssertionError(f"no stderr line with {text!r}; stderr: {self.stderr}")
+        return line
+
+    def send(self, text: str) -> None:
+        """Write *text* to the process's standard input (``stdin=True``)."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.write(text)
+        self.popen.stdin.flush()
 
     def line(self, timeout: float = 15.0) -> str:
         """The next stdout line; AssertionError on timeout or end of output."""
@@ -82,15 +115,17 @@ class Proc:
         return line
 
     def banner(self) -> dict[str, str]:
-        """Read the mock server's banner up to ``# ready``; return its KEY=value pairs."""
+        """Read the mock server's banner up to ``# ready``; return its ``export KEY=value``
+        pairs (values unquoted as the shell would)."""
         values: dict[str, str] = {}
         while True:
             line = self.line()
             if line == "# ready":
                 return values
             if not line.startswith("#"):
-                key, _, value = line.partition("=")
-                values[key] = value
+                assert line.startswith("export "), line
+                key, _, value = line.removeprefix("export ").partition("=")
+                (values[key],) = shlex.split(value)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Send *sig*; wait for the exit status and for the output to be drained."""
@@ -119,6 +154,6 @@ class Proc:
         if self.popen.poll() is None:
             self.popen.kill()
         self.wait()
-        for stream in (self.popen.stdout, self.popen.stderr):
+        for stream in (self.popen.stdin, self.popen.stdout, self.popen.stderr):
             if stream is not None:
                 stream.close()

@@ -158,3 +158,54 @@ def test_help_explains_the_printed_tokens() -> None:
     text = " ".join(done.stdout.split())
     assert "printed on purpose" in text
     assert "ORBIT_MOCK_TOKEN" in text and "ORBIT_MOCK_ADMIN_TOKEN" in text
+
+
+def test_banner_can_be_evaluated_by_a_shell(procs: list[Proc]) -> None:
+    """The banner is shell: ``eval`` of its lines exports the variables with their values."""
+    proc = Proc(command("mock-server", "--port", "0", "--token", FIXED_TOKEN))
+    procs.append(proc)
+    banner = proc.banner()
+    script = 'eval "$BANNER"; env | grep "^ORBIT_" | sort'
+    done = subprocess.run(
+        ["sh", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(BANNER=proc.stdout),
+    )
+    assert done.returncode == 0, done.stderr
+    exported = dict(line.split("=", 1) for line in done.stdout.splitlines())
+    assert exported == banner and exported["ORBIT_TOKEN"] == FIXED_TOKEN
+    assert proc.stop() == 0
+
+
+_WITHOUT_WEBSOCKETS = """
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "websockets" or name.startswith("websockets."):
+            raise ImportError("websockets is not installed")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+from orbit_sync.cli import main
+raise SystemExit(main(["mock-server", "--port", "0"]))
+"""
+
+
+def test_mock_server_without_the_testing_extra_says_so_in_one_line() -> None:
+    """Without websockets, ``mock-server`` prints one line naming the extra (no traceback)."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_WEBSOCKETS],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert done.returncode == 1
+    assert done.stderr.splitlines() == [
+        "orbit-sync: mock-server needs the 'testing' extra (websockets): "
+        "pip install 'orbit-sync[testing]'"
+    ]
+    assert done.stdout == ""

@@ -1,24 +1,31 @@
-"""``orbit-sync worker module:attribute``, run as a subprocess against an in-process mock server."""
+"""``orbit-sync worker module:attribute``, run as a subprocess against an in-process mock server,
+stopped with real signals."""
 
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _cli_process import Proc, clean_env, command
 
+from orbit_sync import __version__
 from orbit_sync.testing import MockOrbitServer
 
 USER_MODULE = textwrap.dedent(
     """
     import os
+    import sys
 
     from orbit_sync.client import Client
     from orbit_sync.worker import Worker
+
+    print("userworker imported", file=sys.stderr)
 
     def make():
         worker = Worker(
@@ -27,13 +34,45 @@ USER_MODULE = textwrap.dedent(
             capacity=1,
             drain_timeout=5,
         )
+        register(worker)
+        return worker
 
+    def register(worker):
         @worker.handler("echo")
         def echo(ctx, payload):
             print("handled", payload["n"], flush=True)
             return {"echo": payload["n"]}
 
+        @worker.handler("gate")
+        def gate(ctx, payload):
+            # Blocks until the test writes a line: a handler still running at the signal.
+            print("started", payload["n"], flush=True)
+            return {"line": sys.stdin.readline().strip()}
+
+        @worker.handler("slow")
+        def slow(ctx, payload):
+            print("started", payload["n"], flush=True)
+            ctx.sleep(60)  # returns early (TaskCancelled) only when cancelled
+
+    def from_env():
+        worker = Worker(Client.from_env(), queue_id=os.environ["ORBIT_QUEUE_ID"])
+        register(worker)
         return worker
+
+    # Hard-coded elsewhere: the command line must override all of it.
+    elsewhere = Worker(
+        Client("ws://127.0.0.1:9", "module-token-0123456789"),
+        queue_id="0" * 32,
+        capacity=1,
+        handle_signals=False,
+    )
+    register(elsewhere)
+
+    def echo_handler(ctx, payload):
+        return payload
+
+    def returns_none():
+        return None
 
     class App:
         worker = None
@@ -68,38 +107,167 @@ def env_for(server: MockOrbitServer, token: str | None = None) -> dict[str, str]
     )
 
 
+def run_cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``orbit-sync`` to completion."""
+    return subprocess.run(
+        command(*args), capture_output=True, text=True, timeout=30, env=env, cwd=cwd
+    )
+
+
 @pytest.mark.orbit_server(assignment_rate=None)
 def test_worker_command_runs_handlers_until_sigterm(
     orbit_server: MockOrbitServer, project: Path, procs: list[Proc]
 ) -> None:
-    """The named factory's Worker runs tasks; SIGTERM drains it and the command exits 0."""
+    """The factory's Worker runs tasks after a banner; SIGTERM is announced, drains, exits 0."""
     proc = Proc(command("worker", "userworker:make"), env=env_for(orbit_server), cwd=project)
     procs.append(proc)
     task_id = orbit_server.enqueue("echo", {"n": 7})
     assert proc.line() == "handled 7"
     snap = orbit_server.wait_for(task_id, {"SUCCEEDED", "FAILED"}, timeout=10)
     assert snap.state.value == "SUCCEEDED" and snap.result == {"echo": 7}
+    banner = proc.stderr
+    assert f"orbit-sync {__version__} worker userworker:make" in banner
+    assert f"server:    {orbit_server.url}" in banner
+    assert f"queue:     {orbit_server.queue_id}" in banner
+    assert "capacity:  1, drain timeout 5 s" in banner
+    assert "echo (1/1), gate (1/1), slow (1/1)" in banner
     assert proc.stop(signal.SIGTERM) == 0
-    assert "worker stopped (drained=True" in proc.stderr
-    assert orbit_server.token not in proc.stderr
-
-
-def test_worker_command_reports_a_rejected_token(
-    orbit_server: MockOrbitServer, project: Path
-) -> None:
-    """A worker the server refuses (401) stops: exit 1, and the token is not printed."""
-    token = "not-a-valid-token-0123456789"
-    done = subprocess.run(
-        command("worker", "userworker:make"),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=env_for(orbit_server, token),
-        cwd=project,
+    assert "SIGTERM received: draining 0 tasks (up to 5s), SIGTERM again to stop now" in (
+        proc.stderr
     )
-    assert done.returncode == 1
-    assert "worker stopped on HTTPError" in done.stderr
+    assert "worker stopped (drained=True" in proc.stderr and "exit 0)" in proc.stderr
+    assert orbit_server.token not in proc.stderr + proc.stdout
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_first_signal_drains_a_running_handler_to_exit_0(
+    orbit_server: MockOrbitServer, project: Path, procs: list[Proc]
+) -> None:
+    """A handler running at SIGTERM is announced, finishes during the drain, and the exit is 0."""
+    proc = Proc(
+        command("worker", "userworker:make"), env=env_for(orbit_server), cwd=project, stdin=True
+    )
+    procs.append(proc)
+    task_id = orbit_server.enqueue("gate", {"n": 1})
+    assert proc.line() == "started 1"
+    proc.popen.send_signal(signal.SIGTERM)
+    proc.wait_stderr("SIGTERM received: draining 1 task (up to 5s), SIGTERM again to stop now")
+    proc.send("go on\n")
+    assert proc.wait() == 0
+    snap = orbit_server.wait_for(task_id, {"SUCCEEDED", "FAILED"}, timeout=10)
+    assert snap.state.value == "SUCCEEDED" and snap.result == {"line": "go on"}
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_second_signal_forces_the_stop_and_exits_3(
+    orbit_server: MockOrbitServer, project: Path, procs: list[Proc]
+) -> None:
+    """A second SIGINT cancels the running handler at once: announced, reported, exit 3."""
+    proc = Proc(command("worker", "userworker:make"), env=env_for(orbit_server), cwd=project)
+    procs.append(proc)
+    task_id = orbit_server.enqueue("slow", {"n": 2}, max_attempts=1)
+    assert proc.line() == "started 2"
+    proc.popen.send_signal(signal.SIGINT)
+    proc.wait_stderr("SIGINT received: draining 1 task")
+    proc.popen.send_signal(signal.SIGINT)
+    assert proc.wait() == 3
+    assert "SIGINT received again: stopping now, cancelling 1 task" in proc.stderr
+    assert "worker stopped (drained=False, cancelled=1" in proc.stderr
+    snap = orbit_server.wait_for(task_id, {"FAILED", "NEEDS_REVIEW"}, timeout=10)
+    assert snap.error_code == "WORKER_SHUTDOWN"
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_options_override_the_module_and_the_token_comes_from_a_file(
+    orbit_server: MockOrbitServer, project: Path, procs: list[Proc]
+) -> None:
+    """--url, --queue, --token-file, --capacity and --drain-timeout replace what the module
+    hard-coded; the token is read from the file and printed nowhere."""
+    token_file = project / "token"
+    token_file.write_text(orbit_server.token + "\n")
+    argv = ["worker", "userworker:elsewhere", "--url", orbit_server.url]
+    argv += ["--queue", orbit_server.queue_id, "--token-file", str(token_file)]
+    argv += ["--capacity", "3", "--drain-timeout", "7", "--log-level", "INFO"]
+    proc = Proc(command(*argv), env=clean_env(ORBIT_TOKEN="ignored-token-0123456789"), cwd=project)
+    procs.append(proc)
+    task_id = orbit_server.enqueue("echo", {"n": 5})
+    assert proc.line() == "handled 5"
+    assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).result == {"echo": 5}
+    assert [s.capacity for s in orbit_server.sessions()] == [3]
+    assert "capacity:  3, drain timeout 7 s" in proc.stderr
+    assert proc.stop(signal.SIGTERM) == 0  # handle_signals=False was overridden
+    assert "session" in proc.stderr  # --log-level INFO after the subcommand took effect
+    for secret in (orbit_server.token, "module-token-0123456789", "ignored-token-0123456789"):
+        assert secret not in proc.stderr + proc.stdout
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_client_from_env_sees_the_command_line(
+    orbit_server: MockOrbitServer, project: Path, procs: list[Proc]
+) -> None:
+    """A module using Client.from_env() gets --url, --queue and --token-file through the
+    environment, with no ORBIT_* variable set by the caller."""
+    token_file = project / "token"
+    token_file.write_text(orbit_server.token)
+    argv = ["worker", "userworker:from_env", "--url", orbit_server.url]
+    argv += ["--queue", orbit_server.queue_id, "--token-file", str(token_file)]
+    proc = Proc(command(*argv), env=clean_env(), cwd=project)
+    procs.append(proc)
+    task_id = orbit_server.enqueue("echo", {"n": 9})
+    assert proc.line() == "handled 9"
+    assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).result == {"echo": 9}
+    assert proc.stop(signal.SIGTERM) == 0
+
+
+def test_rejected_token_exits_4(orbit_server: MockOrbitServer, project: Path) -> None:
+    """A worker the server refuses (401) stops with exit 4, and the token is not printed."""
+    token = "not-a-valid-token-0123456789"
+    done = run_cli("worker", "userworker:make", env=env_for(orbit_server, token), cwd=project)
+    assert done.returncode == 4
+    assert "worker stopped on HTTPError" in done.stderr and "(exit 4)" in done.stderr
     assert token not in done.stderr and token not in done.stdout
+
+
+def test_a_server_that_is_not_orbit_exits_5(project: Path) -> None:
+    """A WebSocket server that does not speak pulse.worker.v1 stops the worker with exit 5."""
+    from websockets.sync.server import serve
+
+    with serve(lambda ws: ws.close(), "127.0.0.1", 0) as other:
+        thread = threading.Thread(target=other.serve_forever, daemon=True)
+        thread.start()
+        port = other.socket.getsockname()[1]
+        env = clean_env(ORBIT_TOKEN="some-token-0123456789", ORBIT_QUEUE_ID="a" * 32)
+        done = run_cli(
+            "worker", "userworker:from_env", "--url", f"ws://127.0.0.1:{port}", env=env, cwd=project
+        )
+        other.shutdown()
+    thread.join(5)
+    assert done.returncode == 5, done.stderr
+    assert "WorkerProtocolError" in done.stderr and f"ws://127.0.0.1:{port}" in done.stderr
+
+
+def test_unreachable_server_is_logged_with_url_and_reason(project: Path, procs: list[Proc]) -> None:
+    """While the server refuses connections, each retry names the URL and the reason (not the
+    token) at the default level; SIGTERM then stops the idle worker with exit 0."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]  # nothing listens once it is closed
+    url = f"ws://127.0.0.1:{port}"
+    token = "unused-token-0123456789"
+    env = clean_env(ORBIT_URL=url, ORBIT_TOKEN=token, ORBIT_QUEUE_ID="b" * 32)
+    proc = Proc(command("worker", "userworker:make"), env=env, cwd=project)
+    procs.append(proc)
+    line = proc.wait_stderr("retrying")
+    assert f"cannot connect to {url}" in line and "Connection refused" in line, line
+    assert proc.stop(signal.SIGTERM) == 0
+    assert token not in proc.stderr
+
+
+def test_version() -> None:
+    """``orbit-sync --version`` prints the package version."""
+    done = subprocess.run(command("--version"), capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0
+    assert done.stdout.strip() == f"orbit-sync {__version__}"
 
 
 @pytest.mark.parametrize(
@@ -110,19 +278,46 @@ def test_worker_command_reports_a_rejected_token(
         ("userworker:missing", 1, "cannot load userworker:missing"),
         ("userworker:not_a_worker", 1, "is a str, not an orbit_sync.worker.Worker"),
         ("userworker:App.worker", 1, "is a NoneType, not an orbit_sync.worker.Worker"),
+        ("userworker:echo_handler", 1, "takes arguments (a handler?), not a Worker or a factory"),
+        ("userworker:returns_none", 1, "returns_none() returned a NoneType, not an orbit_sync"),
     ],
 )
 def test_worker_command_rejects_bad_targets(
     project: Path, target: str, status: int, message: str
 ) -> None:
-    """Targets that are malformed, missing or not Workers fail with a clear message."""
-    done = subprocess.run(
-        command("worker", target),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        env=clean_env(),
-        cwd=project,
-    )
+    """Targets that are malformed, missing, plain handler functions or not Workers fail with a
+    clear message and no traceback."""
+    done = run_cli("worker", target, env=clean_env(), cwd=project)
     assert done.returncode == status
     assert message in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--capacity", "0"], "--capacity"),
+        (["--capacity", "257"], "--capacity"),
+        (["--drain-timeout", "nan"], "--drain-timeout"),
+        (["--queue", "not-a-queue"], "--queue"),
+        (["--token-file", "/nonexistent/token"], "cannot read the token file /nonexistent/token"),
+    ],
+)
+def test_bad_options_exit_2_before_loading(project: Path, args: list[str], message: str) -> None:
+    """Bad options are usage errors (exit 2), reported before the module is imported."""
+    done = run_cli("worker", "userworker:make", *args, env=clean_env(), cwd=project)
+    assert done.returncode == 2
+    assert message in done.stderr
+    assert "userworker imported" not in done.stderr
+
+
+def test_token_file_content_is_never_echoed(project: Path) -> None:
+    """A token file holding something that is not a token is refused without showing it."""
+    bad = project / "token"
+    bad.write_text("secret words with spaces\n")
+    done = run_cli(
+        "worker", "userworker:make", "--token-file", str(bad), env=clean_env(), cwd=project
+    )
+    assert done.returncode == 2
+    assert "does not hold one bearer token" in done.stderr
+    assert "secret" not in done.stderr

@@ -39,7 +39,7 @@ import cattrs
 
 from .._protocol import MAX_IN_FLIGHT
 from ..client import Client, DialCut
-from ..errors import OrbitError, WorkerBusy
+from ..errors import OrbitError, WorkerBusy, WorkerProtocolError
 from ..models import (
     ID_RE,
     MAX_CAPACITY,
@@ -275,6 +275,8 @@ class Worker:
         listeners: Iterable[object] = (),
         clock: WorkerClock | None = None,
     ) -> None:
+        # First, before any other local exists: every constructor argument (see with_options).
+        self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
         if type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
             raise ValueError("queue_id must be 32 lowercase hex characters")
         if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
@@ -330,6 +332,7 @@ class Worker:
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
         self._signals = 0
+        self._last_signal = int(signal.SIGTERM)
         self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
@@ -409,6 +412,22 @@ class Worker:
                 )
             self._handlers[key] = fn
             self._task_logs.setdefault(cap.handler, task_logger(cap.handler))
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The keyword arguments this worker was constructed with (a copy)."""
+        return dict(self._options)
+
+    def with_options(self, **changes: Any) -> Worker:
+        """A new, unstarted Worker with this one's handlers and constructor arguments, except
+        *changes* (e.g. ``capacity=4``, ``client=Client(...)``); used by ``orbit-sync worker``
+        to apply its command-line options to the Worker a module defines."""
+        with self._cond:
+            handlers = dict(self._handlers)
+        worker = Worker(**{**self._options, **changes})
+        for (name, version, payload_version), fn in handlers.items():
+            worker.register(name, fn, version=version, payload_version=payload_version)
+        return worker
 
     @property
     def registration(self) -> Registration:
@@ -513,9 +532,11 @@ class Worker:
             os.read(read_fd, 64)
             if self._signals > seen:
                 seen = self._signals
+                self._announce_signal(first=seen == 1)
                 self.request_stop(drain=seen == 1)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._last_signal = signum
         self._signals += 1
         fd = self._pipe_w  # no lock in a signal handler; run() restores handlers before closing
         if fd is not None:
@@ -527,6 +548,24 @@ class Worker:
             if self._pipe_w is not None:
                 with contextlib.suppress(OSError):
                     os.write(self._pipe_w, b"d")
+
+    def _announce_signal(self, *, first: bool) -> None:
+        # WARNING, so that an operator sees at the default level what a signal started and how to
+        # cut it short (a supervisor's stop timeout may be shorter than the drain).
+        name = signal.Signals(self._last_signal).name
+        with self._cond:
+            running = len(self._attempts)
+        tasks = f"{running} task{'' if running == 1 else 's'}"
+        if first:
+            self._log.warning(
+                "%s received: draining %s (up to %gs), %s again to stop now",
+                name,
+                tasks,
+                self._drain_timeout,
+                name,
+            )
+        else:
+            self._log.warning("%s received again: stopping now, cancelling %s", name, tasks)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the first session is established; True when it is."""
@@ -648,8 +687,10 @@ class Worker:
                     break  # shutdown cut the dial
                 # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
                 # cannot help, so the worker stops and run() raises it.
-                if is_fatal_dial_error(exc):
-                    self._log.error("worker cannot connect: %s", exc)
+                # A server that never once spoke the protocol is the wrong server (or version).
+                wrong_server = isinstance(exc, WorkerProtocolError) and not self._ready.is_set()
+                if is_fatal_dial_error(exc) or wrong_server:
+                    self._log.error("worker cannot connect to %s: %s", self._server, exc)
                     self._fail(exc)
                     return
                 if not isinstance(exc, OrbitError | OSError):
@@ -657,7 +698,10 @@ class Worker:
                     self._fail(exc)
                     return
                 failures += 1
-                self._log.warning("connect failed (%s); retrying", type(exc).__name__)
+                # Where and why (errors never carry the token), not only the exception's type.
+                self._log.warning(
+                    "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
+                )
                 continue
             # A welcome arrived: the server is reachable and accepts us. Whatever ends this
             # session, the next reconnect starts again from the shortest delay, so a link that
@@ -686,6 +730,12 @@ class Worker:
         )
         return conn
 
+    @property
+    def _server(self) -> str:
+        """The server's URL for log lines (a Client's base_url carries no credentials)."""
+        url = getattr(self._client, "base_url", None)
+        return url if isinstance(url, str) else "the Orbit server"
+
     def _session(self, conn: Connection) -> None:
         """Reconcile, publish and serve one connection until it ends."""
         gen: int | None = None
@@ -713,7 +763,12 @@ class Worker:
                     self._log.error("worker rejected by the server: %s", exc)
                     self._fail(exc)
                 elif isinstance(exc, OrbitError):
-                    self._log.warning("connection lost (%s); reconnecting", type(exc).__name__)
+                    self._log.warning(
+                        "connection to %s lost (%s: %s); reconnecting",
+                        self._server,
+                        type(exc).__name__,
+                        exc,
+                    )
                 else:
                     self._log.exception("connection failed unexpectedly; reconnecting")
         finally:

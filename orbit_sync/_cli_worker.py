@@ -1,0 +1,305 @@
+"""``orbit-sync worker MODULE:ATTRIBUTE``: load a Worker, apply the command line, run it.
+
+Exit statuses, for process supervisors (systemd ``RestartPreventExitStatus=``, Kubernetes, ...):
+
+====  ======================================================================================
+0     clean stop: a signal, and every handler returned within the drain
+1     the worker could not be loaded or failed unexpectedly (a bug: see the log)
+2     usage error: bad option, malformed target, unreadable token file
+3     forced stop: handlers were cancelled or abandoned (a second signal, or the drain timed
+      out), or a finish could not be delivered; the server retries or reviews those tasks
+4     the server refused the credentials (HTTP 401/403, ``UNAUTHENTICATED``,
+      ``PERMISSION_DENIED``): restarting will not help until the token or its scopes change
+5     the server broke the protocol or refused the worker's registration (wrong URL, not an
+      Orbit server, incompatible version): restarting will not help either
+====  ======================================================================================
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import logging
+import os
+import platform
+import sys
+import traceback
+from typing import Any
+
+from .client import Client, read_token_file
+from .errors import HTTPError, WorkerError, WorkerProtocolError
+from .models import ID_RE, MAX_CAPACITY
+
+__all__ = [
+    "EXIT_AUTH",
+    "EXIT_FAILED",
+    "EXIT_FORCED",
+    "EXIT_OK",
+    "EXIT_PROTOCOL",
+    "EXIT_USAGE",
+    "add_arguments",
+    "run",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_FORCED = 3
+EXIT_AUTH = 4
+EXIT_PROTOCOL = 5
+
+DESCRIPTION = """\
+Import MODULE:ATTRIBUTE and run the orbit_sync.worker.Worker it names until SIGTERM/SIGINT.
+ATTRIBUTE (dotted paths allowed) is a Worker, or a function without arguments returning one
+(a factory). The current directory is importable.
+
+The options override what the module configured: --url, --queue and --token-file replace its
+client and queue; --capacity and --drain-timeout its limits. Before the module is imported,
+--url and --queue are also put in $ORBIT_URL and $ORBIT_QUEUE_ID, and --token-file in
+$ORBIT_TOKEN_FILE, so a module that builds its client with Client.from_env() sees them. The token
+is read from $ORBIT_TOKEN or from --token-file, never from the command line (ps shows it to every
+user), and is never printed.
+
+The first SIGTERM/SIGINT drains: no new work, running handlers get --drain-timeout seconds to
+return. A second signal cancels them at once.
+"""
+
+EPILOG = """\
+exit status:
+  0  clean stop: every handler returned within the drain
+  1  the worker could not be loaded, or failed unexpectedly
+  2  usage error (bad option, malformed target, unreadable token file)
+  3  forced stop: handlers cancelled or abandoned, or a result not delivered
+  4  the server refused the credentials (401/403, UNAUTHENTICATED, PERMISSION_DENIED)
+  5  the server broke the protocol or refused the registration
+"""
+
+_LOG = logging.getLogger("orbit_sync.cli")
+
+
+def _capacity(text: str) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= MAX_CAPACITY:
+        raise argparse.ArgumentTypeError(f"expected an integer from 1 to {MAX_CAPACITY}")
+    return int(text)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected a number of seconds") from None
+    if not 0 <= value < float("inf"):  # also refuses NaN
+        raise argparse.ArgumentTypeError("expected a number of seconds >= 0")
+    return value
+
+
+def _queue(text: str) -> str:
+    if not ID_RE.fullmatch(text):
+        raise argparse.ArgumentTypeError("expected a queue id: 32 lowercase hex characters")
+    return text
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``worker`` subcommand's arguments."""
+    parser.add_argument("target", metavar="MODULE:ATTRIBUTE", help="where the Worker is")
+    parser.add_argument(
+        "--url", metavar="URL", help="the Orbit server, ws:// or wss:// (default: $ORBIT_URL)"
+    )
+    parser.add_argument(
+        "--queue", type=_queue, metavar="ID", help="the queue id (default: $ORBIT_QUEUE_ID)"
+    )
+    parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help="read the token from this file (default: $ORBIT_TOKEN, or $ORBIT_TOKEN_FILE)",
+    )
+    parser.add_argument(
+        "--capacity", type=_capacity, metavar="N", help="handler threads, 1-256 (default: module's)"
+    )
+    parser.add_argument(
+        "--drain-timeout",
+        type=_seconds,
+        metavar="S",
+        help="seconds running handlers get after the first signal (default: module's, 30)",
+    )
+
+
+def _error(message: str) -> None:
+    print(f"orbit-sync: {message}", file=sys.stderr)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Run the ``worker`` subcommand; returns the exit status."""
+    from .worker import Worker
+
+    target: str = args.target
+    module_name, sep, attribute = target.partition(":")
+    if not sep or not module_name or not attribute:
+        parser.error("the worker target must look like module:attribute")
+    token: str | None = None
+    if args.token_file is not None:
+        try:
+            token = read_token_file(args.token_file)
+        except ValueError as exc:
+            parser.error(str(exc))
+    _export(args)
+
+    worker = _load(target, module_name, attribute)
+    if worker is None:
+        return EXIT_FAILED
+    try:
+        worker = _apply_options(worker, args, token)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    assert isinstance(worker, Worker)
+    _banner(worker, target)
+    try:
+        report = worker.run()
+    except Exception as exc:
+        # The worker's errors never carry secrets (errors.py); show the type and message.
+        status = exit_status_for(exc)
+        _error(f"worker stopped on {type(exc).__name__}: {exc} (exit {status})")
+        if status == EXIT_FAILED:
+            traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
+        return status
+    forced = bool(not report.drained or report.abandoned or report.unreported)
+    status = EXIT_FORCED if forced else EXIT_OK
+    _error(
+        f"worker stopped (drained={report.drained}, cancelled={len(report.cancelled)},"
+        f" abandoned={len(report.abandoned)}, unreported={len(report.unreported)}; exit {status})"
+    )
+    return status
+
+
+def exit_status_for(exc: BaseException) -> int:
+    """The exit status for the error that stopped a worker."""
+    if isinstance(exc, HTTPError) and exc.status_code in (401, 403):
+        return EXIT_AUTH
+    if isinstance(exc, WorkerError) and exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+        return EXIT_AUTH
+    if isinstance(exc, WorkerProtocolError | WorkerError | HTTPError):
+        return EXIT_PROTOCOL
+    return EXIT_FAILED
+
+
+def _export(args: argparse.Namespace) -> None:
+    """Put the command line's connection settings where ``Client.from_env()`` looks."""
+    if args.url is not None:
+        os.environ["ORBIT_URL"] = args.url
+    if args.queue is not None:
+        os.environ["ORBIT_QUEUE_ID"] = args.queue
+    if args.token_file is not None:
+        # The file named on the command line wins over a token inherited in the environment.
+        os.environ.pop("ORBIT_TOKEN", None)
+        os.environ["ORBIT_TOKEN_FILE"] = os.path.abspath(args.token_file)
+
+
+def _load(target: str, module_name: str, attribute: str) -> Any:
+    """The Worker *target* names (calling a factory), or None after printing why not."""
+    from .worker import Worker
+
+    # Like `python -m`, let the current directory's modules be found.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in attribute.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as exc:
+        _error(f"cannot load {target}: {exc}")
+        return None
+    if isinstance(obj, Worker):
+        return obj
+    if not callable(obj):
+        _error(f"{target} is a {type(obj).__name__}, not an orbit_sync.worker.Worker")
+        return None
+    if _needs_arguments(obj):
+        _error(
+            f"{target} is a function that takes arguments (a handler?), not a Worker or a "
+            "factory: point at the Worker the handler is registered on, or at a function "
+            "without arguments that returns one"
+        )
+        return None
+    try:
+        made = obj()
+    except Exception:
+        _error(f"{target}() raised an exception:")
+        traceback.print_exc(file=sys.stderr)
+        return None
+    if not isinstance(made, Worker):
+        _error(f"{target}() returned a {type(made).__name__}, not an orbit_sync.worker.Worker")
+        return None
+    return made
+
+
+def _needs_arguments(fn: Any) -> bool:
+    """True when *fn* cannot be called without arguments (e.g. a ``(ctx, payload)`` handler)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without a signature: let the call decide
+        return False
+    required = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return any(
+        p.default is p.empty and (p.kind in required or p.kind is p.KEYWORD_ONLY)
+        for p in signature.parameters.values()
+    )
+
+
+def _apply_options(worker: Any, args: argparse.Namespace, token: str | None) -> Any:
+    """The worker with the command line's options applied (a new Worker when any is given)."""
+    changes: dict[str, Any] = {}
+    if args.capacity is not None:
+        changes["capacity"] = args.capacity
+    if args.drain_timeout is not None:
+        changes["drain_timeout"] = args.drain_timeout
+    if args.queue is not None:
+        changes["queue_id"] = args.queue
+    if args.url is not None or token is not None:
+        changes["client"] = _client(worker.options["client"], args.url, token)
+    if not worker.options.get("handle_signals", True):
+        changes["handle_signals"] = True  # a supervised process must drain on SIGTERM
+    return worker.with_options(**changes) if changes else worker
+
+
+def _client(current: object, url: str | None, token: str | None) -> Client:
+    """A Client for *url* (default: the current client's) with *token* (default: $ORBIT_TOKEN,
+    then the current client's)."""
+    if url is None:
+        url = getattr(current, "base_url", None)
+        if not isinstance(url, str):
+            raise ValueError("--token-file needs --url: the module's client has no base_url")
+    if token is None:
+        token = os.environ.get("ORBIT_TOKEN") or None
+    if token is None and isinstance(current, Client):
+        token = current._token  # same server, new address: keep the module's credentials
+    if token is None:
+        raise ValueError("no token: set $ORBIT_TOKEN or use --token-file")
+    return Client(url, token)
+
+
+def _banner(worker: Any, target: str) -> None:
+    """What is about to run, on stderr (stdout stays the application's). Never the token."""
+    options = worker.options
+    registration = worker.registration
+    client = options["client"]
+    server = getattr(client, "base_url", None) or type(client).__name__
+    handlers = ", ".join(
+        f"{c.handler} ({c.handler_version}/{c.payload_version})" for c in registration.capabilities
+    )
+    lines = [
+        f"orbit-sync {_version()} worker {target} (pid {os.getpid()},"
+        f" Python {platform.python_version()})",
+        f"  server:    {server}",
+        f"  queue:     {registration.queue_id}",
+        f"  capacity:  {registration.capacity}, drain timeout {options['drain_timeout']:g} s",
+        f"  handlers:  {handlers}",
+        "SIGTERM or Ctrl-C drains; a second signal stops at once.",
+    ]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _version() -> str:
+    from ._version import __version__
+
+    return __version__

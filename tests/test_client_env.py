@@ -1,0 +1,71 @@
+"""``Client.from_env()`` and ``read_token_file``: ORBIT_* settings, the token never echoed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orbit_sync import Client
+from orbit_sync.client import read_token_file
+
+TOKEN = "env-token-0123456789"
+
+
+def test_url_and_token_from_the_environment() -> None:
+    """ORBIT_URL and ORBIT_TOKEN make the client; its repr hides the token."""
+    client = Client.from_env({"ORBIT_URL": "ws://127.0.0.1:8765/", "ORBIT_TOKEN": TOKEN})
+    assert client.base_url == "ws://127.0.0.1:8765"
+    assert TOKEN not in repr(client)
+
+
+def test_token_from_a_file(tmp_path: Path) -> None:
+    """ORBIT_TOKEN_FILE names a file whose stripped content is the token."""
+    path = tmp_path / "token"
+    path.write_text(f"  {TOKEN}\n")
+    client = Client.from_env(
+        {"ORBIT_URL": "wss://orbit.example.com", "ORBIT_TOKEN_FILE": str(path)}
+    )
+    assert client.base_url == "wss://orbit.example.com"
+    assert read_token_file(path) == TOKEN
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"ORBIT_TOKEN": TOKEN}, "ORBIT_URL is not set"),
+        ({"ORBIT_URL": "ws://h"}, "ORBIT_TOKEN (or ORBIT_TOKEN_FILE) is not set"),
+        (
+            {"ORBIT_URL": "ws://h", "ORBIT_TOKEN": TOKEN, "ORBIT_TOKEN_FILE": "/x"},
+            "set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE",
+        ),
+        ({"ORBIT_URL": "http://h", "ORBIT_TOKEN": TOKEN}, "ws:// or wss://"),
+        ({"ORBIT_URL": "ws://h", "ORBIT_TOKEN": f"{TOKEN} x"}, "bearer token"),
+        ({"ORBIT_URL": "ws://h", "ORBIT_TOKEN_FILE": "/nonexistent"}, "/nonexistent"),
+    ],
+)
+def test_missing_or_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
+    """Each missing or bad setting raises ValueError naming it, never repeating the token."""
+    with pytest.raises(ValueError) as info:
+        Client.from_env(env)
+    assert message in str(info.value)
+    assert TOKEN not in str(info.value)
+
+
+def test_a_file_that_holds_no_token_is_refused_without_echo(tmp_path: Path) -> None:
+    """Content that is not one bearer token (empty, words, binary) is refused; never shown."""
+    path = tmp_path / "token"
+    for content in (b"", b"two words-0123", b"\xff\xfe secret"):
+        path.write_bytes(content)
+        with pytest.raises(ValueError) as info:
+            read_token_file(path)
+        assert str(path) in str(info.value)
+        assert "words" not in str(info.value) and "secret" not in str(info.value)
+
+
+def test_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without an argument, os.environ is read."""
+    monkeypatch.setenv("ORBIT_URL", "ws://127.0.0.1:1")
+    monkeypatch.setenv("ORBIT_TOKEN", TOKEN)
+    monkeypatch.delenv("ORBIT_TOKEN_FILE", raising=False)
+    assert Client.from_env().base_url == "ws://127.0.0.1:1"
