@@ -3,6 +3,7 @@ stopped with real signals."""
 
 from __future__ import annotations
 
+import re
 import signal
 import socket
 import subprocess
@@ -132,8 +133,9 @@ def test_worker_command_runs_handlers_until_sigterm(
     assert "capacity:  1, drain timeout 5 s" in banner
     assert "echo (1/1), gate (1/1), slow (1/1)" in banner
     assert proc.stop(signal.SIGTERM) == 0
-    assert "SIGTERM received: draining 0 tasks (up to 5s), SIGTERM again to stop now" in (
-        proc.stderr
+    # The echo attempt may still count while its finish's answer is on its way.
+    assert re.search(
+        r"SIGTERM received: draining [01] tasks? \(up to 5s\), SIGTERM again", proc.stderr
     )
     assert "worker stopped (drained=True" in proc.stderr and "exit 0)" in proc.stderr
     assert orbit_server.token not in proc.stderr + proc.stdout
