@@ -24,6 +24,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as _dt
+import inspect
 import json
 import math
 import queue
@@ -43,6 +44,12 @@ SUBPROTOCOL = "pulse.worker.v1"
 CONNECT_PATH = "/v1/worker/connect"
 MAX_FRAME = 524_288  # §2
 MAX_RESULT = 262_144  # §2
+
+#: websockets 17 warns unless connect() is a context manager or ``legacy=True`` is passed;
+#: websockets 16 (the last release for Python 3.10) has no such argument.
+LEGACY: dict[str, Any] = (
+    {"legacy": True} if "legacy" in inspect.signature(connect).parameters else {}
+)
 
 ID_RE = re.compile(r"[0-9a-f]{32}")
 DECIMAL_RE = re.compile(r"0|[1-9][0-9]*")
@@ -817,7 +824,7 @@ class RawClient:
             close_timeout=1,
             ping_interval=None,
             max_size=4 * MAX_FRAME,
-            legacy=True,
+            **LEGACY,
         )
 
     def __enter__(self) -> RawClient:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 import json
 import socket
 import time
@@ -29,6 +30,12 @@ from orbit_sync.models import (
     new_secret,
 )
 from orbit_sync.testing import MockOrbitServer
+
+#: websockets 17 warns unless connect() is a context manager or ``legacy=True`` is passed;
+#: websockets 16 (the last release for Python 3.10) has no such argument.
+LEGACY: dict[str, Any] = (
+    {"legacy": True} if "legacy" in inspect.signature(connect).parameters else {}
+)
 
 CAP = Capability("resize", "1", "1")
 
@@ -81,7 +88,7 @@ class RawClient:
             "open_timeout": 5,
             "close_timeout": 1,
             "max_size": None,
-            "legacy": True,
+            **LEGACY,
         }
         options.update(kw)
         self.ws = connect(self.server.url + path, **options)
