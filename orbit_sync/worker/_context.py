@@ -54,6 +54,7 @@ class TaskContext:
         "_lock",
         "_log",
         "_reason",
+        "_watchers",
         "attempt_id",
         "cancelled",
         "logger",
@@ -86,6 +87,9 @@ class TaskContext:
         self._reason: str | None = None
         self._cancel_requested = False
         self._lock = threading.Lock()
+        # Called (no arguments, on the changing thread) after a cancel or a deadline change:
+        # the process executor relays both to the handler's child process.
+        self._watchers: tuple[Callable[[], None], ...] = ()
 
     # ------------------------------------------------------------------ handler API
 
@@ -152,6 +156,16 @@ class TaskContext:
 
     def _set_deadline(self, deadline: float | None) -> None:
         self._deadline = deadline
+        for watcher in self._watchers:
+            watcher()
+
+    def _watch(self, watcher: Callable[[], None]) -> None:
+        with self._lock:
+            self._watchers = (*self._watchers, watcher)
+
+    def _unwatch(self, watcher: Callable[[], None]) -> None:
+        with self._lock:
+            self._watchers = tuple(w for w in self._watchers if w is not watcher)
 
     def _cancel(self, reason: str) -> bool:
         """Cancel with *reason*; True when this call cancelled it (the first reason wins)."""
@@ -164,4 +178,6 @@ class TaskContext:
                 return False
             self._reason = reason
         self.cancelled.set()
+        for watcher in self._watchers:
+            watcher()
         return True

@@ -74,6 +74,7 @@ from ._hooks import (
 from ._link import Connection, Dialer, GaveUp, Link
 from ._outcomes import HANDLER_ERROR, Verdict, abandoned, not_run, outcome_of
 from ._pool import DaemonPool
+from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._watchdog import LeaseWatchdog, WatchdogThread
 
@@ -243,6 +244,11 @@ class Worker:
     thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``);
     ``ctx.logger`` logs under ``orbit_sync.task.<handler>``.
 
+    Handlers registered with ``executor="process"`` run in child processes (spawned lazily, at
+    most *process_pool* of them, default one per CPU), so CPU-bound work neither holds the GIL
+    against lease renewals nor shares the process with the connection: see
+    ``docs/process-executor.md``.
+
     Results are encoded by *result_converter* (a cattrs converter; default
     :func:`~orbit_sync.worker.result_converter`, which knows datetimes, ``Decimal``, ``UUID``,
     enums, attrs classes and dataclasses) when the handler returns. *listeners*
@@ -274,6 +280,7 @@ class Worker:
         result_converter: cattrs.BaseConverter | None = None,
         listeners: Iterable[object] = (),
         clock: WorkerClock | None = None,
+        process_pool: int | None = None,
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
@@ -364,17 +371,30 @@ class Worker:
         )
         self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
         self._pool = DaemonPool(capacity, clock=self._time)
+        # Child processes for handlers registered with executor="process"; none start before
+        # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
+        if process_pool is not None and (type(process_pool) is not int or process_pool < 1):
+            raise ValueError("process_pool must be a positive int (child processes)")
+        self._process_pool_size = process_pool
+        self._processes: ProcessPool | None = None
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ registration
 
     def handler(
-        self, name: str, *, version: str | int = "1", payload_version: str | int = "1"
+        self,
+        name: str,
+        *,
+        version: str | int = "1",
+        payload_version: str | int = "1",
+        executor: str = "thread",
     ) -> Callable[[H], H]:
         """Register the decorated function for (*name*, *version*, *payload_version*).
 
-        The function is called as ``fn(ctx, payload)`` on a pool thread. Use it with a name,
-        ``@worker.handler("resize")``: the bare ``@worker.handler`` raises ``TypeError``.
+        The function is called as ``fn(ctx, payload)`` on a pool thread, or, with
+        ``executor="process"``, in a child process of the worker's process pool (see
+        *process_pool*). Use it with a name, ``@worker.handler("resize")``: the bare
+        ``@worker.handler`` raises ``TypeError``.
         """
         if callable(name) and not isinstance(name, str):
             raise TypeError(
@@ -383,7 +403,9 @@ class Worker:
             )
 
         def register(fn: H) -> H:
-            self.register(name, fn, version=version, payload_version=payload_version)
+            self.register(
+                name, fn, version=version, payload_version=payload_version, executor=executor
+            )
             return fn
 
         return register
@@ -395,12 +417,18 @@ class Worker:
         *,
         version: str | int = "1",
         payload_version: str | int = "1",
+        executor: str = "thread",
     ) -> None:
         """Register *fn* as a handler (the non-decorator form of :meth:`handler`).
 
-        Raises ``TypeError`` when *fn* cannot be called as ``fn(ctx, payload)``.
+        Raises ``TypeError`` when *fn* cannot be called as ``fn(ctx, payload)``, or, with
+        ``executor="process"``, when it cannot be sent to a child process by reference.
         """
+        if executor not in ("thread", "process"):
+            raise ValueError('executor must be "thread" or "process"')
         _check_handler_signature(fn)
+        if executor == "process":
+            check_process_handler(fn)
         cap = Capability(name, version, payload_version)  # validates the names
         key = (cap.handler, cap.handler_version, cap.payload_version)
         with self._cond:
@@ -410,6 +438,11 @@ class Worker:
                 raise ValueError(
                     f"handler {name!r} version {key[1]}/{key[2]} is already registered"
                 )
+            if executor == "process":
+                if self._processes is None:
+                    size = self._process_pool_size or os.cpu_count() or 1
+                    self._processes = ProcessPool(size, cancel_grace=self._cancel_grace)
+                fn = ProcessHandler(fn, self._processes)
             self._handlers[key] = fn
             self._task_logs.setdefault(cap.handler, task_logger(cap.handler))
 
@@ -1316,6 +1349,8 @@ class Worker:
         with self._cond:
             stuck = sum(1 for a in gave_up if not a.handler_done)
         self._pool.shutdown(close_end, stuck=stuck)
+        if self._processes is not None:
+            self._processes.close()
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, close_end - self._clock()))

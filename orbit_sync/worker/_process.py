@@ -1,0 +1,497 @@
+"""The process executor: handlers that run in child processes, with the lease kept by the parent.
+
+A thread-based handler shares the GIL with the connection's reader and the lease watchdog, so
+a CPU-bound handler makes renewals late. A handler registered with ``executor="process"`` runs
+in a child process instead; the parent's pool thread only relays:
+
+- parent -> child: the job (the handler, by reference, and the task), then cancellations and
+  lease-deadline updates as they happen (the child's ``TaskContext`` is a real one, driven by a
+  control thread, so ``ctx.cancelled``, ``raise_if_cancelled()``, ``sleep()`` and
+  ``remaining()`` behave as on a thread; the child never talks to the server);
+- child -> parent: log records (re-emitted under the same logger names) and how the handler
+  ended (a value, ``Fail``, ``UnknownEffect``, a cancellation, or another exception's type).
+
+Bounded exit: a child that ignores a cancellation for *cancel_grace* is terminated (SIGTERM,
+then SIGKILL) and the attempt ends ``UNKNOWN`` with ``HANDLER_TERMINATED``; a child that dies
+(segfault, OOM kill, ``os._exit``) is seen at once through its process sentinel and the attempt
+ends ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``. The pool replaces such a child on next use.
+
+Children are started with ``spawn`` (never ``fork``: the parent is threaded), lazily, and never
+receive the connection, the token (``ORBIT_TOKEN`` is removed from their environment) or any
+lease or instance secret: a job carries the ``Task`` (payload and ids) and the attempt id only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from ..models import Task
+from ._context import TaskContext
+from ._outcomes import Fail, TaskCancelled, UnknownEffect
+
+__all__ = [
+    "HANDLER_IMPORT_ERROR",
+    "HANDLER_PROCESS_DIED",
+    "HANDLER_TERMINATED",
+    "ProcessHandler",
+    "ProcessPool",
+    "check_process_handler",
+]
+
+_LOG = logging.getLogger("orbit_sync.worker")
+
+#: The child died while running the handler: its effect is uncertain.
+HANDLER_PROCESS_DIED = "HANDLER_PROCESS_DIED"
+#: The child ignored a cancellation for ``cancel_grace`` and was terminated.
+HANDLER_TERMINATED = "HANDLER_TERMINATED"
+#: The handler could not be loaded in the child (its module failed to import there).
+HANDLER_IMPORT_ERROR = "HANDLER_IMPORT_ERROR"
+
+#: Environment variables a child must not inherit: credentials stay in the parent.
+_SECRET_ENV = ("ORBIT_TOKEN",)
+#: After SIGTERM, how long a terminated child gets before SIGKILL.
+_KILL_AFTER = 1.0
+_env_lock = threading.Lock()
+
+
+def check_process_handler(fn: Callable[..., Any]) -> None:
+    """Raise ``TypeError`` unless *fn* can be sent to a child process by reference."""
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(
+            f"handler {name} cannot run in a process: it must be a module-level function "
+            f"importable by its name (not a lambda, closure or nested function): {exc}"
+        ) from None
+
+
+# ---------------------------------------------------------------------------- child side
+
+
+class _PipeLogHandler(logging.Handler):
+    """Sends each record, formatted and made picklable, to the parent."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        super().__init__()
+        self._send = send
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            data = dict(record.__dict__)
+            data["msg"] = record.getMessage()
+            data["args"] = None
+            if record.exc_info:
+                data["exc_text"] = logging.Formatter().formatException(record.exc_info)
+            data["exc_info"] = None
+            # Extras a user attached may not pickle: keep what surely does.
+            for key, value in list(data.items()):
+                if not isinstance(value, str | int | float | bool | type(None)):
+                    del data[key]
+            self._send(("log", data))
+        except Exception:  # a log line must never break the handler
+            self.handleError(record)
+
+
+class _Child:
+    """The loop of one child process: one job at a time, controlled by the parent."""
+
+    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+        self._conn = conn
+        self._send_lock = threading.Lock()
+        self._jobs: list[tuple[Any, ...]] = []
+        self._cond = threading.Condition()
+        self._ctx: TaskContext | None = None
+        self._job: int | None = None
+        self._closed = False
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._conn.send(message)
+
+    def control(self) -> None:
+        """Runs on a thread: applies the parent's cancels and deadlines to the running job."""
+        try:
+            while True:
+                message = self._conn.recv()
+                kind = message[0]
+                with self._cond:
+                    if kind == "run":
+                        self._jobs.append(message)
+                        self._cond.notify()
+                        continue
+                    if kind == "exit":
+                        break
+                    ctx = self._ctx if message[1] == self._job else None
+                if ctx is None:
+                    continue
+                if kind == "cancel":
+                    _, _, reason, requested = message
+                    ctx._cancel(reason)
+                    if requested:
+                        ctx._cancel("cancel_requested")
+                elif kind == "deadline":
+                    ctx._set_deadline(message[2])
+        except (EOFError, OSError):
+            pass  # the parent went away: nothing is left to report to
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+
+    def serve(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                _, job, fn_bytes, task, attempt_id, deadline = self._jobs.pop(0)
+            self.send(("done", job, *self._run(job, fn_bytes, task, attempt_id, deadline)))
+
+    def _run(
+        self, job: int, fn_bytes: bytes, task: Task, attempt_id: str, deadline: float | None
+    ) -> tuple[str, Any]:
+        try:
+            fn = pickle.loads(fn_bytes)
+        except BaseException as exc:
+            logging.getLogger("orbit_sync.worker").error(
+                "could not load handler %r in its process", task.handler, exc_info=True
+            )
+            return "import_error", _type_name(exc)
+        ctx = TaskContext(task, attempt_id, deadline=deadline)
+        with self._cond:
+            self._ctx, self._job = ctx, job
+        try:
+            value = fn(ctx, task.payload)
+        except Fail as exc:
+            return "fail", (exc.code, exc.message, exc.retryable, exc.details)
+        except UnknownEffect as exc:
+            return "unknown", (exc.code, exc.message, exc.details)
+        except TaskCancelled as exc:
+            return "cancelled", exc.reason
+        except BaseException as exc:
+            # The type goes to the server (as on a thread); the traceback to the parent's log.
+            return "error", (_type_name(exc), traceback.format_exc())
+        finally:
+            with self._cond:
+                self._ctx, self._job = None, None
+        try:
+            pickle.dumps(value)
+        except Exception:
+            return "unpicklable", _type_name(value)
+        return "value", value
+
+
+def _type_name(obj: object) -> str:
+    kind = obj if isinstance(obj, type) else type(obj)
+    if kind.__module__ == "builtins":
+        return kind.__qualname__
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _child_main(conn: multiprocessing.connection.Connection, log_level: int) -> None:
+    """Entry point of a child process."""
+    for name in _SECRET_ENV:
+        os.environ.pop(name, None)
+    child = _Child(conn)
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    root.addHandler(_PipeLogHandler(child.send))
+    root.setLevel(log_level)
+    threading.Thread(target=child.control, name="orbit-process-control", daemon=True).start()
+    child.serve()
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+def _remote_error(name: str, child_traceback: str) -> BaseException:
+    """An exception whose type carries the child's exception name (for ``HANDLER_ERROR``).
+
+    Its message is the child's traceback, for the parent's log line; it never goes to the server.
+    """
+    module, _, qualname = name.rpartition(".")
+    kind = type(qualname.rsplit(".", 1)[-1], (Exception,), {})
+    kind.__module__ = module or "builtins"
+    kind.__qualname__ = qualname
+    error: BaseException = kind(f"raised in the handler's process:\n{child_traceback}")
+    return error
+
+
+class _Process:
+    """One child process and the parent's end of its pipe."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, mp: Any, log_level: int) -> None:
+        self.conn, child_conn = mp.Pipe()
+        self.proc = mp.Process(
+            target=_child_main,
+            args=(child_conn, log_level),
+            name=f"orbit-handler-{next(self._ids)}",
+            daemon=True,
+        )
+        with _env_lock:
+            # spawn starts the child with this process's environment: lend it none of the
+            # credentials for the moment of the start.
+            saved = {k: os.environ.pop(k) for k in _SECRET_ENV if k in os.environ}
+            try:
+                self.proc.start()
+            finally:
+                os.environ.update(saved)
+        child_conn.close()
+        self.healthy = True
+        self._send_lock = threading.Lock()
+        # A wake-up pair: a context change on another thread interrupts the relay's wait.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._jobs = itertools.count(1)
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self.conn.send(message)
+
+    def poke(self) -> None:
+        # A full buffer means already poked; closed means the relay has ended: both are fine.
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"\0")
+
+    def _drain_wake(self) -> None:
+        try:
+            while self._wake_r.recv(512):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def run(self, fn_bytes: bytes, ctx: TaskContext, cancel_grace: float) -> tuple[str, Any]:
+        """Run one job; relay until it ends. Returns ``(kind, data)`` as the child sent it."""
+        job = next(self._jobs)
+        sent_deadline = ctx._deadline
+        self.send(("run", job, fn_bytes, ctx.task, ctx.attempt_id, sent_deadline))
+        ctx._watch(self.poke)
+        cancelled_at: float | None = None
+        try:
+            while True:
+                timeout = None
+                if ctx.cancelled.is_set():
+                    now = time.monotonic()
+                    if cancelled_at is None:
+                        cancelled_at = now
+                        self.send(
+                            ("cancel", job, ctx.cancel_reason or "shutdown", ctx.cancel_requested)
+                        )
+                    timeout = cancelled_at + cancel_grace - now
+                    if timeout <= 0:
+                        # SIGTERM, then SIGKILL: the attempt is finished only once it is gone.
+                        self.stop(kill=True)
+                        return "terminated", self.proc.exitcode
+                deadline = ctx._deadline
+                if deadline != sent_deadline:
+                    sent_deadline = deadline
+                    self.send(("deadline", job, deadline))
+                ready = multiprocessing.connection.wait(
+                    [self.conn, self.proc.sentinel, self._wake_r], timeout
+                )
+                if self._wake_r in ready:
+                    self._drain_wake()
+                if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
+                    try:
+                        message = self.conn.recv()
+                    except (EOFError, OSError):
+                        return "died", self._exit_code()
+                    if message[0] == "log":
+                        _relog(message[1])
+                    elif message[0] == "done" and message[1] == job:
+                        return message[2], message[3]
+                elif self.proc.sentinel in ready:
+                    return "died", self._exit_code()
+        except (BrokenPipeError, EOFError, OSError):
+            return "died", self._exit_code()
+        finally:
+            ctx._unwatch(self.poke)
+
+    def _exit_code(self) -> int | None:
+        self.healthy = False
+        self.proc.join(_KILL_AFTER)
+        code: int | None = self.proc.exitcode
+        return code
+
+    def stop(self, *, kill: bool) -> None:
+        """End the child: ask nicely unless *kill*; SIGTERM, then SIGKILL if it lingers."""
+        self.healthy = False
+        if self.conn.closed:
+            return
+        if not kill and self.proc.is_alive():
+            with contextlib.suppress(OSError):
+                self.send(("exit",))
+            self.proc.join(_KILL_AFTER)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(_KILL_AFTER)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(_KILL_AFTER)
+        self.conn.close()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _relog(data: dict[str, Any]) -> None:
+    logger = logging.getLogger(data.get("name") or "")
+    level = data.get("levelno", logging.INFO)
+    if logger.isEnabledFor(level):
+        logger.handle(logging.makeLogRecord(data))
+
+
+class ProcessPool:
+    """Up to *size* child processes, started on first use and replaced when one dies."""
+
+    def __init__(self, size: int, *, cancel_grace: float) -> None:
+        if type(size) is not int or size < 1:
+            raise ValueError("process_pool must be a positive int")
+        self.size = size
+        self._cancel_grace = cancel_grace
+        self._mp = multiprocessing.get_context("spawn")
+        self._cond = threading.Condition()
+        self._idle: list[_Process] = []
+        self._live = 0
+        self._busy: set[_Process] = set()
+        self._closed = False
+
+    @property
+    def started(self) -> int:
+        """How many child processes are alive or starting."""
+        with self._cond:
+            return self._live
+
+    def run(self, fn_bytes: bytes, ctx: TaskContext) -> tuple[str, Any]:
+        """Run one job on a free child (waiting for one if all are busy)."""
+        child = self._acquire()
+        try:
+            outcome = child.run(fn_bytes, ctx, self._cancel_grace)
+        except BaseException:
+            child.healthy = False
+            raise
+        finally:
+            self._release(child)
+        return outcome
+
+    def _acquire(self) -> _Process:
+        with self._cond:
+            while True:
+                if self._closed:
+                    raise RuntimeError("the process pool is closed")
+                if self._idle:
+                    child = self._idle.pop()
+                    self._busy.add(child)
+                    return child
+                if self._live < self.size:
+                    self._live += 1
+                    break
+                self._cond.wait()
+        try:
+            # Started outside the lock: a spawn takes a while and must not hold up releases.
+            child = _Process(self._mp, logging.getLogger().getEffectiveLevel())
+        except BaseException:
+            with self._cond:
+                self._live -= 1
+                self._cond.notify()
+            raise
+        with self._cond:
+            self._busy.add(child)
+        return child
+
+    def _release(self, child: _Process) -> None:
+        keep = child.healthy and child.proc.is_alive()
+        if not keep:
+            child.stop(kill=True)
+        with self._cond:
+            self._busy.discard(child)
+            if keep and not self._closed:
+                self._idle.append(child)
+            else:
+                self._live -= 1
+                if keep:
+                    child.healthy = False
+            self._cond.notify()
+        if keep and self._closed:
+            child.stop(kill=False)
+
+    def close(self) -> None:
+        """Stop every child: idle ones exit; busy ones (abandoned handlers) are terminated."""
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            busy = list(self._busy)
+            self._live -= len(idle)
+            self._cond.notify_all()
+        for child in idle:
+            child.stop(kill=False)
+        for child in busy:
+            child.stop(kill=True)
+
+
+class ProcessHandler:
+    """Wraps a handler so that each call runs in a child of *pool*."""
+
+    def __init__(self, fn: Callable[[TaskContext, Any], Any], pool: ProcessPool) -> None:
+        check_process_handler(fn)
+        self.fn = fn
+        self._fn_bytes = pickle.dumps(fn)
+        self._pool = pool
+        self.__name__ = getattr(fn, "__name__", "handler")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, ctx: TaskContext, payload: Any) -> Any:
+        kind, data = self._pool.run(self._fn_bytes, ctx)
+        if kind == "value":
+            return data
+        if kind == "fail":
+            code, message, retryable, details = data
+            raise Fail(code, message, retryable=retryable, details=details)
+        if kind == "unknown":
+            code, message, details = data
+            raise UnknownEffect(code, message, details=details)
+        if kind == "cancelled":
+            raise TaskCancelled(data)
+        if kind == "error":
+            raise _remote_error(*data)
+        if kind == "unpicklable":
+            raise Fail(
+                "RESULT_NOT_JSON",
+                f"the handler returned a {data}, which cannot leave its process (not picklable)",
+            )
+        if kind == "import_error":
+            raise Fail(
+                HANDLER_IMPORT_ERROR,
+                f"the handler could not be loaded in its process ({data}); see the worker log",
+            )
+        if kind == "terminated":
+            ctx._log.warning(
+                "handler ignored its cancellation (%s) for %.1f s: process terminated",
+                ctx.cancel_reason,
+                self._pool._cancel_grace,
+            )
+            raise UnknownEffect(
+                HANDLER_TERMINATED,
+                "the handler ignored its cancellation and its process was terminated",
+            )
+        ctx._log.error("the handler's process died (exit code %s)", data)
+        raise UnknownEffect(HANDLER_PROCESS_DIED, f"the handler's process died (exit code {data})")
+
+    def __repr__(self) -> str:
+        return f"<ProcessHandler {self.__qualname__}>"

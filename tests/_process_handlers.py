@@ -1,0 +1,88 @@
+"""Handlers for the process-executor tests: module-level, so a spawned child can import them.
+
+A handler reports to the test through files named in its payload (another process cannot set a
+``threading.Event``): it writes ``started`` when it runs, and some wait for a ``release`` file.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from orbit_sync.worker import Fail, TaskContext, UnknownEffect
+
+AT = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
+
+
+def _started(payload: dict[str, Any]) -> None:
+    Path(payload["dir"], f"started-{os.getpid()}-{time.monotonic_ns()}").write_text("")
+
+
+def facts(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """What the child can see: its pid, the token variable, the deadline, a datetime result."""
+    ctx.logger.info("hello from pid %d", os.getpid())
+    logging.getLogger("user.lib").warning("library line from the child")
+    return {
+        "pid": os.getpid(),
+        "token_in_env": "ORBIT_TOKEN" in os.environ,
+        "remaining": ctx.remaining(),
+        "attempt": ctx.attempt,
+        "payload": payload["n"],
+        "at": AT,
+    }
+
+
+def fail(ctx: TaskContext, payload: Any) -> Any:
+    """A FAILED outcome with details."""
+    raise Fail("DENIED", "no access", details={"user": 7})
+
+
+def unsure(ctx: TaskContext, payload: Any) -> Any:
+    """An UNKNOWN outcome."""
+    raise UnknownEffect("CHARGE_UNCONFIRMED", "gateway timed out")
+
+
+class QuotaError(Exception):
+    """An exception type the server sees by name only."""
+
+
+def broken(ctx: TaskContext, payload: Any) -> Any:
+    """Any other exception: HANDLER_ERROR naming the child's exception type."""
+    raise QuotaError("password=hunter2 rejected")
+
+
+def unpicklable(ctx: TaskContext, payload: Any) -> Any:
+    """A result that cannot leave the child."""
+    return {"lock": __import__("threading").Lock()}
+
+
+def cooperative(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Waits, honouring cancellation, until cancelled."""
+    _started(payload)
+    while True:
+        ctx.sleep(0.05)
+
+
+def stubborn(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Ignores cancellation (and SIGTERM's default is kept: it dies on it)."""
+    _started(payload)
+    while True:
+        time.sleep(0.05)
+
+
+def dies(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Exits the process mid-handler, as an OOM kill or a crash would."""
+    _started(payload)
+    if payload.get("signal"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    os._exit(3)
+
+
+def pid(ctx: TaskContext, payload: Any) -> Any:
+    """Just the child's pid."""
+    return {"pid": os.getpid()}
