@@ -439,10 +439,17 @@ class ProcessPool:
             busy = list(self._busy)
             self._live -= len(idle)
             self._cond.notify_all()
+        # All at once, under one deadline: stop() has a time bound to keep.
         for child in idle:
-            child.stop(kill=False)
+            with contextlib.suppress(OSError):
+                child.send(("exit",))
         for child in busy:
-            child.stop(kill=True)
+            child.proc.terminate()
+        deadline = time.monotonic() + _KILL_AFTER
+        for child in idle + busy:
+            child.proc.join(max(0.0, deadline - time.monotonic()))
+        for child in idle + busy:
+            child.stop(kill=True)  # SIGKILL for any that lingered; closes the pipes
 
 
 class ProcessHandler:
