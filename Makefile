@@ -33,6 +33,7 @@ BENCH_PY := benchmarks/.venv/bin/python
 bench:
 	$(PYTHON) benchmarks/setup_env.py
 	$(BENCH_PY) benchmarks/run.py $(BENCH_ARGS)
+	$(BENCH_PY) benchmarks/beyond.py $(if $(findstring --quick,$(BENCH_ARGS)),--quick,)
 
 # A Worker through a TCP proxy with ~90 ms round trips that cuts connections every ~0.3 s on
 # average: 1,000 tasks per seed, with and without cuts; prints the throughput ratio per seed.

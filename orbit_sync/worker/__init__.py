@@ -21,6 +21,7 @@ from ._hooks import (
     SessionEvent,
     WorkerListener,
 )
+from ._outbox import OutboxError
 from ._outcomes import Fail, TaskCancelled, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
@@ -37,6 +38,7 @@ __all__ = [
     "Handler",
     "HandlerEnvironment",
     "LeaseEvent",
+    "OutboxError",
     "SessionEvent",
     "ShutdownReport",
     "TaskCancelled",

@@ -43,6 +43,7 @@ __all__ = [
     "UnknownEffect",
     "Verdict",
     "not_run",
+    "outbox_unavailable",
     "outcome_of",
 ]
 
@@ -240,6 +241,22 @@ def outcome_of(
         HANDLER_ERROR,
         False,
         duration=duration,
+    )
+
+
+#: The durable outbox could not record the launch, so the handler was not run.
+OUTBOX_UNAVAILABLE = "OUTBOX_UNAVAILABLE"
+
+
+def outbox_unavailable() -> Verdict:
+    """The finish for an attempt not run because its launch could not be recorded: nothing
+    happened, so it is a retryable ``FAILED``."""
+    return Verdict(
+        Outcome.FAILED,
+        {"error": OUTBOX_UNAVAILABLE, "ran": False},
+        OUTBOX_UNAVAILABLE,
+        True,
+        ran=False,
     )
 
 

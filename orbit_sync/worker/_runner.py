@@ -72,9 +72,18 @@ from ._hooks import (
     SessionEvent,
 )
 from ._link import Connection, Dialer, GaveUp, Link
-from ._outcomes import HANDLER_ERROR, Verdict, abandoned, not_run, outcome_of
+from ._outbox import Outbox
+from ._outcomes import (
+    HANDLER_ERROR,
+    Verdict,
+    abandoned,
+    not_run,
+    outbox_unavailable,
+    outcome_of,
+)
 from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
+from ._replay import replay
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._watchdog import LeaseWatchdog, WatchdogThread
 
@@ -249,6 +258,10 @@ class Worker:
     against lease renewals nor shares the process with the connection: see
     ``docs/process-executor.md``.
 
+    With *outbox* (a file path), launches and finishes are committed to a durable SQLite
+    outbox, so a process killed with ``kill -9`` loses no result: the next worker started with
+    the same path delivers what it left (see ``docs/outbox.md``).
+
     Results are encoded by *result_converter* (a cattrs converter; default
     :func:`~orbit_sync.worker.result_converter`, which knows datetimes, ``Decimal``, ``UUID``,
     enums, attrs classes and dataclasses) when the handler returns. *listeners*
@@ -281,6 +294,7 @@ class Worker:
         listeners: Iterable[object] = (),
         clock: WorkerClock | None = None,
         process_pool: int | None = None,
+        outbox: str | os.PathLike[str] | None = None,
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
@@ -377,6 +391,12 @@ class Worker:
             raise ValueError("process_pool must be a positive int (child processes)")
         self._process_pool_size = process_pool
         self._processes: ProcessPool | None = None
+        # Opened by start(), not here: a process-executor child imports the module that builds
+        # this Worker, and must not contend for the parent's outbox lock.
+        if outbox is not None and not isinstance(outbox, str | os.PathLike):
+            raise TypeError("outbox must be a file path")
+        self._outbox_path = outbox
+        self._outbox: Outbox | None = None
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ registration
@@ -504,11 +524,18 @@ class Worker:
             registration.capacity,
             ", ".join(f"{c.handler}@{c.handler_version}" for c in registration.capabilities),
         )
+        if self._outbox_path is not None:
+            # Raises OutboxError (before anything is sent) for a file we must not use.
+            self._outbox = Outbox(self._outbox_path)
+            self._outbox.register(registration)
         self._watchdog_thread.start()
-        for target, name in (
+        targets = [
             (self._connection_main, "orbit-worker-connection"),
             (self._supervisor_main, "orbit-worker-supervisor"),
-        ):
+        ]
+        if self._outbox is not None:
+            targets.append((self._replay_main, "orbit-worker-outbox"))
+        for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
             self._threads.append(thread)
             thread.start()
@@ -1064,6 +1091,9 @@ class Worker:
             reason = ctx.cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
             verdict = not_run(cancel_requested=ctx.cancel_requested, reason=reason)
             ctx._log.info("started but not run (%s): finishing %s", reason, verdict.outcome)
+        elif not self._record_launch(att):
+            self._watchdog.untrack(att.id)
+            verdict = outbox_unavailable()
         else:
             verdict = self._execute(att)
             self._watchdog.untrack(att.id)
@@ -1128,6 +1158,9 @@ class Worker:
         """Send *verdict*'s finish until it is answered; True when the server accepted it."""
         finish = verdict.finish(att.ref)
         message_id = new_message_id()
+        self._outbox_write(
+            att, lambda o: o.record_finish(self._instance_id, att.task.handler, finish, message_id)
+        )
         try:
             result = self._call(
                 lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout)
@@ -1135,13 +1168,19 @@ class Worker:
         except GaveUp:
             with self._cond:
                 self._unreported.append(att.info)
-            att.ctx._log.error("finish %s not delivered: the worker stopped", verdict.outcome)
+            att.ctx._log.error(
+                "finish %s not delivered: the worker stopped%s",
+                verdict.outcome,
+                "; kept in the outbox for the next start" if self._outbox else "",
+            )
             return False
         except OrbitError as exc:
             with self._cond:
                 self._counts["finish_rejected"] += 1
             att.ctx._log.error("finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc))
+            self._outbox_write(att, lambda o: o.done(att.id))
             return False
+        self._outbox_write(att, lambda o: o.done(att.id))
         evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
         with self._cond:
             self._counts[verdict.outcome.value] += 1
@@ -1156,6 +1195,51 @@ class Worker:
             " (deduplicated)" if result.deduplicated else "",
         )
         return True
+
+    # ------------------------------------------------------------------ durable outbox
+
+    def _record_launch(self, att: _Attempt) -> bool:
+        """Commit the launch record before the handler runs; False: do not run it."""
+        if self._outbox is None:
+            return True
+        try:
+            self._outbox.launch(self._instance_id, att.ref, att.task.handler)
+        except Exception:
+            # Without the record a kill would leave no trace of the run: do not run.
+            att.ctx._log.exception("outbox unavailable: handler not run")
+            return False
+        return True
+
+    def _outbox_write(self, att: _Attempt, write: Callable[[Outbox], None]) -> None:
+        if self._outbox is None:
+            return
+        try:
+            write(self._outbox)
+        except Exception:
+            # The finish is still sent: a failing outbox must not hold up a result.
+            att.ctx._log.exception("outbox write failed")
+
+    def _replay_main(self) -> None:
+        """Deliver what earlier processes left in the outbox; retry with backoff until done."""
+        assert self._outbox is not None
+        failures = 0
+        while not self._link.is_closed():
+            try:
+                done = replay(
+                    self._outbox,
+                    self._client,
+                    exclude=self._instance_id,
+                    log=self._log,
+                    dial_timeout=self._dial_timeout,
+                    call_timeout=self._call_timeout,
+                )
+            except Exception:
+                self._log.exception("outbox replay failed")
+                done = False
+            if done:
+                return
+            failures += 1
+            self._link.pause(self._backoff.delay(failures))
 
     def _settle(self, att: _Attempt) -> None:
         with att.lock:
@@ -1354,6 +1438,8 @@ class Worker:
         for thread in self._threads:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, close_end - self._clock()))
+        if self._outbox is not None:
+            self._outbox.close()  # after the replay thread: it writes to the file
         with self._cond:
             unreported = tuple(self._unreported)
             error = self._error

@@ -1,0 +1,333 @@
+"""The durable outbox: what a killed worker process leaves for the next one to deliver.
+
+``Worker(outbox="path.sqlite")`` keeps one SQLite file (WAL, mode 0600) with:
+
+- ``instances``: each worker run's identity (instance id and secret, queue, capabilities,
+  capacity), so a later process can speak *as that instance* to deliver what it left;
+- ``launched``: an attempt whose handler is about to run (committed, fsync'd, before it runs);
+- ``finishes``: the finish decided for an attempt, with its ``message_id`` and encoded result
+  (committed, fsync'd, before it is first sent).
+
+Both rows of an attempt are deleted once the server acknowledged its finish (that delete is not
+fsync'd: if it is lost, the next replay re-sends the same ``message_id`` and the server answers
+with the original receipt). So a task costs two small fsync'd transactions.
+
+Secrets (instance and lease secrets) live in the file, so it is created 0600 and refused when
+another user could read it or when it belongs to someone else; a file that is not an outbox, or
+is corrupt, is refused and never overwritten. One process at a time: the file is locked
+(``flock``) for as long as the outbox is open.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sqlite3
+import stat
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from ..errors import OrbitError
+from ..models import AttemptRef, Capability, Finish, Outcome, Registration
+
+__all__ = ["Outbox", "OutboxError", "Pending", "StoredInstance"]
+
+#: ``PRAGMA application_id``: marks the file as ours ("ORBT").
+APPLICATION_ID = 0x4F524254
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE instances (
+    instance_id TEXT PRIMARY KEY,
+    instance_secret TEXT NOT NULL,
+    queue_id TEXT NOT NULL,
+    capabilities TEXT NOT NULL,
+    capacity INTEGER NOT NULL
+);
+CREATE TABLE launched (
+    attempt_id TEXT PRIMARY KEY,
+    instance_id TEXT NOT NULL,
+    task_id TEXT NOT NULL,
+    epoch INTEGER NOT NULL,
+    lease_secret TEXT NOT NULL,
+    handler TEXT NOT NULL
+);
+CREATE TABLE finishes (
+    attempt_id TEXT PRIMARY KEY,
+    message_id TEXT NOT NULL,
+    outcome TEXT NOT NULL,
+    result TEXT NOT NULL,
+    error_code TEXT,
+    retryable INTEGER
+);
+"""
+
+
+class OutboxError(OrbitError):
+    """The outbox file cannot be used (permissions, corruption, another process holds it)."""
+
+
+@attrs.frozen
+class StoredInstance:
+    """A worker run's identity, as stored (the secret is redacted in the repr)."""
+
+    registration: Registration
+
+
+@attrs.frozen
+class Pending:
+    """One attempt left in the outbox: launched, and maybe with its finish decided."""
+
+    ref: AttemptRef
+    handler: str
+    message_id: str | None
+    finish: Finish | None
+
+
+class Outbox:
+    """One open outbox file. Thread-safe (one connection, one lock)."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = os.fspath(path)
+        self._lock = threading.Lock()
+        fd = self._open_checked()
+        try:
+            # One process at a time: a second one would speak as the same instances.
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutboxError(f"outbox {self.path} is in use by another process") from None
+        self._lock_fd = fd
+        try:
+            self._db = self._connect()
+        except BaseException:
+            os.close(fd)
+            raise
+
+    # ------------------------------------------------------------------ opening
+
+    def _open_checked(self) -> int:
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            return fd
+        except FileExistsError:
+            pass
+        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
+        info = os.fstat(fd)
+        problem = None
+        if not stat.S_ISREG(info.st_mode):
+            problem = "is not a regular file"
+        elif info.st_uid != os.geteuid():
+            problem = "belongs to another user"
+        elif info.st_mode & 0o077:
+            problem = (
+                f"can be read or written by other users (mode {stat.S_IMODE(info.st_mode):o}); "
+                "it holds secrets: chmod 600 it"
+            )
+        if problem is not None:
+            os.close(fd)
+            raise OutboxError(f"outbox {self.path} {problem}")
+        return fd
+
+    def _connect(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            (app_id,) = db.execute("PRAGMA application_id").fetchone()
+            (version,) = db.execute("PRAGMA user_version").fetchone()
+            tables = db.execute("SELECT count(*) FROM sqlite_master").fetchone()[0]
+            if app_id == 0 and version == 0 and tables == 0:
+                db.executescript(
+                    f"BEGIN; {_SCHEMA} PRAGMA application_id = {APPLICATION_ID}; "
+                    f"PRAGMA user_version = {SCHEMA_VERSION}; COMMIT;"
+                )
+            elif app_id != APPLICATION_ID:
+                raise OutboxError(f"{self.path} is not an orbit-sync outbox; it was left as is")
+            elif version != SCHEMA_VERSION:
+                raise OutboxError(
+                    f"outbox {self.path} has schema version {version}, this release reads "
+                    f"{SCHEMA_VERSION}; it was left as is"
+                )
+            db.execute("PRAGMA journal_mode = WAL")
+            db.execute("PRAGMA synchronous = FULL")
+            db.execute("PRAGMA integrity_check").fetchone()
+        except sqlite3.DatabaseError as exc:
+            db.close()
+            raise OutboxError(
+                f"outbox {self.path} is corrupt or not a database ({exc}); it was left as is"
+            ) from None
+        except BaseException:
+            db.close()
+            raise
+        # The WAL and shared-memory files hold the same secrets.
+        for suffix in ("-wal", "-shm"):
+            with contextlib.suppress(FileNotFoundError):
+                os.chmod(self.path + suffix, 0o600)
+        return db
+
+    def close(self) -> None:
+        """Close the file and release the lock (safe twice)."""
+        with self._lock:
+            if self._lock_fd < 0:
+                return
+            self._db.close()
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def __enter__(self) -> Outbox:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Outbox {self.path!r}>"
+
+    @contextlib.contextmanager
+    def _tx(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            if self._lock_fd < 0:
+                raise OutboxError("the outbox is closed")
+            if not durable:
+                # A delete that may be lost: the next replay re-sends the same message_id.
+                self._db.execute("PRAGMA synchronous = OFF")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            else:
+                self._db.execute("COMMIT")
+            finally:
+                if not durable:
+                    self._db.execute("PRAGMA synchronous = FULL")
+
+    # ------------------------------------------------------------------ this run
+
+    def register(self, registration: Registration) -> None:
+        """Store this run's identity, so a later process can deliver as this instance."""
+        caps = json.dumps(
+            [[c.handler, c.handler_version, c.payload_version] for c in registration.capabilities]
+        )
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?)",
+                (
+                    registration.instance_id,
+                    registration.instance_secret,
+                    registration.queue_id,
+                    caps,
+                    registration.capacity,
+                ),
+            )
+
+    def launch(self, instance_id: str, ref: AttemptRef, handler: str) -> None:
+        """Record that *ref*'s handler is about to run (committed before it runs)."""
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO launched VALUES (?, ?, ?, ?, ?, ?)",
+                (ref.attempt_id, instance_id, ref.task_id, ref.epoch, ref.lease_secret, handler),
+            )
+
+    def record_finish(
+        self, instance_id: str, handler: str, finish: Finish, message_id: str
+    ) -> None:
+        """Record the finish decided for an attempt (committed before it is first sent)."""
+        ref = finish.ref
+        with self._tx() as db:
+            db.execute(
+                "INSERT OR IGNORE INTO launched VALUES (?, ?, ?, ?, ?, ?)",
+                (ref.attempt_id, instance_id, ref.task_id, ref.epoch, ref.lease_secret, handler),
+            )
+            db.execute(
+                "INSERT OR REPLACE INTO finishes VALUES (?, ?, ?, ?, ?, ?)",
+                (
+                    ref.attempt_id,
+                    message_id,
+                    finish.outcome.value,
+                    json.dumps(finish.result, separators=(",", ":"), allow_nan=False),
+                    finish.error_code,
+                    None if finish.retryable is None else int(finish.retryable),
+                ),
+            )
+
+    def done(self, attempt_id: str) -> None:
+        """Forget an attempt whose finish the server acknowledged."""
+        with self._tx(durable=False) as db:
+            db.execute("DELETE FROM finishes WHERE attempt_id = ?", (attempt_id,))
+            db.execute("DELETE FROM launched WHERE attempt_id = ?", (attempt_id,))
+
+    # ------------------------------------------------------------------ replay
+
+    def instances(self, *, exclude: str | None = None) -> list[StoredInstance]:
+        """Stored identities (other than *exclude*, this run's)."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
+                "FROM instances ORDER BY rowid"
+            ).fetchall()
+        out = []
+        for instance_id, secret, queue_id, caps, capacity in rows:
+            if instance_id == exclude:
+                continue
+            out.append(
+                StoredInstance(
+                    Registration(
+                        queue_id=queue_id,
+                        capabilities=[Capability(*c) for c in json.loads(caps)],
+                        capacity=capacity,
+                        instance_id=instance_id,
+                        instance_secret=secret,
+                    )
+                )
+            )
+        return out
+
+    def pending(self, instance_id: str) -> list[Pending]:
+        """What *instance_id* left: every launched attempt, with its finish when decided."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT l.attempt_id, l.task_id, l.epoch, l.lease_secret, l.handler, "
+                "f.message_id, f.outcome, f.result, f.error_code, f.retryable "
+                "FROM launched l LEFT JOIN finishes f ON f.attempt_id = l.attempt_id "
+                "WHERE l.instance_id = ? ORDER BY l.rowid",
+                (instance_id,),
+            ).fetchall()
+        out = []
+        for attempt_id, task_id, epoch, secret, handler, mid, outcome, result, code, retry in rows:
+            ref = AttemptRef(
+                task_id=task_id, attempt_id=attempt_id, epoch=epoch, lease_secret=secret
+            )
+            finish = None
+            if mid is not None:
+                finish = Finish(
+                    ref=ref,
+                    outcome=Outcome(outcome),
+                    result=json.loads(result),
+                    error_code=code,
+                    retryable=None if retry is None else bool(retry),
+                )
+            out.append(Pending(ref, handler, mid, finish))
+        return out
+
+    def forget_instance(self, instance_id: str) -> None:
+        """Drop a stored identity once nothing of it is left to deliver."""
+        with self._tx(durable=False) as db:
+            left = db.execute(
+                "SELECT count(*) FROM launched WHERE instance_id = ?", (instance_id,)
+            ).fetchone()[0]
+            if not left:
+                db.execute("DELETE FROM instances WHERE instance_id = ?", (instance_id,))
+
+    def counts(self) -> dict[str, Any]:
+        """How many rows each table holds (for tests and diagnostics; no secrets)."""
+        with self._lock:
+            return {
+                table: self._db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                for table in ("instances", "launched", "finishes")
+            }

@@ -1,0 +1,137 @@
+"""Replay of a durable outbox: deliver what earlier, killed processes left behind.
+
+How a restarted process delivers (docs/protocol.md, "Durable outbox"): it speaks *as the
+instance that left the records* — that instance's id and secret come from the outbox — on a
+session of its own. That session fences any session the dead process still had (the epoch
+grows), ``worker.resume``s each stored attempt, then sends:
+
+- each stored finish with its original ``message_id``: the server applies it while the lease
+  lasts, keeps it as evidence after, and answers a repeat with the original receipt;
+- for each attempt that was launched but never finished, a finish ``UNKNOWN`` with
+  ``WORKER_LOST`` (recorded before it is sent, so a replay cut midway re-sends the same
+  operation): the uncertain effect reaches the server now instead of at lease expiry.
+
+The replay session never reports capacity, so nothing is ever assigned to it, and it runs no
+handler: replay cannot run anything twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from ..errors import HTTPError, OrbitError, WorkerError
+from ..models import Finish, Outcome, new_message_id
+from ._errors import is_transient
+from ._link import Dialer
+from ._outbox import Outbox
+
+__all__ = ["WORKER_LOST", "replay"]
+
+#: The outcome code of an attempt whose process stopped while its handler ran.
+WORKER_LOST = "WORKER_LOST"
+
+#: Answers to the replay's hello that no retry can change (credentials, identity).
+_FINAL_DIAL_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "STATE_CONFLICT"})
+
+
+def replay(
+    outbox: Outbox,
+    dialer: Dialer,
+    *,
+    exclude: str,
+    log: logging.Logger,
+    dial_timeout: float,
+    call_timeout: float,
+) -> bool:
+    """Deliver every stored outcome of instances other than *exclude* (this run's).
+
+    Returns True when nothing is left that a later try could deliver; False after a transient
+    failure (the caller retries with backoff). Never raises for a server or network problem.
+    """
+    complete = True
+    for stored in outbox.instances(exclude=exclude):
+        registration = stored.registration
+        instance = registration.instance_id
+        pending = outbox.pending(instance)
+        if not pending:
+            outbox.forget_instance(instance)
+            continue
+        log.info(
+            "outbox: delivering %d stored outcome(s) of an earlier process (instance %s)",
+            len(pending),
+            instance,
+        )
+        try:
+            conn = dialer.dial_worker(registration, dial_timeout)
+        except (WorkerError, HTTPError) as exc:
+            code = getattr(exc, "code", None) or getattr(exc, "status_code", None)
+            if code in _FINAL_DIAL_CODES or code in (401, 403):
+                log.error(
+                    "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
+                    "undelivered in %s",
+                    instance,
+                    code,
+                    len(pending),
+                    outbox.path,
+                )
+                continue
+            complete = False
+            continue
+        except (OrbitError, OSError) as exc:
+            log.warning("outbox: cannot connect to deliver stored outcomes (%s)", exc)
+            complete = False
+            continue
+        try:
+            # Every lease first (those still running become this session's), then the finishes.
+            for item in pending:
+                # A refused resume means the lease is gone: the finish below becomes evidence.
+                with contextlib.suppress(WorkerError):
+                    conn.resume(item.ref, timeout=call_timeout)
+            for item in pending:
+                finish, message_id = item.finish, item.message_id
+                if finish is None or message_id is None:
+                    finish = Finish(
+                        ref=item.ref,
+                        outcome=Outcome.UNKNOWN,
+                        result={
+                            "error": WORKER_LOST,
+                            "message": "the worker process stopped while the handler ran",
+                        },
+                        error_code=WORKER_LOST,
+                    )
+                    message_id = new_message_id()
+                    outbox.record_finish(instance, item.handler, finish, message_id)
+                try:
+                    result = conn.finish(finish, message_id=message_id, timeout=call_timeout)
+                except WorkerError as exc:
+                    if is_transient(exc):
+                        complete = False
+                        continue
+                    log.error(
+                        "outbox: stored finish %s of attempt %s (task %s) refused (%s); dropped",
+                        finish.outcome,
+                        item.ref.attempt_id,
+                        item.ref.task_id,
+                        exc.code,
+                    )
+                    outbox.done(item.ref.attempt_id)
+                    continue
+                log.info(
+                    "outbox: delivered %s of attempt %s (task %s): %s%s",
+                    finish.outcome,
+                    item.ref.attempt_id,
+                    item.ref.task_id,
+                    result.receipt.disposition.value,
+                    " (deduplicated)" if result.deduplicated else "",
+                )
+                outbox.done(item.ref.attempt_id)
+        except OrbitError as exc:
+            # Disconnected, timed out, or the server broke the protocol: try again later with
+            # the same message_ids.
+            log.warning("outbox: delivery interrupted (%s); will retry", type(exc).__name__)
+            complete = False
+        finally:
+            conn.close()
+        outbox.forget_instance(instance)
+    return complete

@@ -1,0 +1,48 @@
+"""A worker process with a durable outbox, for the kill -9 tests.
+
+    python tests/_outbox_child.py URL QUEUE_ID OUTBOX DIR MODE     (token in $ORBIT_TEST_TOKEN)
+
+Handler ``work`` writes ``started-<pid>`` into DIR, then with MODE ``hang`` blocks forever (the
+test kills the process mid-handler) or with MODE ``return`` returns ``{"n": ..., "pid": ...}``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # make the package importable from a checkout
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from orbit_sync.client import Client
+from orbit_sync.worker import Backoff, TaskContext, Worker
+
+
+def main(url: str, queue_id: str, outbox: str, directory: str, mode: str) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+    worker = Worker(
+        Client(url, os.environ["ORBIT_TEST_TOKEN"]),
+        queue_id=queue_id,
+        capacity=2,
+        outbox=outbox,
+        reconnect_backoff=Backoff(initial=0.05, maximum=0.2),
+    )
+    never = threading.Event()
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        Path(directory, f"started-{os.getpid()}").write_text("")
+        if mode == "hang":
+            never.wait()
+        return {"n": payload["n"], "pid": os.getpid()}
+
+    worker.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:6]))

@@ -1,0 +1,197 @@
+"""The durable outbox: private, checked files, and no result lost to kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _worker_helpers import make_worker, running
+
+from orbit_sync.models import Outcome, TaskState
+from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import OutboxError, TaskContext
+from orbit_sync.worker._outbox import Outbox
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
+CHILD = Path(__file__).with_name("_outbox_child.py")
+
+
+@pytest.fixture
+def server() -> Iterator[MockOrbitServer]:
+    """A mock server with the default 30 s lease: every wait below is far shorter."""
+    with MockOrbitServer(assignment_rate=None) as srv:
+        yield srv
+        srv.check_invariants()
+
+
+def test_outbox_file_is_private_locked_and_checked(tmp_path: Path) -> None:
+    """Created 0600; one process at a time; readable by others, corrupt or foreign: refused."""
+    path = tmp_path / "outbox.sqlite"
+    box = Outbox(path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    with pytest.raises(OutboxError, match="in use by another process"):
+        Outbox(path)
+    box.close()
+    box.close()  # safe twice
+    Outbox(path).close()
+
+    path.chmod(0o644)
+    with pytest.raises(OutboxError, match="chmod 600"):
+        Outbox(path)
+
+    garbage = tmp_path / "garbage.sqlite"
+    garbage.write_bytes(b"not a database at all, " * 100)
+    garbage.chmod(0o600)
+    with pytest.raises(OutboxError, match="corrupt or not a database"):
+        Outbox(garbage)
+    assert garbage.read_bytes() == b"not a database at all, " * 100
+
+    foreign = tmp_path / "foreign.sqlite"
+    with sqlite3.connect(foreign) as db:
+        db.execute("CREATE TABLE users (name TEXT)")
+    foreign.chmod(0o600)
+    before = foreign.read_bytes()
+    with pytest.raises(OutboxError, match="not an orbit-sync outbox"):
+        Outbox(foreign)
+    assert foreign.read_bytes() == before
+
+
+def test_records_are_cleared_once_acknowledged(server: MockOrbitServer, tmp_path: Path) -> None:
+    """A finished task leaves nothing behind but this run's identity; a bad path fails start."""
+    path = tmp_path / "outbox.sqlite"
+    worker = make_worker(server, outbox=path)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        return {"ok": True}
+
+    with running(worker):
+        task_id = server.enqueue("work", {})
+        assert server.wait_for(task_id, DONE, timeout=15).state is TaskState.SUCCEEDED
+        server.wait_until(lambda _: worker.stats().succeeded == 1, timeout=15)
+        assert worker._outbox is not None
+        assert worker._outbox.counts() == {"instances": 1, "launched": 0, "finishes": 0}
+    # The secret is in the file, never in what the outbox or the worker print.
+    assert server.token not in repr(worker)
+
+    other = make_worker(server, outbox=tmp_path / "missing-dir" / "outbox.sqlite")
+    other.register("work", work)
+    with pytest.raises(FileNotFoundError):
+        other.start()
+    with pytest.raises(TypeError, match="outbox"):
+        make_worker(server, outbox=3)
+
+
+def _spawn(
+    server: MockOrbitServer, outbox: Path, directory: Path, mode: str
+) -> subprocess.Popen[str]:
+    env = {**os.environ, "ORBIT_TEST_TOKEN": server.token}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(CHILD),
+            server.url,
+            server.queue_id,
+            str(outbox),
+            str(directory),
+            mode,
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _kill(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=15)
+    assert proc.returncode == -signal.SIGKILL
+    return err
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    return err
+
+
+def _started(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name.startswith("started-"))
+
+
+@pytest.mark.parametrize(
+    ("policy", "final"),
+    [("RECONCILE_ONLY", TaskState.NEEDS_REVIEW), ("IDEMPOTENT", TaskState.SUCCEEDED)],
+)
+def test_kill_while_handler_runs_is_reported_unknown_at_once(
+    server: MockOrbitServer, tmp_path: Path, policy: str, final: TaskState
+) -> None:
+    """SIGKILL mid-handler: the next process reports UNKNOWN WORKER_LOST at once, no lease wait."""
+    outbox = tmp_path / "outbox.sqlite"
+    first = _spawn(server, outbox, tmp_path, "hang")
+    try:
+        task_id = server.enqueue("work", {"n": 1}, retry_safety=policy, backoff_initial=0.05)
+        server.wait_until(lambda _: bool(_started(tmp_path)), timeout=20)
+    finally:
+        _kill(first)
+    second = _spawn(server, outbox, tmp_path, "return")
+    try:
+        # Well inside the 30 s lease: the replay, not lease expiry, ended the attempt.
+        snap = server.wait_for(task_id, {final.value}, timeout=20)
+    finally:
+        err = _stop(second)
+    assert (snap.attempts[0].outcome, snap.attempts[0].error_code) == (
+        Outcome.UNKNOWN,
+        "WORKER_LOST",
+    )
+    if final is TaskState.SUCCEEDED:  # retried under IDEMPOTENT, by the new process
+        assert len(snap.attempts) == 2 and snap.result is not None
+        assert snap.result["pid"] == second.pid
+    else:
+        assert len(snap.attempts) == 1
+    assert server.token not in err
+
+
+def test_result_of_killed_process_is_delivered_by_the_next(
+    server: MockOrbitServer, tmp_path: Path
+) -> None:
+    """SIGKILL after the handler returned, before the finish was answered, and again during the
+    replay: a third process delivers the first one's result; the handler ran once."""
+    outbox = tmp_path / "outbox.sqlite"
+    held = server.faults.reply_error("task.finish", "UNAVAILABLE", count=1_000_000)
+    first = _spawn(server, outbox, tmp_path, "return")
+    try:
+        task_id = server.enqueue("work", {"n": 7})
+        server.wait_until(lambda _: held.fired >= 1, timeout=20)
+    finally:
+        _kill(first)
+    seen = held.fired
+    second = _spawn(server, outbox, tmp_path, "return")
+    try:
+        # The replay re-sends the stored finish; it is refused again; kill during the replay.
+        server.wait_until(lambda _: held.fired > seen, timeout=20)
+    finally:
+        _kill(second)
+    held.cancel()
+    assert server.task(task_id).state is TaskState.RUNNING
+    third = _spawn(server, outbox, tmp_path, "return")
+    try:
+        snap = server.wait_for(task_id, DONE, timeout=20)
+    finally:
+        err = _stop(third)
+    assert snap.state is TaskState.SUCCEEDED and len(snap.attempts) == 1
+    assert snap.result == {"n": 7, "pid": first.pid}  # the first process's result
+    assert _started(tmp_path) == [f"started-{first.pid}"]  # ran once, in the first process
+    assert "delivered SUCCEEDED" in err
+    with Outbox(outbox) as box:
+        counts = box.counts()
+    assert counts["launched"] == counts["finishes"] == 0
