@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import enum
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -15,6 +16,7 @@ from ..models import AttemptState, Outcome, TaskState
 
 __all__ = [
     "AttemptSnapshot",
+    "EventLog",
     "EventRecord",
     "EvidenceSnapshot",
     "RetrySafety",
@@ -157,3 +159,24 @@ class EventRecord:
     old: str | None = None
     new: str | None = None
     detail: str = ""
+
+
+class EventLog(tuple[EventRecord, ...]):
+    """The recorded events still held, oldest first, and how many older ones were dropped.
+
+    The mock server keeps its event log in a ring of bounded size: once it is full, each new
+    event pushes the oldest out. ``dropped`` counts those, so event *i* of this tuple is the
+    ``dropped + i``-th event ever recorded, and ``truncated`` says whether any are missing.
+    """
+
+    dropped: int
+
+    def __new__(cls, events: Iterable[EventRecord] = (), dropped: int = 0) -> EventLog:
+        log = super().__new__(cls, events)
+        log.dropped = dropped
+        return log
+
+    @property
+    def truncated(self) -> bool:
+        """True when older events were dropped from the ring."""
+        return self.dropped > 0

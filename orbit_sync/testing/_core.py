@@ -1,0 +1,197 @@
+"""The state machine's storage, server time, event ring and receipt window.
+
+:class:`StateCore` holds every table of the mock server and the few operations all its parts
+share; dispatch and recovery (``_dispatch``), request handling (``_requests``) and inspection
+(``_inspect``) build on it, and :class:`~._state.OrbitState` puts them together.
+
+Memory stays bounded on a long-running server:
+
+* a request's receipt (its ``message_id``) is remembered for the idempotency window, then
+  forgotten, oldest first;
+* the event log is a ring of ``event_log_size`` records;
+* ended tasks, sessions and instances are forgotten a retention after they end (``_dispatch``).
+"""
+
+from __future__ import annotations
+
+import collections
+import heapq
+import hmac
+from collections.abc import Callable
+
+from ..models import Receipt, new_id
+from ._clock import Clock
+from ._records import (
+    SCAN_INTERVAL_US,
+    US,
+    Attempt,
+    Instance,
+    Op,
+    Queue,
+    RateWindow,
+    ReadyKey,
+    Session,
+    Task,
+    to_datetime,
+)
+from ._snapshots import EventRecord
+
+__all__ = ["StateCore"]
+
+#: What the forget heap names: an ended task, session or instance.
+FORGET_TASK, FORGET_SESSION, FORGET_INSTANCE = 0, 1, 2
+
+
+class StateCore:
+    """Tables, clock, events and receipts shared by every part of the state machine."""
+
+    def __init__(
+        self,
+        *,
+        clock: Clock,
+        lease_us: int,
+        session_us: int,
+        assignment_rate: float | None,
+        request_rate: float | None,
+        retention_us: int | None,
+        idempotency_us: int,
+        event_log_size: int,
+    ) -> None:
+        self._clock = clock
+        self.lease_us = lease_us
+        self.session_us = session_us
+        #: Ended tasks/sessions/instances are forgotten this long after they end (None: never).
+        self.retention_us = retention_us
+        #: How long a request's message_id (and its receipt) is remembered.
+        self.idempotency_us = idempotency_us
+        self._assign_rate = RateWindow(assignment_rate)
+        self._request_rate = request_rate
+        self.namespace_id = new_id()
+        self._tokens: dict[str, frozenset[str]] = {}
+        self._queues: dict[str, Queue] = {}
+        self._instances: dict[str, Instance] = {}
+        self._instances_made = 0
+        self._sessions: dict[str, Session] = {}
+        self._connected: dict[str, None] = {}  # connected session ids, oldest first
+        self._tasks: dict[str, Task] = {}
+        self._attempts: dict[str, Attempt] = {}
+        self._waiting: dict[str, None] = {}  # WAITING task ids
+        self._ops: dict[str, Op] = {}
+        self._op_times: collections.deque[tuple[int, str]] = collections.deque()
+        self._events: collections.deque[EventRecord] = collections.deque(maxlen=event_log_size)
+        self._events_total = 0
+        self._seq = 0
+        # Dispatch and timer heaps (owned by _dispatch; entries are checked when popped, so a
+        # task or attempt that moved on leaves a stale entry behind instead of a search).
+        #: Ready WAITING tasks per (queue, capability): (ready_at, seq, task_id).
+        self._ready: dict[ReadyKey, list[tuple[int, int, str]]] = {}
+        #: WAITING tasks in backoff: (next_run_at, seq, task_id).
+        self._backoff: list[tuple[int, int, str]] = []
+        #: WAITING tasks with a deadline or latest start: (overdue_at, seq, task_id).
+        self._overdue: list[tuple[int, int, str]] = []
+        #: Live attempts by lease end: (lease_until, assigned_at, attempt_id).
+        self._leases: list[tuple[int, int, str]] = []
+        #: Sessions by expiry: (expires_at, session_id).
+        self._expiries: list[tuple[int, str]] = []
+        #: Ended records to forget: (at, kind, id).
+        self._forget: list[tuple[int, int, str]] = []
+        self._next_scan = self.now_us() + SCAN_INTERVAL_US
+        #: The shell's answer to "may I push to this session now, *n* pushes already emitted
+        #: by this dispatch round?" (room left in its outbox).
+        self.push_gate: Callable[[str, int], bool] = lambda _sid, _n: True
+
+    # ------------------------------------------------------------------ time
+
+    def now_us(self) -> int:
+        """Server time in integer microseconds."""
+        return round(self._clock.now() * US)
+
+    # ------------------------------------------------------------------ lookups
+
+    def token_scopes(self, token: str) -> frozenset[str] | None:
+        """The scopes of *token*, or ``None`` when it is unknown."""
+        for known, scopes in self._tokens.items():
+            # Constant-time per comparison: a token is a credential.
+            if hmac.compare_digest(known.encode(), token.encode()):
+                return scopes
+        return None
+
+    def _task(self, task_id: str) -> Task:
+        try:
+            return self._tasks[task_id]
+        except KeyError:
+            raise KeyError(f"unknown task {task_id}") from None
+
+    # ------------------------------------------------------------------ events
+
+    def _event(
+        self,
+        kind: str,
+        *,
+        task: Task | None = None,
+        task_id: str | None = None,
+        attempt: Attempt | None = None,
+        session: str | None = None,
+        old: str | None = None,
+        new: str | None = None,
+        detail: str = "",
+    ) -> None:
+        self._events_total += 1
+        self._events.append(
+            EventRecord(
+                at=to_datetime(self.now_us()),
+                kind=kind,
+                task_id=task.task_id if task is not None else task_id,
+                attempt_id=attempt.attempt_id if attempt is not None else None,
+                session_id=session,
+                old=old,
+                new=new,
+                detail=detail,
+            )
+        )
+
+    # ------------------------------------------------------------------ receipts
+
+    def _record(
+        self,
+        message_id: str,
+        kind: str,
+        key: str,
+        receipt: Receipt | None = None,
+        attempt_id: str | None = None,
+    ) -> None:
+        """Remember what *message_id* named, for the idempotency window."""
+        now = self.now_us()
+        self._prune_ops(now)
+        if message_id not in self._ops:
+            self._ops[message_id] = Op(kind, key, receipt, attempt_id)
+            self._op_times.append((now, message_id))
+
+    def _prune_ops(self, now: int) -> None:
+        # Insertion order is time order, so the oldest receipts are at the front.
+        times = self._op_times
+        horizon = now - self.idempotency_us
+        while times and times[0][0] <= horizon:
+            self._ops.pop(times.popleft()[1], None)
+
+    # ------------------------------------------------------------------ sessions
+
+    def _expire(self, session: Session) -> None:
+        if not session.expired:
+            session.expired = True
+            self._event("session.expired", session=session.session_id)
+            self._maybe_ended(session)
+
+    def _maybe_ended(self, session: Session) -> None:
+        """Schedule *session* to be forgotten once it is both over and disconnected."""
+        if session.ended_at is not None or session.connected:
+            return
+        if not (session.stale or session.expired):
+            return
+        now = self.now_us()
+        session.ended_at = now
+        self._forget_later(now, FORGET_SESSION, session.session_id)
+
+    def _forget_later(self, now: int, kind: int, ident: str) -> None:
+        if self.retention_us is not None:
+            heapq.heappush(self._forget, (now + self.retention_us, kind, ident))
