@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from ._server import AdminHandler, MockOrbitServer
     from ._snapshots import (
         AttemptSnapshot,
+        EventLog,
         EventRecord,
         EvidenceSnapshot,
         RetrySafety,
@@ -46,6 +47,7 @@ _EXPORTS: dict[str, str] = {
     "AdminHandler": "._server",
     "AttemptSnapshot": "._snapshots",
     "Clock": "._clock",
+    "EventLog": "._snapshots",
     "EventRecord": "._snapshots",
     "EvidenceSnapshot": "._snapshots",
     "Fault": "._faults",
@@ -73,6 +75,7 @@ __all__ = [
     "AdminHandler",
     "AttemptSnapshot",
     "Clock",
+    "EventLog",
     "EventRecord",
     "EvidenceSnapshot",
     "Fault",

@@ -95,6 +95,8 @@ class StateCore:
         self._expiries: list[tuple[int, str]] = []
         #: Ended records to forget: (at, kind, id).
         self._forget: list[tuple[int, int, str]] = []
+        #: When a dispatch held back by the assignment rate may go on (None: not held back).
+        self._rate_wake: int | None = None
         self._next_scan = self.now_us() + SCAN_INTERVAL_US
         #: The shell's answer to "may I push to this session now, *n* pushes already emitted
         #: by this dispatch round?" (room left in its outbox).

@@ -229,7 +229,10 @@ class Dispatch(StateCore):
         """Assign ready WAITING tasks to sessions with room (PROTOCOL §5.5, §6.1, §10)."""
         now = self.now_us()
         self._promote(now)
-        if not self._ready or not self._assign_rate.allows(now):
+        if not self._ready:
+            return []
+        if not self._assign_rate.allows(now):
+            self._rate_wake = self._assign_rate.frees_at(now)
             return []
         sessions = self._eligible_sessions(now)
         actions: list[Action] = []
@@ -255,6 +258,9 @@ class Dispatch(StateCore):
                 sessions.remove(session)
         for task in unplaced:
             self._push_ready(task)
+        if self._ready and not self._assign_rate.allows(now):
+            # Stays due until run_due ran at (or after) it, even once the window has room.
+            self._rate_wake = self._assign_rate.frees_at(now)
         return actions
 
     def _next_ready(self, sessions: list[Session]) -> Task | None:
@@ -362,8 +368,11 @@ class Dispatch(StateCore):
 
     def next_due(self) -> int | None:
         """The next server time (µs) at which ``run_due`` has something to do (``None``:
-        nothing is scheduled; only a new request or operator call can change that)."""
-        now = self.now_us()
+        nothing is scheduled; only a new request or operator call can change that).
+
+        A moment that has passed stays due until ``run_due`` ran: a scheduler that wakes
+        late still finds the work waiting for it.
+        """
         due: list[int] = []
         if self._backoff:
             due.append(self._backoff[0][0])
@@ -374,10 +383,8 @@ class Dispatch(StateCore):
         recovery = self._recovery_due()
         if recovery is not None:
             due.append(self._scan_tick(max(recovery, self._next_scan)))
-        if self._ready:
-            frees = self._assign_rate.frees_at(now)
-            if frees is not None:
-                due.append(frees)
+        if self._rate_wake is not None:
+            due.append(self._rate_wake)
         return min(due) if due else None
 
     def _recovery_due(self) -> int | None:
@@ -439,6 +446,8 @@ class Dispatch(StateCore):
                 self._next_scan = self._scan_tick(now + 1)
         actions.extend(self._expire_sessions(now))
         self._forget_due(now)
+        if self._rate_wake is not None and self._rate_wake <= now:
+            self._rate_wake = None
         actions.extend(self._pump())
         return actions
 

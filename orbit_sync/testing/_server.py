@@ -47,8 +47,11 @@ from .._json import MAX_FRAME_BYTES
 from ..models import MAX_CAPACITY, TaskState, new_message_id
 from ._clock import Clock, ManualClock, SystemClock
 from ._faults import PUSH_TYPES, Fault, Faults
-from ._snapshots import EventRecord, RetrySafety, SessionSnapshot, TaskSnapshot
+from ._snapshots import EventLog, RetrySafety, SessionSnapshot, TaskSnapshot
 from ._state import (
+    DEFAULT_EVENT_LOG_SIZE,
+    DEFAULT_IDEMPOTENCY_WINDOW,
+    DEFAULT_RETENTION,
     SCOPE_CONNECT,
     SCOPE_CONSUME,
     Action,
@@ -261,9 +264,16 @@ class MockOrbitServer:
         read_idle_timeout: float = 60.0,
         write_timeout: float = 5.0,
         admin_handler: AdminHandler | None = None,
+        idempotency_window: float = DEFAULT_IDEMPOTENCY_WINDOW,
+        retention: float | None = DEFAULT_RETENTION,
+        event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
     ) -> None:
         """*write_timeout* is the write deadline (PROTOCOL §10): how long an answer may wait
-        for room in a connection's full outbox before the client is dropped as a slow consumer."""
+        for room in a connection's full outbox before the client is dropped as a slow consumer.
+
+        Bounded state: a request's ``message_id`` is remembered for *idempotency_window*
+        seconds; an ended task, session or worker process is kept for *retention* seconds
+        (``None``: forever); the event log keeps the last *event_log_size* events."""
         if type(max_connections) is not int or max_connections < 1:
             raise ValueError("max_connections must be an int >= 1")
         for name, value in (
@@ -285,6 +295,9 @@ class MockOrbitServer:
             assignment_rate=assignment_rate,
             request_rate=request_rate,
             max_concurrency=max_concurrency,
+            idempotency_window=idempotency_window,
+            retention=retention,
+            event_log_size=event_log_size,
         )
         self._state.push_gate = self._push_gate
         self._max_connections = max_connections
@@ -529,8 +542,9 @@ class MockOrbitServer:
         with self._cond:
             return self._state.session_snapshots()
 
-    def events(self) -> tuple[EventRecord, ...]:
-        """The event log: every transition, stamped with server time."""
+    def events(self) -> EventLog:
+        """The event log: the latest transitions (a ring of ``event_log_size``), stamped with
+        server time; ``.dropped`` counts older ones no longer kept."""
         with self._cond:
             return self._state.events()
 
