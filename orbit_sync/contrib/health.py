@@ -1,0 +1,292 @@
+"""Health and readiness for process supervisors and Kubernetes probes (standard library only).
+
+::
+
+    from orbit_sync.contrib.health import HealthProbe
+
+    probe = HealthProbe()
+    worker = Worker(client, queue_id=Q, listeners=[probe])
+    probe.serve(port=8080)                       # GET /livez, /readyz, /healthz (JSON)
+    probe.write_heartbeat("/tmp/orbit-health.json")   # and/or a file for an exec probe
+
+- **ready** (``/readyz``): a session is established and the worker is not draining or stopped;
+  take the pod out of rotation otherwise (nothing is served over HTTP by a worker, so this is
+  mostly for rollouts and dashboards).
+- **live** (``/livez``; ``/healthz`` is the same): the worker has not stopped, and while handlers
+  are running, a lease was renewed within *stale_after* seconds (a wedged process renews
+  nothing). Disconnected is still live: the worker is reconnecting on its own.
+
+Both answer ``200`` or ``503`` with the state as JSON: ``connected``, ``session_id``,
+``session_age_s``, ``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``,
+``reconnects``. The heartbeat file holds the same JSON, rewritten atomically every *interval*
+seconds; an exec probe checks it with::
+
+    python -m orbit_sync.contrib.health /tmp/orbit-health.json --max-age 30
+
+which exits 0 when the file is fresh and says live, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..worker import (
+    AttemptEvent,
+    AttemptFinished,
+    DisconnectEvent,
+    DrainEvent,
+    LeaseEvent,
+    SessionEvent,
+    ShutdownReport,
+    WorkerListener,
+)
+
+__all__ = ["FileHeartbeat", "HealthProbe", "HealthServer", "check_heartbeat"]
+
+
+class HealthProbe(WorkerListener):
+    """A :class:`~orbit_sync.worker.WorkerListener` that knows whether the worker is healthy."""
+
+    def __init__(
+        self, *, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        if not stale_after > 0:
+            raise ValueError("stale_after must be a positive number of seconds")
+        self._stale_after = float(stale_after)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._session_id: str | None = None
+        self._session_since: float | None = None
+        self._last_renewal: float | None = None
+        self._running_since: dict[str, float] = {}
+        self._draining = False
+        self._stopped = False
+        self._reconnects = 0
+
+    # ------------------------------------------------------------------ events
+
+    def connected(self, event: SessionEvent) -> None:
+        """A session is up."""
+        with self._lock:
+            self._session_id = event.session_id
+            self._session_since = self._clock()
+
+    def disconnected(self, event: DisconnectEvent) -> None:
+        """The session is down (the worker reconnects)."""
+        with self._lock:
+            self._session_id = self._session_since = None
+            self._reconnects += 1
+
+    def attempt_started(self, event: AttemptEvent) -> None:
+        """A handler is running."""
+        with self._lock:
+            self._running_since[event.attempt_id] = self._clock()
+
+    def attempt_finished(self, event: AttemptFinished) -> None:
+        """A handler's attempt ended."""
+        with self._lock:
+            self._running_since.pop(event.attempt_id, None)
+
+    def lease_renewed(self, event: LeaseEvent) -> None:
+        """The watchdog is alive and the server answered."""
+        with self._lock:
+            self._last_renewal = self._clock()
+
+    def draining(self, event: DrainEvent) -> None:
+        """The worker takes no new work."""
+        with self._lock:
+            self._draining = True
+
+    def stopped(self, report: ShutdownReport) -> None:
+        """The worker has stopped."""
+        with self._lock:
+            self._stopped = True
+            self._session_id = self._session_since = None
+            self._running_since.clear()
+
+    # ------------------------------------------------------------------ state
+
+    def state(self) -> dict[str, Any]:
+        """The worker's health as JSON-ready values (``live`` and ``ready`` included)."""
+        now = self._clock()
+        with self._lock:
+            connected = self._session_id is not None and not self._stopped
+            renewal_age = None if self._last_renewal is None else now - self._last_renewal
+            # Renewals are due at least every half lease: the oldest running handler (or the
+            # last renewal, if newer) must have seen one within stale_after.
+            oldest = min(self._running_since.values(), default=None)
+            wedged = False
+            if oldest is not None:
+                latest = max(oldest, self._last_renewal or oldest)
+                wedged = now - latest > self._stale_after
+            live = not self._stopped and not wedged
+            return {
+                "live": live,
+                "ready": connected and not self._draining,
+                "connected": connected,
+                "session_id": self._session_id,
+                "session_age_s": None
+                if self._session_since is None
+                else round(now - self._session_since, 3),
+                "last_renewal_age_s": None if renewal_age is None else round(renewal_age, 3),
+                "in_flight": len(self._running_since),
+                "draining": self._draining,
+                "stopped": self._stopped,
+                "reconnects": self._reconnects,
+            }
+
+    def serve(self, port: int = 8080, host: str = "0.0.0.0") -> HealthServer:
+        """Serve ``/livez``, ``/readyz`` and ``/healthz`` on a daemon thread; ``port=0`` picks one.
+
+        The default host listens on every interface, as a Kubernetes probe (which connects to the
+        pod's address) needs; pass ``host="127.0.0.1"`` to keep it local.
+        """
+        return HealthServer(self, host, port)
+
+    def write_heartbeat(self, path: str | os.PathLike[str], interval: float = 5.0) -> FileHeartbeat:
+        """Rewrite *path* with :meth:`state` every *interval* seconds on a daemon thread."""
+        return FileHeartbeat(self, path, interval)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    probe: HealthProbe
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0].rstrip("/")
+        state = self.probe.state()
+        if path in ("/livez", "/healthz"):
+            ok = state["live"]
+        elif path == "/readyz":
+            ok = state["ready"]
+        else:
+            self.send_error(404)
+            return
+        body = json.dumps(state).encode()
+        self.send_response(200 if ok else 503)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Cache-Control", "no-store")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a probe every few seconds would flood stderr
+
+
+class HealthServer:
+    """A tiny HTTP server answering health probes; :meth:`close` stops it."""
+
+    def __init__(self, probe: HealthProbe, host: str, port: int) -> None:
+        handler = type("HealthHandler", (_Handler,), {"probe": probe})
+        self._server = http.server.ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        #: The port it listens on (useful with ``port=0``).
+        self.port: int = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            kwargs={"poll_interval": 0.2},
+            name="orbit-sync-health-http",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop serving and release the port."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(5.0)
+
+    def __enter__(self) -> HealthServer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+class FileHeartbeat:
+    """Rewrites a JSON file with the probe's state every *interval* seconds; :meth:`close` stops.
+
+    Each write is atomic (a temporary file renamed over the old one), so a reader never sees a
+    half-written file; the file's mtime is the heartbeat.
+    """
+
+    def __init__(
+        self, probe: HealthProbe, path: str | os.PathLike[str], interval: float = 5.0
+    ) -> None:
+        if not interval > 0:
+            raise ValueError("interval must be a positive number of seconds")
+        self._probe = probe
+        self.path = os.fspath(path)
+        self._interval = float(interval)
+        self._stop = threading.Event()
+        self.write()  # fail here, not on the thread, if the path is unusable
+        self._thread = threading.Thread(
+            target=self._main, name="orbit-sync-health-file", daemon=True
+        )
+        self._thread.start()
+
+    def write(self) -> None:
+        """Write the current state now."""
+        state = self._probe.state()
+        state["written_at"] = time.time()
+        directory = os.path.dirname(os.path.abspath(self.path))
+        fd, tmp = tempfile.mkstemp(prefix=".orbit-health-", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as out:
+                json.dump(state, out)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+
+    def _main(self) -> None:
+        while not self._stop.wait(self._interval):
+            # A full disk must not kill the worker; the file going stale says it.
+            with contextlib.suppress(OSError):
+                self.write()
+
+    def close(self) -> None:
+        """Stop rewriting; the last write (with ``stopped`` if the worker stopped) stays."""
+        self._stop.set()
+        self._thread.join(5.0)
+        self.write()
+
+
+def check_heartbeat(path: str | os.PathLike[str], max_age: float = 30.0) -> tuple[bool, str]:
+    """``(ok, why)``: the heartbeat file exists, is at most *max_age* seconds old, says live."""
+    try:
+        age = time.time() - os.stat(path).st_mtime
+        with open(path) as src:
+            state = json.load(src)
+    except (OSError, ValueError) as exc:
+        return False, f"cannot read heartbeat: {type(exc).__name__}"
+    if age > max_age:
+        return False, f"heartbeat is {age:.0f}s old (over {max_age:g}s)"
+    if not state.get("live"):
+        return False, "worker is not live"
+    return True, "ok"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m orbit_sync.contrib.health PATH [--max-age S]``: exit 0 if healthy, else 1."""
+    parser = argparse.ArgumentParser(prog="python -m orbit_sync.contrib.health")
+    parser.add_argument("path", help="the heartbeat file the worker writes")
+    parser.add_argument("--max-age", type=float, default=30.0, help="seconds (default 30)")
+    args = parser.parse_args(argv)
+    ok, why = check_heartbeat(args.path, args.max_age)
+    print(why, file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

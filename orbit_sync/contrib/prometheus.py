@@ -1,0 +1,150 @@
+"""Prometheus metrics for a Worker (``pip install 'orbit-sync[prometheus]'``).
+
+::
+
+    from prometheus_client import start_http_server
+    from orbit_sync.contrib.prometheus import PrometheusListener
+
+    worker = Worker(client, queue_id=Q, listeners=[PrometheusListener()])
+    start_http_server(9100)   # or mount prometheus_client's WSGI app in yours
+
+=============================================  =========  ====================================
+metric (default namespace ``orbit``)           type       labels
+=============================================  =========  ====================================
+``orbit_attempts_received_total``              counter    ``handler``
+``orbit_attempts_total``                       counter    ``handler``, ``outcome``
+``orbit_attempt_duration_seconds``             histogram  ``handler``, ``outcome``
+``orbit_attempts_in_flight``                   gauge      ``handler`` (handlers running now)
+``orbit_finishes_undelivered_total``           counter    ``handler``
+``orbit_lease_renewals_total``                 counter    -
+``orbit_lease_renewal_lag_seconds``            histogram  - (how late renewals were sent)
+``orbit_lease_losses_total``                   counter    ``reason``
+``orbit_reconnects_total``                     counter    -
+``orbit_connected``                            gauge      - (1 while a session is up)
+=============================================  =========  ====================================
+
+``outcome`` is ``SUCCEEDED``, ``FAILED``, ``CANCELLED`` or ``UNKNOWN``. Pass *registry* to keep
+the metrics out of prometheus_client's global registry (one registry per worker, or tests).
+"""
+
+from __future__ import annotations
+
+from ..worker import (
+    AttemptEvent,
+    AttemptFinished,
+    DisconnectEvent,
+    LeaseEvent,
+    SessionEvent,
+    ShutdownReport,
+    WorkerListener,
+)
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
+    raise ImportError(
+        "orbit_sync.contrib.prometheus needs prometheus_client: "
+        "pip install 'orbit-sync[prometheus]'"
+    ) from exc
+
+__all__ = ["PrometheusListener"]
+
+#: Renewal lag is normally a few milliseconds; past a second the lease margin is at risk.
+LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class PrometheusListener(WorkerListener):
+    """A :class:`~orbit_sync.worker.WorkerListener` that keeps Prometheus metrics."""
+
+    def __init__(
+        self, *, registry: CollectorRegistry | None = None, namespace: str = "orbit"
+    ) -> None:
+        reg = REGISTRY if registry is None else registry
+        ns = namespace
+        self.received = Counter(
+            "attempts_received", "Assignments accepted.", ["handler"], namespace=ns, registry=reg
+        )
+        self.finished = Counter(
+            "attempts",
+            "Attempts finished, by reported outcome.",
+            ["handler", "outcome"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.duration = Histogram(
+            "attempt_duration_seconds",
+            "How long handlers ran.",
+            ["handler", "outcome"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.in_flight = Gauge(
+            "attempts_in_flight", "Handlers running now.", ["handler"], namespace=ns, registry=reg
+        )
+        self.undelivered = Counter(
+            "finishes_undelivered",
+            "Finishes not delivered (worker stopped, or refused by the server).",
+            ["handler"],
+            namespace=ns,
+            registry=reg,
+        )
+        self.renewals = Counter(
+            "lease_renewals", "Lease renewals acknowledged.", namespace=ns, registry=reg
+        )
+        self.renewal_lag = Histogram(
+            "lease_renewal_lag_seconds",
+            "How late after its schedule each renewal was sent.",
+            buckets=LAG_BUCKETS,
+            namespace=ns,
+            registry=reg,
+        )
+        self.losses = Counter(
+            "lease_losses", "Leases lost while running.", ["reason"], namespace=ns, registry=reg
+        )
+        self.reconnects = Counter(
+            "reconnects", "Sessions lost and re-established.", namespace=ns, registry=reg
+        )
+        self.connected_gauge = Gauge(
+            "connected", "1 while a session is established.", namespace=ns, registry=reg
+        )
+
+    def attempt_received(self, event: AttemptEvent) -> None:
+        """Count the assignment."""
+        self.received.labels(event.handler).inc()
+
+    def attempt_started(self, event: AttemptEvent) -> None:
+        """One more handler running."""
+        self.in_flight.labels(event.handler).inc()
+
+    def attempt_finished(self, event: AttemptFinished) -> None:
+        """Count the outcome and time the handler."""
+        outcome = event.outcome.value
+        if event.ran:
+            self.in_flight.labels(event.handler).dec()
+        self.finished.labels(event.handler, outcome).inc()
+        if event.duration is not None:
+            self.duration.labels(event.handler, outcome).observe(event.duration)
+        if not event.delivered:
+            self.undelivered.labels(event.handler).inc()
+
+    def lease_renewed(self, event: LeaseEvent) -> None:
+        """Count the renewal and how late it was."""
+        self.renewals.inc()
+        self.renewal_lag.observe(event.lag)
+
+    def lease_lost(self, event: LeaseEvent) -> None:
+        """Count the loss by reason."""
+        self.losses.labels(event.reason or "unknown").inc()
+
+    def connected(self, event: SessionEvent) -> None:
+        """A session is up."""
+        self.connected_gauge.set(1)
+
+    def disconnected(self, event: DisconnectEvent) -> None:
+        """The session is down; the worker reconnects."""
+        self.connected_gauge.set(0)
+        self.reconnects.inc()
+
+    def stopped(self, report: ShutdownReport) -> None:
+        """The worker is gone."""
+        self.connected_gauge.set(0)
