@@ -178,38 +178,31 @@ def main(argv: list[str] | None = None) -> int:
             f"{lat['p99_ms']:.1f} ms ({lat['renewals']} renewals; same-process Event.wait floor "
             f"p99 {lat['floor_p99_ms']:.1f} ms; lease losses {lat['lease_losses']})"
         )
-    for executor in ("thread", "process"):
-        r = measure("noop", executor, tasks=tasks, seconds=0)
-        out[f"noop_{executor}"] = {
+    runs = {
+        executor: measure("noop", executor, tasks=tasks, seconds=0)
+        for executor in ("thread", "process")
+    }
+    with tempfile.TemporaryDirectory() as scratch:
+        outbox = f"{scratch}/outbox.sqlite"
+        runs["outbox"] = measure("noop", "thread", tasks=tasks, seconds=0, outbox=outbox)
+    for name, r in runs.items():
+        out[f"noop_{name}"] = {
             "wall_per_task_us": r["wall"] / max(1, r["timed"]) * 1e6,
             "cpu_per_task_us": r["cpu"] / max(1, r["timed"]) * 1e6,
             "succeeded": r["succeeded"],
             "ok": r["ok"],
         }
-    t, p = out["noop_thread"], out["noop_process"]
-    wall_ratio = p["wall_per_task_us"] / t["wall_per_task_us"]
-    cpu_ratio = p["cpu_per_task_us"] / t["cpu_per_task_us"]
-    rows.append(
-        f"no-op task, process vs thread: wall {p['wall_per_task_us']:.0f} vs "
-        f"{t['wall_per_task_us']:.0f} us/task ({wall_ratio:.2f}x), worker CPU "
-        f"{p['cpu_per_task_us']:.0f} vs {t['cpu_per_task_us']:.0f} us/task ({cpu_ratio:.2f}x)"
-    )
-    with tempfile.TemporaryDirectory() as scratch:
-        r = measure("noop", "thread", tasks=tasks, seconds=0, outbox=f"{scratch}/outbox.sqlite")
-    out["noop_outbox"] = {
-        "wall_per_task_us": r["wall"] / max(1, r["timed"]) * 1e6,
-        "cpu_per_task_us": r["cpu"] / max(1, r["timed"]) * 1e6,
-        "succeeded": r["succeeded"],
-        "ok": r["ok"],
-    }
-    b = out["noop_outbox"]
-    wall_ratio = b["wall_per_task_us"] / t["wall_per_task_us"]
-    cpu_ratio = b["cpu_per_task_us"] / t["cpu_per_task_us"]
-    rows.append(
-        f"no-op task, outbox vs none (threads): wall {b['wall_per_task_us']:.0f} vs "
-        f"{t['wall_per_task_us']:.0f} us/task ({wall_ratio:.2f}x), worker CPU "
-        f"{b['cpu_per_task_us']:.0f} vs {t['cpu_per_task_us']:.0f} us/task ({cpu_ratio:.2f}x)"
-    )
+    base = out["noop_thread"]
+    for name, label in (("process", "process vs thread"), ("outbox", "outbox vs none (threads)")):
+        ours = out[f"noop_{name}"]
+        wall_ratio = ours["wall_per_task_us"] / base["wall_per_task_us"]
+        cpu_ratio = ours["cpu_per_task_us"] / base["cpu_per_task_us"]
+        rows.append(
+            f"no-op task, {label}: wall {ours['wall_per_task_us']:.0f} vs "
+            f"{base['wall_per_task_us']:.0f} us/task ({wall_ratio:.2f}x), worker CPU "
+            f"{ours['cpu_per_task_us']:.0f} vs {base['cpu_per_task_us']:.0f} us/task "
+            f"({cpu_ratio:.2f}x)"
+        )
     proc = out["lateness_process"]
     verdict = "PASS" if proc["p99_ms"] <= 20 and proc["lease_losses"] == 0 else "FAIL"
     rows.append(f"target: process-mode lateness p99 <= 20 ms with zero lease losses: {verdict}")
