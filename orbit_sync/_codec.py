@@ -359,9 +359,22 @@ def encode_frame(
 
 def encode_request(type_: str, message_id: str, session_id: str | None, body: Any) -> str:
     """Encode a client request whose body is a model."""
+    if type(body) is AttemptRef and session_id is not None:
+        # The hot path (start, renew, resume): the same few refs again and again. Every part is
+        # already validated (hex ids, a known type), so the frame is the same text encode_frame
+        # builds, without re-serializing the body each time.
+        return (
+            f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
+            f'"message_id":"{message_id}","session_id":"{session_id}","body":{_ref_json(body)}}}'
+        )
     if isinstance(body, Finish):
         check_result(body.result)
     return encode_frame(type_, message_id, session_id=session_id, body=unstructure(body))
+
+
+@functools.lru_cache(maxsize=1024)
+def _ref_json(ref: AttemptRef) -> str:
+    return _json.dumps(unstructure(ref))
 
 
 # --------------------------------------------------------------------------- server → client

@@ -210,3 +210,13 @@ def _finish() -> Any:
     from orbit_sync.models import Finish, Outcome
 
     return Finish(REF, Outcome.SUCCEEDED, {"ok": True})
+
+
+@pytest.mark.parametrize("kind", ["task.start", "task.renew", "worker.resume"])
+def test_ref_requests_encode_exactly_as_the_generic_frame(kind: str) -> None:
+    """The cached AttemptRef fast path produces the same text as the generic frame encoder."""
+    generic = _codec.encode_frame(
+        kind, "4" * 32, session_id=SESSION_ID, body=_codec.unstructure(REF)
+    )
+    assert _codec.encode_request(kind, "4" * 32, SESSION_ID, REF) == generic
+    assert _codec.encode_request(kind, "4" * 32, SESSION_ID, REF) == generic  # cached
