@@ -39,7 +39,7 @@ import cattrs
 
 from .._protocol import MAX_IN_FLIGHT
 from ..client import Client, DialCut
-from ..errors import OrbitError, WorkerBusy, WorkerProtocolError
+from ..errors import OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
 from ..models import (
     ID_RE,
     MAX_CAPACITY,
@@ -1315,7 +1315,8 @@ class Worker:
             if error is None:
                 on_done(result.lease, None)
                 return
-            if is_link_failure(error):
+            if is_link_failure(error) and not isinstance(error, WorkerError):
+                # (A fatal error answer ends the connection by itself, with that error.)
                 self._link.broken(gen)
             on_done(None, error)
 
