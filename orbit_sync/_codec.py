@@ -120,6 +120,7 @@ def format_time(value: _dt.datetime) -> str:
 
 
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
+_MICROSECOND = _dt.timedelta(microseconds=1)
 _NS = 1_000_000_000
 
 
@@ -128,8 +129,13 @@ def time_ns(value: Any) -> int:
     microseconds only, so windows are checked with this: PROTOCOL §12 allows 9 digits)."""
     if type(value) is not str:
         raise TypeError("time must be an RFC 3339 string")
+    return _time_ns(value)
+
+
+@functools.lru_cache(maxsize=512)
+def _time_ns(value: str) -> int:
     whole, sub_micro = _parse_time(value)
-    return (whole - _EPOCH) // _dt.timedelta(microseconds=1) * 1000 + sub_micro
+    return (whole - _EPOCH) // _MICROSECOND * 1000 + sub_micro
 
 
 def parse_counter(value: Any) -> int:

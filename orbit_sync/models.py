@@ -15,6 +15,8 @@ import base64
 import copy
 import datetime as _dt
 import enum
+import os
+import random
 import re
 import secrets
 import time
@@ -130,9 +132,22 @@ def new_id() -> str:
     return secrets.token_hex(16)
 
 
+# A message_id must be unique, not secret (it travels next to the session's real credentials):
+# a generator seeded from the OS, reseeded in every forked child, takes no system call per id.
+_MESSAGE_IDS = random.Random(os.urandom(32))
+
+
+def _reseed_message_ids() -> None:
+    _MESSAGE_IDS.seed(os.urandom(32))
+
+
+if hasattr(os, "register_at_fork"):  # POSIX: a forked child must not repeat its parent's ids
+    os.register_at_fork(after_in_child=_reseed_message_ids)
+
+
 def new_message_id() -> str:
     """A fresh ``message_id``: name one operation, keep it when re-sending that operation."""
-    return secrets.token_hex(16)
+    return f"{_MESSAGE_IDS.getrandbits(128):032x}"
 
 
 def new_secret() -> str:
@@ -189,8 +204,11 @@ def _check_optional_bool(_: Any, attribute: attrs.Attribute[Any], value: Any) ->
         raise TypeError(f"{attribute.name} must be a bool or None")
 
 
+_ZERO = _dt.timedelta(0)
+
+
 def _check_time(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not isinstance(value, _dt.datetime) or value.utcoffset() != _dt.timedelta(0):
+    if not isinstance(value, _dt.datetime) or value.utcoffset() != _ZERO:
         raise ValueError(f"{attribute.name} must be an aware UTC datetime")
 
 

@@ -220,3 +220,27 @@ def test_ref_requests_encode_exactly_as_the_generic_frame(kind: str) -> None:
     )
     assert _codec.encode_request(kind, "4" * 32, SESSION_ID, REF) == generic
     assert _codec.encode_request(kind, "4" * 32, SESSION_ID, REF) == generic  # cached
+
+
+def test_message_ids_are_hex_unique_and_new_in_a_forked_child() -> None:
+    """message_ids are 32 lowercase hex, distinct, and a forked child does not repeat them."""
+    import os
+    import re
+
+    from orbit_sync.models import new_message_id
+
+    ids = {new_message_id() for _ in range(10_000)}
+    assert len(ids) == 10_000 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids)
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork on this platform")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report its next id, then leave at once
+        os.write(write, new_message_id().encode())
+        os._exit(0)
+    os.close(write)
+    child = os.read(read, 64).decode()
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert re.fullmatch(r"[0-9a-f]{32}", child)
+    assert child != new_message_id(), "the child was reseeded, not a copy of the parent"
