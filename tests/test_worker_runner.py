@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import re
 import threading
@@ -11,8 +12,15 @@ import pytest
 from _worker_helpers import Probe, events, has_event, make_worker, running
 
 from orbit_sync.models import SECRET_RE, AttemptState, Outcome, TaskState
-from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import Fail, TaskContext, UnknownEffect
+from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.worker import (
+    Fail,
+    FakeClock,
+    LeaseEvent,
+    TaskContext,
+    UnknownEffect,
+    WorkerListener,
+)
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 
@@ -70,29 +78,51 @@ def test_many_tasks_at_once(server: MockOrbitServer) -> None:
     assert worker.stats().running == 0
 
 
-@pytest.mark.orbit_server(lease_duration=1.0, session_window=1.5, assignment_rate=None)
-def test_long_handler_kept_alive_across_short_leases(server: MockOrbitServer) -> None:
-    """A 2.5 s handler on 1 s leases (1.5 s sessions) is renewed and finishes on its one lease."""
-    worker = make_worker(server)
+def test_long_handler_kept_alive_across_short_leases() -> None:
+    """A handler running 2.5 lease windows on 1 s leases (1.5 s sessions) is renewed and finishes
+    on its one lease; the time is fake (the server's ManualClock, followed by the worker's)."""
+    manual = ManualClock()
+    with MockOrbitServer(
+        clock=manual, lease_duration=1.0, session_window=1.5, assignment_rate=None
+    ) as server:
+        probe = Probe()
+        renewed = threading.Semaphore(0)
 
-    @worker.handler("long")
-    def long(ctx: TaskContext, payload: Any) -> Any:
-        for _ in range(10):
-            ctx.sleep(0.25)  # real time passing is the point: 2.5 lease windows
-        return {"ok": True}
+        class Renewals(WorkerListener):
+            def lease_renewed(self, event: LeaseEvent) -> None:
+                renewed.release()
 
-    task_id = server.enqueue("long", {})
-    with running(worker):
-        snap = server.wait_for(task_id, DONE, timeout=15)
-    assert snap.state is TaskState.SUCCEEDED
-    assert [a.state for a in snap.attempts] == [AttemptState.SUCCEEDED]
-    assert snap.evidence == ()
-    stats = worker.stats()
-    assert stats.renewals >= 3 and stats.lease_losses == 0 and stats.reconnects == 0
-    assert len(events(server, "attempt.renewed", task_id)) >= 3
-    # The idle-looking session was kept alive by capacity heartbeats (PROTOCOL §5.6).
-    assert not any(s.expired for s in server.sessions())
-    assert stats.renew_lag_max < 1.0
+        worker = make_worker(server, clock=FakeClock(follow=manual), listeners=[Renewals()])
+
+        @worker.handler("long")
+        def long(ctx: TaskContext, payload: Any) -> Any:
+            probe.enter(ctx)
+            probe.release.wait(10)
+            return {"ok": True}
+
+        def heartbeat_seen(s: MockOrbitServer) -> bool:
+            return s.sessions()[-1].expires_at - s.now() >= dt.timedelta(seconds=1.5)
+
+        task_id = server.enqueue("long", {})
+        with running(worker):
+            probe.wait_started()
+            # 5 x 0.5 s: before each step, the worker must have taken in its renewal's answer
+            # (the next step would otherwise pass its old deadline) and its heartbeat.
+            for _ in range(5):
+                server.advance(0.5)
+                assert renewed.acquire(timeout=10), "no renewal answered within the step"
+                server.wait_until(heartbeat_seen, timeout=10)
+            probe.release.set()
+            snap = server.wait_for(task_id, DONE, timeout=10)
+            stats = worker.stats()
+        assert snap.state is TaskState.SUCCEEDED
+        assert [a.state for a in snap.attempts] == [AttemptState.SUCCEEDED]
+        assert snap.evidence == ()
+        assert stats.renewals >= 5 and stats.lease_losses == 0 and stats.reconnects == 0
+        # The idle-looking session was kept alive by capacity heartbeats (PROTOCOL §5.6).
+        assert not any(s.expired for s in server.sessions())
+        assert stats.renew_lag_max < 1.0
+        server.check_invariants()
 
 
 @pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)
@@ -343,9 +373,19 @@ def test_cancel_before_start_finishes_cancelled_without_running(server: MockOrbi
     server.check_invariants()
 
 
-def test_exceptions_mapped_to_outcomes(server: MockOrbitServer) -> None:
-    """Return, Fail, UnknownEffect, other errors and unsendable results map to their outcomes."""
-    worker = make_worker(server)
+def test_exceptions_mapped_to_outcomes() -> None:
+    """Return, Fail, UnknownEffect, other errors and unsendable results map to their outcomes
+    (the retry's backoff passes in fake time)."""
+    manual = ManualClock()
+    with MockOrbitServer(clock=manual, assignment_rate=None) as server:
+        snaps = _run_outcome_handlers(server, FakeClock(follow=manual))
+        server.check_invariants()
+    _check_outcomes(snaps)
+
+
+def _run_outcome_handlers(server: MockOrbitServer, clock: FakeClock) -> dict[str, Any]:
+    """Run one task per ending through a worker on *clock*; return their final snapshots."""
+    worker = make_worker(server, clock=clock)
 
     @worker.handler("flaky")
     def flaky(ctx: TaskContext, payload: Any) -> Any:
@@ -378,7 +418,21 @@ def test_exceptions_mapped_to_outcomes(server: MockOrbitServer) -> None:
         for name in ("flaky", "denied", "unsure", "broken", "huge", "weird")
     }
     with running(worker):
+        fid = ids.pop("flaky")
         snaps = {name: server.wait_for(tid, DONE, timeout=10) for name, tid in ids.items()}
+
+        def retry_waits(s: MockOrbitServer) -> bool:
+            snap = s.task(fid)
+            return snap.state is TaskState.WAITING and len(snap.attempts) == 1
+
+        server.wait_until(retry_waits, timeout=10)
+        server.advance(2.0)  # the retry's backoff and the server's next scan
+        snaps["flaky"] = server.wait_for(fid, DONE, timeout=10)
+    return snaps
+
+
+def _check_outcomes(snaps: dict[str, Any]) -> None:
+    """Each ending's task state, outcome, error code and recorded result."""
     flaky_snap = snaps["flaky"]
     assert flaky_snap.state is TaskState.SUCCEEDED and flaky_snap.result == {"attempt": 2}
     first = flaky_snap.attempts[0]

@@ -365,7 +365,7 @@ class Worker:
         self._capacity_lock = threading.Lock()
         self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
         self._report_sent: CapacityReport | None = None
-        self._drain_acked = Wakeup(self._time)
+        self._drain_acked = threading.Event()
         self._heartbeat = 15.0
         self._next_heartbeat = 0.0
         #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
@@ -971,7 +971,6 @@ class Worker:
             self._next_heartbeat = sent_at + self._heartbeat
         if report.drain and not self._drain_acked.is_set():
             self._drain_acked.set()
-            self._notify()  # shutdown's drain phase waits for it
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
 
     def _serve(self, conn: Connection) -> None:
@@ -1381,14 +1380,11 @@ class Worker:
         #
         # 1. Drain: running handlers keep their leases renewed until they return or time is up
         #    (a later request_stop may shorten the window); meanwhile the connection thread
-        #    tells the server (drain: true) so it assigns nothing more.
+        #    tells the server (drain: true) so it assigns nothing more. Once nothing runs, the
+        #    close below ends the session anyway: the drain report's answer is not waited for.
         with self._cond:
-            while True:
-                deadline = self._drain_deadline
-                reported = self._drain_acked.is_set() or self._link.current() is None
-                if (not self._attempts and reported) or self._clock() >= deadline:
-                    break
-                self._time.wait(self._cond, deadline)
+            while self._attempts and self._clock() < self._drain_deadline:
+                self._time.wait(self._cond, self._drain_deadline)
             drained = not self._attempts
 
         # 2. Cancel what is still running, and give it a grace period to return.
