@@ -260,3 +260,22 @@ def test_no_listener_costs_a_truth_test_and_bad_listeners_are_refused() -> None:
             hooks.add(bad)
     hooks.add(Recorder())
     assert hooks
+
+
+def test_with_options_keeps_every_listener(server: MockOrbitServer) -> None:
+    """A Worker rebuilt by with_options (as the CLI does) keeps listeners added either way."""
+    given, added = Recorder(), Recorder()
+    worker = make_worker(server, listeners=[given])
+    worker.add_listener(added)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        return {}
+
+    rebuilt = worker.with_options(capacity=2)
+    task_id = server.enqueue("work", {})
+    with running(rebuilt):
+        server.wait_for(task_id, DONE)
+        assert given.seen("finished").wait(10) and added.seen("finished").wait(10)
+    assert [e.task_id for e in added.of("finished")] == [task_id]
+    assert [e.task_id for e in given.of("finished")] == [task_id]

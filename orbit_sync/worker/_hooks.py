@@ -211,6 +211,11 @@ class Hooks:
     def __bool__(self) -> bool:
         return bool(self._listeners)
 
+    @property
+    def listeners(self) -> tuple[object, ...]:
+        """Every listener subscribed so far, in order."""
+        return self._listeners
+
     def add(self, listener: object) -> None:
         """Subscribe *listener* (a :class:`WorkerListener`, or any object with such methods)."""
         if listener is None or isinstance(listener, type):

@@ -477,7 +477,8 @@ class Worker:
         to apply its command-line options to the Worker a module defines."""
         with self._cond:
             handlers = dict(self._handlers)
-        worker = Worker(**{**self._options, **changes})
+        # Listeners added with add_listener() (a health probe, metrics) come along too.
+        worker = Worker(**{**self._options, "listeners": self._hooks.listeners, **changes})
         for (name, version, payload_version), fn in handlers.items():
             worker.register(name, fn, version=version, payload_version=payload_version)
         return worker
