@@ -1,6 +1,7 @@
 """The websocket-client shell: the only module that touches websocket-client, internals included.
 
-Pinned: ``websocket-client >=1.9.2,<1.10`` (``SUPPORTED_WEBSOCKET_CLIENT``). Two things depend on
+Supported: ``websocket-client >=1.0,<1.10`` (``SUPPORTED_WEBSOCKET_CLIENT``), every release in that
+range having passed the internals check and the transport, dial and TLS tests. Two things depend on
 its internals and are checked by ``tests/test_client_transport.py``, which fails if they move:
 
 * ``websocket._abnf.frame_buffer`` parses each frame header (``recv_header``), then its length
@@ -55,8 +56,8 @@ __all__ = [
     "connect",
 ]
 
-#: The websocket-client versions whose internals this module was written and tested against.
-SUPPORTED_WEBSOCKET_CLIENT = ((1, 9, 2), (1, 10, 0))
+#: The websocket-client versions whose internals this module was tested against: [low, high).
+SUPPORTED_WEBSOCKET_CLIENT = ((1, 0, 0), (1, 10, 0))
 
 _OP_CONT = _abnf.ABNF.OPCODE_CONT
 _OP_TEXT = _abnf.ABNF.OPCODE_TEXT
@@ -460,3 +461,8 @@ def _upgrade(
         if guard.fired:
             raise CallTimeout("dial did not complete in time") from None
         raise WorkerDisconnected("connection lost during the WebSocket upgrade") from exc
+    status = ws.getstatus()
+    if isinstance(status, int) and status in _REDIRECTS:
+        # websocket-client before 1.9.1 returns a redirect answer under redirect_limit=0 instead
+        # of raising: report it the same way, never followed.
+        raise HTTPError(status)
