@@ -6,7 +6,9 @@ Run as a script, this module is the child worker of the SIGTERM tests::
 
 It runs a :class:`Worker` on the main thread (so ``run()`` handles signals) and prints the
 shutdown report as one JSON line. MODE ``drain``: the handler waits for FLAG_PATH to exist, then
-returns. MODE ``stubborn``: the handler ignores cancellation and never returns.
+returns. MODE ``stubborn``: the handler ignores cancellation and never returns. MODE
+``announce``: the handler prints ``running TASK_ID`` on stdout, then never returns (the kill -9
+tests).
 """
 
 from __future__ import annotations
@@ -121,6 +123,9 @@ def _child(url: str, token: str, queue_id: str, flag: str, mode: str) -> int:
 
     @worker.handler("slow")
     def slow(ctx: TaskContext, payload: Any) -> Any:
+        if mode == "announce":
+            print(f"running {ctx.task_id}", flush=True)
+            never.wait()
         if mode == "stubborn":
             never.wait()  # ignores cancellation entirely
         while not os.path.exists(flag):
