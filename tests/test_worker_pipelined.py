@@ -82,3 +82,53 @@ def test_resumes_are_all_in_flight_before_the_capacity_report(server: MockOrbitS
         resumed = [e for e in before if e.kind == "attempt.resumed"]
         assert len([e for e in resumed if e.session_id == report.session_id]) == 3
     assert all(probe.runs[t] == 1 for t in tasks)
+
+
+def test_gate_blocks_past_its_slots_and_close_releases_waiters() -> None:
+    """The handlers' request gate: a slot frees a waiter; closing it makes waiters give up."""
+    import threading
+
+    from orbit_sync.worker._link import Gate, GaveUp
+
+    gate = Gate(2)
+    gate.acquire()
+    gate.acquire()
+    got: list[str] = []
+    entered = threading.Event()
+
+    def wait_for_slot() -> None:
+        entered.set()
+        try:
+            gate.acquire()
+            got.append("slot")
+        except GaveUp:
+            got.append("gave up")
+
+    first = threading.Thread(target=wait_for_slot)
+    first.start()
+    assert entered.wait(5.0)
+    gate.release()
+    first.join(5.0)
+    assert got == ["slot"]
+    entered.clear()
+    second = threading.Thread(target=wait_for_slot)
+    second.start()
+    assert entered.wait(5.0)
+    gate.close()
+    second.join(5.0)
+    assert got == ["slot", "gave up"] and not second.is_alive()
+
+
+@pytest.mark.parametrize(
+    ("max_in_flight", "slots"), [(None, 24), (32, 24), (12, 9), (4, 2), (3, 1)]
+)
+def test_handler_share_of_the_request_budget(
+    server: MockOrbitServer, max_in_flight: int | None, slots: int
+) -> None:
+    """Starts and finishes get all but a quarter (2 to 8) of max_in_flight; default 32."""
+    kwargs = {} if max_in_flight is None else {"max_in_flight": max_in_flight}
+    worker = make_worker(server, **kwargs)
+    gate = worker._link.gate
+    for _ in range(slots):
+        gate.acquire()
+    assert gate._free == 0

@@ -246,8 +246,8 @@ class Worker:
     Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded);
     *dial_timeout* and *call_timeout* bound one dial and one request (after which the request is
     re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32, default 32)
-    bounds the requests outstanding at once, of which 8 (fewer when it is small) are kept for
-    renewals, resumes and capacity reports;
+    bounds the requests outstanding at once, of which a quarter (2 to 8) are kept for renewals,
+    resumes and capacity reports;
     *renew_retry_delay* (0.1-5 s) spaces retries of a failed renewal. *cancellation_notifications*
     asks the server for ``task.cancel`` pushes. *handle_signals* lets :meth:`run` on the main
     thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``);
@@ -318,7 +318,8 @@ class Worker:
             raise ValueError(f"max_in_flight must be an int between 3 and {MAX_IN_FLIGHT}")
         # Starts and finishes get the connection's request budget but a reserve: renewals,
         # resumes and capacity reports never wait behind handler traffic for a slot.
-        handler_slots = max_in_flight - min(_RESERVED_SLOTS, max_in_flight - 1)
+        # A quarter of the budget, 2 to 8 slots: a small explicit bound keeps its old split.
+        handler_slots = max_in_flight - min(_RESERVED_SLOTS, max(2, max_in_flight // 4))
         self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
         if not 0.1 <= self._retry_delay <= 5.0:
             raise ValueError("renew_retry_delay must be between 0.1 and 5 seconds")
