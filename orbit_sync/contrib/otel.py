@@ -38,6 +38,7 @@ from typing import Any
 from .._version import __version__
 from ..models import Outcome
 from ..worker import AttemptFinished, TaskContext, WorkerListener
+from ..worker._encoding import type_name
 
 try:
     from opentelemetry import trace
@@ -83,7 +84,7 @@ class OpenTelemetryListener(WorkerListener):
                 return call()
             except BaseException as exc:
                 # By type only: a handler's exception text may quote data or credentials.
-                span.add_event("exception", {"exception.type": _type_name(exc)})
+                span.add_event("exception", {"exception.type": type_name(exc)})
                 raise
 
     def attempt_finished(self, event: AttemptFinished) -> None:
@@ -102,10 +103,3 @@ class OpenTelemetryListener(WorkerListener):
         if event.outcome in _ERROR_OUTCOMES:
             span.set_status(trace.Status(trace.StatusCode.ERROR, event.error_code or ""))
         span.end()
-
-
-def _type_name(exc: BaseException) -> str:
-    kind = type(exc)
-    if kind.__module__ == "builtins":
-        return kind.__qualname__
-    return f"{kind.__module__}.{kind.__qualname__}"

@@ -101,7 +101,8 @@ class _Unencodable(TypeError):
     pass
 
 
-def _type_name(value: object) -> str:
+def type_name(value: object) -> str:
+    """``value``'s type as ``module.Qualname`` (just ``Qualname`` for builtins)."""
     kind = type(value)
     if kind.__module__ == "builtins":
         return kind.__qualname__
@@ -218,7 +219,7 @@ class ResultEncoder:
 
     @staticmethod
     def _bad(path: str, value: object, why: str) -> NoReturn:
-        name = _type_name(value)
+        name = type_name(value)
         raise ResultProblem(RESULT_NOT_JSON, f"{path}: {name} {why}", path=path, type_name=name)
 
 

@@ -32,6 +32,7 @@ from ._encoding import (
     RESULT_TOO_LARGE,
     ResultEncoder,
     ResultProblem,
+    type_name,
 )
 
 __all__ = [
@@ -229,15 +230,9 @@ def outcome_of(
             duration=duration,
         )
     # Only the exception's type travels: its message may quote data or credentials.
-    kind = type(error)
-    name = (
-        kind.__qualname__
-        if kind.__module__ == "builtins"
-        else f"{kind.__module__}.{kind.__qualname__}"
-    )
     return Verdict(
         Outcome.FAILED,
-        {"error": HANDLER_ERROR, "exception": name},
+        {"error": HANDLER_ERROR, "exception": type_name(error)},
         HANDLER_ERROR,
         False,
         duration=duration,
