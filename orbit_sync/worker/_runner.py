@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 
 import cattrs
 
-from .._protocol import MAX_IN_FLIGHT
+from .._protocol import CALL_TIMEOUT, MAX_IN_FLIGHT
 from ..client import Client, DialCut
 from ..errors import OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
 from ..models import (
@@ -310,7 +310,9 @@ class Worker:
         self._flush_timeout = _check_seconds("flush_timeout", flush_timeout)
         self._dial_timeout = _check_seconds("dial_timeout", dial_timeout, positive=True)
         # Past this a request's connection is closed and the operation re-sent on the next one.
-        self._call_timeout = min(10.0, _check_seconds("call_timeout", call_timeout, positive=True))
+        self._call_timeout = min(
+            CALL_TIMEOUT, _check_seconds("call_timeout", call_timeout, positive=True)
+        )
         self._backoff = reconnect_backoff or Backoff()
         if max_in_flight is None:
             max_in_flight = MAX_IN_FLIGHT
