@@ -49,7 +49,7 @@ def admin_enqueue(n: int, per_task_n: int, servers: Any) -> dict[str, Any]:
             count = n
             done = 0
             while done < n:
-                chunk = min(1000, n - done)
+                chunk = min(10_000, n - done)
                 bulk([{"handler": "noop", "payload": {"i": done + i}} for i in range(chunk)])
                 done += chunk
         else:

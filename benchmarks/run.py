@@ -130,7 +130,7 @@ def row(
         if target is None
         else (">= " if higher_is_better else "<= ")
         + f"{target:g}"
-        + (f" {unit}" if absolute else ""),
+        + (f" {unit}" if absolute and unit != "n" else ""),
         "pass": verdict,
         "note": note,
     }
@@ -148,14 +148,14 @@ def _fmt(value: float, unit: str) -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'figure':<46}{'ours':>13}{'baseline':>13}{'ratio':>8}  {'target':<9}{'':<5}"
+    head = f"{'figure':<46}{'ours':>13}{'baseline':>13}{'ratio':>8}  {'target':<10}{'':<5}"
     lines = [head, "-" * len(head)]
     for r in rows:
         verdict = "" if r["pass"] is None else ("PASS" if r["pass"] else "FAIL")
         ratio = "n/a" if r["ratio"] != r["ratio"] else f"{r['ratio']:.2f}"
         lines.append(
             f"{r['name']:<46}{_fmt(r['ours'], r['unit']):>13}{_fmt(r['base'], r['unit']):>13}"
-            f"{ratio:>8}  {r['target'] or '':<9}{verdict:<5}"
+            f"{ratio:>8}  {r['target'] or '':<10}{verdict:<5}"
         )
         if r["note"]:
             lines.append(f"    {r['note']}")
@@ -389,7 +389,8 @@ def bench_dispatch(
             servers.done(server)
     if not delays:
         raise RuntimeError("no dispatch latency sample: the frame tap saw no assignment")
-    base = out["calls"]["one"]["base"]
+    nan = float("nan")
+    base = out["calls"]["one"]["base"] if "calls" in out else {"p50": nan, "p99": nan}
     out["dispatch"] = {
         "p50": percentile(delays, 50),
         "p99": percentile(delays, 99),
@@ -481,7 +482,9 @@ def bench_idle(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list
     ]
 
 
-def bench_server(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+def bench_server_cpu(
+    servers: Servers, o: dict[str, Any], out: dict[str, Any]
+) -> list[dict[str, Any]]:
     def drain(server: Child, info: dict[str, Any], n: int, timeout: float) -> dict[str, Any]:
         return run_noop(server, info, n, timeout)
 
@@ -492,18 +495,7 @@ def bench_server(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> li
         )
     low, high = (flat[w] for w in o["flat_waiting"])
     out["server_cpu"] = {str(k): v for k, v in flat.items()}
-    admin = mockserver.admin_enqueue(o["admin_n"], o["admin_per_task"], servers)
-    out["admin_enqueue"] = admin
-    memory = mockserver.memory_under_load(o["memory_marks"], servers)
-    out["server_memory"] = memory
-    m1, m2 = (memory["marks"][str(m)] for m in o["memory_marks"])
     lw, hw = o["flat_waiting"]
-    admin_note = (
-        f"bulk endpoint, {admin['count']:,} tasks"
-        if admin["bulk"]
-        else f"no bulk endpoint: per-task endpoint on {admin['count']:,} tasks, ratio and "
-        f"100k estimate ({admin['estimate_100k']:.0f} s) extrapolated"
-    )
     partial = [
         f"{w:,} waiting: {f['tasks']} of {o['flat_drained']} drained in the time limit"
         for w, f in flat.items()
@@ -532,22 +524,44 @@ def bench_server(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> li
             "us",
             target=1.25,
         ),
+    ]
+
+
+def bench_admin(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+    admin = mockserver.admin_enqueue(o["admin_n"], o["admin_per_task"], servers)
+    out["admin_enqueue"] = admin
+    note = (
+        f"bulk endpoint, {admin['count']:,} tasks"
+        if admin["bulk"]
+        else f"no bulk endpoint: per-task endpoint on {admin['count']:,} tasks, extrapolated"
+    )
+    scale = o["admin_n"] / admin["count"]
+    return [
         row(
             f"admin enqueue of {o['admin_n']:,} vs Python API",
-            admin["estimate_100k"] * o["admin_n"] / 100_000,
-            admin["base_seconds"] * o["admin_n"] / admin["count"],
+            admin["seconds"] * scale,
+            admin["base_seconds"] * scale,
             "s",
             target=60 * o["admin_n"] / 100_000,
             absolute=True,
-            note=admin_note + " (target: seconds, not minutes)",
-        ),
+            note=note + " (target: seconds, not minutes)",
+        )
+    ]
+
+
+def bench_memory(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
+    memory = mockserver.memory_under_load(o["memory_marks"], servers)
+    out["server_memory"] = memory
+    m1, m2 = (memory["marks"][str(m)] for m in o["memory_marks"])
+    return [
         row(
             f"server RSS after {o['memory_marks'][1]:,} vs {o['memory_marks'][0]:,} requests",
             m2,
             m1,
             "MB",
             target=1.1,
-            note=f"idle {memory['idle_rss'] / 1e6:.0f} MB; {memory['errors']} error answers",
+            note=f"idle {memory['idle_rss'] / 1e6:.0f} MB; {memory['errors']} error answers; "
+            f"{memory['seconds']:.0f} s",
         ),
     ]
 
@@ -556,7 +570,8 @@ def bench_server(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> li
 
 
 def profile_worker(o: dict[str, Any], out: dict[str, Any], top: int = 12) -> list[str]:
-    """py-spy over a no-op run of our worker (not the measured one): top functions by own time."""
+    """py-spy over a no-op run of our worker (not the measured one), samples holding the GIL only:
+    the top functions by own time, and our functions by inclusive time."""
     py_spy = Path(sys.executable).parent / "py-spy"
     if not py_spy.exists():
         return ["(py-spy is not installed in this venv: no profile)"]
@@ -565,19 +580,8 @@ def profile_worker(o: dict[str, Any], out: dict[str, Any], top: int = 12) -> lis
         raw = Path(tmp) / "profile.txt"
         try:
             server.send({"op": "enqueue", "n": o["tasks"], "handler": "noop"})
-            prefix = [
-                str(py_spy),
-                "record",
-                "--format",
-                "raw",
-                "--rate",
-                "250",
-                "--threads",
-                "--subprocesses",
-                "-o",
-                str(raw),
-                "--",
-            ]
+            prefix = [str(py_spy), "record", "--format", "raw", "--rate", "250", "--gil"]
+            prefix += ["--nonblocking", "-o", str(raw), "--"]
             with worker_child(info, "noop", "--tasks", str(o["tasks"]), prefix=prefix) as child:
                 child.read()
         except RuntimeError as exc:
@@ -587,25 +591,43 @@ def profile_worker(o: dict[str, Any], out: dict[str, Any], top: int = 12) -> lis
         if not raw.exists():
             return ["(py-spy wrote no profile)"]
         own: Counter[str] = Counter()
+        inclusive: Counter[str] = Counter()
         total = 0
         for line in raw.read_text().splitlines():
             stack, _, count = line.rpartition(" ")
             if not count.isdigit():
                 continue
-            frames = stack.split(";")
-            leaf = frames[-1]
+            if "importlib._bootstrap" in stack:
+                continue  # start-up imports, not the work per task
+            frames = [_short(f) for f in stack.split(";") if f.strip(" ()")]
+            if not frames:
+                continue
             total += int(count)
-            own[_short(leaf)] += int(count)
-    entries = [(name, n / total) for name, n in own.most_common(top)] if total else []
-    out["profile"] = [{"function": name, "own": share} for name, share in entries]
-    return [f"{share:6.1%}  {name}" for name, share in entries]
+            own[frames[-1]] += int(count)
+            for name in set(frames):
+                if "orbit_sync" in name:
+                    inclusive[name] += int(count)
+    if not total:
+        return ["(py-spy recorded no sample)"]
+    out["profile"] = {
+        "samples": total,
+        "own": [{"function": f, "share": n / total} for f, n in own.most_common(top)],
+        "inclusive": [{"function": f, "share": n / total} for f, n in inclusive.most_common(top)],
+    }
+    lines = [f"{total} samples holding the GIL (imports left out); own time:"]
+    lines += [f"  {n / total:6.1%}  {f}" for f, n in own.most_common(top)]
+    lines += ["orbit_sync functions, inclusive time:"]
+    lines += [f"  {n / total:6.1%}  {f}" for f, n in inclusive.most_common(top)]
+    return lines
 
 
 def _short(frame: str) -> str:
-    """``fn (path/to/module.py:12)`` -> ``fn (module.py)``: lines change, functions do not."""
+    """``fn (path/to/pkg/module.py:12)`` -> ``fn (pkg/module.py)``: lines change, functions do
+    not; ``orbit_sync`` modules keep their package path."""
     name, _, where = frame.partition(" (")
-    file = where.split(":")[0].rstrip(")")
-    return f"{name} ({'/'.join(Path(file).parts[-2:])})"
+    parts = Path(where.split(":")[0].rstrip(")")).parts
+    parts = parts[parts.index("orbit_sync") :] if "orbit_sync" in parts else parts[-2:]
+    return f"{name} ({'/'.join(parts)})"
 
 
 # --------------------------------------------------------------------------- main
@@ -648,14 +670,18 @@ def _commit() -> str:
         return ""
 
 
-SECTIONS: list[tuple[str, Callable[[Servers, dict[str, Any], dict[str, Any]], list[Any]]]] = [
-    ("call overhead", bench_calls),
-    ("worker and peers", bench_worker),
-    ("dispatch latency", bench_dispatch),
-    ("renewal lateness", bench_lateness),
-    ("idle", bench_idle),
-    ("mock server", bench_server),
-]
+Section = Callable[[Servers, dict[str, Any], dict[str, Any]], list[dict[str, Any]]]
+
+SECTIONS: dict[str, Section] = {
+    "calls": bench_calls,
+    "worker": bench_worker,
+    "dispatch": bench_dispatch,
+    "lateness": bench_lateness,
+    "idle": bench_idle,
+    "server-cpu": bench_server_cpu,
+    "admin": bench_admin,
+    "memory": bench_memory,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -663,36 +689,55 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small counts, no peers (seconds)")
     parser.add_argument("--no-profile", action="store_true", help="skip the py-spy profile")
     parser.add_argument(
+        "--only",
+        default="",
+        metavar="A,B",
+        help=f"run only these sections ({', '.join(SECTIONS)}, profile)",
+    )
+    parser.add_argument(
         "--output", type=Path, default=HERE / "results.json", help="where to write the JSON"
     )
     args = parser.parse_args(argv)
+    only = {name for name in args.only.split(",") if name}
+    unknown = only - set(SECTIONS) - {"profile", "codec"}
+    if unknown:
+        parser.error(f"unknown sections: {', '.join(sorted(unknown))}")
     o = QUICK if args.quick else FULL
     out: dict[str, Any] = {"mode": "quick" if args.quick else "full", "machine": machine()}
-    rows = bench_codec(args.quick)
+    rows = bench_codec(args.quick) if not only or "codec" in only else []
+
+    def save(complete: bool) -> None:
+        # Written after every section, so a long run that is stopped keeps what it measured.
+        out["rows"], out["complete"] = rows, complete
+        args.output.write_text(json.dumps(out, indent=1, default=str) + "\n")
+
     servers = Servers(shared=args.quick)
     try:
-        for name, section in SECTIONS:
+        for name, section in SECTIONS.items():
+            if only and name not in only:
+                continue
             start = time.perf_counter()
             print(f"[bench] {name} ...", file=sys.stderr, flush=True)
             rows += section(servers, o, out)
             out.setdefault("seconds", {})[name] = round(time.perf_counter() - start, 2)
+            save(False)
     finally:
         servers.close()
     profile: list[str] = []
-    if o["profile"] and not args.no_profile:
+    if (o["profile"] and not args.no_profile and not only) or "profile" in only:
         print("[bench] profile ...", file=sys.stderr, flush=True)
         profile = profile_worker(o, out)
-    out["rows"] = rows
+    save(True)
     m = out["machine"]
     print(
         f"\nmake bench ({out['mode']}) on {m['cores']} cores ({m['cpu'] or 'unknown CPU'}), "
-        f"Python {m['python']}, commit {m['commit'] or '?'}; ratios are ours / baseline"
+        f"Python {m['python']}, load {m['load_before']:.1f} at start, commit "
+        f"{m['commit'] or '?'}; ratios are ours / baseline"
     )
     print(table(rows))
     if profile:
-        print(f"\nworker profile, no-op run ({o['tasks']:,} tasks), own time:")
+        print(f"\nworker profile (py-spy), no-op run of {o['tasks']:,} tasks:")
         print("\n".join(profile))
-    args.output.write_text(json.dumps(out, indent=1, default=str) + "\n")
     print(f"\nwrote {args.output}")
     return 0
 
