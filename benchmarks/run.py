@@ -159,7 +159,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         )
         if r["note"]:
             lines.append(f"    {r['note']}")
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 # --------------------------------------------------------------------------- codec
