@@ -11,7 +11,15 @@ from _serverkit import CAP, Kit, Proc, body
 
 from orbit_sync._codec import parse_time
 from orbit_sync.models import Capability, TaskState, new_message_id
-from orbit_sync.testing import SCOPE_CONNECT, SCOPE_CONSUME, MockOrbitServer, queue_scope
+from orbit_sync.testing import (
+    SCOPE_CONNECT,
+    SCOPE_CONSUME,
+    AdminAPI,
+    AdminClient,
+    ManualClock,
+    MockOrbitServer,
+    queue_scope,
+)
 from orbit_sync.testing._records import to_datetime
 
 
@@ -331,3 +339,24 @@ def test_state_stays_flat_under_steady_load() -> None:
     assert sizes[0][:5] == sizes[1][:5] == (19, 19, 64, 64, 56)
     assert sizes[1][5] < 200
     kit.state.check_invariants()
+
+
+def test_admin_event_paging_survives_a_truncated_ring() -> None:
+    """GET /events counts from the first event ever: a cursor older than the ring resumes at
+    its oldest event, and the answer says how many were dropped."""
+    api = AdminAPI()
+    with MockOrbitServer(
+        clock=ManualClock(), admin_handler=api, assignment_rate=None, event_log_size=4
+    ) as server:
+        client = AdminClient(server.url, api.token)
+        for _ in range(3):
+            server.enqueue("resize", {"n": 1})
+        _, first = client.request("GET", "/events", {"limit": 2})
+        assert first["dropped"] == 0 and first["next"] == 2
+        ids = [server.enqueue("resize", {"n": 1}) for _ in range(6)]  # 10 events, ring of 4
+        _, page = client.request("GET", "/events", {"since": first["next"]})
+        assert page["dropped"] == 6
+        assert [e["task_id"] for e in page["events"]] == ids[-4:]
+        assert page["next"] == 10
+        _, tail = client.request("GET", "/events", {"since": page["next"]})
+        assert tail["events"] == [] and tail["next"] == 10

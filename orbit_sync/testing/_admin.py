@@ -314,7 +314,8 @@ class AdminAPI:
         POST /tokens/revoke                      the token in header Orbit-Worker-Token
         GET  /sessions                           session snapshots
         POST /disconnect[?session_id=]           cut one connection, or all, abruptly
-        GET  /events[?since=N&limit=M]           the event log from offset N; "next" offset
+        GET  /events[?since=N&limit=M]           the event log from offset N; "next" offset,
+                                                 "dropped": events the ring no longer holds
         GET  /invariants                         {"ok": bool, "problems": [...]}
         GET  /faults                             faults armed through this API
         POST /faults?kind=K[&frame_type=&count=&session_id=&seconds=&code=&status=]  (201)
@@ -666,8 +667,16 @@ class AdminAPI:
         since = p.opt_int("since", 0, 10**9) or 0
         limit = p.opt_int("limit", 1, 10_000) or 1000
         p.done()
-        events = server.events()[since : since + limit]
-        return 200, {"events": jsonable(events), "next": since + len(events)}
+        # `since` counts every event ever recorded; the log is a ring that may have dropped
+        # the oldest ones (`dropped`), so a cursor older than the ring starts at its oldest.
+        log = server.events()
+        start = max(since, log.dropped)
+        events = log[start - log.dropped : start - log.dropped + limit]
+        return 200, {
+            "events": jsonable(events),
+            "next": start + len(events),
+            "dropped": log.dropped,
+        }
 
     def _invariants(
         self, server: MockOrbitServer, p: _Params, m: re.Match[str], r: Request

@@ -171,9 +171,8 @@ class Dispatch(StateCore):
         """The first ready task under *key*, dropping stale entries on the way."""
         heap = self._ready.get(key)
         while heap:
-            at, _seq, task_id = heap[0]
-            task = self._tasks.get(task_id)
-            if task is not None and task.state is TaskState.WAITING and task.next_run_at == at:
+            task = self._still_waiting(heap[0])
+            if task is not None:
                 return task
             heapq.heappop(heap)
         self._ready.pop(key, None)
@@ -183,10 +182,17 @@ class Dispatch(StateCore):
         """Move every task whose backoff ended by *now* to its ready heap."""
         heap = self._backoff
         while heap and heap[0][0] <= now:
-            at, _seq, task_id = heapq.heappop(heap)
-            task = self._tasks.get(task_id)
-            if task is not None and task.state is TaskState.WAITING and task.next_run_at == at:
+            task = self._still_waiting(heapq.heappop(heap))
+            if task is not None:
                 self._push_ready(task)
+
+    def _still_waiting(self, entry: tuple[int, int, str]) -> Task | None:
+        """The task of a ready or backoff entry, unless it moved on since (stale entry)."""
+        at, _seq, task_id = entry
+        task = self._tasks.get(task_id)
+        if task is not None and task.state is TaskState.WAITING and task.next_run_at == at:
+            return task
+        return None
 
     @staticmethod
     def _is_overdue(task: Task, now: int) -> bool:
