@@ -26,8 +26,7 @@ if __name__ == "__main__":  # run from a checkout: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from orbit_sync.client import Client
-from orbit_sync.testing import MockOrbitServer, RetrySafety
-from orbit_sync.testing._cutlink import CuttingLink
+from orbit_sync.testing import CuttingLink, MockOrbitServer, RetrySafety
 from orbit_sync.worker import Backoff, TaskContext, Worker
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"})

@@ -9,7 +9,7 @@ import threading
 from _cutlink_run import run
 from _scripted import WAIT
 
-from orbit_sync.testing._cutlink import CuttingLink
+from orbit_sync.testing import CuttingLink
 
 
 def _echo_server() -> tuple[socket.socket, threading.Thread]:

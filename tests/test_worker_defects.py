@@ -175,6 +175,40 @@ def test_transient_error_to_resume_is_retried_on_the_same_session(
     assert probe.runs[task_id] == 1
 
 
+def test_reconciliation_cut_midway_is_completed_on_the_next_connection(
+    server: MockOrbitServer,
+) -> None:
+    """A connection cut while its resumes are answered: the next one resumes every running
+    attempt again, and every handler keeps its lease and runs once."""
+    probe = Probe()
+    worker = make_worker(server, capacity=3)
+
+    @worker.handler("slow")
+    def slow(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        probe.release.wait(WAIT)
+        return {"ok": True}
+
+    with running(worker):
+        ids = [server.enqueue("slow", {"i": i}) for i in range(3)]
+        probe.wait_started(3)
+        # The first resume of the next session is applied, then that connection is cut.
+        cut = server.faults.close_after("worker.resume", count=1)
+        server.disconnect()
+        assert cut.wait(WAIT)
+        for task_id in ids:
+            server.wait_until(has_event("attempt.resumed", task_id), timeout=WAIT)
+        probe.release.set()
+        for task_id in ids:
+            assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
+                TaskState.SUCCEEDED
+            )
+        stats = worker.stats()
+    assert stats.lease_losses == 0
+    assert stats.reconnects >= 2
+    assert all(probe.runs[task_id] == 1 for task_id in ids)
+
+
 # ------------------------------------------------------------------ shutdown bound
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ._admin import AdminAPI, AdminClient, AdminError
     from ._clock import Clock, ManualClock, SystemClock
+    from ._cutlink import CuttingLink
     from ._faults import Fault, Faults
     from ._server import AdminHandler, MockOrbitServer
     from ._snapshots import (
@@ -47,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "AdminHandler": "._server",
     "AttemptSnapshot": "._snapshots",
     "Clock": "._clock",
+    "CuttingLink": "._cutlink",
     "EventLog": "._snapshots",
     "EventRecord": "._snapshots",
     "EvidenceSnapshot": "._snapshots",
@@ -75,6 +77,7 @@ __all__ = [
     "AdminHandler",
     "AttemptSnapshot",
     "Clock",
+    "CuttingLink",
     "EventLog",
     "EventRecord",
     "EvidenceSnapshot",
