@@ -5,7 +5,7 @@ Exit statuses, for process supervisors (systemd ``RestartPreventExitStatus=``, K
 ====  ======================================================================================
 0     clean stop: a signal, and every handler returned within the drain
 1     the worker could not be loaded or failed unexpectedly (a bug: see the log)
-2     usage error: bad option, malformed target, unreadable token file
+2     usage or configuration error: bad option, malformed target, unreadable token file
 3     forced stop: handlers were cancelled or abandoned (a second signal, or the drain timed
       out), or a finish could not be delivered; the server retries or reviews those tasks
 4     the server refused the credentials (HTTP 401/403, ``UNAUTHENTICATED``,
@@ -69,11 +69,16 @@ EPILOG = """\
 exit status:
   0  clean stop: every handler returned within the drain
   1  the worker could not be loaded, or failed unexpectedly
-  2  usage error (bad option, malformed target, unreadable token file)
+  2  usage or configuration error (bad option, malformed target, unreadable token file)
   3  forced stop: handlers cancelled or abandoned, or a result not delivered
   4  the server refused the credentials (401/403, UNAUTHENTICATED, PERMISSION_DENIED)
   5  the server broke the protocol or refused the registration
 """
+
+EXIT_SUMMARY = (
+    "Exit status: 0 clean stop, 1 failure, 2 usage or configuration error, 3 forced stop "
+    "(handlers cancelled or abandoned), 4 credentials refused, 5 protocol error."
+)
 
 _LOG = logging.getLogger("orbit_sync.cli")
 
@@ -100,9 +105,11 @@ def _queue(text: str) -> str:
     return text
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``worker`` subcommand's arguments."""
-    parser.add_argument("target", metavar="MODULE:ATTRIBUTE", help="where the Worker is")
+def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> None:
+    """The ``worker`` subcommand's arguments (also ``manage.py orbit_worker``'s, without
+    *target*)."""
+    if target:
+        parser.add_argument("target", metavar="MODULE:ATTRIBUTE", help="where the Worker is")
     parser.add_argument(
         "--url", metavar="URL", help="the Orbit server, ws:// or wss:// (default: $ORBIT_URL)"
     )
@@ -153,7 +160,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     assert isinstance(worker, Worker)
-    _banner(worker, target)
+    return serve(worker, target)
+
+
+def serve(worker: Any, label: str) -> int:
+    """Print the banner, run *worker* until it stops, report; return the exit status."""
+    _banner(worker, label)
     try:
         report = worker.run()
     except Exception as exc:

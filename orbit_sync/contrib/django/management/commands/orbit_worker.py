@@ -1,0 +1,64 @@
+"""``manage.py orbit_worker``: run an Orbit worker with the installed apps' handlers."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any
+
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from orbit_sync import _cli_worker
+from orbit_sync.client import read_token_file
+from orbit_sync.contrib.django._worker import build_worker, discover_handlers
+
+
+class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
+    help = (
+        "Run an Orbit worker with the handlers declared (@orbit_sync.contrib.django.handler) in "
+        "each installed app's orbit_tasks.py, until SIGTERM/SIGINT (the first drains, a second "
+        "stops at once). Settings: ORBIT_SYNC, else $ORBIT_URL, $ORBIT_TOKEN (or "
+        "$ORBIT_TOKEN_FILE), $ORBIT_QUEUE_ID. " + _cli_worker.EXIT_SUMMARY
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        _cli_worker.add_arguments(parser, target=False)
+        parser.add_argument(
+            "--log-level",
+            choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+            help="log orbit_sync at this level on standard error (default: per settings.LOGGING)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        if options["log_level"]:
+            _log_to_stderr(options["log_level"])
+        token = None
+        if options["token_file"] is not None:
+            try:
+                token = read_token_file(options["token_file"])
+            except ValueError as exc:
+                raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
+        discover_handlers()
+        try:
+            worker = build_worker(
+                url=options["url"],
+                token=token,
+                queue_id=options["queue"],
+                capacity=options["capacity"],
+                drain_timeout=options["drain_timeout"],
+            )
+        except (ImproperlyConfigured, ValueError) as exc:
+            # Configuration, not a bug: the message, not a traceback (and never the token).
+            raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
+        status = _cli_worker.serve(worker, "manage.py orbit_worker")
+        if status:
+            sys.exit(status)
+
+
+def _log_to_stderr(level: str) -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("orbit_sync")
+    root.addHandler(handler)
+    root.setLevel(level)

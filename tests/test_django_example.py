@@ -1,0 +1,131 @@
+"""``examples/django_project`` run as a user would: ``manage.py migrate``, then ``manage.py
+orbit_worker`` (or ``orbit-sync worker orbit_sync.contrib.django:make_worker``) as a subprocess
+against the mock server, stopped with SIGTERM; the rows are read back from the SQLite file."""
+
+from __future__ import annotations
+
+import signal
+import sqlite3
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _cli_process import Proc, clean_env, command
+
+pytest.importorskip("django")  # the test extra installs it; skipped only where absent
+
+from orbit_sync.testing import MockOrbitServer
+
+PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django_project"
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Processes started by a test; killed at teardown if the test did not stop them."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.kill()
+
+
+@pytest.fixture
+def database(tmp_path: Path) -> Path:
+    """A migrated SQLite database for the example project."""
+    db = tmp_path / "db.sqlite3"
+    done = subprocess.run(
+        [sys.executable, "manage.py", "migrate", "--verbosity", "0"],
+        cwd=PROJECT,
+        env=clean_env(EXAMPLE_DB=str(db), PYTHONDONTWRITEBYTECODE="1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return db
+
+
+def project_env(server: MockOrbitServer | None, db: Path, **extra: str) -> dict[str, str]:
+    """The example's environment: its database and, with *server*, the ORBIT_* variables."""
+    orbit = {}
+    if server is not None:
+        orbit = {
+            "ORBIT_URL": server.url,
+            "ORBIT_TOKEN": server.token,
+            "ORBIT_QUEUE_ID": server.queue_id,
+        }
+    return clean_env(EXAMPLE_DB=str(db), PYTHONDONTWRITEBYTECODE="1", **orbit, **extra)
+
+
+def paid(db: Path) -> list[tuple[str, int]]:
+    """The invoices in *db*, as (number, paid)."""
+    with sqlite3.connect(db) as conn:
+        return conn.execute("SELECT number, paid FROM billing_invoice ORDER BY number").fetchall()
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_manage_py_orbit_worker_runs_the_apps_handlers(
+    orbit_server: MockOrbitServer, database: Path, procs: list[Proc]
+) -> None:
+    """The command finds billing/orbit_tasks.py, writes rows through the ORM, returns encoded
+    Decimal/datetime results, and drains to exit 0 on SIGTERM."""
+    argv = [sys.executable, "manage.py", "orbit_worker", "--capacity", "2"]
+    proc = Proc(argv, env=project_env(orbit_server, database), cwd=PROJECT)
+    procs.append(proc)
+    ids = [
+        orbit_server.enqueue("invoice.charge", {"number": f"E-{n}", "amount": "9.90"})
+        for n in (1, 2)
+    ]
+    snaps = [orbit_server.wait_for(i, {"SUCCEEDED", "FAILED"}, timeout=20) for i in ids]
+    assert [s.state.value for s in snaps] == ["SUCCEEDED", "SUCCEEDED"], proc.stderr
+    assert snaps[1].result["number"] == "E-2" and snaps[1].result["amount"] == "9.90"
+    assert proc.stop(signal.SIGTERM) == 0, proc.stderr
+    assert "worker manage.py orbit_worker" in proc.stderr
+    assert "capacity:  2, drain timeout 30 s" in proc.stderr
+    assert "invoice.charge (1/1)" in proc.stderr
+    assert orbit_server.token not in proc.stderr + proc.stdout
+    assert paid(database) == [("E-1", 1), ("E-2", 1)]
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_orbit_sync_worker_sets_django_up_itself(
+    orbit_server: MockOrbitServer, database: Path, procs: list[Proc]
+) -> None:
+    """Outside manage.py, the make_worker factory calls django.setup() from
+    DJANGO_SETTINGS_MODULE; the command line's options still apply."""
+    argv = command("worker", "orbit_sync.contrib.django:make_worker", "--capacity", "1")
+    env = project_env(orbit_server, database, DJANGO_SETTINGS_MODULE="mysite.settings")
+    proc = Proc(argv, env=env, cwd=PROJECT)
+    procs.append(proc)
+    task_id = orbit_server.enqueue("invoice.charge", {"number": "S-1", "amount": "1.00"})
+    assert orbit_server.wait_for(task_id, {"SUCCEEDED", "FAILED"}, timeout=20).result
+    assert proc.stop(signal.SIGTERM) == 0, proc.stderr
+    assert "capacity:  1," in proc.stderr
+    assert paid(database) == [("S-1", 1)]
+
+
+def test_configuration_errors_are_one_message(database: Path) -> None:
+    """No server configured: manage.py orbit_worker exits 2 with the setting to set; outside
+    manage.py without DJANGO_SETTINGS_MODULE the factory says what to set."""
+    done = subprocess.run(
+        [sys.executable, "manage.py", "orbit_worker"],
+        cwd=PROJECT,
+        env=project_env(None, database),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert "no Orbit server: set ORBIT_SYNC['URL'] or $ORBIT_URL" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = subprocess.run(
+        command("worker", "orbit_sync.contrib.django:make_worker"),
+        cwd=PROJECT,
+        env=project_env(None, database),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "set DJANGO_SETTINGS_MODULE" in done.stderr
