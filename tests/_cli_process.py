@@ -9,11 +9,38 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+
+import pytest
 
 #: The installed console script (``pip install -e .`` puts it beside the interpreter).
 SCRIPT = Path(sys.executable).with_name("orbit-sync")
+
+
+#: Python source that makes every later ``import websockets`` fail, as if it were not installed
+#: (prepend it to a ``python -c`` program).
+REFUSE_WEBSOCKETS = """
+import sys
+
+class Refuse:
+    def find_spec(self, name, path=None, target=None):
+        if name == "websockets" or name.startswith("websockets."):
+            raise ImportError("websockets is not installed")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+"""
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Proc]]:
+    """Processes started by a test; killed at teardown if the test did not stop them (import
+    this fixture into the test module)."""
+    started: list[Proc] = []
+    yield started
+    for proc in started:
+        proc.kill()
 
 
 def command(*args: str) -> list[str]:

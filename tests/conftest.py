@@ -6,6 +6,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from _cli_process import procs  # noqa: F401 (the fixture, for the tests that run processes)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

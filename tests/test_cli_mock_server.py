@@ -6,10 +6,9 @@ import signal
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
-from _cli_process import Proc, clean_env, command
+from _cli_process import REFUSE_WEBSOCKETS, Proc, clean_env, command
 
 from orbit_sync import Finish, Outcome
 from orbit_sync.client import Client
@@ -18,15 +17,6 @@ from orbit_sync.testing._admin import AdminClient
 
 FIXED_TOKEN = "fixed-worker-token-0123456789"
 FIXED_ADMIN = "fixed-admin-token-0123456789"
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    """Processes started by a test; killed at teardown if the test did not stop them."""
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.kill()
 
 
 def registration(queue_id: str) -> Registration:
@@ -179,19 +169,13 @@ def test_banner_can_be_evaluated_by_a_shell(procs: list[Proc]) -> None:
     assert proc.stop() == 0
 
 
-_WITHOUT_WEBSOCKETS = """
-import sys
-
-class Refuse:
-    def find_spec(self, name, path=None, target=None):
-        if name == "websockets" or name.startswith("websockets."):
-            raise ImportError("websockets is not installed")
-        return None
-
-sys.meta_path.insert(0, Refuse())
+_WITHOUT_WEBSOCKETS = (
+    REFUSE_WEBSOCKETS
+    + """
 from orbit_sync.cli import main
 raise SystemExit(main(["mock-server", "--port", "0"]))
 """
+)
 
 
 def test_mock_server_without_the_testing_extra_says_so_in_one_line() -> None:

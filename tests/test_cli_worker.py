@@ -9,7 +9,6 @@ import socket
 import subprocess
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,15 +87,6 @@ def project(tmp_path: Path) -> Path:
     """A directory holding the user's worker module."""
     (tmp_path / "userworker.py").write_text(USER_MODULE)
     return tmp_path
-
-
-@pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    """Processes started by a test; killed at teardown if the test did not stop them."""
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.kill()
 
 
 def env_for(server: MockOrbitServer, token: str | None = None) -> dict[str, str]:

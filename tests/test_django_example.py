@@ -8,7 +8,6 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -22,28 +21,19 @@ PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django_project"
 
 
 @pytest.fixture
-def procs() -> Iterator[list[Proc]]:
-    """Processes started by a test; killed at teardown if the test did not stop them."""
-    started: list[Proc] = []
-    yield started
-    for proc in started:
-        proc.kill()
-
-
-@pytest.fixture
 def database(tmp_path: Path) -> Path:
     """A migrated SQLite database for the example project."""
     db = tmp_path / "db.sqlite3"
-    done = subprocess.run(
-        [sys.executable, "manage.py", "migrate", "--verbosity", "0"],
-        cwd=PROJECT,
-        env=clean_env(EXAMPLE_DB=str(db), PYTHONDONTWRITEBYTECODE="1"),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = run_in_project(
+        [sys.executable, "manage.py", "migrate", "--verbosity", "0"], project_env(None, db)
     )
     assert done.returncode == 0, done.stderr
     return db
+
+
+def run_in_project(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """Run *argv* to completion in the example project's directory."""
+    return subprocess.run(argv, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=60)
 
 
 def project_env(server: MockOrbitServer | None, db: Path, **extra: str) -> dict[str, str]:
@@ -108,24 +98,13 @@ def test_orbit_sync_worker_sets_django_up_itself(
 def test_configuration_errors_are_one_message(database: Path) -> None:
     """No server configured: manage.py orbit_worker exits 2 with the setting to set; outside
     manage.py without DJANGO_SETTINGS_MODULE the factory says what to set."""
-    done = subprocess.run(
-        [sys.executable, "manage.py", "orbit_worker"],
-        cwd=PROJECT,
-        env=project_env(None, database),
-        capture_output=True,
-        text=True,
-        timeout=60,
+    done = run_in_project(
+        [sys.executable, "manage.py", "orbit_worker"], project_env(None, database)
     )
     assert done.returncode == 2
     assert "no Orbit server: set ORBIT_SYNC['URL'] or $ORBIT_URL" in done.stderr
     assert "Traceback" not in done.stderr
-    done = subprocess.run(
-        command("worker", "orbit_sync.contrib.django:make_worker"),
-        cwd=PROJECT,
-        env=project_env(None, database),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    argv = command("worker", "orbit_sync.contrib.django:make_worker")
+    done = run_in_project(argv, project_env(None, database))
     assert done.returncode == 1
     assert "set DJANGO_SETTINGS_MODULE" in done.stderr

@@ -6,18 +6,11 @@ import subprocess
 import sys
 import textwrap
 
+from _cli_process import REFUSE_WEBSOCKETS
+
 # Runs in a fresh interpreter with every ``websockets`` import refused, as if it were not installed.
-_PROBE = textwrap.dedent(
+_PROBE = REFUSE_WEBSOCKETS + textwrap.dedent(
     """
-    import sys
-
-    class Refuse:
-        def find_spec(self, name, path=None, target=None):
-            if name == "websockets" or name.startswith("websockets."):
-                raise ImportError("websockets is not installed")
-            return None
-
-    sys.meta_path.insert(0, Refuse())
     import orbit_sync
     import orbit_sync.testing.pytest_plugin
     import orbit_sync.testing as testing

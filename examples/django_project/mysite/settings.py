@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import django
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 SECRET_KEY = "example-only-not-secret"
@@ -29,8 +31,14 @@ DATABASES = {
         "NAME": os.environ.get("EXAMPLE_DB", str(BASE_DIR / "db.sqlite3")),
         # Django's default: a connection lives for one task (closed after it by the worker).
         "CONN_MAX_AGE": 0,
+        "OPTIONS": {"timeout": 20},
     }
 }
+if django.VERSION >= (5, 1):
+    # Several worker threads write at once: a transaction that starts as a reader and then
+    # writes can fail at once with "database is locked" (SQLite cannot wait for the other
+    # writer without a deadlock); taking the write lock at BEGIN makes it wait instead.
+    DATABASES["default"]["OPTIONS"]["transaction_mode"] = "IMMEDIATE"
 
 ORBIT_SYNC = {
     "CAPACITY": 4,
