@@ -483,7 +483,12 @@ class Worker:
         # Listeners added with add_listener() (a health probe, metrics) come along too.
         worker = Worker(**{**self._options, "listeners": self._hooks.listeners, **changes})
         for (name, version, payload_version), fn in handlers.items():
-            worker.register(name, fn, version=version, payload_version=payload_version)
+            executor = "thread"
+            if isinstance(fn, ProcessHandler):  # bound to this worker's pool: wrap it anew
+                fn, executor = fn.fn, "process"
+            worker.register(
+                name, fn, version=version, payload_version=payload_version, executor=executor
+            )
         return worker
 
     @property
