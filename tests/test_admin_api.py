@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import http.client
 import json
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -138,12 +141,115 @@ def test_admin_api_repr_and_default_token() -> None:
 # --------------------------------------------------------------------------- transport choices
 
 
-def test_request_bodies_never_reach_the_api(admin: Admin) -> None:
-    """websockets drops a request carrying a body before process_request: why the API takes
-    query parameters (if this starts passing, JSON bodies became possible)."""
-    with pytest.raises((http.client.RemoteDisconnected, ConnectionResetError)):
-        admin.raw("POST", "/admin/v1/tasks", body=b'{"handler": "resize"}')
+def test_json_body_enqueues_with_typed_values(admin: Admin) -> None:
+    """POST /tasks with Content-Type application/json: values keep their JSON types."""
+    body = {
+        "handler": "resize",
+        "payload": {"w": 10, "name": "żółw"},
+        "max_attempts": 5,
+        "backoff_initial": 0.25,
+        "retry_safety": "IDEMPOTENT",
+        "deadline": 60,
+        "attempt_time_limit": None,
+    }
+    status, _, data = admin.raw(
+        "POST",
+        "/admin/v1/tasks",
+        headers={"Content-Type": "application/json; charset=utf-8"},
+        body=json.dumps(body).encode(),
+    )
+    assert status == 201, data
+    snap = admin.server.task(json.loads(data)["task_id"])
+    assert snap.payload == {"w": 10, "name": "żółw"} and snap.policy.max_attempts == 5
+    assert snap.policy.backoff_initial == 0.25 and snap.policy.retry_safety.value == "IDEMPOTENT"
+    assert snap.policy.deadline is not None and snap.policy.attempt_time_limit is None
+
+
+def test_form_body_is_the_query_form(admin: Admin) -> None:
+    """curl -d's default form encoding is read as the query string would be."""
+    status, _, data = admin.raw(
+        "POST",
+        "/admin/v1/tasks",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        body=urllib.parse.urlencode({"handler": "resize", "payload": "[1]"}).encode(),
+    )
+    assert status == 201 and admin.server.task(json.loads(data)["task_id"]).payload == [1]
+
+
+@pytest.mark.parametrize(
+    ("headers", "body", "status", "code"),
+    [
+        ({"Content-Type": "text/plain"}, b"handler=resize", 415, "UNSUPPORTED_MEDIA_TYPE"),
+        ({}, b'{"handler": "resize", "payload": 1}', 415, "UNSUPPORTED_MEDIA_TYPE"),
+        ({"Content-Type": "application/json"}, b'{"handler": "resize"', 400, "INVALID_ARGUMENT"),
+        ({"Content-Type": "application/json"}, b"[1, 2]", 400, "INVALID_ARGUMENT"),
+        (
+            {"Content-Type": "application/json"},
+            b'{"handler": "resize", "payload": 1, "max_attempts": "5"}',
+            400,
+            "INVALID_ARGUMENT",
+        ),
+        (
+            {"Content-Type": "application/json"},
+            f'{{"handler": "resize", "payload": 1, "{MARKER}": 1}}'.encode(),
+            400,
+            "INVALID_ARGUMENT",
+        ),
+    ],
+)
+def test_bad_bodies_get_json_errors(
+    admin: Admin, headers: dict[str, str], body: bytes, status: int, code: str
+) -> None:
+    """A body the API cannot use is a JSON error with a status, never a dropped connection."""
+    got, response, data = admin.raw("POST", "/admin/v1/tasks", headers=headers, body=body)
+    assert got == status and response.getheader("Content-Type") == "application/json"
+    assert json.loads(data)["error"]["code"] == code and MARKER.encode() not in data
     assert admin.server.tasks() == ()
+
+
+def _raw_exchange(admin: Admin, head: bytes, then: bytes = b"") -> bytes:
+    """Send a hand-written request head (and *then*), return everything the server answers."""
+    with socket.create_connection(("127.0.0.1", admin.port), timeout=10) as sock:
+        sock.sendall(head)
+        if then:
+            assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue\r\n\r\n")
+            sock.sendall(then)
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def test_oversized_and_chunked_bodies_are_refused_before_reading(admin: Admin) -> None:
+    """A Content-Length over the limit is 413 and a transfer coding 411, both JSON."""
+    auth = f"Authorization: Bearer {ADMIN_TOKEN}\r\n".encode()
+    answer = _raw_exchange(
+        admin,
+        b"POST /admin/v1/tasks HTTP/1.1\r\nHost: x\r\n"
+        + auth
+        + b"Content-Type: application/json\r\nContent-Length: 999999999\r\n\r\n{",
+    )
+    assert answer.startswith(b"HTTP/1.1 413 ") and b'"TOO_LARGE"' in answer
+    answer = _raw_exchange(
+        admin,
+        b"POST /admin/v1/tasks HTTP/1.1\r\nHost: x\r\n"
+        + auth
+        + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\n\r\n",
+    )
+    assert answer.startswith(b"HTTP/1.1 411 ") and b'"LENGTH_REQUIRED"' in answer
+
+
+def test_expect_100_continue_is_answered(admin: Admin) -> None:
+    """A client that sends Expect: 100-continue (curl, for bodies over 1 KiB) gets its 100."""
+    body = json.dumps({"handler": "resize", "payload": {"pad": "x" * 2000}}).encode()
+    head = (
+        "POST /admin/v1/tasks HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {ADMIN_TOKEN}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\n\r\n"
+    ).encode()
+    answer = _raw_exchange(admin, head, then=body)
+    assert answer.startswith(b"HTTP/1.1 201 ")
+    assert len(admin.server.tasks()) == 1
 
 
 def test_wrong_method_is_405_with_allow(admin: Admin) -> None:
@@ -473,6 +579,23 @@ def test_events_are_paged(admin: Admin) -> None:
     _codec.parse_time(rest["events"][-1]["at"])
 
 
+def test_events_offsets_survive_the_ring() -> None:
+    """Offsets count every event ever recorded: after the ring dropped some, "missed" says how
+    many a reader asking from an old offset lost, and "next" goes on from the absolute count."""
+    api = AdminAPI(ADMIN_TOKEN)
+    with MockOrbitServer(clock=ManualClock(), admin_handler=api, event_log_size=4) as server:
+        admin = Admin(server, api)
+        for n in range(10):
+            server.enqueue("resize", {"n": n})
+        log = server.events()
+        assert log.dropped > 0
+        _, page = admin.call("GET", "/events", {"since": "0"})
+        assert page["missed"] == log.dropped and page["next"] == log.dropped + len(log)
+        assert [e["detail"] for e in page["events"]] == [e.detail for e in log]
+        _, tail = admin.call("GET", "/events", {"since": str(page["next"] - 1)})
+        assert tail["missed"] == 0 and len(tail["events"]) == 1
+
+
 def test_invariants(admin: Admin) -> None:
     """GET /invariants reports ok with no problems on a healthy server."""
     admin.server.enqueue("resize", {"w": 1})
@@ -552,3 +675,103 @@ def test_admin_client_round_trip(admin: Admin) -> None:
         AdminClient(admin.server.url, "wrong-token").get("/server")
     assert info.value.status == 401 and info.value.code == "UNAUTHENTICATED"
     assert "wrong-token" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- bulk and limits
+
+
+def test_bulk_enqueue_creates_every_task_in_order(admin: Admin) -> None:
+    """POST /tasks/bulk enqueues each task with its own options and returns the ids in order."""
+    client = AdminClient(admin.server.url, ADMIN_TOKEN)
+    specs = [{"handler": "resize", "payload": {"n": n}} for n in range(1000)]
+    specs[7] = {"handler": "crop", "payload": [7], "max_attempts": 9}
+    task_ids = client.enqueue_many(specs)
+    assert len(task_ids) == 1000 == len(set(task_ids))
+    assert [t.task_id for t in admin.server.tasks()] == task_ids
+    assert admin.server.task(task_ids[3]).payload == {"n": 3}
+    assert admin.server.task(task_ids[7]).policy.max_attempts == 9
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ({"handler": "resize"}, "tasks[2]: parameter 'payload' is required"),
+        ({"handler": "resize", "payload": 1, "max_attempts": "2"}, "tasks[2]: parameter 'max"),
+        ({"handler": "resize", "payload": 1, "tokn": 1}, "tasks[2]: unknown parameter 'tokn'"),
+        ("resize", "tasks[2]: each task must be a JSON object"),
+        ({"handler": "Resize", "payload": 1}, "tasks[2]: "),
+        (
+            {"handler": "resize", "payload": 1, "backoff_initial": 5, "backoff_max": 1},
+            "tasks[2]: backoff_max",
+        ),
+    ],
+)
+def test_bulk_enqueue_is_all_or_nothing(admin: Admin, item: Any, fragment: str) -> None:
+    """One bad task refuses the whole request, naming its index; nothing is enqueued."""
+    tasks = [{"handler": "resize", "payload": 1}] * 2 + [item]
+    status, body = admin.call(
+        "POST",
+        "/tasks/bulk",
+        headers={"Content-Type": "application/json"},
+        body=json.dumps({"tasks": tasks}).encode(),
+    )
+    assert status == 400 and fragment in body["error"]["message"]
+    assert admin.server.tasks() == ()
+    status, body = admin.call("POST", "/tasks/bulk")
+    assert status == 400 and "'tasks' is required" in body["error"]["message"]
+
+
+def test_admin_client_reads_large_answers(admin: Admin) -> None:
+    """GET /tasks with thousands of tasks parses (answers are not held to the frame limit)."""
+    admin.server.enqueue_many({"handler": "resize", "payload": {"n": n}} for n in range(2000))
+    client = AdminClient(admin.server.url, ADMIN_TOKEN)
+    assert client.get("/tasks")["count"] == 2000
+    with pytest.raises(AdminError) as info:
+        AdminClient(admin.server.url, ADMIN_TOKEN, max_answer_bytes=100_000).get("/tasks")
+    assert info.value.code == "BAD_ANSWER" and info.value.status == 200
+
+
+def test_admin_client_raises_on_answers_it_cannot_parse() -> None:
+    """A non-JSON answer (whatever its status) is an AdminError, not a made-up body."""
+
+    def text_only(srv: MockOrbitServer, connection: Any, request: Any) -> Any:
+        return connection.respond(200 if request.path.endswith("ok") else 502, "<html>\n")
+
+    with MockOrbitServer(admin_handler=text_only) as srv:
+        for path, status in (("/ok", 200), ("/bad", 502)):
+            with pytest.raises(AdminError) as info:
+                AdminClient(srv.url, ADMIN_TOKEN).request("GET", path)
+            assert (info.value.status, info.value.code) == (status, "BAD_ANSWER")
+
+
+def test_admin_requests_beyond_the_limit_get_503() -> None:
+    """Waits may hold half the admin slots; one more wait is 503 JSON, other requests go on."""
+    api = AdminAPI(ADMIN_TOKEN)
+    with MockOrbitServer(clock=ManualClock(), admin_handler=api, max_admin_requests=2) as server:
+        admin = Admin(server, api)
+        task_id = server.enqueue("resize", {"w": 1})
+        answers: list[tuple[int, dict[str, Any]]] = []
+        waiter = threading.Thread(
+            target=lambda: answers.append(
+                admin.call("GET", f"/tasks/{task_id}/wait", {"states": "CANCELLED"})
+            )
+        )
+        waiter.start()
+        server.wait_until(lambda s: s.admin_requests == 1)
+        status, body = admin.call("GET", f"/tasks/{task_id}/wait", {"states": "CANCELLED"})
+        assert status == 503 and body["error"]["code"] == "UNAVAILABLE"
+        assert admin.call("GET", "/server")[0] == 200
+        server.request_cancel(task_id)
+        waiter.join(10)
+        assert answers[0][0] == 200 and answers[0][1]["reached"] is True
+        assert any(e.kind == "admin.refused" for e in server.events())
+
+
+def test_admin_client_imports_without_websockets() -> None:
+    """AdminClient needs only http.client: it imports with websockets made unimportable."""
+    code = (
+        "import sys; sys.modules['websockets'] = None\n"
+        "from orbit_sync.testing import AdminClient, AdminError\n"
+        "assert 'websockets' not in {m.split('.')[0] for m in sys.modules if sys.modules[m]}\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=30)

@@ -8,7 +8,9 @@ import contextlib
 import http.client
 import json
 import logging
+import socket
 import ssl
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -814,3 +816,101 @@ def test_events_and_invariants_over_socket(server: MockOrbitServer) -> None:
     assigned = [e for e in server.events() if e.kind == "attempt.assigned"]
     assert {e.session_id for e in assigned} == {c.session_id for c in clients}
     assert all(e.attempt_id for e in assigned)
+
+
+# --------------------------------------------------------------------------- hostile clients
+
+
+def test_unauthenticated_connections_beyond_the_limit_are_closed_at_once() -> None:
+    """Past max_pending_connections idle sockets, the next is closed on accept; once the idle
+    ones close, a worker dials normally."""
+    with MockOrbitServer(max_pending_connections=2, handshake_timeout=30) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        srv.wait_until(lambda s: s.pending_connections == 2)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            assert extra.recv(1) == b""  # closed without a byte read or sent
+        refused = [e for e in srv.events() if e.kind == "connection.refused"]
+        assert [e.detail for e in refused] == ["pre-authentication limit"]
+        for sock in idle:
+            sock.close()
+        srv.wait_until(lambda s: s.pending_connections == 0)
+        client = RawClient(srv).connect()
+        assert client.hello()["type"] == "worker.welcome"
+        client.close()
+
+
+def test_handshake_deadline_closes_silent_connections() -> None:
+    """A connection that sends no request head within handshake_timeout is closed."""
+    with MockOrbitServer(handshake_timeout=0.2) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+            sock.sendall(b"GET /v1/worker/connect HTTP/1.1\r\n")  # and then nothing
+            assert sock.recv(1) == b""
+        assert any(e.kind == "connection.handshake_timeout" for e in srv.events())
+        assert srv.pending_connections == 0
+
+
+def test_admin_over_tls_takes_json_bodies() -> None:
+    """Over wss:// the admin API reads JSON bodies too (TLS is ours, not websockets')."""
+    from orbit_sync.testing import AdminAPI, AdminClient
+
+    ca = trustme.CA()
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_ctx)
+    client_ctx = ssl.create_default_context()
+    ca.configure_trust(client_ctx)
+    api = AdminAPI()
+    with MockOrbitServer(ssl_context=server_ctx, admin_handler=api) as srv:
+        admin = AdminClient(srv.url, api.token, ssl_context=client_ctx)
+        assert admin.url.startswith("https://")
+        task_id = admin.enqueue("resize", {"w": 1}, max_attempts=2)
+        assert srv.task(task_id).policy.max_attempts == 2
+
+
+_EMFILE_CHILD = """
+import logging, os, resource, sys
+from orbit_sync.testing import MockOrbitServer
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="LOG %(message)s")
+srv = MockOrbitServer(max_pending_connections=1000, handshake_timeout=30).start()
+print("URL", srv.url, srv.token, srv.queue_id, flush=True)
+# Room for a few more descriptors only: the parent's idle connections exhaust them.
+hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+print("READY", flush=True)
+import threading; threading.Event().wait(60)  # the test kills this process
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="counts descriptors in /proc")
+def test_accept_loop_survives_descriptor_exhaustion() -> None:
+    """With RLIMIT_NOFILE lowered (in a child process), more idle connections than descriptors
+    make accept() fail with EMFILE: the loop logs it, backs off, and accepts again (a worker
+    dials) once they close."""
+    from _cli_process import Proc
+
+    from orbit_sync.client import Client
+    from orbit_sync.models import Capability, Registration, new_id, new_secret
+
+    proc = Proc([sys.executable, "-c", _EMFILE_CHILD])
+    try:
+        _, url, token, queue_id = proc.line().split()
+        assert proc.line() == "READY"
+        port = int(url.rsplit(":", 1)[1])
+        idle = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(24)]
+        line = proc.line()
+        assert line.startswith("LOG cannot accept connections (EMFILE"), line
+        for sock in idle:
+            sock.close()
+        assert proc.line().startswith("LOG accepting connections again")
+        registration = Registration(
+            queue_id=queue_id,
+            capabilities=[Capability("resize", "1", "1")],
+            capacity=1,
+            instance_id=new_id(),
+            instance_secret=new_secret(),
+        )
+        Client(url, token).dial_worker(registration).close()
+    finally:
+        proc.kill()
+        proc.wait()

@@ -21,7 +21,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._admin import AdminAPI, AdminClient, AdminError
+    from ._admin import AdminAPI
+    from ._admin_client import AdminClient, AdminError
     from ._clock import Clock, ManualClock, SystemClock
     from ._cutlink import CuttingLink
     from ._faults import Fault, Faults
@@ -43,8 +44,8 @@ if TYPE_CHECKING:
 # server's WebSocket side (websockets) must not be needed until a test actually uses it.
 _EXPORTS: dict[str, str] = {
     "AdminAPI": "._admin",
-    "AdminClient": "._admin",
-    "AdminError": "._admin",
+    "AdminClient": "._admin_client",
+    "AdminError": "._admin_client",
     "AdminHandler": "._server",
     "AttemptSnapshot": "._snapshots",
     "Clock": "._clock",

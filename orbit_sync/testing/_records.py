@@ -31,6 +31,7 @@ from ..models import (
     Registration,
     TaskState,
 )
+from ._options import ENQUEUE_OPTIONS
 from ._snapshots import (
     AttemptSnapshot,
     EvidenceSnapshot,
@@ -64,20 +65,7 @@ SCAN_BATCH = 100
 #: Room kept for the task payload's envelope when checking that an assignment fits a frame.
 ASSIGN_OVERHEAD = 4096
 #: The keywords ``enqueue`` (and each ``enqueue_many`` spec) accepts besides handler/payload.
-ENQUEUE_KEYWORDS = frozenset(
-    {
-        "handler_version",
-        "payload_version",
-        "queue_id",
-        "max_attempts",
-        "backoff_initial",
-        "backoff_max",
-        "retry_safety",
-        "deadline",
-        "latest_start",
-        "attempt_time_limit",
-    }
-)
+ENQUEUE_KEYWORDS = frozenset(ENQUEUE_OPTIONS)
 
 LIVE = (AttemptState.LEASED, AttemptState.RUNNING)
 TERMINAL_TASK = (

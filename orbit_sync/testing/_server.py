@@ -28,26 +28,32 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import http
+import inspect
 import logging
 import math
 import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
-from websockets.sync.server import Server, ServerConnection, serve
+from websockets.protocol import State
+from websockets.server import ServerProtocol
+from websockets.sync.server import ServerConnection
 
 from .._codec import SUBPROTOCOL, ClientFrame, InvalidClientFrame, decode_client_frame, encode_frame
 from .._json import MAX_FRAME_BYTES
 from ..models import MAX_CAPACITY, TaskState, new_message_id
+from . import _http
 from ._clock import Clock, ManualClock, SystemClock
 from ._faults import PUSH_TYPES, Fault, Faults
-from ._snapshots import EventLog, RetrySafety, SessionSnapshot, TaskSnapshot
+from ._listener import Admission, Listener
+from ._options import EnqueueOptions
+from ._snapshots import EventLog, SessionSnapshot, TaskSnapshot
 from ._state import (
     DEFAULT_EVENT_LOG_SIZE,
     DEFAULT_IDEMPOTENCY_WINDOW,
@@ -62,10 +68,16 @@ from ._state import (
     to_datetime,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
 __all__ = ["AdminHandler", "MockOrbitServer"]
 
-#: ``admin_handler(server, connection, request)``: answers requests under ``/admin/``.
-AdminHandler = Callable[["MockOrbitServer", ServerConnection, Request], "Response | None"]
+#: ``admin_handler(server, connection, request)``: answers requests under ``/admin/``; ``None``
+#: means 404. *request* has ``method``, ``path`` (with the query), ``headers`` and ``body``.
+AdminHandler = Callable[
+    ["MockOrbitServer", _http.AdminExchange, _http.HttpRequest], "Response | None"
+]
 
 CONNECT_PATH = "/v1/worker/connect"
 #: Frames a connection may have waiting to be written (PROTOCOL §10). An answer finding no room
@@ -79,6 +91,12 @@ SPILL_FRAMES = MAX_CAPACITY
 #: Inbound frames buffered per connection before websockets stops reading (flow control); the
 #: handler thread applies one frame at a time and reads the next only once its answer is queued.
 INBOX_FRAMES = 4
+#: The largest admin request body (a bulk enqueue of 100,000 small tasks is ~5 MiB).
+MAX_ADMIN_BODY = 16 * 1024 * 1024
+#: How long an admin request may take to send its body, and to take its answer.
+ADMIN_IO_TIMEOUT = 10.0
+
+_LOG = logging.getLogger("orbit_sync.testing.server")
 
 
 class _QuietLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
@@ -267,19 +285,34 @@ class MockOrbitServer:
         idempotency_window: float = DEFAULT_IDEMPOTENCY_WINDOW,
         retention: float | None = DEFAULT_RETENTION,
         event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
+        max_pending_connections: int = 64,
+        handshake_timeout: float = 3.0,
+        max_admin_requests: int = 16,
     ) -> None:
         """*write_timeout* is the write deadline (PROTOCOL §10): how long an answer may wait
         for room in a connection's full outbox before the client is dropped as a slow consumer.
 
         Bounded state: a request's ``message_id`` is remembered for *idempotency_window*
         seconds; an ended task, session or worker process is kept for *retention* seconds
-        (``None``: forever); the event log keeps the last *event_log_size* events."""
-        if type(max_connections) is not int or max_connections < 1:
-            raise ValueError("max_connections must be an int >= 1")
+        (``None``: forever); the event log keeps the last *event_log_size* events.
+
+        Hostile-client bounds: at most *max_pending_connections* accepted connections may be
+        unauthenticated at once (more are closed as soon as they are accepted); each must finish
+        its TLS handshake and send its request head within *handshake_timeout* seconds; at most
+        *max_admin_requests* admin requests run at once (half of them may be waits), more are
+        answered 503. *max_connections* bounds the open WebSocket sessions."""
+        for name, count in (
+            ("max_connections", max_connections),
+            ("max_pending_connections", max_pending_connections),
+            ("max_admin_requests", max_admin_requests),
+        ):
+            if type(count) is not int or count < 1:
+                raise ValueError(f"{name} must be an int >= 1")
         for name, value in (
             ("hello_timeout", hello_timeout),
             ("read_idle", read_idle_timeout),
             ("write_timeout", write_timeout),
+            ("handshake_timeout", handshake_timeout),
         ):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be > 0 and finite")
@@ -301,6 +334,9 @@ class MockOrbitServer:
         )
         self._state.push_gate = self._push_gate
         self._max_connections = max_connections
+        self._max_pending = max_pending_connections
+        self._max_admin = max_admin_requests
+        self._handshake_timeout = float(handshake_timeout)
         self._hello_timeout = hello_timeout
         self._read_idle = read_idle_timeout
         self._write_timeout = float(write_timeout)
@@ -308,12 +344,16 @@ class MockOrbitServer:
         self._cond = threading.Condition(threading.RLock())
         self._conns: set[_Conn] = set()
         self._by_session: dict[str, _Conn] = {}
-        self._handshaking: dict[ServerConnection, str] = {}
+        # Upgrades accepted (101 on its way) whose connection is not in _conns yet.
+        self._opening = 0
+        self._admin_active = 0
+        self._admin_waits = 0
+        self._ws_logger = _QuietLogger(logging.getLogger("orbit_sync.testing.transport"), {})
         self.faults = Faults(self._send_raw, self._fault_fired)
         self.token = self._state.add_token(
             {SCOPE_CONNECT, SCOPE_CONSUME, queue_scope(self._state.default_queue)}
         )
-        self._ws: Server | None = None
+        self._listener: Listener | None = None
         self._threads: list[threading.Thread] = []
         self._stopping = False
         self._stopped = False
@@ -325,39 +365,31 @@ class MockOrbitServer:
     def start(self) -> MockOrbitServer:
         """Bind and start serving; returns self."""
         with self._cond:
-            if self._ws is not None:
+            if self._listener is not None:
                 raise RuntimeError("the server was already started")
             if self._stopped:
                 raise RuntimeError("a stopped server cannot be restarted")
-            self._ws = serve(
-                self._handle,
+            self._listener = Listener(
                 self._host,
                 self._port,
-                ssl=self._ssl,
-                subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
-                process_request=self._process_request,
-                compression=None,
-                max_size=MAX_FRAME_BYTES,
-                max_queue=INBOX_FRAMES,
-                ping_interval=None,
-                close_timeout=0.5,
-                open_timeout=8.0,
-                server_header=None,
-                logger=_QuietLogger(logging.getLogger("orbit_sync.testing.transport"), {}),
+                max_pending=self._max_pending,
+                serve=self._serve_socket,
+                on_refused=self._pending_refused,
+                on_accept_error=self._accept_failed,
+                on_released=self._wake,
             )
-            host, port = self._ws.socket.getsockname()[:2]
+            host, port = self._listener.socket.getsockname()[:2]
             scheme = "wss" if self._ssl is not None else "ws"
             shown = f"[{host}]" if ":" in host else host
             self._url = f"{scheme}://{shown}:{port}"
             if isinstance(self._clock, ManualClock):
                 self._unsubscribe = self._clock.subscribe(self._wake)
-            for target, name in (
-                (self._ws.serve_forever, "orbit-mock-accept"),
-                (self._schedule_loop, "orbit-mock-scheduler"),
-            ):
-                thread = threading.Thread(target=target, name=name, daemon=True)
-                thread.start()
-                self._threads.append(thread)
+            self._listener.start()
+            thread = threading.Thread(
+                target=self._schedule_loop, name="orbit-mock-scheduler", daemon=True
+            )
+            thread.start()
+            self._threads.append(thread)
         return self
 
     def stop(self) -> None:
@@ -367,24 +399,27 @@ class MockOrbitServer:
                 return
             self._stopped = True
             self._stopping = True
-            ws = self._ws
-            conns = list(self._conns)
+            listener = self._listener
             self._cond.notify_all()
         if self._unsubscribe is not None:
             self._unsubscribe()
+        if listener is not None:
+            # No new connections; unauthenticated ones are cut (their threads end at once).
+            listener.stop()
+        with self._cond:
+            conns = list(self._conns)
         for conn in conns:
             conn.close_after_flush(1001, "server stopping")
         with self._cond:
             # Event-driven: each handler removes its connection and notifies when it ends.
-            # Waiting here spares websockets' shutdown() its 100 ms polling loop.
             self._cond.wait_for(lambda: not self._conns, timeout=2.0)
             stuck = list(self._conns)
         for conn in stuck:
-            # A writer stuck on a socket that takes no data holds the websockets lock that
-            # shutdown() needs to close the connection: cut it instead.
+            # A writer stuck on a socket that takes no data holds the websockets lock a
+            # close would need: cut it instead.
             conn.abort()
-        if ws is not None:
-            ws.shutdown()
+        if listener is not None:
+            listener.join()
         for thread in self._threads:
             thread.join()
 
@@ -408,6 +443,23 @@ class MockOrbitServer:
     def stopping(self) -> bool:
         """True once :meth:`stop` has begun; waits on this server should give up."""
         return self._stopping
+
+    @property
+    def pending_connections(self) -> int:
+        """Accepted connections not authenticated yet (bounded by ``max_pending_connections``)."""
+        return 0 if self._listener is None else self._listener.pending
+
+    @property
+    def admin_requests(self) -> int:
+        """Admin requests being served now (bounded by ``max_admin_requests``)."""
+        with self._cond:
+            return self._admin_active
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the accept loop is running (False before start, after stop, and while its
+        supervisor restarts it after an unexpected failure)."""
+        return self._listener is not None and self._listener.accepting
 
     @property
     def url(self) -> str:
@@ -483,44 +535,28 @@ class MockOrbitServer:
         with self._cond:
             self._commit(self._state.resume_queue(queue_id))
 
-    def enqueue(
-        self,
-        handler: str,
-        payload: Any,
-        *,
-        handler_version: str = "1",
-        payload_version: str = "1",
-        queue_id: str | None = None,
-        max_attempts: int = 3,
-        backoff_initial: float = 1.0,
-        backoff_max: float = 60.0,
-        retry_safety: RetrySafety | str = RetrySafety.RECONCILE_ONLY,
-        deadline: float | _dt.datetime | None = None,
-        latest_start: float | _dt.datetime | None = None,
-        attempt_time_limit: float | None = None,
-    ) -> str:
+    def enqueue(self, handler: str, payload: Any, **options: Unpack[EnqueueOptions]) -> str:
         """Create a WAITING task and return its id.
 
-        ``deadline``/``latest_start`` are seconds from now or aware datetimes;
-        ``attempt_time_limit`` is seconds from an attempt's start.
+        *options* (all optional): ``handler_version``/``payload_version`` ("1"), ``queue_id``
+        (the default queue), ``max_attempts`` (3), ``backoff_initial`` (1.0 s),
+        ``backoff_max`` (60.0 s), ``retry_safety`` (``RECONCILE_ONLY``), ``deadline`` and
+        ``latest_start`` (seconds from now or aware datetimes), ``attempt_time_limit``
+        (seconds from an attempt's start).
         """
         with self._cond:
-            task_id, actions = self._state.enqueue(
-                handler,
-                payload,
-                handler_version=handler_version,
-                payload_version=payload_version,
-                queue_id=queue_id,
-                max_attempts=max_attempts,
-                backoff_initial=backoff_initial,
-                backoff_max=backoff_max,
-                retry_safety=retry_safety,
-                deadline=deadline,
-                latest_start=latest_start,
-                attempt_time_limit=attempt_time_limit,
-            )
+            task_id, actions = self._state.enqueue(handler, payload, **options)
             self._commit(actions)
             return task_id
+
+    def enqueue_many(self, tasks: Iterable[Mapping[str, Any]]) -> list[str]:
+        """Create many WAITING tasks at once, all or none, and return their ids in order. Each
+        task is a mapping of :meth:`enqueue`'s arguments: ``handler``, ``payload`` and any
+        options. A bad one raises (naming its index) before any task is stored."""
+        with self._cond:
+            task_ids, actions = self._state.enqueue_many(tasks)
+            self._commit(actions)
+            return task_ids
 
     def request_cancel(self, task_id: str) -> None:
         """Store a cancel request for *task_id* (PROTOCOL §9)."""
@@ -690,61 +726,243 @@ class MockOrbitServer:
                     timeout = (due - now) / 1_000_000
                 self._cond.wait(timeout)
 
-    # ------------------------------------------------------------------ HTTP upgrade
+    # ------------------------------------------------------------------ front door
 
-    def _process_request(self, ws: ServerConnection, request: Request) -> Response | None:
-        path = request.path
+    def _pending_refused(self) -> None:
+        with self._cond:
+            self._record("connection.refused", detail="pre-authentication limit")
+
+    def _accept_failed(self, reason: str) -> None:
+        with self._cond:
+            self._record("server.accept_failed", detail=reason)
+
+    def _serve_socket(self, sock: socket.socket, addr: Any, admission: Admission) -> None:
+        """One accepted connection, on its own thread: TLS handshake and request head within
+        the handshake deadline, then an admin answer or a WebSocket session."""
+        deadline = time.monotonic() + self._handshake_timeout
+        target = None
+        try:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, True)
+            if self._ssl is not None:
+                sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
+                admission.sock = sock
+                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.do_handshake()
+            head, surplus = _http.read_head(sock, deadline)
+            target = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
+            method, path, protocol, headers = _http.parse_head(head)
+        except TimeoutError:
+            with self._cond:
+                self._record("connection.handshake_timeout")
+            if target is not None and target.startswith(b"/admin/"):
+                self._answer(sock, _admin_error(408, "the request head came too slowly"))
+            return
+        except _http.HttpError as exc:
+            # Before the path is known to be an admin one, answer as websockets would.
+            if target is not None and target.startswith(b"/admin/"):
+                self._answer(sock, _admin_error(exc.status, exc.message))
+            else:
+                self._answer(sock, _http.text_response(exc.status, exc.message + "\n"))
+            return
+        except (OSError, EOFError, ValueError):
+            return  # the peer went away, or TLS failed: nothing to answer
         if path.startswith("/admin/"):
-            if self._admin_handler is not None:
-                response = self._admin_handler(self, ws, request)
-                if response is not None:
-                    return response
-            return ws.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+            admission.release()  # counted against the admin limit from here
+            request = _http.HttpRequest(method, path, headers, protocol=protocol)
+            self._serve_admin(sock, addr, request, surplus)
+            return
+        self._upgrade(sock, admission, head, surplus)
+
+    def _answer(self, sock: socket.socket, response: Response) -> None:
+        """Send a final answer and close (bounded; a peer that takes nothing is cut)."""
+        with contextlib.suppress(OSError, TimeoutError):
+            _http.send_all(sock, _http.serialize(response), time.monotonic() + ADMIN_IO_TIMEOUT)
+        _http.linger_close(sock)
+
+    # ------------------------------------------------------------------ admin requests
+
+    def _serve_admin(
+        self, sock: socket.socket, addr: Any, request: _http.HttpRequest, surplus: bytes
+    ) -> None:
+        waiting = request.path.partition("?")[0].endswith("/wait")
+        with self._cond:
+            busy = self._admin_active >= self._max_admin or (
+                waiting and self._admin_waits >= max(1, self._max_admin // 2)
+            )
+            if busy:
+                self._record("admin.refused", detail="admin request limit")
+            else:
+                self._admin_active += 1
+                self._admin_waits += waiting
+                self._cond.notify_all()
+        if busy:
+            self._answer(
+                sock,
+                _admin_error(
+                    503, "too many admin requests at once; retry shortly", [("Retry-After", "1")]
+                ),
+            )
+            return
+        try:
+            response = self._admin_response(sock, addr, request, surplus)
+        finally:
+            with self._cond:
+                self._admin_active -= 1
+                self._admin_waits -= waiting
+                self._cond.notify_all()
+        self._answer(sock, response)
+
+    def _admin_response(
+        self, sock: socket.socket, addr: Any, request: _http.HttpRequest, surplus: bytes
+    ) -> Response:
+        try:
+            body = _http.read_body(
+                sock,
+                request.headers,
+                surplus,
+                time.monotonic() + ADMIN_IO_TIMEOUT,
+                MAX_ADMIN_BODY,
+            )
+        except _http.HttpError as exc:
+            return _admin_error(exc.status, exc.message)
+        except TimeoutError:
+            return _admin_error(408, "the request body came too slowly")
+        except OSError:
+            return _admin_error(400, "the connection failed while reading the body")
+        request = dataclasses.replace(request, body=body)
+        if self._admin_handler is None:
+            return _admin_error(404, "this server has no admin API")
+        try:
+            response = self._admin_handler(self, _http.AdminExchange(addr), request)
+        except Exception:
+            _LOG.exception("the admin handler failed on %s", request.method)
+            return _admin_error(500, "internal error; see the server log", code="INTERNAL")
+        if response is None:
+            return _admin_error(404, "no such admin endpoint")
+        return response
+
+    # ------------------------------------------------------------------ WebSocket upgrade
+
+    def _upgrade(
+        self, sock: socket.socket, admission: Admission, head: bytes, surplus: bytes
+    ) -> None:
+        """The opening handshake through websockets' sans-I/O protocol, then the session."""
+        protocol = ServerProtocol(
+            subprotocols=[SUBPROTOCOL],  # type: ignore[list-item]
+            extensions=None,  # no compression
+            max_size=MAX_FRAME_BYTES,
+            logger=self._ws_logger,
+        )
+        protocol.receive_data(head)
+        events = protocol.events_received()
+        if not events or not isinstance(events[0], Request):
+            self._flush(sock, protocol)  # websockets' own rejection of a bad request, if any
+            return
+        request = events[0]
+        token: str | None = None
+        if surplus:
+            # The client must wait for the 101 before it sends frames (RFC 6455 §4.1).
+            response = protocol.reject(
+                http.HTTPStatus.BAD_REQUEST, "data sent before the handshake completed\n"
+            )
+        else:
+            checked = self._check_upgrade(protocol, request)
+            if isinstance(checked, str):
+                token = checked
+                admission.release()  # authenticated: max_connections counts it from here
+                response = protocol.accept(request)
+            else:
+                response = checked
+        protocol.send_response(response)
+        if token is None or protocol.state is not State.OPEN:
+            if token is not None:
+                self._release_opening()
+            self._flush(sock, protocol)
+            return
+        # The connection (and its reader thread) exists before the 101 leaves, with the
+        # handshake it completed recorded, so the client's first frame finds it ready.
+        ws = _connection(sock, protocol)
+        ws.request = request
+        ws.response = response
+        if not self._flush(sock, protocol):
+            self._release_opening()
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            ws.close()
+            return
+        sock.settimeout(None)  # websockets' reader and our writer enforce their own deadlines
+        with ws:
+            self._handle(ws, token)
+
+    def _release_opening(self) -> None:
+        with self._cond:
+            self._opening -= 1
+            self._cond.notify_all()
+
+    def _flush(self, sock: socket.socket, protocol: ServerProtocol) -> bool:
+        """Write what the protocol has to send; False when the socket failed."""
+        try:
+            for data in protocol.data_to_send():
+                if data:
+                    _http.send_all(sock, data, time.monotonic() + self._write_timeout)
+                else:
+                    sock.shutdown(socket.SHUT_WR)  # websockets' SEND_EOF
+        except (OSError, TimeoutError):
+            return False
+        return True
+
+    def _check_upgrade(self, protocol: ServerProtocol, request: Request) -> Response | str:
+        """The token of an upgrade request we accept (a connection slot is then reserved in
+        ``_opening``), or the answer refusing it."""
+        path = request.path
         fault = self.faults.take("refuse_connections", None, None)
         if fault is not None:
-            return ws.respond(fault.status, "refused by an injected fault\n")
+            return protocol.reject(fault.status, "refused by an injected fault\n")
         if path != CONNECT_PATH:
             if path.split("?", 1)[0] == CONNECT_PATH:
                 # Credentials never travel in the URL, so no query is accepted at all.
-                return ws.respond(http.HTTPStatus.BAD_REQUEST, "query parameters are not allowed\n")
-            return ws.respond(http.HTTPStatus.NOT_FOUND, "Not Found\n")
+                return protocol.reject(
+                    http.HTTPStatus.BAD_REQUEST, "query parameters are not allowed\n"
+                )
+            return protocol.reject(http.HTTPStatus.NOT_FOUND, "Not Found\n")
         token = _bearer(request)
         with self._cond:
             scopes = None if token is None else self._state.token_scopes(token)
             if scopes is None:
                 self._record("connection.refused", detail="401")
-                response = ws.respond(http.HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
+                response = protocol.reject(http.HTTPStatus.UNAUTHORIZED, "Unauthorized\n")
                 response.headers["WWW-Authenticate"] = "Bearer"
                 return response
             if SCOPE_CONNECT not in scopes:
                 self._record("connection.refused", detail="403")
-                return ws.respond(http.HTTPStatus.FORBIDDEN, "Forbidden\n")
+                return protocol.reject(http.HTTPStatus.FORBIDDEN, "Forbidden\n")
             offered = [
                 p.strip()
                 for value in request.headers.get_all("Sec-WebSocket-Protocol")
                 for p in value.split(",")
             ]
             if SUBPROTOCOL not in offered:
-                return ws.respond(
+                return protocol.reject(
                     http.HTTPStatus.BAD_REQUEST, f"subprotocol {SUBPROTOCOL} is required\n"
                 )
-            # Handshakes that never reached the handler must not hold a connection slot.
-            for pending in [p for p in self._handshaking if p.state.name == "CLOSED"]:
-                del self._handshaking[pending]
-            if len(self._conns) + len(self._handshaking) >= self._max_connections:
+            if len(self._conns) + self._opening >= self._max_connections:
                 self._record("connection.refused", detail="503 connection limit")
-                return ws.respond(http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n")
+                return protocol.reject(
+                    http.HTTPStatus.SERVICE_UNAVAILABLE, "too many connections\n"
+                )
             assert token is not None
-            self._handshaking[ws] = token
-        return None
+            self._opening += 1
+        return token
 
     # ------------------------------------------------------------------ one connection
 
-    def _handle(self, ws: ServerConnection) -> None:
+    def _handle(self, ws: ServerConnection, token: str) -> None:
         with self._cond:
-            token = self._handshaking.pop(ws, "")
+            self._opening -= 1
             conn = _Conn(self, ws, token, self._write_timeout)
             if self._stopping:
+                self._cond.notify_all()
                 return
             self._conns.add(conn)
         conn.start()
@@ -901,6 +1119,48 @@ def _answer(
         reply_to=frame.message_id,
         error=error,
     )
+
+
+def _admin_error(
+    status: int, message: str, headers: Iterable[tuple[str, str]] = (), *, code: str = ""
+) -> Response:
+    """An admin API error answer: ``{"error": {"code", "message"}}``."""
+    return _http.json_response(
+        status,
+        {
+            "error": {
+                "code": code or _ERROR_CODES.get(status, "INVALID_ARGUMENT"),
+                "message": message,
+            }
+        },
+        headers,
+    )
+
+
+_ERROR_CODES = {
+    404: "NOT_FOUND",
+    408: "TIMEOUT",
+    411: "LENGTH_REQUIRED",
+    413: "TOO_LARGE",
+    431: "TOO_LARGE",
+    500: "INTERNAL",
+    503: "UNAVAILABLE",
+}
+
+#: ServerConnection's constructor grew arguments across websockets 13-17 (keepalive, server).
+_CONNECTION_ARGS = inspect.signature(ServerConnection.__init__).parameters
+
+
+def _connection(sock: socket.socket, protocol: ServerProtocol) -> ServerConnection:
+    """A websockets connection around a socket whose opening handshake we completed."""
+    kwargs: dict[str, Any] = {"close_timeout": 0.5, "max_queue": INBOX_FRAMES}
+    if "ping_interval" in _CONNECTION_ARGS:
+        kwargs.update(ping_interval=None, ping_timeout=None)
+    factory: Any = ServerConnection
+    if "server" in _CONNECTION_ARGS:
+        # Only its handshake() looks at the server object, and that never runs here.
+        return factory(sock, protocol, None, **kwargs)  # type: ignore[no-any-return]
+    return factory(sock, protocol, **kwargs)  # type: ignore[no-any-return]
 
 
 def _bearer(request: Request) -> str | None:

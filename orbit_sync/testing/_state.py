@@ -24,7 +24,6 @@ they end (1 hour by default), and the event log keeps the last ``event_log_size`
 from __future__ import annotations
 
 import datetime as _dt
-import re
 import secrets
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -34,6 +33,7 @@ from .._codec import unstructure
 from ..models import CancelNotice, Capability, TaskState, new_id
 from ._clock import Clock
 from ._inspect import Inspection
+from ._options import TOKEN_RE
 from ._records import (
     ASSIGN_OVERHEAD,
     ENQUEUE_KEYWORDS,
@@ -79,7 +79,6 @@ __all__ = [
 ]
 
 #: What an ``Authorization: Bearer`` token may look like here (visible ASCII, no spaces).
-_TOKEN_RE = re.compile(r"[\x21-\x7e]{1,512}")
 #: How long a request's message_id (and its receipt) is remembered, in seconds: longer than
 #: the longest session window (5 min) plus the longest lease (2 min), so an operation re-sent
 #: after any reconnect within a session's life is still recognized (PROTOCOL §7).
@@ -151,9 +150,9 @@ class OrbitState(Requests, Inspection):
                 raise TypeError("scopes must be strings")
         if token is None:
             token = secrets.token_urlsafe(32)
-        elif type(token) is not str or not _TOKEN_RE.fullmatch(token):
+        elif type(token) is not str or not TOKEN_RE.fullmatch(token):
             # Never echo the value: it is a credential.
-            raise ValueError("token must be 1-512 visible ASCII characters without spaces")
+            raise ValueError("token must be 1-512 characters of the bearer-token set (no spaces)")
         elif self.token_scopes(token) is not None:
             raise ValueError("that token is already registered")
         self._tokens[token] = scope_set
