@@ -117,7 +117,7 @@ def parse_head(head: bytes) -> tuple[str, str, str, Headers]:
     headers = Headers()
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        # No obsolete line folding, no space before the colon (RFC 9112 §5.1, §5.2).
+        # No obsolete line folding, no space before the colon (RFC 9112, sections 5.1 and 5.2).
         if not colon or not _NAME.fullmatch(name) or b"\r" in value or b"\n" in value:
             raise HttpError(400, "malformed header field")
         headers[name.decode("ascii")] = value.strip(b" \t").decode("latin-1")

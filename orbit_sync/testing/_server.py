@@ -862,7 +862,7 @@ class MockOrbitServer:
         request = events[0]
         token: str | None = None
         if surplus:
-            # The client must wait for the 101 before it sends frames (RFC 6455 §4.1).
+            # The client must wait for the 101 before it sends frames (RFC 6455, section 4.1).
             response = protocol.reject(
                 http.HTTPStatus.BAD_REQUEST, "data sent before the handshake completed\n"
             )
