@@ -120,11 +120,13 @@ def _child(url: str, token: str, queue_id: str, flag: str, mode: str) -> int:
         flush_timeout=5.0,
     )
     never = threading.Event()
+    printing = threading.Lock()
 
     @worker.handler("slow")
     def slow(ctx: TaskContext, payload: Any) -> Any:
         if mode == "announce":
-            print(f"running {ctx.task_id}", flush=True)
+            with printing:  # two handlers print at once: keep their lines whole
+                print(f"running {ctx.task_id}", flush=True)
             never.wait()
         if mode == "stubborn":
             never.wait()  # ignores cancellation entirely

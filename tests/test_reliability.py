@@ -47,6 +47,11 @@ def test_sigkill_mid_handler_is_recovered_under_both_retry_policies(
     finally:
         proc.kill()
     assert orbit_server.token not in proc.stdout + proc.stderr
+    # The server must see the dead socket before time moves: a session it still thinks
+    # connected would be handed the retry at once (LEASED, not WAITING).
+    orbit_server.wait_until(
+        lambda s: any(e.kind == "session.disconnected" for e in s.events()), timeout=10
+    )
     # Nothing was reported: the server still believes both attempts run.
     for task_id in (retried, review):
         assert orbit_server.task(task_id).state is TaskState.RUNNING
