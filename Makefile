@@ -22,7 +22,12 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck pytest
+# Every supported Python (3.10-3.13): the import/plugin checks and a fast subset of the suite on
+# each one `pytest` did not run; a supported version that is missing fails (scripts/test-versions).
+versions: $(STAMP)
+	scripts/test-versions
+
+test: lint typecheck pytest versions
 
 demo: $(STAMP)
 	$(BIN)/python examples/quickstart.py
@@ -42,4 +47,4 @@ chaos: $(STAMP)
 	$(BIN)/python tests/_cutlink_run.py $(CHAOS_ARGS)
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .ruff_cache .pytest_cache
+	rm -rf $(VENV) .venv-3.* build *.egg-info .mypy_cache .ruff_cache .pytest_cache
