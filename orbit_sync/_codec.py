@@ -4,7 +4,7 @@ side).
 
 Both our client and our mock server decode through this module, so they agree on every vector in
 ``tests/vectors/frames.json`` by construction. cattrs' default hooks coerce (``"007"`` → 7,
-``True`` → 1); every hook here checks exact types instead (LIBRARY-NOTES).
+``True`` → 1); every hook here checks exact types instead.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ _MODELS: tuple[type[Any], ...] = (
 def _make_converter(*, forbid_extra_keys: bool) -> cattrs.Converter:
     """One strict converter; client frames forbid extra keys, server bodies tolerate them."""
     conv = cattrs.Converter(detailed_validation=True)
-    # Strict scalar hooks first: functions generated later pick these up (LIBRARY-NOTES).
+    # Strict scalar hooks first: functions generated later pick these up.
     for kind in (str, int, bool):
         conv.register_structure_hook(kind, _strict(kind))
     conv.register_structure_hook(_dt.datetime, lambda v, _: parse_time(v))

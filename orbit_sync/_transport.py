@@ -8,10 +8,10 @@ its internals and are checked by ``tests/test_client_transport.py``, which fails
   (``recv_length``), then reads the whole payload with ``recv_strict``. websocket-client has no
   incoming size limit, so we replace a socket's ``frame_buffer`` with a subclass that checks the
   header right after the length is known, before a single payload byte is buffered, and across
-  fragments (LIBRARY-NOTES: a 48 MiB header makes the stock library buffer 48 MiB).
+  fragments (measured: a 48 MiB header makes the stock library buffer 48 MiB).
 * ``WebSocket.frame_buffer`` is the attribute ``recv_frame`` reads from.
 
-Other choices (LIBRARY-NOTES):
+Other choices:
 
 * We open the TCP socket and wrap TLS ourselves and hand the socket to ``WebSocket.connect``. So
   the dial is bounded by our own deadline, certificates and host names are always verified with the

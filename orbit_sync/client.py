@@ -267,7 +267,8 @@ class Client:
             # The deadline passed as the dial finished: its socket was shut down.
             transport.close()
             raise CallTimeout(f"dial did not complete within {bound:g} s")
-        transport.set_timeout(None)  # from now on only our own deadlines (LIBRARY-NOTES, TLS)
+        # From now on only our own deadlines: over TLS a socket timeout breaks a read beside a send.
+        transport.set_timeout(None)
         log.debug("welcome session_id=%s epoch=%s", welcome.session_id, welcome.epoch)
         return WorkerConnection(
             transport,

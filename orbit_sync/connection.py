@@ -1,7 +1,7 @@
 """``WorkerConnection``: one ``pulse.worker.v1`` session over one WebSocket.
 
 No reconnects, renewals or handlers here (that is :mod:`orbit_sync.worker`): a thread-safe,
-bounded client of the protocol, mirroring the reference Go ``WorkerConnection``. The rules live in
+bounded client of the protocol. The rules live in
 :class:`orbit_sync._protocol.ClientProtocol` (pure, no threads); this module is its threaded shell:
 it moves frames, holds the one lock around the protocol's state and wakes whoever waits.
 
@@ -13,7 +13,7 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
   the connection with ``WorkerBackpressure``);
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
-  rely on socket timeouts (over TLS they break concurrent read + send, LIBRARY-NOTES), and a caller
+  rely on socket timeouts (over TLS they break concurrent read + send), and a caller
   stuck in a blocked write cannot time itself out.
 
 On any failure the connection records one error (``err``), releases every call in flight at once

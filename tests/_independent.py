@@ -1,4 +1,4 @@
-"""An independent ``pulse.worker.v1`` peer, written from ``/work/shared/PROTOCOL.md`` alone.
+"""An independent ``pulse.worker.v1`` peer, written from ``docs/protocol.md`` alone.
 
 The SDK's client and its mock server decode frames through one shared module
 (``orbit_sync._codec`` with ``models`` and ``_json``), so a bug there is invisible to tests that
@@ -13,7 +13,7 @@ small implementation of the contract, used by ``tests/test_conformance_*.py``:
 * :class:`RawServer`, a raw server that hands each accepted connection to the test thread
   (``websockets.sync.server``), so a test can script exactly what our client sees.
 
-Section numbers (§) refer to PROTOCOL.md.
+Section numbers (§) refer to docs/protocol.md.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ MAX_SESSION_WINDOW_NS = 300 * NS  # §5.2
 
 
 class Violation(AssertionError):
-    """A frame breaks PROTOCOL.md."""
+    """A frame breaks the protocol (docs/protocol.md)."""
 
 
 def new_id() -> str:

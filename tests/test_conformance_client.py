@@ -1,4 +1,4 @@
-"""Our client against an independent raw server written from PROTOCOL.md (§ = its sections).
+"""Our client against an independent raw server written from docs/protocol.md (§ = its sections).
 
 The server side is ``tests/_independent.py``: its own frame builder and validator, no import of
 the SDK's codec. Every frame our client sends is checked there; each test scripts what the
@@ -59,7 +59,7 @@ from orbit_sync import (
     WorkerProtocolError,
 )
 
-# The copy of /work/shared/vectors/frames.json kept in tests/ (a fresh clone must pass).
+# The frame vectors kept in tests/vectors (a fresh clone must pass).
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
 CTX = VECTORS["context"]
 SID, MID, QID = CTX["session_id"], CTX["pending_message_ids"][0], CTX["queue_id"]
@@ -346,8 +346,8 @@ def test_error_answering_hello_is_a_worker_error(
 
 def test_error_without_reply_to_before_the_welcome_fails_the_dial(raw: RawServer) -> None:
     """An error without reply_to instead of the welcome ends the dial (§11)."""
-    # PROTOCOL.md does not say whether that is a WorkerError or a protocol error (the Go
-    # reference reports a protocol error): both are accepted.
+    # docs/protocol.md does not say whether that is a WorkerError or a protocol error: both are
+    # accepted.
     pending = dial(raw)
     peer = raw.accept()
     peer.recv()

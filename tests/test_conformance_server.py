@@ -1,4 +1,4 @@
-"""The mock server against an independent raw client written from PROTOCOL.md (§ = its sections).
+"""The mock server against an independent raw client written from docs/protocol.md alone.
 
 Every frame the server sends is checked by ``tests/_independent.py`` (its own strict JSON and
 field rules, no import of the SDK's codec), under the context a conforming client would have.
@@ -33,7 +33,7 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from orbit_sync.testing import ManualClock, MockOrbitServer
 
-# The copy of /work/shared/vectors/frames.json kept in tests/ (a fresh clone must pass).
+# The frame vectors kept in tests/vectors (a fresh clone must pass).
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
 CTX = VECTORS["context"]
 SID, MID, QID = CTX["session_id"], CTX["pending_message_ids"][0], CTX["queue_id"]

@@ -123,7 +123,7 @@ def test_blocked_next_assignment_is_released_by_failure() -> None:
     ],
 )
 def test_invalid_assignment_closes_with_protocol_error(body: dict[str, Any]) -> None:
-    """An assignment that fails the Go client's checks closes the connection."""
+    """An assignment failing the client's checks (PROTOCOL §6.1) closes the connection."""
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
         try:

@@ -255,7 +255,7 @@ class CuttingLink:
                 client.close()
                 continue
             for sock in (client, upstream):
-                # One logical message per write must not wait for Nagle (LIBRARY-NOTES).
+                # One logical message per write must not wait for Nagle.
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             pair = _Pair(self, client, upstream, self._delay)
             with self._cond:

@@ -210,7 +210,7 @@ class _Conn:
             self._frames = 0
             self._cv.notify_all()
         # shutdown() (not close()) wakes a writer blocked in sendall and the reader thread,
-        # without taking the websockets mutex a blocked writer may hold (LIBRARY-NOTES).
+        # without taking the websockets mutex a blocked writer may hold.
         with contextlib.suppress(OSError):
             self.ws.socket.shutdown(socket.SHUT_RDWR)
 

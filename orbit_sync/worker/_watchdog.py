@@ -9,8 +9,8 @@ with a fake clock and no sockets.
 
 Rules (PROTOCOL §6.3-6.6):
 
-- renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL,
-  see LIBRARY-NOTES) still has slack;
+- renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL)
+  still has slack;
 - at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
   watched (an answer that never comes cannot keep a handler running past its lease);
 - a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
