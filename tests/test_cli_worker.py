@@ -155,7 +155,10 @@ def test_second_signal_forces_the_stop_and_exits_3(
     orbit_server: MockOrbitServer, project: Path, procs: list[Proc]
 ) -> None:
     """A second SIGINT cancels the running handler at once: announced, reported, exit 3."""
-    proc = Proc(command("worker", "userworker:make"), env=env_for(orbit_server), cwd=project)
+    # A drain far longer than the test: only the second signal can end it, so the handler is
+    # still running (and counted) when that signal is announced.
+    argv = command("worker", "userworker:make", "--drain-timeout", "60")
+    proc = Proc(argv, env=env_for(orbit_server), cwd=project)
     procs.append(proc)
     task_id = orbit_server.enqueue("slow", {"n": 2}, max_attempts=1)
     assert proc.line() == "started 2"
