@@ -22,8 +22,9 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-# Every supported Python (3.10-3.13): the import/plugin checks and a fast subset of the suite on
-# each one `pytest` did not run; a supported version that is missing fails (scripts/test-versions).
+# Every supported Python (3.10, 3.11, 3.12 and 3.13): the import/plugin checks and a fast subset
+# of the suite on each one `pytest` did not run; a missing supported version fails
+# (scripts/test-versions).
 versions: $(STAMP)
 	scripts/test-versions
 

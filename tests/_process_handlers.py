@@ -10,17 +10,24 @@ import datetime as dt
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from orbit_sync.worker import Fail, TaskContext, UnknownEffect
 
+#: The logger a handler announces its start on (forwarded to the parent's logging).
+STARTED_LOGGER = "tests.process.started"
+
 AT = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc)
 
 
 def _started(payload: dict[str, Any]) -> None:
     Path(payload["dir"], f"started-{os.getpid()}-{time.monotonic_ns()}").write_text("")
+    # The parent re-emits this record (WARNING: at the default level children forward) and the
+    # test waits on it: an event, not a poll of the file.
+    logging.getLogger(STARTED_LOGGER).warning("started")
 
 
 def facts(ctx: TaskContext, payload: dict[str, Any]) -> Any:
@@ -69,10 +76,9 @@ def cooperative(ctx: TaskContext, payload: dict[str, Any]) -> Any:
 
 
 def stubborn(ctx: TaskContext, payload: dict[str, Any]) -> Any:
-    """Ignores cancellation (and SIGTERM's default is kept: it dies on it)."""
+    """Ignores cancellation for good (SIGTERM's default is kept: it dies on it)."""
     _started(payload)
-    while True:
-        time.sleep(0.05)
+    threading.Event().wait()  # never set: only a signal ends this process
 
 
 def dies(ctx: TaskContext, payload: dict[str, Any]) -> Any:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,17 +101,43 @@ def test_outcomes_map_as_on_threads(server: MockOrbitServer) -> None:
     assert last["unpicklable"] == (TaskState.FAILED, Outcome.FAILED, "RESULT_NOT_JSON")
 
 
-def _wait_started(directory: Path, server: MockOrbitServer) -> None:
-    server.wait_until(lambda _: any(directory.iterdir()), timeout=15)
+class _Started(logging.Handler):
+    """Sets an event when a child's start announcement reaches the parent's logging."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.event.set()
 
 
-def test_cancel_request_reaches_the_child(server: MockOrbitServer, tmp_path: Path) -> None:
+@pytest.fixture
+def started() -> Iterator[threading.Event]:
+    """An event set once a process handler announced its start (forwarded from its child)."""
+    logger = logging.getLogger(handlers.STARTED_LOGGER)
+    handler = _Started()
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield handler.event
+    finally:
+        logger.removeHandler(handler)
+
+
+def _wait_started(started: threading.Event) -> None:
+    assert started.wait(15), "the handler never started in its child"
+
+
+def test_cancel_request_reaches_the_child(
+    server: MockOrbitServer, tmp_path: Path, started: threading.Event
+) -> None:
     """A server cancel stops a cooperative child handler: CANCELLED, and the child is reused."""
     worker = make_worker(server, process_pool=1)
     _register(worker, "cooperative", "pid")
     with running(worker):
         task_id = server.enqueue("cooperative", {"dir": str(tmp_path)})
-        _wait_started(tmp_path, server)
+        _wait_started(started)
         server.request_cancel(task_id)
         assert _last(server, task_id) == (TaskState.CANCELLED, Outcome.CANCELLED, "CANCELLED")
         started = tmp_path.iterdir().__next__().name.split("-")[1]
@@ -118,14 +146,14 @@ def test_cancel_request_reaches_the_child(server: MockOrbitServer, tmp_path: Pat
 
 
 def test_child_ignoring_cancel_is_terminated_and_replaced(
-    server: MockOrbitServer, tmp_path: Path
+    server: MockOrbitServer, tmp_path: Path, started: threading.Event
 ) -> None:
     """Past cancel_grace a stubborn child is killed (UNKNOWN HANDLER_TERMINATED) and replaced."""
     worker = make_worker(server, process_pool=1, cancel_grace=0.3)
     _register(worker, "stubborn", "pid")
     with running(worker):
         task_id = server.enqueue("stubborn", {"dir": str(tmp_path)})
-        _wait_started(tmp_path, server)
+        _wait_started(started)
         server.request_cancel(task_id)
         state, outcome, code = _last(server, task_id)
         assert (outcome, code) == (Outcome.UNKNOWN, "HANDLER_TERMINATED")
