@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
@@ -166,3 +167,38 @@ def commands() -> Any:
         line = line.strip()
         if line:
             yield json.loads(line)
+
+
+def wait_succeeded(worker: Any, n: int, timeout: float) -> bool:
+    """Wait until *worker* counts *n* answered finishes; False after *timeout* seconds."""
+    # Bench-side wait for the finishes to be answered; 5 ms steps cost the worker nothing.
+    end = time.monotonic() + timeout
+    while worker.stats().succeeded < n:
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+class FloorWaiter:
+    """The lateness floor: a bare thread doing the watchdog's kind of timed wait, with nothing to
+    do when it wakes; ``floor`` holds how late each 0.1 s wait woke."""
+
+    def __init__(self) -> None:
+        self.floor: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        idle = threading.Event()
+        while not self._stop.is_set():
+            target = time.perf_counter() + 0.1
+            idle.wait(0.1)
+            self.floor.append(time.perf_counter() - target)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -32,7 +32,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import commands, emit, proc_cpu, proc_status
+from benchmarks._common import (
+    FloorWaiter,
+    commands,
+    emit,
+    proc_cpu,
+    proc_status,
+    wait_succeeded,
+)
 
 #: The local deadline is the lease minus this margin (README: "At most once, nothing lost").
 LEASE_MARGIN = 0.25
@@ -123,16 +130,6 @@ def _worker(args: argparse.Namespace, capacity: int) -> Any:
     )
 
 
-def _wait_succeeded(worker: Any, n: int, timeout: float) -> bool:
-    # Bench-side wait for the finishes to be answered; 5 ms steps cost the worker nothing.
-    end = time.monotonic() + timeout
-    while worker.stats().succeeded < n:
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
-
-
 def run_noop(args: argparse.Namespace) -> dict[str, Any]:
     tap = FrameTap(renewals=False) if args.frames else None
     started: dict[str, float] = {}
@@ -153,7 +150,7 @@ def run_noop(args: argparse.Namespace) -> dict[str, Any]:
     server_cpu0 = proc_cpu(args.server_pid) if args.server_pid else 0.0
     cpu0, t0 = proc_cpu(), time.perf_counter()
     worker.start()
-    ok = all_ran.wait(args.timeout) and _wait_succeeded(worker, args.tasks, args.timeout)
+    ok = all_ran.wait(args.timeout) and wait_succeeded(worker, args.tasks, args.timeout)
     wall = time.perf_counter() - t0
     cpu = proc_cpu() - cpu0
     server_cpu = proc_cpu(args.server_pid) - server_cpu0 if args.server_pid else None
@@ -189,30 +186,18 @@ def run_lateness(args: argparse.Namespace) -> dict[str, Any]:
         running.wait()
         _cpu_bound(ctx, args.seconds)
 
-    floor: list[float] = []
-    stop = threading.Event()
-
-    def bare_waiter() -> None:
-        # The same kind of wait the watchdog does, with nothing to do when it wakes.
-        idle = threading.Event()
-        while not stop.is_set():
-            target = time.perf_counter() + 0.1
-            idle.wait(0.1)
-            floor.append(time.perf_counter() - target)
-
+    waiter = FloorWaiter()
     worker.start()
     running.wait(timeout=args.timeout)
-    waiter = threading.Thread(target=bare_waiter, daemon=True)
     waiter.start()
-    ok = _wait_succeeded(worker, args.tasks, args.seconds + args.timeout)
-    stop.set()
-    waiter.join(timeout=5)
+    ok = wait_succeeded(worker, args.tasks, args.seconds + args.timeout)
+    waiter.stop()
     stats = worker.stats()
     worker.stop(drain=False, timeout=5)
     return {
         "ok": ok,
         "lateness": tap.lateness,
-        "floor": floor,
+        "floor": waiter.floor,
         "lease_losses": stats.lease_losses,
         "succeeded": stats.succeeded,
     }
@@ -242,7 +227,7 @@ def run_idle(args: argparse.Namespace) -> None:
     emit({"phase": "idle", "rss": before["VmRSS"], "threads": before["Threads"]})
     for command in commands():
         target[0] = int(command["n"])
-        ok = burst_done.wait(args.timeout) and _wait_succeeded(worker, target[0], args.timeout)
+        ok = burst_done.wait(args.timeout) and wait_succeeded(worker, target[0], args.timeout)
         peak = proc_status()
         # Give idle pool threads the chance to retire, watching for it, up to --retire seconds.
         retire_end = time.monotonic() + args.retire

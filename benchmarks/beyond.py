@@ -26,7 +26,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import _server_proc
-from benchmarks._common import Child, emit, percentile, proc_cpu
+from benchmarks._common import Child, FloorWaiter, emit, percentile, proc_cpu, wait_succeeded
 
 HERE = Path(__file__).resolve().parent
 
@@ -48,15 +47,6 @@ def spin(ctx: Any, payload: Any) -> None:
 
 def noop(ctx: Any, payload: Any) -> None:
     """Nothing at all."""
-
-
-def _wait_succeeded(worker: Any, n: int, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while worker.stats().succeeded < n:
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)  # the harness's own wait; costs the worker nothing
-    return True
 
 
 def child_main(args: argparse.Namespace) -> None:
@@ -79,27 +69,16 @@ def child_main(args: argparse.Namespace) -> None:
     fn = spin if args.mode == "lateness" else noop
     name = "spin" if args.mode == "lateness" else "noop"
     worker.register(name, fn, executor=args.executor)
-    floor: list[float] = []
-    stop = threading.Event()
-
-    def bare_waiter() -> None:
-        idle = threading.Event()
-        while not stop.is_set():
-            target = time.perf_counter() + 0.1
-            idle.wait(0.1)
-            floor.append(time.perf_counter() - target)
-
-    waiter = threading.Thread(target=bare_waiter, daemon=True)
+    waiter = FloorWaiter()
     worker.start()
     waiter.start()
     # The no-op run is timed after a warm-up, so child start-up is not counted per task.
     warm = args.warmup if args.mode == "noop" else 0
-    ok = _wait_succeeded(worker, warm, args.timeout)
+    ok = wait_succeeded(worker, warm, args.timeout)
     cpu0, t0 = proc_cpu(), time.perf_counter()
-    ok = ok and _wait_succeeded(worker, args.tasks, args.timeout)
+    ok = ok and wait_succeeded(worker, args.tasks, args.timeout)
     wall, cpu = time.perf_counter() - t0, proc_cpu() - cpu0
-    stop.set()
-    waiter.join(timeout=5)
+    waiter.stop()
     stats = worker.stats()
     worker.stop(drain=False, timeout=5)
     emit(
@@ -111,7 +90,7 @@ def child_main(args: argparse.Namespace) -> None:
             "timed": stats.succeeded - warm,
             "lease_losses": stats.lease_losses,
             "lateness": tap.lateness if tap is not None else [],
-            "floor": floor,
+            "floor": waiter.floor,
         }
     )
 
