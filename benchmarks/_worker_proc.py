@@ -6,7 +6,7 @@ no command line shows it):
 - ``noop``: drain ``--tasks`` pre-enqueued no-op tasks with ``Worker(capacity=--capacity)``;
   reports process CPU, wall time and peak RSS over the run (and the server's CPU over the same
   window when ``--server-pid`` is given). ``--frames`` adds the dispatch latency: the time from
-  an assignment frame leaving websocket-client's frame reader to the handler's first line.
+  an assignment frame leaving the transport's frame reader to the handler's first line.
 - ``lateness``: ``--tasks`` CPU-bound handlers for ``--seconds`` under a short lease; reports
   every renewal's lateness (its send time past the moment it was due: half the remaining local
   lease, as the README promises) and a bare ``Event.wait`` thread's lateness in the same
@@ -14,8 +14,9 @@ no command line shows it):
 - ``idle``: ``Worker(capacity=--capacity)`` idle, then (on the harness's ``go``) a burst, then
   idle again; reports RSS and thread counts.
 
-The frame hooks wrap websocket-client's own classes, so they see what the connection does
-whatever its internals; they parse only the frames they need.
+The frame hooks wrap the transport's read and write entry points (``Transport.recv_message``,
+``send_text``, ``send_texts``), so they see every frame the connection reads or writes whatever
+sits above them; they parse only the frames they need.
 """
 
 from __future__ import annotations
@@ -55,11 +56,10 @@ def _wire_time(text: str) -> float:
 
 
 class FrameTap:
-    """Timestamps frames as websocket-client reads and sends them (class-level wrappers)."""
+    """Timestamps frames as the transport parses and writes them (class-level wrappers)."""
 
     def __init__(self, *, renewals: bool) -> None:
-        import websocket
-        from websocket import _abnf
+        from orbit_sync._transport import Transport
 
         self.assigned: dict[str, float] = {}
         self.lateness: list[float] = []
@@ -67,22 +67,31 @@ class FrameTap:
         self._sent: dict[str, tuple[str, float]] = {}  # message_id -> (attempt_id, sent at)
         self._due: dict[str, float] = {}  # attempt_id -> when its next renewal is due
         self._lock = threading.Lock()
-        original_recv = _abnf.frame_buffer.recv_frame
-        original_send = websocket.WebSocket.send
+        original_recv = Transport.recv_message
+        original_send = Transport.send_text
+        original_send_many = Transport.send_texts
         tap = self
 
-        def recv_frame(buffer: Any) -> Any:
-            frame = original_recv(buffer)
-            tap._received(frame.data, time.perf_counter())
-            return frame
+        def recv_message(transport: Any) -> bytes:
+            data = original_recv(transport)
+            tap._received(data, time.perf_counter())
+            return data
 
-        def send(ws: Any, payload: Any, opcode: int = 1) -> Any:
-            if renewals and isinstance(payload, str):
-                tap._sending(payload, time.perf_counter())
-            return original_send(ws, payload, opcode)
+        def send_text(transport: Any, text: str) -> None:
+            if renewals:
+                tap._sending(text, time.perf_counter())
+            original_send(transport, text)
 
-        _abnf.frame_buffer.recv_frame = recv_frame
-        websocket.WebSocket.send = send
+        def send_texts(transport: Any, texts: Any) -> None:
+            if renewals:
+                now = time.perf_counter()
+                for text in texts:
+                    tap._sending(text, now)
+            original_send_many(transport, texts)
+
+        Transport.recv_message = recv_message  # type: ignore[method-assign]
+        Transport.send_text = send_text  # type: ignore[method-assign]
+        Transport.send_texts = send_texts  # type: ignore[method-assign]
 
     def _received(self, data: bytes, now: float) -> None:
         if b'"task.assign"' in data:

@@ -1,15 +1,26 @@
-"""The websocket-client shell: the only module that touches websocket-client, internals included.
+"""The WebSocket transport: websocket-client for the dial, our own frame path afterwards.
 
-Supported: ``websocket-client >=1.0,<1.10`` (``SUPPORTED_WEBSOCKET_CLIENT``), every release in that
-range having passed the internals check and the transport, dial and TLS tests. Two things depend on
-its internals and are checked by ``tests/test_client_transport.py``, which fails if they move:
+websocket-client performs the opening handshake only (the HTTP upgrade on a socket we opened and,
+for ``wss://``, wrapped in TLS ourselves). From then on every frame is read and written here, on the
+raw socket: websocket-client's per-frame machinery (a lock, a frame object, a header parse in 2-3
+``recv`` calls per frame) cost more than the rest of a call. Supported: ``websocket-client
+>=1.0,<1.10`` (``SUPPORTED_WEBSOCKET_CLIENT``). Only its public API is used; the one behaviour we
+rely on beyond it (the upgrade answer is read line by line, never past its blank line, so the first
+frame stays on the socket for us) is pinned by ``tests/test_client_transport.py``.
 
-* ``websocket._abnf.frame_buffer`` parses each frame header (``recv_header``), then its length
-  (``recv_length``), then reads the whole payload with ``recv_strict``. websocket-client has no
-  incoming size limit, so we replace a socket's ``frame_buffer`` with a subclass that checks the
-  header right after the length is known, before a single payload byte is buffered, and across
-  fragments (measured: a 48 MiB header makes the stock library buffer 48 MiB).
-* ``WebSocket.frame_buffer`` is the attribute ``recv_frame`` reads from.
+Frames (RFC 6455, client side):
+
+* Reads go through one buffer: ``recv(65536)`` and parse every frame the chunk holds, so a burst
+  of small frames costs one system call. Server frames must be unmasked with RSV bits 0; control
+  frames are at most 125 bytes and never fragmented; only text messages exist in
+  ``pulse.worker.v1`` (binary is a protocol error); fragments are reassembled. The 512 KiB limit
+  is checked from each frame header, across fragments, before the payload is waited for: a header
+  announcing 48 MiB is refused at once instead of being buffered.
+* A ping is answered with a pong of the same payload, a pong is ignored, a close frame ends the
+  connection (``WorkerDisconnected`` naming its code) after a best-effort close frame back.
+* Writes are masked client frames, built and written under ONE write lock that pongs and the close
+  frame of ``abort`` share, so frames never interleave. ``send_texts`` writes several frames in one
+  ``sendall``. Mask keys come from ``os.urandom``, drawn for many frames at a time.
 
 Other choices:
 
@@ -23,26 +34,27 @@ Other choices:
   ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` replace. Whoever sets those variables for the process
   chooses which certificate authorities it trusts; pass an explicit ``ssl_context`` to pin them.
 * ``redirect_limit=0``: a redirect would re-send ``Authorization`` to another host.
-* ``skip_utf8_validation=True``; the payload stays bytes and the strict JSON layer decodes it.
+* No UTF-8 validation here; the payload stays bytes and the strict JSON layer decodes it.
 * After the dial the socket timeout is ``None``: over TLS a socket timeout breaks concurrent
   read + send. Bounds are enforced by the connection's own deadlines, teardown by
-  ``shutdown(SHUT_RDWR)``, never by ``WebSocket.close()`` from another thread.
+  ``shutdown(SHUT_RDWR)`` from any thread; the descriptor is closed only once no writer is left.
+* No error message carries frame content: a payload may hold a token or a lease secret.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import socket
 import ssl
 import struct
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import websocket
-from websocket import _abnf
 
 from ._json import MAX_FRAME_BYTES
 from .errors import CallTimeout, HTTPError, WorkerDisconnected, WorkerProtocolError
@@ -56,16 +68,19 @@ __all__ = [
     "connect",
 ]
 
-#: The websocket-client versions whose internals this module was tested against: [low, high).
+#: The websocket-client versions this module was tested against: [low, high).
 SUPPORTED_WEBSOCKET_CLIENT = ((1, 0, 0), (1, 10, 0))
 
-_OP_CONT = _abnf.ABNF.OPCODE_CONT
-_OP_TEXT = _abnf.ABNF.OPCODE_TEXT
-_OP_BINARY = _abnf.ABNF.OPCODE_BINARY
-_OP_CLOSE = _abnf.ABNF.OPCODE_CLOSE
-_CONTROL = frozenset({_abnf.ABNF.OPCODE_CLOSE, _abnf.ABNF.OPCODE_PING, _abnf.ABNF.OPCODE_PONG})
+_OP_CONT = 0x0
+_OP_TEXT = 0x1
+_OP_BINARY = 0x2
+_OP_CLOSE = 0x8
+_OP_PING = 0x9
+_OP_PONG = 0xA
 _REDIRECTS = range(300, 400)
 _CLOSE_WAIT = 5.0  # bound on waiting for woken writers before the descriptor is closed
+_CHUNK = 65536  # bytes asked of each recv: one call holds a burst of small frames
+_KEYS = 256  # bytes of mask keys drawn per os.urandom call (64 frames)
 
 
 class FrameRejected(WorkerProtocolError):
@@ -73,58 +88,32 @@ class FrameRejected(WorkerProtocolError):
 
 
 def check_internals() -> None:
-    """Raise RuntimeError unless websocket-client still has the internals we hook.
-
-    Failing closed matters: without the hook there is no incoming size limit at all.
-    """
-    fb = getattr(_abnf, "frame_buffer", None)
-    needed = ("recv_header", "recv_length", "recv_strict", "recv_frame", "clear")
-    if fb is None or not all(callable(getattr(fb, name, None)) for name in needed):
+    """Raise RuntimeError unless websocket-client still has the API the dial uses."""
+    ws_class = getattr(websocket, "WebSocket", None)
+    needed = ("connect", "getheaders", "getstatus")
+    if ws_class is None or not all(callable(getattr(ws_class, name, None)) for name in needed):
         raise RuntimeError(
-            "websocket-client internals changed (websocket._abnf.frame_buffer); orbit-sync "
-            "cannot enforce the 512 KiB frame limit with this version"
+            "websocket-client API changed (WebSocket.connect/getheaders/getstatus); orbit-sync "
+            "cannot dial with this version"
         )
 
 
-class _LimitedFrameBuffer(_abnf.frame_buffer):
-    """``frame_buffer`` that rejects a frame from its header, before buffering its payload."""
+def _mask(key: bytes, payload: bytes) -> bytes:
+    """*payload* XOR the repeated 4-byte *key*: one big-integer XOR, not a loop over bytes."""
+    n = len(payload)
+    stream = key * (n >> 2) + key[: n & 3]
+    return (int.from_bytes(payload, "little") ^ int.from_bytes(stream, "little")).to_bytes(
+        n, "little"
+    )
 
-    def __init__(self, recv_fn: Any, limit: int) -> None:
-        super().__init__(recv_fn, True)
-        self._limit = limit
-        self._message = 0  # bytes of the text message being assembled (fragments included)
-        self._in_message = False
 
-    def recv_length(self) -> None:
-        super().recv_length()
-        if self.header is None or self.length is None:
-            raise FrameRejected("frame header not read")
-        fin, rsv1, rsv2, rsv3, opcode, masked, _ = self.header
-        length = self.length
-        if rsv1 or rsv2 or rsv3:
-            # No extension (compression included) was negotiated.
-            raise FrameRejected("server frame sets reserved bits")
-        if masked:
-            raise FrameRejected("server frames must not be masked")
-        if opcode in _CONTROL:
-            if length > 125 or not fin:
-                raise FrameRejected("invalid control frame")
-            return
-        if opcode == _OP_BINARY:
-            raise FrameRejected("binary frames are not part of pulse.worker.v1")
-        if opcode == _OP_TEXT:
-            if self._in_message:
-                raise FrameRejected("new message inside a fragmented message")
-            self._message = length
-        elif opcode == _OP_CONT:
-            if not self._in_message:
-                raise FrameRejected("continuation frame outside a fragmented message")
-            self._message += length
-        else:
-            raise FrameRejected("unknown frame opcode")
-        if self._message > self._limit:
-            raise FrameRejected(f"server frame is over the {self._limit}-byte limit")
-        self._in_message = not fin
+def _header(opcode: int, n: int) -> bytes:
+    """A FIN client frame header with the MASK bit, for an *n*-byte payload (key not included)."""
+    if n < 126:
+        return bytes((0x80 | opcode, 0x80 | n))
+    if n < 65536:
+        return struct.pack("!BBH", 0x80 | opcode, 0xFE, n)
+    return struct.pack("!BBQ", 0x80 | opcode, 0xFF, n)
 
 
 class DialGuard:
@@ -214,18 +203,31 @@ def _open_tcp(host: str, port: int, guard: DialGuard) -> socket.socket:
 
 
 class Transport:
-    """One WebSocket: frame-limited reads, locked writes, teardown safe from any thread."""
+    """One WebSocket after its upgrade: buffered frame reads, locked writes, any-thread teardown.
+
+    One thread reads (``recv_message``); any number write. ``abort`` and ``close`` may come from
+    any thread, at any time.
+    """
 
     def __init__(self, ws: Any, sock: socket.socket) -> None:
-        self._ws = ws
+        self._ws = ws  # websocket-client's object: the upgrade answer's headers, nothing else
         self._sock = sock
         #: time.monotonic() of the last bytes received (the read-idle bound's reference).
         self.last_rx = time.monotonic()
-        # Writers in progress. The descriptor is closed only once none is left: a write racing a
-        # close could otherwise land on a reused descriptor (another socket, another peer).
-        self._io = threading.Condition(threading.Lock())
-        self._writers = 0
+        # Every frame is written under this lock, so a thread holding it is the only writer: the
+        # descriptor is closed while holding it (a write racing a close could otherwise land on a
+        # reused descriptor: another socket, another peer). ``_closed`` changes under both locks.
+        self._write_lock = threading.Lock()
+        self._state = threading.Lock()  # abort's check of _closed, against close()
         self._closed = False
+        self._keys = b""  # mask keys drawn ahead (under the write lock)
+        self._key_at = 0
+        # Reader state (the reading thread only): bytes received and not yet parsed start at
+        # _pos; _parts holds the fragments of a message being assembled, _size their total.
+        self._buf = b""
+        self._pos = 0
+        self._parts: list[bytes] | None = None
+        self._size = 0
 
     @property
     def subprotocol_header(self) -> str | None:
@@ -234,74 +236,185 @@ class Transport:
         value = headers.get("sec-websocket-protocol")
         return value if isinstance(value, str) else None
 
-    def _counting_recv(self, bufsize: int) -> bytes:
-        # Our own recv, not WebSocket._recv: that one closes the descriptor on EOF from the reader
-        # thread while writers may still be using it. Each chunk also stamps read activity.
-        try:
-            data = self._sock.recv(bufsize)
-        except TimeoutError:  # only during the dial, the one time a socket timeout is set
-            raise websocket.WebSocketTimeoutException("timed out") from None
-        if not data:
-            raise websocket.WebSocketConnectionClosedException("connection closed by the peer")
-        self.last_rx = time.monotonic()
-        return data
-
     def set_timeout(self, timeout: float | None) -> None:
         """Socket timeout: only during the dial (None afterwards, see the module docstring)."""
-        self._ws.settimeout(timeout)
-
-    def _enter_write(self) -> bool:
-        with self._io:
+        with self._state:
             if self._closed:
-                return False
-            self._writers += 1
-            return True
+                return
+            with contextlib.suppress(OSError):
+                self._sock.settimeout(timeout)
 
-    def _exit_write(self) -> None:
-        with self._io:
-            self._writers -= 1
-            if self._writers == 0:
-                self._io.notify_all()
+    # ------------------------------------------------------------------ writing
 
     def send_text(self, text: str) -> None:
-        """Send one text frame (websocket-client serializes concurrent writers with a lock)."""
-        if not self._enter_write():
-            raise WorkerDisconnected("the connection is closed")
+        """Send one text frame."""
+        self._write(_OP_TEXT, (text.encode("utf-8"),))
+
+    def send_texts(self, texts: Sequence[str]) -> None:
+        """Send several text frames, in order, in one ``sendall`` (nothing for an empty batch)."""
+        payloads = [text.encode("utf-8") for text in texts]
+        if payloads:
+            self._write(_OP_TEXT, payloads)
+
+    def _write(self, opcode: int, payloads: Sequence[bytes]) -> None:
         try:
-            self._ws.send(text, _OP_TEXT)
-        except (websocket.WebSocketException, OSError, ValueError, AttributeError) as exc:
+            with self._write_lock:
+                if self._closed:
+                    raise WorkerDisconnected("the connection is closed")
+                if len(payloads) == 1:
+                    data = self._frame(opcode, payloads[0])
+                else:
+                    data = b"".join([self._frame(opcode, payload) for payload in payloads])
+                self._sock.sendall(data)
+        except (OSError, ValueError, AttributeError) as exc:
             # Network failures only (ValueError/AttributeError: the socket was torn down under
             # the writer); anything else is a bug and propagates as itself.
             raise WorkerDisconnected("connection lost while sending") from exc
+
+    def _frame(self, opcode: int, payload: bytes) -> bytes:
+        """One masked client frame (under the write lock: it draws a mask key)."""
+        at = self._key_at
+        if at + 4 > len(self._keys):
+            self._keys = os.urandom(_KEYS)
+            at = 0
+        key = self._keys[at : at + 4]
+        self._key_at = at + 4
+        return _header(opcode, len(payload)) + key + _mask(key, payload)
+
+    def _try_close_frame(self, code: int) -> None:
+        """Send a close frame if no writer holds the lock and the socket takes it now.
+
+        Teardown must never block behind a stuck writer or a peer that stopped reading.
+        """
+        if not self._write_lock.acquire(blocking=False):
+            return
+        try:
+            if self._closed:
+                return
+            _, writable, _ = select.select([], [self._sock], [], 0)
+            if writable:
+                self._sock.send(self._frame(_OP_CLOSE, struct.pack("!H", code)))
+        except (OSError, ValueError):
+            pass
         finally:
-            self._exit_write()
+            self._write_lock.release()
+
+    # ------------------------------------------------------------------ reading
 
     def recv_message(self) -> bytes:
         """The next text message as bytes.
 
-        Raises FrameRejected/WorkerProtocolError when the server broke the framing rules and
-        WorkerDisconnected when the connection ended (a close frame included).
+        Raises FrameRejected when the server broke the framing rules (before the offending
+        payload is waited for) and WorkerDisconnected when the connection ended (a close frame
+        included); CallTimeout only during the dial, the one time a socket timeout is set.
         """
-        try:
-            opcode, data = self._ws.recv_data()
-        except FrameRejected:
-            raise
-        except (
-            websocket.WebSocketProtocolException,
-            websocket.WebSocketPayloadException,
-        ) as exc:
-            raise WorkerProtocolError(f"invalid WebSocket framing: {exc}") from None
-        except websocket.WebSocketTimeoutException:
-            raise CallTimeout("dial did not complete in time") from None
-        except (websocket.WebSocketException, OSError, ValueError, AttributeError) as exc:
-            # AttributeError/ValueError: the socket was torn down under the reader.
-            raise WorkerDisconnected("connection to the Orbit server lost") from exc
+        while True:
+            buf = self._buf
+            pos = self._pos
+            avail = len(buf) - pos
+            if avail < 2:
+                self._fill(2)
+                continue
+            b0 = buf[pos]
+            b1 = buf[pos + 1]
+            n = b1 & 0x7F
+            if n < 126:
+                start = pos + 2
+            elif n == 126:
+                if avail < 4:
+                    self._fill(4)
+                    continue
+                n = int.from_bytes(buf[pos + 2 : pos + 4], "big")
+                start = pos + 4
+            else:
+                if avail < 10:
+                    self._fill(10)
+                    continue
+                n = int.from_bytes(buf[pos + 2 : pos + 10], "big")
+                start = pos + 10
+            self._check(b0, b1, n)
+            end = start + n
+            if end > len(buf):
+                self._fill(end - pos)  # the header is parsed again from the filled buffer
+                continue
+            payload = buf[start:end]
+            self._pos = end
+            opcode = b0 & 0x0F
+            if opcode == _OP_TEXT:
+                if b0 & 0x80:
+                    return payload
+                self._parts = [payload]
+                self._size = n
+            elif opcode == _OP_CONT:
+                parts = self._parts
+                assert parts is not None  # _check refused a continuation outside a message
+                parts.append(payload)
+                self._size += n
+                if b0 & 0x80:
+                    self._parts = None
+                    self._size = 0
+                    return b"".join(parts)
+            elif opcode == _OP_PING:
+                self._write(_OP_PONG, (payload,))
+            elif opcode == _OP_CLOSE:
+                code = struct.unpack("!H", payload[:2])[0] if n >= 2 else 1005
+                self._try_close_frame(1000)
+                raise WorkerDisconnected(f"the Orbit server closed the connection (code {code})")
+            # A pong answers nothing we sent: ignored.
+
+    def _check(self, b0: int, b1: int, n: int) -> None:
+        """Refuse a frame from its header alone (*n*: its payload length)."""
+        if b0 & 0x70:
+            # No extension (compression included) was negotiated.
+            raise FrameRejected("server frame sets reserved bits")
+        if b1 & 0x80:
+            raise FrameRejected("server frames must not be masked")
+        opcode = b0 & 0x0F
         if opcode == _OP_TEXT:
-            return bytes(data)
-        if opcode == _OP_CLOSE:
-            code = struct.unpack("!H", data[:2])[0] if len(data) >= 2 else 1005
-            raise WorkerDisconnected(f"the Orbit server closed the connection (code {code})")
-        raise WorkerProtocolError("unexpected WebSocket message type")
+            if self._parts is not None:
+                raise FrameRejected("new message inside a fragmented message")
+            size = n
+        elif opcode == _OP_CONT:
+            if self._parts is None:
+                raise FrameRejected("continuation frame outside a fragmented message")
+            size = self._size + n
+        elif opcode in (_OP_CLOSE, _OP_PING, _OP_PONG):
+            if n > 125 or not b0 & 0x80:
+                raise FrameRejected("invalid control frame")
+            return
+        elif opcode == _OP_BINARY:
+            raise FrameRejected("binary frames are not part of pulse.worker.v1")
+        else:
+            raise FrameRejected("unknown frame opcode")
+        if size > MAX_FRAME_BYTES:
+            raise FrameRejected(f"server frame is over the {MAX_FRAME_BYTES}-byte limit")
+
+    def _fill(self, need: int) -> None:
+        """Receive until at least *need* unparsed bytes are buffered (each chunk stamps last_rx).
+
+        *need* is bounded by a header already checked against the limit.
+        """
+        buf = self._buf
+        have = len(buf) - self._pos
+        chunks = [buf[self._pos :]] if have else []
+        recv = self._sock.recv
+        while have < need:
+            try:
+                data = recv(max(_CHUNK, need - have))
+            except TimeoutError:  # only during the dial, the one time a socket timeout is set
+                raise CallTimeout("dial did not complete in time") from None
+            except (OSError, ValueError, AttributeError) as exc:
+                # AttributeError/ValueError: the socket was torn down under the reader.
+                raise WorkerDisconnected("connection to the Orbit server lost") from exc
+            if not data:
+                raise WorkerDisconnected("connection to the Orbit server lost")
+            self.last_rx = time.monotonic()
+            chunks.append(data)
+            have += len(data)
+        self._buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._pos = 0
+
+    # ------------------------------------------------------------------ teardown
 
     def abort(self, close_code: int | None = None) -> None:
         """Tear down from any thread: a best-effort close frame, then ``shutdown(SHUT_RDWR)``.
@@ -309,51 +422,44 @@ class Transport:
         The close frame is sent only if no writer holds the lock and the socket can take it now;
         teardown must never block behind a stuck writer.
         """
-        if not self._enter_write():
-            return  # already closed
-        try:
-            if close_code is not None and self._ws.lock.acquire(blocking=False):
-                try:
-                    _, writable, _ = select.select([], [self._sock], [], 0)
-                    if writable:
-                        payload = struct.pack("!H", close_code)
-                        frame = _abnf.ABNF.create_frame(payload, _abnf.ABNF.OPCODE_CLOSE)
-                        self._sock.send(frame.format())
-                except (OSError, ValueError):
-                    pass
-                finally:
-                    self._ws.lock.release()
+        with self._state:
+            if self._closed:
+                return  # the descriptor may already belong to another socket
+            if close_code is not None:
+                self._try_close_frame(close_code)
             _shutdown(self._sock)
-        finally:
-            self._exit_write()
 
     def close(self) -> None:
         """Release the file descriptor, once the reader is done and no writer is left.
 
-        The shutdown first wakes every blocked writer (they fail at once), so the wait is short;
-        it is bounded all the same.
+        The shutdown first wakes every blocked writer (they fail at once), so the wait for the
+        write lock is short; it is bounded all the same.
         """
-        _shutdown(self._sock)
-        with self._io:
-            self._closed = True
-            self._io.wait_for(lambda: self._writers == 0, timeout=_CLOSE_WAIT)
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        with self._state:
+            closed = self._closed
+            if not closed:
+                _shutdown(self._sock)
+        if closed:
+            return
+        held = self._write_lock.acquire(timeout=_CLOSE_WAIT)
+        try:
+            with self._state:
+                if self._closed:
+                    return
+                self._closed = True
+                with contextlib.suppress(OSError):
+                    self._sock.close()
+        finally:
+            if held:
+                self._write_lock.release()
         self._ws.sock = None
         self._ws.connected = False
 
 
-def _new_websocket(transport_ref: list[Transport]) -> Any:
+def _new_websocket() -> Any:
     check_internals()
-    ws = websocket.WebSocket(enable_multithread=True, skip_utf8_validation=True)
-    if not isinstance(getattr(ws, "frame_buffer", None), _abnf.frame_buffer):
-        raise RuntimeError("websocket-client internals changed (WebSocket.frame_buffer)")
-
-    def recv(bufsize: int) -> bytes:
-        return transport_ref[0]._counting_recv(bufsize)
-
-    ws.frame_buffer = _LimitedFrameBuffer(recv, MAX_FRAME_BYTES)
-    return ws
+    # Its frame machinery is never used: only connect() (the upgrade) and the answer's headers.
+    return websocket.WebSocket(skip_utf8_validation=True)
 
 
 def connect(
@@ -373,16 +479,13 @@ def connect(
     CallTimeout (deadline).
     """
     sock = _open_tcp(host, port, guard)
-    transport: Transport | None = None
     try:
         if ssl_context is not None:
             sock = _wrap_tls(sock, host, ssl_context, guard)
-        ref: list[Transport] = []
-        ws = _new_websocket(ref)
-        transport = Transport(ws, sock)
-        ref.append(transport)
+        ws = _new_websocket()
         sock.settimeout(guard.remaining())
         _upgrade(ws, url, headers, subprotocol, sock, guard)
+        transport = Transport(ws, sock)
         if transport.subprotocol_header != subprotocol:
             raise WorkerProtocolError(f"the server did not select subprotocol {subprotocol}")
         return transport

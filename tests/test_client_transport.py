@@ -1,4 +1,4 @@
-"""The websocket-client hooks: pinned internals, and the 512 KiB limit enforced from the header."""
+"""The transport's pinned dial behaviour, and the 512 KiB limit enforced from the header."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from _scripted import (
     frame,
     open_pair,
 )
-from websocket import _abnf
 
 from orbit_sync import _transport
 from orbit_sync._json import MAX_FRAME_BYTES
@@ -36,33 +35,37 @@ def test_websocket_client_version_is_in_the_pinned_range() -> None:
     assert low <= installed < high, f"websocket-client {websocket.__version__} is not pinned"
 
 
-def test_frame_buffer_internals_are_where_the_hook_expects_them() -> None:
-    """frame_buffer reads header, then length, then the payload; WebSocket reads through it."""
+def test_upgrade_answer_is_read_line_by_line() -> None:
+    """websocket-client reads the 101 answer a byte at a time: the first frame stays ours."""
     _transport.check_internals()
-    ws = websocket.WebSocket()
-    assert isinstance(ws.frame_buffer, _abnf.frame_buffer)
-    source = inspect.getsource(_abnf.frame_buffer.recv_frame)
-    # The limit check lives in recv_length: it must run before the payload is read.
-    assert source.index("self.recv_length()") < source.index("self.recv_strict(length)")
-    assert "self.frame_buffer.recv_frame()" in inspect.getsource(websocket.WebSocket.recv_frame)
-    header_layout = inspect.getsource(_abnf.frame_buffer.recv_header)
-    assert "(fin, rsv1, rsv2, rsv3, opcode, has_mask, length_bits)" in header_layout
+    from websocket import _handshake, _http, _socket
+
+    assert "recv(sock, 1)" in inspect.getsource(_socket.recv_line)
+    assert "recv_line(sock)" in inspect.getsource(_http.read_headers)
+    assert "read_headers(" in inspect.getsource(_handshake._get_resp_headers)
 
 
-def test_hook_rejects_a_huge_header_without_reading_its_payload() -> None:
-    """A header announcing 48 MiB is refused after the header: the next bytes stay unread."""
+def test_check_internals_fails_closed_without_the_dial_api(monkeypatch: Any) -> None:
+    """A websocket-client without the API the dial uses is refused before any dial."""
+    monkeypatch.delattr(websocket.WebSocket, "getheaders")
+    with pytest.raises(RuntimeError, match="websocket-client API changed"):
+        _transport.check_internals()
+
+
+def _socket_transport(sock: socket.socket) -> _transport.Transport:
+    """A Transport over one end of a socket pair, as if its upgrade had just completed."""
+    return _transport.Transport(websocket.WebSocket(), sock)
+
+
+def test_huge_header_is_refused_without_waiting_for_its_payload() -> None:
+    """A header announcing 48 MiB is refused from the header: its payload is never waited for."""
     left, right = socket.socketpair()
     try:
-        ref: list[_transport.Transport] = []
-        ws = _transport._new_websocket(ref)
-        ws.sock = right
-        ws.connected = True
-        ref.append(_transport.Transport(ws, right))
+        right.settimeout(WAIT)  # a reader that waited for the payload would time out instead
+        transport = _socket_transport(right)
         left.sendall(struct.pack("!BBQ", 0x80 | TEXT, 127, 48 << 20) + b"0123456789")
-        with pytest.raises(_transport.FrameRejected):
-            ref[0].recv_message()
-        right.settimeout(WAIT)
-        assert right.recv(100) == b"0123456789"
+        with pytest.raises(_transport.FrameRejected, match="over the 524288-byte limit"):
+            transport.recv_message()
     finally:
         left.close()
         right.close()
