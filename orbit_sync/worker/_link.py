@@ -102,22 +102,37 @@ class Gate:
     def __init__(self, slots: int) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._free = slots
+        #: Threads blocked in acquire(): release() notifies only when there are some.
+        self._waiting = 0
         self._closed = False
 
     def acquire(self) -> None:
         """Take a slot, waiting for one; raise :class:`GaveUp` once closed."""
         with self._cond:
             while not self._closed and self._free <= 0:
-                self._cond.wait()
+                self._waiting += 1
+                try:
+                    self._cond.wait()
+                finally:
+                    self._waiting -= 1
             if self._closed:
                 raise GaveUp("worker stopped")
             self._free -= 1
 
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free, without waiting; False when none is (or once closed)."""
+        with self._cond:
+            if self._closed or self._free <= 0:
+                return False
+            self._free -= 1
+            return True
+
     def release(self) -> None:
-        """Give a slot back, waking one waiter."""
+        """Give a slot back, waking one waiter if there is one."""
         with self._cond:
             self._free += 1
-            self._cond.notify()
+            if self._waiting:
+                self._cond.notify()
 
     def close(self) -> None:
         """Wake every waiter: they give up."""

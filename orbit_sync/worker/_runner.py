@@ -9,8 +9,11 @@ Threads (all daemons, so the process can always exit):
   (``on_assignment``), which only records it and queues it for the pool, so a burst of up to
   ``capacity`` assignments never overflows the connection's 8-slot queue (PROTOCOL §10).
 - ``orbit-handler-N`` (``capacity`` of them): per assignment ``start`` → handler (only if the
-  lease allows) → ``finish``. A request whose answer was lost is re-sent with its original
-  ``message_id`` once a newer connection is reconciled (:mod:`._link`).
+  lease allows) → ``finish``. Start and finish are pipelined: a handler thread sends one and
+  goes back to the pool, and its answer (on the reader thread) queues the next step, so no
+  thread waits for an answer. An error answer or a lost connection continues on the blocking
+  path: the request is re-sent with its original ``message_id`` once a newer connection is
+  reconciled (:mod:`._link`).
 - ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`).
 - ``orbit-worker-supervisor``: waits for a stop request, then drains and shuts down in bounded
   phases (drain → cancel → abandon → flush → close).
@@ -49,7 +52,9 @@ from ..models import (
     CancelNotice,
     Capability,
     CapacityReport,
+    CommandResult,
     Disposition,
+    Finish,
     Lease,
     Outcome,
     Registration,
@@ -1052,50 +1057,156 @@ class Worker:
             self._hooks.emit("attempt_received", _event(att))
         self._pool.submit(lambda: self._run_attempt(att))
 
+    # ------------------------------------------------------------------ attempts
+    #
+    # An attempt is start -> handler -> finish. The fast path pipelines both requests: a pool
+    # thread sends one (``submit``) and goes back to the pool; the answer's callback, on the
+    # connection's reader thread, moves the attempt on (queues its handler, or settles it). No
+    # thread waits for an answer. Anything but a clean answer (an error answer, a lost
+    # connection, no free request slot, no connection) continues on the blocking path on a pool
+    # thread, which waits for a newer connection and re-sends with the same message_id.
+    #
+    # Each step below returns True when it handed the attempt on to a request's answer, False
+    # when the worker is done with it (then :meth:`_release` settles it).
+
     def _run_attempt(self, att: _Attempt) -> None:
+        """The pool job of a new assignment: send its start."""
+        self._step(att, partial(self._send_start, att))
+
+    def _step(self, att: _Attempt, body: Callable[[], bool]) -> None:
+        """Run one step of *att* on this (pool) thread; release the attempt unless it was handed
+        on."""
+        handed_on = False
         try:
-            self._attempt_body(att)
+            handed_on = body()
         except Exception:  # a bug here must not lose the slot silently
             att.ctx._log.exception("worker error while running the attempt")
         finally:
-            with att.lock:
-                abandoned_ = att.abandoned
-                att.handler_done = True
-            if not abandoned_:
-                self._settle(att)
-            else:
-                self._notify()  # shutdown counts the abandoned handlers still running
+            if not handed_on:
+                self._release(att)
 
-    def _attempt_body(self, att: _Attempt) -> None:
+    def _handoff(self, att: _Attempt, body: Callable[[], bool]) -> None:
+        """From an answer's callback: run the next step of *att* on a pool thread."""
+        job = partial(self._step, att, body)
+        try:
+            self._pool.submit(job)
+        except RuntimeError:  # a late answer after the pool shut down: a thread of its own
+            threading.Thread(target=job, name="orbit-finish", daemon=True).start()
+
+    def _release(self, att: _Attempt) -> None:
+        """The worker is done with *att*: settle it, unless shutdown abandoned it (then it is
+        settled by its UNKNOWN finish and only counted here as no longer running)."""
+        with att.lock:
+            abandoned_ = att.abandoned
+            att.handler_done = True
+        if not abandoned_:
+            self._settle(att)
+        else:
+            self._notify()  # shutdown counts the abandoned handlers still running
+
+    def _submit(
+        self,
+        request_type: str,
+        body: Any,
+        message_id: str,
+        on_answer: Callable[[Any, OrbitError | None, int], None],
+    ) -> bool:
+        """Send a start or finish without waiting for its answer. True: it was sent, and
+        ``on_answer(value, error, generation)`` will be called once, on the reader thread (or
+        the thread that ends the connection). False: nothing was sent (no connection, or the
+        worker stopped: the blocking path waits for a connection or gives up).
+
+        Waits for a free request slot (the handlers' share of max_in_flight): answers free
+        them, and the connection's end answers them all."""
+        gate = self._link.gate
+        if not gate.try_acquire():
+            try:
+                gate.acquire()
+            except GaveUp:
+                return False
+        current = self._link.current()
+        if current is None:
+            gate.release()
+            return False
+        conn, gen = current
+
+        def done(value: Any, error: OrbitError | None) -> None:
+            gate.release()
+            on_answer(value, error, gen)
+
+        try:
+            conn.submit(request_type, body, done, message_id=message_id, timeout=self._call_timeout)
+        except OrbitError:  # nothing was sent: the connection ended, or it is busy
+            gate.release()
+            return False
+        except BaseException:
+            gate.release()
+            raise
+        return True
+
+    def _send_start(self, att: _Attempt) -> bool:
+        on_answer = partial(self._start_answered, att)
+        if self._submit("task.start", att.ref, att.start_id, on_answer):
+            return True
+        return self._start_blocking(att, None)
+
+    def _start_answered(
+        self, att: _Attempt, result: Any, error: OrbitError | None, gen: int
+    ) -> None:
+        # On the reader thread: it must never block or make a request.
+        try:
+            if error is not None:
+                self._handoff(att, partial(self._start_blocking, att, (error, gen)))
+                return
+            may_run = self._admit(att, result)
+            self._handoff(att, partial(self._after_start, att, result, may_run))
+        except Exception:
+            att.ctx._log.exception("worker error while starting the attempt")
+            self._release(att)
+
+    def _start_blocking(self, att: _Attempt, failed: tuple[OrbitError, int] | None) -> bool:
+        """Send (or, after *failed*, re-send) the start until it is answered, then go on."""
         ctx = att.ctx
         try:
             result = self._call(
-                lambda c: c.start(att.ref, message_id=att.start_id, timeout=self._call_timeout)
+                lambda c: c.start(att.ref, message_id=att.start_id, timeout=self._call_timeout),
+                failed=failed,
             )
         except GaveUp:
             ctx._log.warning("not started: the worker stopped before start was answered")
-            return
+            return False
         except OrbitError as exc:
             ctx._log.warning("start refused (%s); handler not run", getattr(exc, "code", exc))
-            return
+            return False
+        return self._after_start(att, result, self._admit(att, result))
+
+    def _admit(self, att: _Attempt, result: CommandResult) -> bool:
+        """Decide from the start's answer whether the handler may run; if so, the attempt is
+        running and its lease renewed from now on. Never blocks (runs on the reader thread)."""
+        ctx = att.ctx
         lease = result.lease
         if lease.cancel_requested:
             ctx._cancel("cancel_requested")
-        receipt = result.receipt
-        started = (
-            receipt.disposition is Disposition.APPLIED
-            and receipt.attempt_state is AttemptState.RUNNING
-        )
         with att.lock:
             may_run = lease.may_run(self._clock) and not ctx.cancelled.is_set()
             if may_run and lease.deadline is not None:
                 att.phase = _Phase.RUNNING
                 self._watchdog.track(att.id, ctx, lease.deadline)
         self._notify()
+        return may_run
+
+    def _after_start(self, att: _Attempt, result: CommandResult, may_run: bool) -> bool:
+        """Run the handler (if *may_run*), then send its finish."""
+        ctx = att.ctx
         if not may_run:
+            lease, receipt = result.lease, result.receipt
+            started = (
+                receipt.disposition is Disposition.APPLIED
+                and receipt.attempt_state is AttemptState.RUNNING
+            )
             if not started:
                 ctx._log.info("not started (lease %s, active=%s)", lease.state, lease.active)
-                return
+                return False
             reason = ctx.cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
             verdict = not_run(cancel_requested=ctx.cancel_requested, reason=reason)
             ctx._log.info("started but not run (%s): finishing %s", reason, verdict.outcome)
@@ -1110,10 +1221,10 @@ class Worker:
                 ctx._log.warning(
                     "handler returned after shutdown finished it UNKNOWN; its result is dropped"
                 )
-                return
+                return False
             att.phase = _Phase.FINISHING
         self._notify()
-        self._finish(att, verdict)
+        return self._send_finish(att, verdict)
 
     def _execute(self, att: _Attempt) -> Verdict:
         ctx = att.ctx
@@ -1157,21 +1268,89 @@ class Worker:
             ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
         return verdict
 
-    def _finish(self, att: _Attempt, verdict: Verdict) -> None:
-        delivered = self._deliver(att, verdict)
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, delivered))
+    def _send_finish(self, att: _Attempt, verdict: Verdict) -> bool:
+        finish, message_id = self._prepare_finish(att, verdict)
+        on_answer = partial(self._finish_answered, att, verdict, finish, message_id)
+        if self._submit("task.finish", finish, message_id, on_answer):
+            return True
+        return self._finish_blocking(att, verdict, finish, message_id, None)
 
-    def _deliver(self, att: _Attempt, verdict: Verdict) -> bool:
-        """Send *verdict*'s finish until it is answered; True when the server accepted it."""
+    def _finish_answered(
+        self,
+        att: _Attempt,
+        verdict: Verdict,
+        finish: Finish,
+        message_id: str,
+        result: Any,
+        error: OrbitError | None,
+        gen: int,
+    ) -> None:
+        # On the reader thread: it must never block or make a request, nor run user code.
+        try:
+            if error is not None:
+                failed = (error, gen)
+                self._handoff(
+                    att,
+                    partial(self._finish_blocking, att, verdict, finish, message_id, failed),
+                )
+            elif self._outbox is not None or self._hooks:
+                # An SQLite write and the listeners (user code) run on a pool thread.
+                self._handoff(att, partial(self._finish_accepted, att, verdict, result))
+            else:
+                self._accepted(att, verdict, result)
+                self._release(att)
+        except Exception:
+            att.ctx._log.exception("worker error while finishing the attempt")
+            self._release(att)
+
+    def _finish(self, att: _Attempt, verdict: Verdict) -> None:
+        """Send *verdict*'s finish until it is answered or the worker stops (blocking)."""
+        finish, message_id = self._prepare_finish(att, verdict)
+        self._finish_blocking(att, verdict, finish, message_id, None)
+
+    def _prepare_finish(self, att: _Attempt, verdict: Verdict) -> tuple[Finish, str]:
+        """The finish and its message_id, committed to the outbox before it is sent."""
         finish = verdict.finish(att.ref)
         message_id = new_message_id()
         self._outbox_write(
             att, lambda o: o.record_finish(self._instance_id, att.task.handler, finish, message_id)
         )
+        return finish, message_id
+
+    def _finish_blocking(
+        self,
+        att: _Attempt,
+        verdict: Verdict,
+        finish: Finish,
+        message_id: str,
+        failed: tuple[OrbitError, int] | None,
+    ) -> bool:
+        """Send (or, after *failed*, re-send) the finish until it is answered; tell the
+        listeners. False: the worker is done with the attempt."""
+        delivered = self._deliver(att, verdict, finish, message_id, failed)
+        if self._hooks:
+            self._hooks.emit("attempt_finished", _finished(att, verdict, delivered))
+        return False
+
+    def _finish_accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> bool:
+        self._accepted(att, verdict, result)
+        if self._hooks:
+            self._hooks.emit("attempt_finished", _finished(att, verdict, True))
+        return False
+
+    def _deliver(
+        self,
+        att: _Attempt,
+        verdict: Verdict,
+        finish: Finish,
+        message_id: str,
+        failed: tuple[OrbitError, int] | None,
+    ) -> bool:
+        """Send the finish until it is answered; True when the server accepted it."""
         try:
             result = self._call(
-                lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout)
+                lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout),
+                failed=failed,
             )
         except GaveUp:
             with self._cond:
@@ -1188,6 +1367,11 @@ class Worker:
             att.ctx._log.error("finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc))
             self._outbox_write(att, lambda o: o.done(att.id))
             return False
+        self._accepted(att, verdict, result)
+        return True
+
+    def _accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> None:
+        """The server accepted the finish: close its outbox entry, count and log it."""
         self._outbox_write(att, lambda o: o.done(att.id))
         evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
         with self._cond:
@@ -1202,7 +1386,6 @@ class Worker:
             " (kept as evidence only)" if evidence else "",
             " (deduplicated)" if result.deduplicated else "",
         )
-        return True
 
     # ------------------------------------------------------------------ durable outbox
 
@@ -1254,31 +1437,43 @@ class Worker:
             att.phase = _Phase.SETTLED
         with self._cond:
             self._attempts.pop(att.id, None)
-            self._cond.notify_all()
+            if self._stop_requested:
+                self._cond.notify_all()
 
     def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+        # Only the supervisor waits on the condition for attempts to change, and only once a
+        # stop was requested: waking it on every phase change of every task is wasted work.
+        if self._stop_requested:
+            with self._cond:
+                self._cond.notify_all()
 
-    def _call(self, fn: Callable[[Connection], T]) -> T:
+    def _call(
+        self, fn: Callable[[Connection], T], *, failed: tuple[OrbitError, int] | None = None
+    ) -> T:
         """Send one operation until it is answered, re-sending it (same ``message_id``, bound
-        in *fn*) on each newer connection after a connection failure."""
+        in *fn*) on each newer connection after a connection failure. *failed*: the error its
+        earlier, pipelined sending got, and on which connection: handled first, as if this
+        loop had sent it."""
         newer_than = 0
         while True:
-            conn, gen = self._link.wait(newer_than=newer_than)
-            try:
-                return self._gated(partial(fn, conn))
-            except OrbitError as exc:
-                if is_link_failure(exc):
-                    newer_than = gen
-                    self._link.broken(gen)
-                    continue
-                if is_transient(exc):
-                    self._link.pause(
-                        _BUSY_DELAY if isinstance(exc, WorkerBusy) else self._retry_delay
-                    )
-                    continue
-                raise
+            if failed is None:
+                conn, gen = self._link.wait(newer_than=newer_than)
+                try:
+                    return self._gated(partial(fn, conn))
+                except OrbitError as exc:
+                    error = exc
+            else:
+                (error, gen), failed = failed, None
+            if is_link_failure(error):
+                newer_than = gen
+                self._link.broken(gen)
+                continue
+            if is_transient(error):
+                self._link.pause(
+                    _BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay
+                )
+                continue
+            raise error
 
     def _gated(self, fn: Callable[[], T]) -> T:
         """Run one handler-side request (start/finish) within the handlers' share of the
