@@ -12,7 +12,6 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import functools
-import re
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -20,7 +19,7 @@ import attrs
 import cattrs
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
-from . import _json
+from . import _bodies, _json
 from .errors import FrameError, WorkerError, WorkerProtocolError
 from .models import (
     CODE_RE,
@@ -76,34 +75,12 @@ _OPTIONAL_ON_WIRE = {
 
 # --------------------------------------------------------------------------- times and counters
 
-_TIME_RE = re.compile(
-    r"([0-9]{4})-([0-9]{2})-([0-9]{2})T([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]{1,9}))?Z"
-)
-
 
 def parse_time(value: Any) -> _dt.datetime:
     """RFC 3339 in UTC with ``Z``; at most 9 fraction digits (kept to the microsecond)."""
     if type(value) is not str:
         raise TypeError("time must be an RFC 3339 string")
-    return _parse_time(value)[0]
-
-
-@functools.lru_cache(maxsize=512)
-def _parse_time(value: str) -> tuple[_dt.datetime, int]:
-    # Cached: a frame repeats its times (receipt and lease) and every window check reads both
-    # ends again to the nanosecond. Returns the datetime and the nanoseconds below its microsecond.
-    m = _TIME_RE.fullmatch(value)
-    if not m:
-        raise ValueError("time must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
-    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
-    digits = (m.group(7) or "").ljust(9, "0")
-    try:
-        moment = _dt.datetime(
-            year, month, day, hour, minute, second, int(digits[:6]), tzinfo=_dt.timezone.utc
-        )
-    except ValueError:
-        raise ValueError("time is not a real date and time") from None
-    return moment, int(digits[6:])
+    return _bodies.parse_time_ns(value)[0]
 
 
 def format_time(value: _dt.datetime) -> str:
@@ -134,7 +111,7 @@ def time_ns(value: Any) -> int:
 
 @functools.lru_cache(maxsize=512)
 def _time_ns(value: str) -> int:
-    whole, sub_micro = _parse_time(value)
+    whole, sub_micro = _bodies.parse_time_ns(value)
     return (whole - _EPOCH) // _MICROSECOND * 1000 + sub_micro
 
 
@@ -432,8 +409,11 @@ def _bad(reason: str) -> WorkerProtocolError:
     return WorkerProtocolError(f"invalid server frame: {reason}")
 
 
+_id_match = ID_RE.fullmatch
+
+
 def _is_id(value: Any) -> bool:
-    return type(value) is str and ID_RE.fullmatch(value) is not None
+    return type(value) is str and _id_match(value) is not None
 
 
 def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
@@ -443,12 +423,12 @@ def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
         raise _bad(str(exc)) from None
     if type(frame) is not dict:
         raise _bad("not a JSON object")
-    extra = frame.keys() - _SERVER_ENVELOPE
-    if extra:
+    if not _SERVER_ENVELOPE.issuperset(frame):  # no set built per frame
         raise _bad("unknown envelope field")
     if frame.get("protocol_version") != PROTOCOL_VERSION:
         raise _bad("protocol_version must be '1'")
-    if type(frame.get("type")) is not str or frame["type"] not in SERVER_TYPES:
+    kind = frame.get("type")
+    if type(kind) is not str or kind not in SERVER_TYPES:
         raise _bad("unknown frame type")
     if not _is_id(frame.get("message_id")):
         raise _bad("message_id must be 32 lowercase hex")
@@ -481,8 +461,18 @@ def _worker_error(frame: dict[str, Any]) -> WorkerError:
 
 
 def _body(frame: dict[str, Any], cls: type[T]) -> T:
+    body = frame["body"]
     try:
-        return structure(SERVER_BODY, frame["body"], cls)
+        # The hot path: every field checked once, the model built without re-validating.
+        decoded: T = _bodies.SERVER_DECODERS[cls](body)
+        return decoded
+    except Exception:  # any fault at all: the reference converter names it below
+        pass
+    # A rejected body (rare): the converter is the reference for what is wrong and where, so
+    # error messages and paths are those it always gave. Should it accept what the fast path
+    # refused, its model is used (tests/test_wire_bodies.py makes sure that never happens).
+    try:
+        return structure(SERVER_BODY, body, cls)
     except FrameError as exc:
         raise _bad(str(exc)) from None
 

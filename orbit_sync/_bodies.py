@@ -1,0 +1,321 @@
+"""Server → client bodies decoded by hand: each field is checked once, while it is read.
+
+The strict cattrs converter in :mod:`orbit_sync._codec` structures a body and then the model's
+constructor validates the same values again. Here every field gets exactly the checks the pair
+of them applies (exact JSON types, canonical counters, RFC 3339 times, the id/secret/handler
+patterns, the window and state rules of the constructors), and the model is built by a trusted
+constructor that sets its slots without re-running validators or converters.
+
+A decoder either returns the same model the converter would, or raises :class:`Rejected` (or
+whatever a check raises on the way): it never names the fault. The codec then asks the
+converter, which is the reference for every error message, so messages and paths stay as they
+were. ``tests/test_wire_bodies.py`` compares both paths on the shared vectors and on mutated
+bodies.
+
+Trusted construction is per call (nothing process-wide is switched off), so models built from
+user input in other threads keep validating.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import functools
+import re
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+
+from .models import (
+    DECIMAL_RE,
+    HANDLER_RE,
+    ID_RE,
+    MAX_LEASE_WINDOW,
+    MAX_SESSION_WINDOW,
+    SECRET_RE,
+    Assignment,
+    AttemptState,
+    CancelNotice,
+    CommandResult,
+    Disposition,
+    Lease,
+    Operation,
+    Receipt,
+    Task,
+    TaskState,
+    Welcome,
+)
+
+T = TypeVar("T")
+
+
+class Rejected(ValueError):
+    """A body the fast path does not accept; the reference converter says why."""
+
+
+_REJECTED = Rejected()
+_UTC = _dt.timezone.utc
+_NS = 1_000_000_000
+_US = _dt.timedelta(microseconds=1)
+
+
+def trusted_constructor(cls: type[T]) -> Callable[..., T]:
+    """A function building *cls* from every attrs field, positionally, without running its
+    ``__init__`` (validators, converters, ``__attrs_post_init__``).
+
+    Only for values already checked as strictly as the constructor would: the decoders below.
+    Generated once per class (as attrs generates ``__init__``), so a model costs one allocation
+    and one slot store per field.
+    """
+    names = [a.name for a in attrs.fields(cls)]  # type: ignore[arg-type]
+    args = ", ".join(names)
+    stores = "".join(f"    _set(self, {name!r}, {name})\n" for name in names)
+    source = f"def build({args}):\n    self = _new(_cls)\n{stores}    return self\n"
+    namespace: dict[str, Any] = {"_new": object.__new__, "_set": object.__setattr__, "_cls": cls}
+    exec(compile(source, f"<trusted constructor {cls.__qualname__}>", "exec"), namespace)
+    build: Callable[..., T] = namespace["build"]
+    return build
+
+
+_new_receipt = trusted_constructor(Receipt)
+_new_lease = trusted_constructor(Lease)
+_new_command_result = trusted_constructor(CommandResult)
+_new_welcome = trusted_constructor(Welcome)
+_new_task = trusted_constructor(Task)
+_new_assignment = trusted_constructor(Assignment)
+_new_cancel_notice = trusted_constructor(CancelNotice)
+
+# --------------------------------------------------------------------------- scalars
+
+_id_match = ID_RE.fullmatch
+_secret_match = SECRET_RE.fullmatch
+_handler_match = HANDLER_RE.fullmatch
+_decimal_match = DECIMAL_RE.fullmatch
+_time_match = re.compile(
+    r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?Z"
+).fullmatch
+
+
+def _id(value: Any) -> str:
+    if type(value) is not str or _id_match(value) is None:
+        raise _REJECTED
+    return value
+
+
+def _counter(value: Any) -> int:
+    """A counter >= 1: a canonical decimal string other than ``"0"``."""
+    if type(value) is not str or _decimal_match(value) is None or value == "0":
+        raise _REJECTED
+    return int(value)
+
+
+def _version(value: Any) -> str:
+    if type(value) is not str or _decimal_match(value) is None or value == "0":
+        raise _REJECTED
+    return value
+
+
+def _bool(value: Any) -> bool:
+    if type(value) is not bool:
+        raise _REJECTED
+    return value
+
+
+# Enum members by wire value: a dict lookup, not Enum.__call__ (JSON keys are exact strs, so
+# only a str equal to a value can hit; an unhashable list/dict raises TypeError: rejected).
+_OPERATIONS = {m.value: m for m in Operation}
+_TASK_STATES = {m.value: m for m in TaskState}
+_ATTEMPT_STATES = {m.value: m for m in AttemptState}
+_DISPOSITIONS = {m.value: m for m in Disposition}
+
+
+def _member(table: dict[str, T], value: Any) -> T:
+    member = table.get(value)
+    if member is None:
+        raise _REJECTED
+    return member
+
+
+@functools.lru_cache(maxsize=512)
+def parse_time_ns(value: str) -> tuple[_dt.datetime, int]:
+    """A wire time as an aware UTC datetime (microseconds) and the nanoseconds below it.
+
+    The caller has checked ``type(value) is str``. Raises ValueError unless the text is RFC 3339
+    in UTC with ``Z`` and at most 9 fraction digits, and a real date and time. Cached: a frame
+    repeats its times (the receipt's and the lease's ``lease_until``).
+    """
+    if _time_match(value) is None:
+        raise ValueError("time must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
+    # The pattern fixed every position: slicing is exact (and faster than match groups).
+    digits = value[20:-1].ljust(9, "0") if len(value) > 20 else "000000000"
+    try:
+        moment = _dt.datetime(
+            int(value[0:4]),
+            int(value[5:7]),
+            int(value[8:10]),
+            int(value[11:13]),
+            int(value[14:16]),
+            int(value[17:19]),
+            int(digits[:6]),
+            _UTC,
+        )
+    except ValueError:
+        raise ValueError("time is not a real date and time") from None
+    return moment, int(digits[6:])
+
+
+def _time(value: Any) -> tuple[_dt.datetime, int]:
+    if type(value) is not str:
+        raise _REJECTED
+    return parse_time_ns(value)
+
+
+def _window(
+    start: tuple[_dt.datetime, int], end: tuple[_dt.datetime, int], limit_s: int
+) -> _dt.datetime:
+    """Check ``end - start`` in (0, limit] on the wire's nanoseconds; return the end to keep.
+
+    A valid window under one microsecond is rounded up to one (as the converter path does), so
+    the model's microsecond times keep it positive.
+    """
+    delta = end[0] - start[0]
+    window = ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000 + (
+        end[1] - start[1]
+    )
+    if not 0 < window <= limit_s * _NS:
+        raise _REJECTED
+    if end[0] <= start[0]:
+        return start[0] + _US
+    return end[0]
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _REJECTED
+    return value
+
+
+# --------------------------------------------------------------------------- bodies
+
+
+def receipt(value: Any) -> Receipt:
+    """A Receipt from its wire object."""
+    o = _object(value)
+    return _new_receipt(
+        _member(_OPERATIONS, o["operation"]),
+        _member(_TASK_STATES, o["task_state"]),
+        _member(_ATTEMPT_STATES, o["attempt_state"]),
+        _counter(o["task_revision"]),
+        _time(o["lease_until"])[0],
+        _member(_DISPOSITIONS, o["disposition"]),
+    )
+
+
+_RUNNABLE = (AttemptState.LEASED, AttemptState.RUNNING)
+
+
+def lease(value: Any) -> Lease:
+    """A Lease (no local deadline yet) from its wire object."""
+    o = _object(value)
+    active = _bool(o["active"])
+    state = _member(_ATTEMPT_STATES, o["state"])
+    until = _time(o["lease_until"])
+    now = _time(o["server_time"])
+    cancel = _time(o["cancel_requested_at"])[0] if "cancel_requested_at" in o else None
+    lease_until = until[0]
+    if active:
+        if state not in _RUNNABLE:
+            raise _REJECTED
+        lease_until = _window(now, until, MAX_LEASE_WINDOW)
+    return _new_lease(active, state, lease_until, now[0], cancel, None)
+
+
+def command_result(value: Any) -> CommandResult:
+    """The ack body of start/renew/finish."""
+    o = _object(value)
+    return _new_command_result(receipt(o["receipt"]), lease(o["lease"]), _bool(o["deduplicated"]))
+
+
+def welcome(value: Any) -> Welcome:
+    """A Welcome (the answer to hello and to capacity)."""
+    o = _object(value)
+    now = _time(o["server_time"])
+    expires_at = _window(now, _time(o["expires_at"]), MAX_SESSION_WINDOW)
+    lease_ms = o["lease_duration_ms"]
+    if type(lease_ms) is not int or not 1_000 <= lease_ms <= 120_000:
+        raise _REJECTED
+    return _new_welcome(
+        _id(o["session_id"]),
+        _counter(o["epoch"]),
+        now[0],
+        expires_at,
+        lease_ms,
+        _bool(o["draining"]),
+    )
+
+
+def task(value: Any) -> Task:
+    """A Task as an assignment describes it."""
+    o = _object(value)
+    handler = o["handler"]
+    if type(handler) is not str or _handler_match(handler) is None:
+        raise _REJECTED
+    payload = o["payload"]
+    if payload is None:
+        raise _REJECTED
+    attempt = _counter(o["attempt"])
+    max_attempts = _counter(o["max_attempts"])
+    if attempt > max_attempts:
+        raise _REJECTED
+    return _new_task(
+        _id(o["task_id"]),
+        _id(o["queue_id"]),
+        _id(o["namespace_id"]),
+        handler,
+        _version(o["handler_version"]),
+        _version(o["payload_version"]),
+        payload,
+        _member(_TASK_STATES, o["state"]),
+        _counter(o["revision"]),
+        attempt,
+        max_attempts,
+    )
+
+
+def assignment(value: Any) -> Assignment:
+    """A ``task.assign`` body."""
+    o = _object(value)
+    secret = o["lease_secret"]
+    if type(secret) is not str or _secret_match(secret) is None:
+        raise _REJECTED
+    return _new_assignment(
+        task(o["task"]),
+        _id(o["attempt_id"]),
+        _counter(o["epoch"]),
+        secret,
+        _time(o["lease_until"])[0],
+        _time(o["server_time"])[0],
+    )
+
+
+def cancel_notice(value: Any) -> CancelNotice:
+    """A ``task.cancel`` body."""
+    o = _object(value)
+    return _new_cancel_notice(
+        _id(o["task_id"]),
+        _id(o["attempt_id"]),
+        _counter(o["epoch"]),
+        _time(o["cancel_requested_at"])[0],
+    )
+
+
+#: The decoder of each server → client body model.
+SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
+    Receipt: receipt,
+    Lease: lease,
+    CommandResult: command_result,
+    Welcome: welcome,
+    Task: task,
+    Assignment: assignment,
+    CancelNotice: cancel_notice,
+}
