@@ -34,13 +34,18 @@ from .models import (
     MAX_SESSION_WINDOW,
     SECRET_RE,
     Assignment,
+    AttemptRef,
     AttemptState,
     CancelNotice,
+    Capability,
+    CapacityReport,
     CommandResult,
     Disposition,
+    Finish,
     Lease,
     Operation,
     Receipt,
+    Registration,
     Task,
     TaskState,
     Welcome,
@@ -318,4 +323,161 @@ SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
     Task: task,
     Assignment: assignment,
     CancelNotice: cancel_notice,
+}
+
+
+# --------------------------------------------------------------------------- encoding
+# The wire form of each model, written out: the same dicts the converter's generated
+# unstructure functions give (same keys, same order, optionals omitted alike), without its
+# per-call dispatch. tests/test_wire_bodies.py compares both for every model.
+
+
+def format_time(value: _dt.datetime) -> str:
+    """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
+    value = value.astimezone(_UTC)
+    # strftime's %Y does not zero-pad years before 1000 on glibc; RFC 3339 needs four digits.
+    text = (
+        f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
+        f"T{value.hour:02d}:{value.minute:02d}:{value.second:02d}"
+    )
+    if value.microsecond:
+        text += "." + f"{value.microsecond:06d}".rstrip("0")
+    return text + "Z"
+
+
+def _capability_wire(c: Capability) -> dict[str, Any]:
+    return {
+        "handler": c.handler,
+        "handler_version": c.handler_version,
+        "payload_version": c.payload_version,
+    }
+
+
+def _registration_wire(r: Registration) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "queue_id": r.queue_id,
+        "capabilities": [_capability_wire(c) for c in r.capabilities],
+        "capacity": r.capacity,
+        "instance_id": r.instance_id,
+        "instance_secret": r.instance_secret,
+    }
+    if r.cancellation_notifications:
+        out["cancellation_notifications"] = True
+    return out
+
+
+def _capacity_wire(c: CapacityReport) -> dict[str, Any]:
+    return {"sequence": str(c.sequence), "capacity": c.capacity, "drain": c.drain}
+
+
+def _ref_wire(r: AttemptRef) -> dict[str, Any]:
+    return {
+        "task_id": r.task_id,
+        "attempt_id": r.attempt_id,
+        "epoch": str(r.epoch),
+        "lease_secret": r.lease_secret,
+    }
+
+
+def _task_wire(t: Task) -> dict[str, Any]:
+    return {
+        "task_id": t.task_id,
+        "queue_id": t.queue_id,
+        "namespace_id": t.namespace_id,
+        "handler": t.handler,
+        "handler_version": t.handler_version,
+        "payload_version": t.payload_version,
+        "payload": t.payload,
+        "state": t.state.value,
+        "revision": str(t.revision),
+        "attempt": str(t.attempt),
+        "max_attempts": str(t.max_attempts),
+    }
+
+
+def _assignment_wire(a: Assignment) -> dict[str, Any]:
+    return {
+        "task": _task_wire(a.task),
+        "attempt_id": a.attempt_id,
+        "epoch": str(a.epoch),
+        "lease_secret": a.lease_secret,
+        "lease_until": format_time(a.lease_until),
+        "server_time": format_time(a.server_time),
+    }
+
+
+def _lease_wire(x: Lease) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "active": x.active,
+        "state": x.state.value,
+        "lease_until": format_time(x.lease_until),
+        "server_time": format_time(x.server_time),
+    }
+    if x.cancel_requested_at is not None:
+        out["cancel_requested_at"] = format_time(x.cancel_requested_at)
+    return out
+
+
+def _receipt_wire(r: Receipt) -> dict[str, Any]:
+    return {
+        "operation": r.operation.value,
+        "task_state": r.task_state.value,
+        "attempt_state": r.attempt_state.value,
+        "task_revision": str(r.task_revision),
+        "lease_until": format_time(r.lease_until),
+        "disposition": r.disposition.value,
+    }
+
+
+def _command_result_wire(c: CommandResult) -> dict[str, Any]:
+    return {
+        "receipt": _receipt_wire(c.receipt),
+        "lease": _lease_wire(c.lease),
+        "deduplicated": c.deduplicated,
+    }
+
+
+def _finish_wire(f: Finish) -> dict[str, Any]:
+    out: dict[str, Any] = {"ref": _ref_wire(f.ref), "outcome": f.outcome.value, "result": f.result}
+    if f.error_code is not None:
+        out["error_code"] = f.error_code
+    if f.retryable is not None:
+        out["retryable"] = f.retryable
+    return out
+
+
+def _welcome_wire(w: Welcome) -> dict[str, Any]:
+    return {
+        "session_id": w.session_id,
+        "epoch": str(w.epoch),
+        "server_time": format_time(w.server_time),
+        "expires_at": format_time(w.expires_at),
+        "lease_duration_ms": w.lease_duration_ms,
+        "draining": w.draining,
+    }
+
+
+def _cancel_notice_wire(c: CancelNotice) -> dict[str, Any]:
+    return {
+        "task_id": c.task_id,
+        "attempt_id": c.attempt_id,
+        "epoch": str(c.epoch),
+        "cancel_requested_at": format_time(c.cancel_requested_at),
+    }
+
+
+#: The wire dict of each model, by exact type (a subclass goes through the converter).
+WIRE_FORMS: dict[type[Any], Callable[[Any], dict[str, Any]]] = {
+    Capability: _capability_wire,
+    Registration: _registration_wire,
+    CapacityReport: _capacity_wire,
+    AttemptRef: _ref_wire,
+    Task: _task_wire,
+    Assignment: _assignment_wire,
+    Lease: _lease_wire,
+    Receipt: _receipt_wire,
+    CommandResult: _command_result_wire,
+    Finish: _finish_wire,
+    Welcome: _welcome_wire,
+    CancelNotice: _cancel_notice_wire,
 }

@@ -20,6 +20,7 @@ import cattrs
 from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from . import _bodies, _json
+from ._bodies import format_time as format_time  # re-exported: the one formatter of wire times
 from .errors import FrameError, WorkerError, WorkerProtocolError
 from .models import (
     CODE_RE,
@@ -81,19 +82,6 @@ def parse_time(value: Any) -> _dt.datetime:
     if type(value) is not str:
         raise TypeError("time must be an RFC 3339 string")
     return _bodies.parse_time_ns(value)[0]
-
-
-def format_time(value: _dt.datetime) -> str:
-    """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
-    value = value.astimezone(_dt.timezone.utc)
-    # strftime's %Y does not zero-pad years before 1000 on glibc; RFC 3339 needs four digits.
-    text = (
-        f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
-        f"T{value.hour:02d}:{value.minute:02d}:{value.second:02d}"
-    )
-    if value.microsecond:
-        text += "." + f"{value.microsecond:06d}".rstrip("0")
-    return text + "Z"
 
 
 _EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
@@ -290,6 +278,9 @@ def structure(conv: cattrs.Converter, value: Any, cls: type[T]) -> T:
 
 def unstructure(model: Any) -> dict[str, Any]:
     """The wire form of a model (counters as strings, times as RFC 3339, optionals omitted)."""
+    wire_form = _bodies.WIRE_FORMS.get(type(model))
+    if wire_form is not None:
+        return wire_form(model)
     value: dict[str, Any] = SERVER_BODY.unstructure(model)
     return value
 
@@ -299,6 +290,12 @@ def unstructure(model: Any) -> dict[str, Any]:
 
 def check_result(result: Any) -> None:
     """Raise FrameError unless *result* is strict JSON, not null, at most 256 KiB serialized."""
+    result_json(result)
+
+
+def result_json(result: Any) -> tuple[str, int]:
+    """*result* serialized (and its size in UTF-8 bytes), once it is known to be strict JSON,
+    not null and at most 256 KiB; FrameError otherwise."""
     if result is None:
         raise FrameError("result must be JSON other than null")
     text = _json.dumps(result)
@@ -308,6 +305,7 @@ def check_result(result: Any) -> None:
     # Python serializes int keys as strings and very large ints as digits; a strict peer rejects
     # the duplicates and non-doubles that can produce, so check what will actually be sent.
     _json.loads(text, limit=_json.MAX_FRAME_BYTES)
+    return text, size
 
 
 def encode_frame(
@@ -350,9 +348,35 @@ def encode_request(type_: str, message_id: str, session_id: str | None, body: An
             f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
             f'"message_id":"{message_id}","session_id":"{session_id}","body":{_ref_json(body)}}}'
         )
+    if type(body) is Finish and session_id is not None:
+        return _finish_frame(type_, message_id, session_id, body)
     if isinstance(body, Finish):
         check_result(body.result)
     return encode_frame(type_, message_id, session_id=session_id, body=unstructure(body))
+
+
+def _finish_frame(type_: str, message_id: str, session_id: str, finish: Finish) -> str:
+    """The text encode_frame builds for a finish, with the result serialized once: checked as
+    strict JSON (that serialization is then sent as is) instead of serialized again in the frame.
+    """
+    result, result_size = result_json(finish.result)
+    # Every other part is validated ASCII (hex ids, the code pattern, enum values), so it needs
+    # no escaping and counts one byte a character.
+    head = (
+        f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
+        f'"message_id":"{message_id}","session_id":"{session_id}",'
+        f'"body":{{"ref":{_ref_json(finish.ref)},"outcome":"{finish.outcome.value}","result":'
+    )
+    tail = ""
+    if finish.error_code is not None:
+        tail += f',"error_code":"{finish.error_code}"'
+    if finish.retryable is not None:
+        tail += ',"retryable":true' if finish.retryable else ',"retryable":false'
+    tail += "}}"
+    size = len(head) + result_size + len(tail)
+    if size > _json.MAX_FRAME_BYTES:
+        raise FrameError(f"frame is {size} bytes, over the {_json.MAX_FRAME_BYTES}-byte limit")
+    return head + result + tail
 
 
 @functools.lru_cache(maxsize=1024)

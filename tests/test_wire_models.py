@@ -158,6 +158,52 @@ def test_round_trip(case: tuple[Any, bool]) -> None:
     assert _codec.structure(conv, wire, type(model)) == model
 
 
+ALL_MODELS = st.one_of(
+    registrations,
+    capacity_reports,
+    attempt_refs,
+    finishes(),
+    tasks(),
+    assignments,
+    leases(),
+    receipts,
+    command_results,
+    welcomes(),
+    cancel_notices,
+)
+
+
+@settings(max_examples=150)
+@given(ALL_MODELS)
+def test_hand_written_wire_forms_match_the_converter(model: Any) -> None:
+    """unstructure's hand-written forms give the converter's dict, key order included."""
+    expected = _codec.SERVER_BODY.unstructure(model)
+    assert type(model) in _codec._bodies.WIRE_FORMS
+    assert _codec.unstructure(model) == expected
+    assert _codec._json.dumps(_codec.unstructure(model)) == _codec._json.dumps(expected)
+
+
+@settings(max_examples=100)
+@given(finishes(), ids, ids)
+def test_finish_frame_is_the_generic_encoding(finish: Finish, mid: str, sid: str) -> None:
+    """A finish frame built around its once-serialized result is the generic frame, to the byte."""
+    body = _codec.SERVER_BODY.unstructure(finish)
+    expected = _codec.encode_frame("task.finish", mid, session_id=sid, body=body)
+    assert _codec.encode_request("task.finish", mid, sid, finish) == expected
+
+
+def test_finish_result_limit_counts_utf8_bytes() -> None:
+    """A result of exactly 256 KiB of UTF-8 (2-byte characters) is sent; one byte more is not."""
+    room = 256 * 1024 - len('{"k":""}')
+    fits = {"k": "\u00e9" * (room // 2)}
+    assert _codec._json.encoded_size(fits) == 256 * 1024
+    text = _codec.encode_request("task.finish", "4" * 32, "3" * 32, Finish(REF, "SUCCEEDED", fits))
+    assert _codec.decode_client_frame(text).body.result == fits
+    over = {"k": fits["k"] + "a"}
+    with pytest.raises(errors.FrameError, match="262145 bytes"):
+        _codec.encode_request("task.finish", "4" * 32, "3" * 32, Finish(REF, "SUCCEEDED", over))
+
+
 @given(registrations)
 def test_registration_encodes_as_the_server_expects(reg: Registration) -> None:
     """A hello built from any valid Registration passes the server's strict validator."""
