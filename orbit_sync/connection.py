@@ -28,8 +28,8 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Final, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, Final, NamedTuple, TypeVar
 
 from . import _codec
 from ._protocol import (
@@ -41,10 +41,12 @@ from ._protocol import (
     Call,
     ClientProtocol,
     Done,
+    check_message_id,
     check_wait,
 )
 from ._transport import Transport
 from .errors import (
+    FrameError,
     OrbitError,
     WorkerBackpressure,
     WorkerClosed,
@@ -61,6 +63,7 @@ from .models import (
     Lease,
     Registration,
     Welcome,
+    new_message_id,
 )
 
 __all__ = [
@@ -76,6 +79,16 @@ log = logging.getLogger("orbit_sync.connection")
 
 _CLOSED: Final = object()  # wakes queue readers when the connection fails
 T = TypeVar("T")
+
+
+class Submission(NamedTuple):
+    """One request of :meth:`WorkerConnection.submit_many` (the arguments of ``submit``)."""
+
+    request_type: str
+    body: Any
+    on_done: Done
+    message_id: str | None = None
+    timeout: float | None = None
 
 
 class _Waiter:
@@ -345,14 +358,73 @@ class WorkerConnection:
         connection's lock: it must not block, and it must not take a lock held by a thread that
         calls ``submit``. Errors raised here mean nothing was sent and ``on_done`` is not called.
         """
+        self._check_request(request_type, body)
+        call = self._send(request_type, body, message_id, timeout, on_done)
+        return call.message_id
+
+    def submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
+        """Send several requests without waiting for them, with one socket write (internal: the
+        lease watchdog renews every attempt that is due at once).
+
+        Each request is pipelined as by :meth:`submit` and its ``on_done`` is called exactly once,
+        under the same rules. Wrong arguments (an unknown type, a wrong body, a bad or repeated
+        ``message_id`` or timeout) raise before anything is sent, for the whole batch. A request
+        the connection refuses (it has ended, or too many are in flight) is not sent: its
+        ``on_done`` gets that error once the others are written, and its place in the returned
+        list is ``None`` instead of its ``message_id``.
+        """
+        batch: list[tuple[Submission, str]] = []
+        for request in requests:
+            if not isinstance(request, Submission):
+                raise TypeError("requests must be Submission tuples")
+            self._check_request(request.request_type, request.body)
+            self._core.bound(request.timeout)  # raises for a bad timeout
+            mid = request.message_id
+            batch.append((request, new_message_id() if mid is None else check_message_id(mid)))
+        if len({mid for _, mid in batch}) != len(batch):
+            raise ValueError("a message_id is repeated in the batch")
+        opened: list[Call] = []
+        texts: list[str] = []
+        refused: list[tuple[Done, OrbitError]] = []
+        ids: list[str | None] = []
+        with self._lock:
+            if any(mid in self._core.calls for _, mid in batch):
+                raise ValueError("message_id is already in flight on this connection")
+            for r, mid in batch:
+                try:
+                    call, text = self._core.open(r.request_type, r.body, mid, r.timeout, r.on_done)
+                except FrameError:
+                    for c in opened:  # a body that cannot be encoded: give every slot back
+                        del self._core.calls[c.message_id]
+                    raise
+                except OrbitError as exc:  # ended, or too many in flight: not sent
+                    refused.append((r.on_done, exc))
+                    ids.append(None)
+                    continue
+                opened.append(call)
+                texts.append(text)
+                ids.append(mid)
+            if opened and min(c.deadline for c in opened) < self._wake_at:
+                self._timer.notify()
+        if texts:
+            try:
+                self._transport.send_texts(texts)
+            except Exception as exc:
+                # As in _send: the failure completes every call of the batch with its error.
+                self._send_failed(exc)
+            else:
+                log.debug("sent %d requests in one write", len(texts))
+        for on_done, err in refused:
+            _complete_with(on_done, err)
+        return ids
+
+    def _check_request(self, request_type: str, body: Any) -> None:
         if type(request_type) is not str or request_type not in _BODIES:
             raise ValueError("unknown request type")
         if not isinstance(body, _BODIES[request_type]):
             raise TypeError(f"{request_type} needs a {_BODIES[request_type].__name__} body")
         if request_type == "task.finish":
             _check_ref(body.ref)
-        call = self._send(request_type, body, message_id, timeout, on_done)
-        return call.message_id
 
     def _call(
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
@@ -397,15 +469,22 @@ class WorkerConnection:
                 self._timer.notify()
         try:
             self._transport.send_text(text)
-        except Exception:
+        except Exception as exc:
             # Failed first: a reply to a half-sent frame is then ignored, not mistaken for a
             # protocol violation; the failure completes this call with its error.
-            self._fail(WorkerDisconnected("connection lost while sending"))
+            self._send_failed(exc)
         else:
             log.debug("sent %s message_id=%s", request_type, call.message_id)
         return call
 
     # ------------------------------------------------------------------ failure
+
+    def _send_failed(self, exc: Exception) -> None:
+        """A write failed: end the connection. The transport raises WorkerDisconnected for the
+        network; anything else is a bug, logged with its traceback instead of hidden."""
+        if not isinstance(exc, OrbitError):
+            log.error("unexpected error while sending; closing the connection", exc_info=exc)
+        self._fail(_caused(WorkerDisconnected("connection lost while sending"), exc))
 
     def _fail(self, err: OrbitError) -> bool:
         """Record *err* as the connection's error (first one wins), tear down, release calls."""
@@ -456,14 +535,16 @@ class WorkerConnection:
         try:
             while True:
                 try:
-                    raw = self._transport.recv_message()
-                except OrbitError as exc:
+                    if not self._dispatch(self._transport.recv_message()):
+                        return
+                except OrbitError as exc:  # the transport's failures, typed
                     self._fail(exc)
                     return
-                except Exception:
-                    self._fail(WorkerDisconnected("connection to the Orbit server lost"))
-                    return
-                if not self._dispatch(raw):
+                except Exception as exc:
+                    # The transport types every network failure: this is a bug. Logged with its
+                    # traceback, and kept as the cause of the error every caller gets.
+                    log.error("connection reader failed; closing the connection", exc_info=exc)
+                    self._fail(_caused(WorkerDisconnected("connection reader failed"), exc))
                     return
         finally:
             self._fail(WorkerDisconnected("connection reader stopped"))  # no-op when already set
@@ -539,6 +620,12 @@ class WorkerConnection:
         return True
 
 
+def _caused(err: OrbitError, cause: BaseException) -> OrbitError:
+    """*err* with *cause* as its ``__cause__`` (as ``raise err from cause`` would set it)."""
+    err.__cause__ = cause
+    return err
+
+
 def _wake(source: queue.Queue[Any]) -> None:
     # A full queue has no blocked reader, so a failed put wakes nobody who needs it.
     with contextlib.suppress(queue.Full):
@@ -555,6 +642,14 @@ def _complete(call: Call, value: Any, error: OrbitError | None) -> None:
         call.on_done(value, error)
     except Exception:  # one faulty callback must not keep the others from their answers
         log.exception("completion callback of %s raised", call.request_type)
+
+
+def _complete_with(on_done: Done, error: OrbitError) -> None:
+    """Tell a request that was never sent why (a faulty callback must not stop the others)."""
+    try:
+        on_done(None, error)
+    except Exception:
+        log.exception("completion callback of a refused request raised")
 
 
 #: The body model of each request type a session sends (the handshake's hello is not one).

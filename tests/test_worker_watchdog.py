@@ -355,10 +355,10 @@ def test_a_held_renewal_does_not_delay_another_attempts(clock: FakeClock, renewe
     wd = LeaseWatchdog(renewer, clock=clock)
     a, b = "a" * 32, "b" * 32
     wd.track(a, _ctx(clock), clock() + 20.0)  # due at +10
-    wd.track(b, _ctx(clock), clock() + 22.0)  # due at +11
+    wd.track(b, _ctx(clock), clock() + 30.0)  # due at +15: too far to join A's batch
     clock.advance(10.0)
-    assert wd.run_due() == pytest.approx(clock() + 1.0), "B is next, A is in flight"
-    clock.advance(1.0)
+    assert wd.run_due() == pytest.approx(clock() + 5.0), "B is next, A is in flight"
+    clock.advance(5.0)
     wd.run_due()
     assert [c[0] for c in renewer.calls] == [a, b], "B sent without waiting for A's answer"
     renewer.release(b, lambda: lease(clock))

@@ -10,9 +10,10 @@ that is how shutdown bounds a finish waiting for a connection that never comes b
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..connection import Submission
 from ..errors import OrbitError
 from ..models import (
     Assignment,
@@ -74,6 +75,8 @@ class Connection(Protocol):
         message_id: str | None = ...,
         timeout: float | None = ...,
     ) -> str: ...
+
+    def submit_many(self, requests: Sequence[Submission]) -> list[str | None]: ...
 
     def close(self) -> None: ...
 

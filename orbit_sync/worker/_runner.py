@@ -33,7 +33,7 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from types import FrameType
 from typing import Any, TypeVar
@@ -42,6 +42,7 @@ import cattrs
 
 from .._protocol import CALL_TIMEOUT, MAX_IN_FLIGHT
 from ..client import Client, DialCut
+from ..connection import Submission
 from ..errors import OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
 from ..models import (
     ID_RE,
@@ -90,7 +91,7 @@ from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._replay import replay
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
-from ._watchdog import LeaseWatchdog, WatchdogThread
+from ._watchdog import LeaseWatchdog, RenewDone, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
 
@@ -384,6 +385,7 @@ class Worker:
         self._registration: Registration | None = None
         self._watchdog = LeaseWatchdog(
             self._send_renew,
+            send_many=self._send_renews,
             clock=self._clock,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
@@ -1498,22 +1500,41 @@ class Worker:
             if att is not None:
                 self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
-    def _send_renew(
-        self, attempt_id: str, message_id: str, on_done: Callable[[Lease | None, Any], None]
-    ) -> None:
-        """The watchdog's send function: one pipelined renew on the current connection; the
-        answer (or failure) comes back through *on_done*, on the connection's reader thread."""
-        with self._cond:
-            att = self._attempts.get(attempt_id)
-        if att is None:
-            on_done(None, NotConnected("attempt is no longer tracked"))
-            return
-        current = self._link.current()
-        if current is None:
-            on_done(None, NotConnected("no connection"))
-            return
-        conn, gen = current
+    def _send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
+        """The watchdog's send function: one pipelined renew (see :meth:`_send_renews`)."""
+        self._send_renews([(attempt_id, message_id, on_done)])
 
+    def _send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
+        """The watchdog's batch send: every renew in one write on the current connection; each
+        answer (or failure) comes back through its own *on_done*, on the connection's reader
+        thread. Renewals that cannot be sent are told so after the write: nothing on the way to
+        it may release the GIL (a log line in a callback could)."""
+        with self._cond:
+            atts = [self._attempts.get(attempt_id) for attempt_id, _, _ in renewals]
+        current = self._link.current()
+        refused: list[tuple[RenewDone, OrbitError]] = []
+        requests: list[Submission] = []
+        for (_, message_id, on_done), att in zip(renewals, atts, strict=True):
+            if att is None:
+                refused.append((on_done, NotConnected("attempt is no longer tracked")))
+            elif current is None:
+                refused.append((on_done, NotConnected("no connection")))
+            else:
+                # A slow answer closes its connection before the lease runs out (and is re-sent).
+                timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
+                done = self._renew_done(on_done, current[1])
+                requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
+        if requests:
+            assert current is not None
+            try:
+                current[0].submit_many(requests)
+            except OrbitError as exc:  # nothing was sent
+                for request in requests:
+                    request.on_done(None, exc)
+        for on_done, error in refused:
+            on_done(None, error)
+
+    def _renew_done(self, on_done: RenewDone, gen: int) -> Callable[[Any, OrbitError | None], None]:
         def done(result: Any, error: OrbitError | None) -> None:
             if error is None:
                 on_done(result.lease, None)
@@ -1523,12 +1544,7 @@ class Worker:
                 self._link.broken(gen)
             on_done(None, error)
 
-        # A slow answer closes its connection before the lease runs out (and is re-sent).
-        timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
-        try:
-            conn.submit("task.renew", att.ref, done, message_id=message_id, timeout=timeout)
-        except OrbitError as exc:  # nothing was sent
-            done(None, exc)
+        return done
 
     # ------------------------------------------------------------------ shutdown
 

@@ -2,8 +2,9 @@
 
 :class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *send* function
 that sends one renewal without waiting for it (the connection's pipelined path) and reports the
-answer through a callback; :meth:`LeaseWatchdog.run_due` sends everything that is due and says
-when to come back. :class:`WatchdogThread` is the thin shell that sleeps until then. A renewal
+answer through a callback, or a *send_many* function that sends several with one socket write;
+:meth:`LeaseWatchdog.run_due` sends everything that is due in one batch and says when to come
+back. :class:`WatchdogThread` is the thin shell that sleeps until then. A renewal
 whose answer is slow therefore never delays another attempt's renewal. Unit tests drive the core
 with a fake clock and no sockets.
 
@@ -11,6 +12,11 @@ Rules (PROTOCOL §6.3-6.6):
 
 - renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL)
   still has slack;
+- a renewal that is nearly due (within :data:`GROUP_FRACTION` of its wait, and at least
+  :data:`MIN_RENEW_INTERVAL` after its last grant) goes out early with a batch that is sent anyway:
+  attempts started together stay renewed together, in one write. Under CPU-bound handlers every
+  socket write and every GIL-releasing call on the way to it can cost a whole thread switch, so
+  the k-th of k renewals written one by one would be k switches late;
 - at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
   watched (an answer that never comes cannot keep a handler running past its lease);
 - a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
@@ -33,7 +39,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -43,7 +49,14 @@ from ..models import Lease, grants_run, new_message_id
 from ._context import TaskContext
 from ._errors import is_transient
 
-__all__ = ["LeaseWatchdog", "RenewDone", "SendRenew", "WatchdogStats", "WatchdogThread"]
+__all__ = [
+    "LeaseWatchdog",
+    "RenewDone",
+    "SendRenew",
+    "SendRenewMany",
+    "WatchdogStats",
+    "WatchdogThread",
+]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
@@ -52,11 +65,18 @@ RenewDone = Callable[["Lease | None", "BaseException | None"], None]
 #: ``send(attempt_id, message_id, on_done)``: send one renewal and return without waiting for
 #: it. ``on_done`` is called exactly once, possibly before ``send`` returns and from any thread.
 SendRenew = Callable[[str, str, RenewDone], None]
+#: ``send_many([(attempt_id, message_id, on_done), ...])``: send several renewals at once (one
+#: socket write), each completed through its own ``on_done`` as with :data:`SendRenew`.
+SendRenewMany = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
 
 MIN_RETRY_DELAY = 0.1
 MAX_RETRY_DELAY = 5.0
 #: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
 MIN_RENEW_INTERVAL = 0.05
+#: A renewal joins a batch that is being sent anyway once no more than this fraction of its wait
+#: (from its last grant to when it is due) is left: it then goes out at 3/8 instead of 1/2 of
+#: the remaining window at the earliest, so it keeps more slack, never less.
+GROUP_FRACTION = 0.25
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
 
@@ -82,6 +102,8 @@ class _Entry:
     deadline: float
     #: When the next renewal is wanted (``inf``: nothing asked while one is in flight).
     due: float
+    #: When ``due`` was set: the last grant (or track, refresh, failure) it is counted from.
+    since: float
     #: The moment this entry's live heap item stands for (older items are stale).
     wake_at: float = math.inf
     #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
@@ -97,6 +119,7 @@ class LeaseWatchdog:
         self,
         send: SendRenew,
         *,
+        send_many: SendRenewMany | None = None,
         clock: Callable[[], float] = time.monotonic,
         retry_delay: float = 1.0,
         on_change: Callable[[], None] | None = None,
@@ -110,6 +133,8 @@ class LeaseWatchdog:
             )
         self.clock = clock
         self._send = send
+        #: Sends a batch with one write; without it the batch goes out one *send* at a time.
+        self._send_many = send_many
         self._retry_delay = retry_delay
         self._on_change = on_change or (lambda: None)
         self._on_loss = on_loss or (lambda attempt_id, reason: None)
@@ -136,7 +161,7 @@ class LeaseWatchdog:
         """Start renewing *attempt_id*, whose lease ends locally at *deadline*."""
         now = self.clock()
         with self._lock:
-            entry = _Entry(attempt_id, ctx, deadline, self._half_way(now, deadline))
+            entry = _Entry(attempt_id, ctx, deadline, self._half_way(now, deadline), now)
             self._entries[attempt_id] = entry
             wake = self._push(entry, entry.due)
         ctx._set_deadline(deadline)
@@ -151,6 +176,7 @@ class LeaseWatchdog:
                 return
             entry.deadline = deadline
             entry.due = now if renew_now else self._half_way(now, deadline)
+            entry.since = now
             # In flight: the completion schedules from entry.due; meanwhile watch the deadline.
             wake = self._push(entry, deadline if entry.flight else entry.due)
             ctx = entry.ctx
@@ -204,33 +230,54 @@ class LeaseWatchdog:
     # ------------------------------------------------------------------ the work
 
     def run_due(self) -> float | None:
-        """Send every renewal due now; return when to call again (clock time) or ``None``."""
+        """Send every renewal due now, and those nearly due, in one batch; return when to call
+        again (clock time) or ``None``."""
         while True:
             now = self.clock()
+            batch: list[tuple[_Entry, str, int, float]] = []
+            expired: list[_Entry] = []
+            woke_lag: float | None = None
             with self._lock:
                 self._drop_stale()
-                if not self._heap or self._heap[0][0] > now:
-                    nxt = self._heap[0][0] if self._heap else None
-                    self._sleeping_until = math.inf if nxt is None else nxt
-                    return nxt
-                at, _, attempt_id = heapq.heappop(self._heap)
-                entry = self._entries[attempt_id]
-                entry.wake_at = math.inf
-                lag = now - at
-                self._lag_last = lag
-                self._lag_max = max(self._lag_max, lag)
-                action = self._decide(entry, now)
-                message_id = entry.pending_id
-                flight = entry.flight
-            if lag > LAG_WARNING:
+                while self._heap and self._heap[0][0] <= now:
+                    at, _, attempt_id = heapq.heappop(self._heap)
+                    entry = self._entries[attempt_id]
+                    entry.wake_at = math.inf
+                    lag = now - at
+                    if woke_lag is None:  # the earliest item: how late this wake-up is
+                        woke_lag = lag
+                    action = self._decide(entry, now)
+                    if action == "expire":
+                        expired.append(entry)
+                    elif action == "send":
+                        batch.append((entry, self._pending(entry), entry.flight, lag))
+                    self._drop_stale()
+                if batch:
+                    self._pull_in(now, batch)
+                if woke_lag is not None:
+                    self._lag_last = woke_lag
+                    self._lag_max = max(self._lag_max, woke_lag)
+            # Nothing between the wake-up and this write may release the GIL (no log line, no
+            # contended lock): each such call can cost a whole thread switch under CPU load.
+            self._send_batch(batch)
+            if woke_lag is not None and woke_lag > LAG_WARNING:
                 self._log.warning(
-                    "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL", lag
+                    "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL",
+                    woke_lag,
                 )
-            if action == "expire":
+            for entry in expired:
                 self._lose(entry, "lease_expired")
-            elif action == "send":
-                assert message_id is not None
-                self._send_one(entry, message_id, flight, lag)
+            with self._lock:
+                self._drop_stale()
+                nxt = self._heap[0][0] if self._heap else None
+                self._sleeping_until = math.inf if nxt is None else nxt
+            if nxt is None or nxt > self.clock():
+                return nxt
+
+    @staticmethod
+    def _pending(entry: _Entry) -> str:
+        assert entry.pending_id is not None  # set by _decide for every entry it sends
+        return entry.pending_id
 
     def _decide(self, entry: _Entry, now: float) -> str:
         """What to do with an entry that came due (lock held): send, expire, drop or wait."""
@@ -242,20 +289,64 @@ class LeaseWatchdog:
         if entry.flight:
             self._push(entry, entry.deadline)  # the answer schedules the next renewal
             return "wait"
+        self._start_flight(entry)
+        return "send"
+
+    def _start_flight(self, entry: _Entry) -> None:
+        """Mark *entry*'s renewal as sent (lock held); it is watched by its deadline meanwhile."""
         entry.pending_id = entry.pending_id or new_message_id()
         entry.flight = next(self._seq)
         entry.due = math.inf
-        self._push(entry, entry.deadline)  # watched while in flight
-        return "send"
+        self._push(entry, entry.deadline)
 
-    def _send_one(self, entry: _Entry, message_id: str, flight: int, lag: float) -> None:
+    def _pull_in(self, now: float, batch: list[tuple[_Entry, str, int, float]]) -> None:
+        """Add to *batch* every renewal nearly due (lock held); see :data:`GROUP_FRACTION`.
+
+        One pass over the entries (at most the worker's capacity), only when a batch is sent.
+        """
+        for entry in self._entries.values():
+            due = entry.due
+            if (
+                entry.flight
+                or entry.wake_at != due  # not waiting for its renewal (deadline watch, in flight)
+                or due <= now  # handled above, or a retry due now
+                or now - entry.since < MIN_RENEW_INTERVAL
+                or due - now > GROUP_FRACTION * (due - entry.since)
+                or now >= entry.deadline
+                or entry.ctx.cancelled.is_set()
+            ):
+                continue
+            self._start_flight(entry)
+            batch.append((entry, self._pending(entry), entry.flight, 0.0))
+
+    def _send_batch(self, batch: list[tuple[_Entry, str, int, float]]) -> None:
+        if not batch:
+            return
+        renewals = [
+            (entry.attempt_id, message_id, self._completion(entry, flight, lag))
+            for entry, message_id, flight, lag in batch
+        ]
+        if self._send_many is not None:
+            try:
+                self._send_many(renewals)
+            except Exception as exc:  # a send that raises instead of calling back; a bug otherwise
+                # Renewals already completed are stale now: their flight token moved on.
+                for entry, _, flight, lag in batch:
+                    self._renewed(entry, flight, None, exc, lag)
+            return
+        for (entry, _, flight, lag), (attempt_id, message_id, done) in zip(
+            batch, renewals, strict=True
+        ):
+            try:
+                self._send(attempt_id, message_id, done)
+            except Exception as exc:  # as above
+                self._renewed(entry, flight, None, exc, lag)
+
+    def _completion(self, entry: _Entry, flight: int, lag: float) -> RenewDone:
         def done(lease: Lease | None, error: BaseException | None) -> None:
             self._renewed(entry, flight, lease, error, lag)
 
-        try:
-            self._send(entry.attempt_id, message_id, done)
-        except Exception as exc:  # a send that raises instead of calling back; a bug otherwise
-            self._renewed(entry, flight, None, exc, lag)
+        return done
 
     def _renewed(
         self,
@@ -283,6 +374,7 @@ class LeaseWatchdog:
                 else:
                     entry.deadline = lease.deadline
                     entry.due = self._half_way(now, lease.deadline)
+                    entry.since = now
             else:
                 self._failures += 1
                 if isinstance(error, WorkerError) and not is_transient(error):
@@ -295,6 +387,7 @@ class LeaseWatchdog:
                     # refresh or kick while it was in flight (entry.due) may ask for sooner; past
                     # the deadline there is nothing left to renew: wake then to expire it.
                     entry.due = min(entry.due, now + self._retry_delay, entry.deadline)
+                    entry.since = now
             wake = False if reason else self._push(entry, entry.due)
             deadline = entry.deadline
             due = entry.due
