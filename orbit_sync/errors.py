@@ -63,6 +63,7 @@ class OrbitError(Exception):
         """Return a copy of this error bound to *message_id* (the connection's error is shared)."""
         clone = _rebuild(type(self), self.args, self.__dict__.copy())
         clone.message_id = message_id
+        clone.__cause__ = self.__cause__  # what went wrong underneath stays visible
         return clone
 
     def __str__(self) -> str:

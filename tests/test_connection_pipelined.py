@@ -1,7 +1,9 @@
-"""WorkerConnection.submit: requests sent without a parked thread, completed by callback."""
+"""WorkerConnection.submit and submit_many: requests sent without a parked thread, completed by
+callback."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Any
 
@@ -15,7 +17,15 @@ from _scripted import (
     open_pair,
 )
 
-from orbit_sync.errors import CallTimeout, OrbitError, WorkerClosed, WorkerError
+from orbit_sync.connection import MAX_IN_FLIGHT, Submission
+from orbit_sync.errors import (
+    CallTimeout,
+    OrbitError,
+    WorkerBusy,
+    WorkerClosed,
+    WorkerDisconnected,
+    WorkerError,
+)
 from orbit_sync.models import AttemptRef, CapacityReport, CommandResult, Lease
 
 REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
@@ -136,5 +146,133 @@ def test_bad_arguments_raise_before_anything_is_sent() -> None:
             probe = conn.submit("task.renew", REF, out.callback("probe"))
             assert peer.recv()["message_id"] == probe  # the first frame sent is the probe
             assert not out.got
+        finally:
+            conn.close()
+
+
+def _renews(out: Outcomes, keys: list[str], **extra: Any) -> list[Submission]:
+    return [Submission("task.renew", REF, out.callback(key), **extra) for key in keys]
+
+
+def test_submit_many_sends_the_batch_in_order_and_routes_each_answer() -> None:
+    """A batch of renews goes out in order before any answer; each callback gets its own, once."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            out = Outcomes(3)
+            ids = conn.submit_many(_renews(out, ["0", "1", "2"]))
+            requests = [peer.recv() for _ in range(3)]
+            assert [r["message_id"] for r in requests] == ids and None not in ids
+            assert all(r["type"] == "task.renew" for r in requests)
+            for window, request in zip((10, 20, 30), reversed(requests), strict=True):
+                peer.ack(request, command_body("renew", lease=lease_body(window=window)))
+            assert out.all_in.wait(WAIT)
+            for key, window in zip(("0", "1", "2"), (30, 20, 10), strict=True):
+                [(value, error, thread)] = out.got[key]
+                assert error is None and value.lease.window == window
+                assert thread.startswith("orbit-sync-reader")
+        finally:
+            conn.close()
+
+
+def test_submit_many_refuses_what_the_connection_cannot_take() -> None:
+    """Past the in-flight limit a request is not sent: its callback gets WorkerBusy, its id None;
+    on an ended connection every callback gets the connection's error."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        keys = [str(i) for i in range(MAX_IN_FLIGHT + 2)]
+        busy = Outcomes(2)
+        sent = Outcomes(MAX_IN_FLIGHT)
+        requests = _renews(sent, keys[:MAX_IN_FLIGHT]) + _renews(busy, keys[MAX_IN_FLIGHT:])
+        ids = conn.submit_many(requests)
+        assert ids[MAX_IN_FLIGHT:] == [None, None] and None not in ids[:MAX_IN_FLIGHT]
+        assert busy.all_in.wait(WAIT)
+        assert all(isinstance(v[0][1], WorkerBusy) for v in busy.got.values())
+        assert [peer.recv()["message_id"] for _ in ids[:MAX_IN_FLIGHT]] == ids[:MAX_IN_FLIGHT]
+        conn.close()
+        assert sent.all_in.wait(WAIT)
+        closed = Outcomes(2)
+        assert conn.submit_many(_renews(closed, ["a", "b"])) == [None, None]
+        assert closed.all_in.wait(WAIT)
+        assert all(isinstance(v[0][1], WorkerClosed) for v in closed.got.values())
+
+
+def test_submit_many_bad_arguments_raise_before_anything_is_sent() -> None:
+    """A wrong body, a repeated message_id or one already in flight fail the whole batch first."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            out = Outcomes(1)
+            good = Submission("task.renew", REF, out.callback("x"))
+            with pytest.raises(TypeError):
+                conn.submit_many([good, Submission("task.renew", CapacityReport(1, 4), good[2])])
+            with pytest.raises(TypeError):
+                conn.submit_many([("task.renew", REF, good[2])])  # type: ignore[list-item]
+            with pytest.raises(ValueError):
+                conn.submit_many(_renews(out, ["x", "y"], message_id="a" * 32))
+            with pytest.raises(ValueError):
+                conn.submit_many(_renews(out, ["x"], timeout=-1.0))
+            probe = conn.submit("task.renew", REF, out.callback("probe"))
+            with pytest.raises(ValueError):
+                conn.submit_many([good, Submission("task.renew", REF, good[2], probe)])
+            assert peer.recv()["message_id"] == probe  # the first frame sent is the probe
+            assert not out.got
+        finally:
+            conn.close()
+
+
+def test_a_bug_in_the_reader_is_logged_and_kept_as_the_cause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception while reading ends the connection as WorkerDisconnected, with the
+    exception as its cause and one error log line with its traceback; callers are released."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+
+            def broken(raw: bytes | str) -> Any:
+                raise RuntimeError("decoder bug")
+
+            monkeypatch.setattr(conn._core, "decode", broken)
+            out = Outcomes(1)
+            conn.submit("task.renew", REF, out.callback("renew"))
+            peer.ack(peer.recv(), command_body("renew"))
+            assert out.all_in.wait(WAIT) and conn.done.wait(WAIT)
+            [(_, error, _)] = out.got["renew"]
+            assert isinstance(error, WorkerDisconnected)
+            assert isinstance(conn.err, WorkerDisconnected)
+            assert isinstance(conn.err.__cause__, RuntimeError)
+            [record] = [
+                r
+                for r in caplog.records
+                if r.name == "orbit_sync.connection" and r.levelno == logging.ERROR
+            ]
+            assert record.exc_info is not None and record.exc_info[0] is RuntimeError
+        finally:
+            conn.close()
+
+
+def test_a_bug_in_the_writer_is_logged_and_kept_as_the_cause(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An unexpected exception while writing a batch fails every request of it with
+    WorkerDisconnected caused by that exception, logged once with its traceback."""
+    with ScriptedServer() as server:
+        conn, _peer = open_pair(server)
+        try:
+
+            def broken(texts: Any) -> None:
+                raise TypeError("writer bug")
+
+            monkeypatch.setattr(conn._transport, "send_texts", broken)
+            out = Outcomes(2)
+            conn.submit_many(_renews(out, ["0", "1"]))
+            assert out.all_in.wait(WAIT)
+            for key in ("0", "1"):
+                [(_, error, _)] = out.got[key]
+                assert isinstance(error, WorkerDisconnected)
+                assert isinstance(error.__cause__, TypeError)
+            errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+            assert len(errors) == 1 and errors[0].exc_info is not None
         finally:
             conn.close()

@@ -5,14 +5,19 @@ from __future__ import annotations
 import datetime as _dt
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
 from orbit_sync.worker._context import TaskContext
-from orbit_sync.worker._watchdog import LeaseWatchdog, RenewDone, SendRenew, WatchdogThread
+from orbit_sync.worker._watchdog import (
+    LeaseWatchdog,
+    RenewDone,
+    SendRenew,
+    WatchdogThread,
+)
 
 T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
 
@@ -400,3 +405,100 @@ def test_refresh_during_a_renewal_survives_its_failure(clock: FakeClock, renewer
     wd.run_due()
     assert [c[1] for c in renewer.calls] == [first_id, first_id], "same message_id re-sent"
     assert wd.pending_renewals() == []
+
+
+class BatchRenewer(Renewer):
+    """A scripted send_many: records each batch (attempt ids) and answers every renewal at once
+    like :class:`Renewer`; its single send must never be used."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(clock)
+        self.batches: list[list[str]] = []
+        self.fail_with: Exception | None = None
+
+    def many(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
+        self.batches.append([attempt_id for attempt_id, _, _ in renewals])
+        if self.fail_with is not None:
+            raise self.fail_with
+        for renewal in renewals:
+            self(*renewal)
+
+    def single(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
+        raise AssertionError("a watchdog with send_many sends nothing one by one")
+
+
+@pytest.fixture
+def batcher(clock: FakeClock) -> BatchRenewer:
+    """A batch send function over the fake clock."""
+    return BatchRenewer(clock)
+
+
+def test_renewals_due_together_go_out_in_one_batch(clock: FakeClock, batcher: BatchRenewer) -> None:
+    """Attempts due at the same moment are handed to send_many once, all of them."""
+    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
+    ids = ["1" * 32, "2" * 32, "3" * 32]
+    for attempt_id in ids:
+        wd.track(attempt_id, _ctx(clock), clock() + 30.0)
+    clock.advance(15.0)
+    wd.run_due()
+    assert batcher.batches == [ids]
+    assert wd.stats().renewals == 3
+
+
+def test_nearly_due_renewals_join_a_batch(clock: FakeClock, batcher: BatchRenewer) -> None:
+    """A renewal within a quarter of its wait joins the batch sent now (lag 0: it is early); one
+    further away waits for its own time."""
+    lags: dict[str, float] = {}
+    wd = LeaseWatchdog(
+        batcher.single,
+        send_many=batcher.many,
+        clock=clock,
+        on_renew=lambda attempt_id, lag: lags.__setitem__(attempt_id, lag),
+    )
+    a, near, far = "a" * 32, "b" * 32, "c" * 32
+    wd.track(a, _ctx(clock), clock() + 20.0)  # due at +10
+    wd.track(near, _ctx(clock), clock() + 22.0)  # due at +11: 1 s of an 11 s wait left at +10
+    wd.track(far, _ctx(clock), clock() + 30.0)  # due at +15: 5 s of 15 s left
+    clock.advance(10.25)
+    assert wd.run_due() == pytest.approx(1015.0)
+    assert batcher.batches == [[a, near]]
+    assert lags == {a: pytest.approx(0.25), near: 0.0}
+    assert wd.stats().lag_last == pytest.approx(0.25)
+    clock.now = 1015.0
+    wd.run_due()
+    assert batcher.batches == [[a, near], [far]]
+
+
+def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
+    clock: FakeClock, batcher: BatchRenewer
+) -> None:
+    """A lease granted less than MIN_RENEW_INTERVAL ago is not renewed early with a batch."""
+    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
+    a, fresh = "a" * 32, "f" * 32
+    wd.track(a, _ctx(clock), clock() + 19.998)  # due at +9.999
+    clock.advance(9.96)
+    # Granted 39 ms before A's batch, 40 ms left: due at its deadline (+10.0), 1 ms after the
+    # batch and well within a quarter of its wait; only the minimum interval keeps it out.
+    wd.track(fresh, _ctx(clock), clock() + 0.04)
+    clock.now = 1009.999
+    wd.run_due()
+    assert batcher.batches == [[a]]
+
+
+def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
+    clock: FakeClock, batcher: BatchRenewer
+) -> None:
+    """send_many raising (a bug) is a failure of each renewal in it: all retried, none lost."""
+    batcher.fail_with = RuntimeError("send bug")
+    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock, retry_delay=0.5)
+    ids = ["1" * 32, "2" * 32]
+    for attempt_id in ids:
+        wd.track(attempt_id, _ctx(clock), clock() + 30.0)
+    clock.advance(15.0)
+    assert wd.run_due() == pytest.approx(clock() + 0.5)
+    assert wd.stats().renew_failures == 2 and wd.pending_renewals() == ids
+    batcher.fail_with = None
+    clock.advance(0.5)
+    wd.run_due()
+    assert batcher.batches == [ids, ids]
+    assert wd.stats().renewals == 2 and wd.stats().lease_losses == 0

@@ -252,7 +252,9 @@ class LeaseWatchdog:
                     elif action == "send":
                         batch.append((entry, self._pending(entry), entry.flight, lag))
                     self._drop_stale()
-                if batch:
+                if batch and self._send_many is not None:
+                    # Only worth it when the batch is one write: one by one, renewals sent
+                    # together would only queue their answers together.
                     self._pull_in(now, batch)
                 if woke_lag is not None:
                     self._lag_last = woke_lag
