@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
+from _worker_helpers import Probe, make_worker, running
 
+from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
+from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.worker import FakeClock as WorkerFakeClock
+from orbit_sync.worker import LeaseEvent, WorkerListener
 from orbit_sync.worker._context import TaskContext
 from orbit_sync.worker._watchdog import (
     LeaseWatchdog,
@@ -502,3 +509,51 @@ def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
     wd.run_due()
     assert batcher.batches == [ids, ids]
     assert wd.stats().renewals == 2 and wd.stats().lease_losses == 0
+
+
+def test_the_worker_renews_attempts_due_together_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three handlers started at the same (fake) moment fall due together: the Worker hands their
+    three renew frames to the transport in one send_texts call, i.e. one socket write."""
+    writes: list[list[str]] = []
+    lock = threading.Lock()
+    original = Transport.send_texts
+
+    def recording(transport: Transport, texts: Sequence[str]) -> None:
+        renews = [text for text in texts if '"task.renew"' in text]
+        if renews:
+            with lock:
+                writes.append(renews)
+        original(transport, texts)
+
+    monkeypatch.setattr(Transport, "send_texts", recording)
+    manual = ManualClock()
+    with MockOrbitServer(clock=manual, lease_duration=2.0, assignment_rate=None) as server:
+        probe = Probe()
+        renewed = threading.Semaphore(0)
+
+        class Renewals(WorkerListener):
+            def lease_renewed(self, event: LeaseEvent) -> None:
+                renewed.release()
+
+        worker = make_worker(
+            server, capacity=3, clock=WorkerFakeClock(follow=manual), listeners=[Renewals()]
+        )
+
+        @worker.handler("hold")
+        def hold(ctx: TaskContext, payload: Any) -> None:
+            probe.enter(ctx)
+            probe.release.wait(10)
+
+        for _ in range(3):
+            server.enqueue("hold", {})
+        with running(worker):
+            probe.wait_started(3)
+            server.advance(1.0)  # past half of every (2 s - margin) local lease
+            for _ in range(3):
+                assert renewed.acquire(timeout=10), "a renewal was not answered"
+            probe.release.set()
+        assert len(writes) == 1 and len(writes[0]) == 3
+        assert len({json.loads(text)["body"]["attempt_id"] for text in writes[0]}) == 3
+        assert worker.stats().lease_losses == 0

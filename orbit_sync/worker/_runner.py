@@ -385,6 +385,7 @@ class Worker:
         self._registration: Registration | None = None
         self._watchdog = LeaseWatchdog(
             self._send_renew,
+            send_many=self._send_renews,
             clock=self._clock,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
