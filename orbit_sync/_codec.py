@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import functools
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -355,11 +356,34 @@ def encode_request(type_: str, message_id: str, session_id: str | None, body: An
     return encode_frame(type_, message_id, session_id=session_id, body=unstructure(body))
 
 
+# Results whose serialization is already checked, by the Finish carrying them: the Worker's result
+# encoder serialized each result when it made its snapshot (a finish is re-sent after a reconnect
+# as the same object). Keyed by id and guarded by a weak reference (a Finish holding a dict is
+# not hashable); an entry goes with its Finish.
+_RESULT_JSON: dict[int, tuple[weakref.ref[Finish], str, int]] = {}
+
+
+def remember_result_json(finish: Finish, text: str, size: int) -> None:
+    """Record *text* (*size* bytes of UTF-8) as *finish*'s result, serialized and checked as
+    :func:`result_json` does. Only for a result that is a fresh snapshot parsed from *text*
+    (nobody else holds it to mutate it), as the Worker's result encoder makes."""
+    key = id(finish)
+    _RESULT_JSON[key] = (weakref.ref(finish, lambda _: _RESULT_JSON.pop(key, None)), text, size)
+
+
+def _finish_result_json(finish: Finish) -> tuple[str, int]:
+    known = _RESULT_JSON.get(id(finish))
+    if known is not None and known[0]() is finish:
+        return known[1], known[2]
+    return result_json(finish.result)
+
+
 def _finish_frame(type_: str, message_id: str, session_id: str, finish: Finish) -> str:
     """The text encode_frame builds for a finish, with the result serialized once: checked as
-    strict JSON (that serialization is then sent as is) instead of serialized again in the frame.
+    strict JSON (that serialization is then sent as is) instead of serialized again in the frame;
+    not at all when the Worker's encoder already did.
     """
-    result, result_size = result_json(finish.result)
+    result, result_size = _finish_result_json(finish)
     # Every other part is validated ASCII (hex ids, the code pattern, enum values), so it needs
     # no escaping and counts one byte a character.
     head = (

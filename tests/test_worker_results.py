@@ -6,6 +6,7 @@ import dataclasses
 import datetime as dt
 import decimal
 import enum
+import gc
 import logging
 import threading
 import uuid
@@ -15,11 +16,12 @@ import attrs
 import pytest
 from _worker_helpers import has_event, make_worker, running
 
-from orbit_sync.models import Outcome, TaskState
+from orbit_sync import _codec
+from orbit_sync.models import AttemptRef, Outcome, TaskState, new_secret
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Fail, HandlerEnvironment, TaskContext, result_converter
 from orbit_sync.worker._encoding import ResultEncoder, ResultProblem
-from orbit_sync.worker._outcomes import outcome_of
+from orbit_sync.worker._outcomes import Verdict, outcome_of
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 UTC = dt.timezone.utc
@@ -245,3 +247,52 @@ def test_resent_finish_carries_the_result_as_returned(server: MockOrbitServer) -
     snap = server.task(task_id)
     assert snap.state is TaskState.SUCCEEDED and snap.result == {"n": 1}
     assert snap.evidence == ()
+
+
+FINISH_REF = AttemptRef("1" * 32, "2" * 32, 3, new_secret())
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        {"receipt": _receipt(), "n": 1.5e16, "big": 2**53, "u": "\u00e9\u2028", "k": {1: "a"}},
+        (1, 2.5, -0.0, 1e-7, True, None),
+        None,
+        "text",
+        0,
+        Status.PAID,
+        {"s": frozenset({3, 1})},
+    ],
+    ids=["mixed", "tuple", "none", "str", "zero", "enum", "set"],
+)
+def test_finish_sends_the_encoders_text_as_the_generic_encoding(value: Any) -> None:
+    """A verdict's finish goes out with its encoder's text: the bytes the generic encoding gives."""
+    finish = outcome_of(value=value).finish(FINISH_REF)
+    assert id(finish) in _codec._RESULT_JSON
+    body = _codec.SERVER_BODY.unstructure(finish)
+    generic = _codec.encode_frame("task.finish", "4" * 32, session_id="3" * 32, body=body)
+    assert _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish) == generic
+
+
+def test_finish_from_a_verdict_is_not_serialized_again() -> None:
+    """The frame embeds the text kept with the verdict's Finish; the entry goes with the Finish."""
+    verdict = Verdict(Outcome.SUCCEEDED, {"a": 1}, result_json=('{"a":1.0}', 9))
+    finish = verdict.finish(FINISH_REF)
+    text = _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish)
+    assert '"result":{"a":1.0}}' in text
+    copy = attrs.evolve(finish)  # another Finish: its own result is serialized
+    assert '"result":{"a":1}}' in _codec.encode_request("task.finish", "4" * 32, "3" * 32, copy)
+    key = id(finish)
+    del finish
+    gc.collect()
+    assert key not in _codec._RESULT_JSON
+
+
+def test_failed_finish_with_details_sends_the_encoders_text() -> None:
+    """A Fail's encoded details go out as encoded, the same bytes as the generic encoding."""
+    error = Fail("OUT_OF_STOCK", "gone", details={"at": dt.date(2026, 1, 2)}, retryable=True)
+    finish = outcome_of(error=error).finish(FINISH_REF)
+    assert id(finish) in _codec._RESULT_JSON
+    body = _codec.SERVER_BODY.unstructure(finish)
+    generic = _codec.encode_frame("task.finish", "4" * 32, session_id="3" * 32, body=body)
+    assert _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish) == generic

@@ -138,6 +138,11 @@ class ResultEncoder:
 
     def encode(self, value: Any) -> Any:
         """A fresh plain-JSON copy of *value*; raise :class:`ResultProblem` if it cannot be sent."""
+        return self.encode_with_text(value)[0]
+
+    def encode_with_text(self, value: Any) -> tuple[Any, str, int]:
+        """:meth:`encode`, plus the text the copy was parsed from and its size in UTF-8 bytes:
+        checked strict JSON within the limits, so the finish can send it as it is."""
         try:
             text = json.dumps(
                 value,
@@ -164,7 +169,7 @@ class ResultEncoder:
             raise ResultProblem(RESULT_NOT_JSON, f"result is not strict JSON: {exc}") from None
         if snapshot is None:
             raise ResultProblem(RESULT_NOT_JSON, "result must be JSON other than null", path="$")
-        return snapshot
+        return snapshot, text, size
 
     # ------------------------------------------------------------------ the slow path
 
