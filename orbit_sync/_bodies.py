@@ -1,4 +1,4 @@
-"""Server → client bodies decoded by hand: each field is checked once, while it is read.
+"""Wire bodies decoded and encoded by hand: each field is checked once, while it is read.
 
 The strict cattrs converter in :mod:`orbit_sync._codec` structures a body and then the model's
 constructor validates the same values again. Here every field gets exactly the checks the pair
@@ -14,6 +14,10 @@ bodies.
 
 Trusted construction is per call (nothing process-wide is switched off), so models built from
 user input in other threads keep validating.
+
+Server bodies tolerate unknown fields (a newer server may add some); client bodies, decoded on
+the mock server's side, are held to the closed schema. The encoders at the end write each
+model's wire dict out, as the converter's generated unstructure functions would.
 """
 
 from __future__ import annotations
@@ -27,9 +31,12 @@ from typing import Any, TypeVar
 import attrs
 
 from .models import (
+    CODE_RE,
     DECIMAL_RE,
     HANDLER_RE,
     ID_RE,
+    MAX_CAPABILITIES,
+    MAX_CAPACITY,
     MAX_LEASE_WINDOW,
     MAX_SESSION_WINDOW,
     SECRET_RE,
@@ -44,6 +51,7 @@ from .models import (
     Finish,
     Lease,
     Operation,
+    Outcome,
     Receipt,
     Registration,
     Task,
@@ -126,19 +134,13 @@ def _bool(value: Any) -> bool:
     return value
 
 
-# Enum members by wire value: a dict lookup, not Enum.__call__ (JSON keys are exact strs, so
-# only a str equal to a value can hit; an unhashable list/dict raises TypeError: rejected).
+# Enum members by wire value: ``TABLE[value]``, not Enum.__call__. The keys are strs, so only a
+# str equal to a value can hit; anything else raises KeyError (or TypeError when unhashable),
+# which rejects the body like any other exception a decoder raises.
 _OPERATIONS = {m.value: m for m in Operation}
 _TASK_STATES = {m.value: m for m in TaskState}
 _ATTEMPT_STATES = {m.value: m for m in AttemptState}
 _DISPOSITIONS = {m.value: m for m in Disposition}
-
-
-def _member(table: dict[str, T], value: Any) -> T:
-    member = table.get(value)
-    if member is None:
-        raise _REJECTED
-    return member
 
 
 @functools.lru_cache(maxsize=512)
@@ -216,12 +218,12 @@ def receipt(value: Any) -> Receipt:
     """A Receipt from its wire object."""
     o = _object(value)
     return _new_receipt(
-        _member(_OPERATIONS, o["operation"]),
-        _member(_TASK_STATES, o["task_state"]),
-        _member(_ATTEMPT_STATES, o["attempt_state"]),
+        _OPERATIONS[o["operation"]],
+        _TASK_STATES[o["task_state"]],
+        _ATTEMPT_STATES[o["attempt_state"]],
         _counter(o["task_revision"]),
         _time(o["lease_until"])[0],
-        _member(_DISPOSITIONS, o["disposition"]),
+        _DISPOSITIONS[o["disposition"]],
     )
 
 
@@ -232,7 +234,7 @@ def lease(value: Any) -> Lease:
     """A Lease (no local deadline yet) from its wire object."""
     o = _object(value)
     active = _bool(o["active"])
-    state = _member(_ATTEMPT_STATES, o["state"])
+    state = _ATTEMPT_STATES[o["state"]]
     until = _time(o["lease_until"])
     now = _time(o["server_time"])
     cancel = _time(o["cancel_requested_at"])[0] if "cancel_requested_at" in o else None
@@ -289,7 +291,7 @@ def task(value: Any) -> Task:
         _version(o["handler_version"]),
         _version(o["payload_version"]),
         payload,
-        _member(_TASK_STATES, o["state"]),
+        _TASK_STATES[o["state"]],
         _counter(o["revision"]),
         attempt,
         max_attempts,
@@ -334,6 +336,126 @@ SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
     CancelNotice: cancel_notice,
 }
 
+
+# --------------------------------------------------------------------------- client → server
+# What the server accepts (the mock server's side): the same checks, and no field beyond the
+# model's (a client is held to the closed schema, PROTOCOL §12).
+
+_new_capability = trusted_constructor(Capability)
+_new_registration = trusted_constructor(Registration)
+_new_capacity_report = trusted_constructor(CapacityReport)
+_new_attempt_ref = trusted_constructor(AttemptRef)
+_new_finish = trusted_constructor(Finish)
+
+_code_match = CODE_RE.fullmatch
+_OUTCOMES = {m.value: m for m in Outcome}
+_CAPABILITY_KEYS = frozenset({"handler", "handler_version", "payload_version"})
+_REGISTRATION_KEYS = frozenset(
+    {
+        "queue_id",
+        "capabilities",
+        "capacity",
+        "instance_id",
+        "instance_secret",
+        "cancellation_notifications",
+    }
+)
+_CAPACITY_KEYS = frozenset({"sequence", "capacity", "drain"})
+_REF_KEYS = frozenset({"task_id", "attempt_id", "epoch", "lease_secret"})
+_FINISH_KEYS = frozenset({"ref", "outcome", "result", "error_code", "retryable"})
+
+
+def _closed(value: Any, keys: frozenset[str]) -> dict[str, Any]:
+    if type(value) is not dict or not keys.issuperset(value):
+        raise _REJECTED
+    return value
+
+
+def _secret(value: Any) -> str:
+    if type(value) is not str or _secret_match(value) is None:
+        raise _REJECTED
+    return value
+
+
+def capability(value: Any) -> Capability:
+    """One registered capability."""
+    o = _closed(value, _CAPABILITY_KEYS)
+    handler = o["handler"]
+    if type(handler) is not str or _handler_match(handler) is None:
+        raise _REJECTED
+    return _new_capability(handler, _version(o["handler_version"]), _version(o["payload_version"]))
+
+
+def registration(value: Any) -> Registration:
+    """A ``worker.hello`` body."""
+    o = _closed(value, _REGISTRATION_KEYS)
+    listed = o["capabilities"]
+    if type(listed) is not list or not 1 <= len(listed) <= MAX_CAPABILITIES:
+        raise _REJECTED
+    capabilities = tuple(capability(c) for c in listed)
+    if len(set(capabilities)) != len(capabilities):
+        raise _REJECTED
+    capacity = o["capacity"]
+    if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
+        raise _REJECTED
+    notifications = False
+    if "cancellation_notifications" in o:
+        notifications = _bool(o["cancellation_notifications"])
+    return _new_registration(
+        _id(o["queue_id"]),
+        capabilities,
+        capacity,
+        _id(o["instance_id"]),
+        _secret(o["instance_secret"]),
+        notifications,
+    )
+
+
+def capacity_report(value: Any) -> CapacityReport:
+    """A ``worker.capacity`` body."""
+    o = _closed(value, _CAPACITY_KEYS)
+    capacity = o["capacity"]
+    if type(capacity) is not int or not 0 <= capacity <= MAX_CAPACITY:
+        raise _REJECTED
+    return _new_capacity_report(_counter(o["sequence"]), capacity, _bool(o["drain"]))
+
+
+def attempt_ref(value: Any) -> AttemptRef:
+    """The body of ``worker.resume``, ``task.start`` and ``task.renew``."""
+    o = _closed(value, _REF_KEYS)
+    return _new_attempt_ref(
+        _id(o["task_id"]), _id(o["attempt_id"]), _counter(o["epoch"]), _secret(o["lease_secret"])
+    )
+
+
+def finish(value: Any) -> Finish:
+    """A ``task.finish`` body (its result's size is the codec's to check)."""
+    o = _closed(value, _FINISH_KEYS)
+    outcome = _OUTCOMES[o["outcome"]]
+    result = o["result"]
+    if result is None:
+        raise _REJECTED
+    code = None
+    if "error_code" in o:
+        code = o["error_code"]
+        if type(code) is not str or _code_match(code) is None:  # null too (PROTOCOL §12)
+            raise _REJECTED
+    retryable = _bool(o["retryable"]) if "retryable" in o else None
+    # The outcome rules of Finish.__attrs_post_init__.
+    if (code is None) != (outcome is Outcome.SUCCEEDED):
+        raise _REJECTED
+    if retryable is True and outcome is not Outcome.FAILED:
+        raise _REJECTED
+    return _new_finish(attempt_ref(o["ref"]), outcome, result, code, retryable)
+
+
+#: The decoder of each client → server body model.
+CLIENT_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
+    Registration: registration,
+    CapacityReport: capacity_report,
+    AttemptRef: attempt_ref,
+    Finish: finish,
+}
 
 # --------------------------------------------------------------------------- encoding
 # The wire form of each model, written out: the same dicts the converter's generated

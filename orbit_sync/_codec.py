@@ -345,10 +345,7 @@ def encode_request(type_: str, message_id: str, session_id: str | None, body: An
         # The hot path (start, renew, resume): the same few refs again and again. Every part is
         # already validated (hex ids, a known type), so the frame is the same text encode_frame
         # builds, without re-serializing the body each time.
-        return (
-            f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
-            f'"message_id":"{message_id}","session_id":"{session_id}","body":{_ref_json(body)}}}'
-        )
+        return f"{_request_head(type_, message_id, session_id)}{_ref_json(body)}}}"
     if type(body) is Finish and session_id is not None:
         return _finish_frame(type_, message_id, session_id, body)
     if isinstance(body, Finish):
@@ -387,9 +384,8 @@ def _finish_frame(type_: str, message_id: str, session_id: str, finish: Finish) 
     # Every other part is validated ASCII (hex ids, the code pattern, enum values), so it needs
     # no escaping and counts one byte a character.
     head = (
-        f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
-        f'"message_id":"{message_id}","session_id":"{session_id}",'
-        f'"body":{{"ref":{_ref_json(finish.ref)},"outcome":"{finish.outcome.value}","result":'
+        f"{_request_head(type_, message_id, session_id)}"
+        f'{{"ref":{_ref_json(finish.ref)},"outcome":"{finish.outcome.value}","result":'
     )
     tail = ""
     if finish.error_code is not None:
@@ -401,6 +397,14 @@ def _finish_frame(type_: str, message_id: str, session_id: str, finish: Finish) 
     if size > _json.MAX_FRAME_BYTES:
         raise FrameError(f"frame is {size} bytes, over the {_json.MAX_FRAME_BYTES}-byte limit")
     return head + result + tail
+
+
+def _request_head(type_: str, message_id: str, session_id: str) -> str:
+    """A request frame up to its body, as encode_frame writes it (validated ASCII parts only)."""
+    return (
+        f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
+        f'"message_id":"{message_id}","session_id":"{session_id}","body":'
+    )
 
 
 @functools.lru_cache(maxsize=1024)
@@ -508,19 +512,25 @@ def _worker_error(frame: dict[str, Any]) -> WorkerError:
     return WorkerError(code, message, message_id=frame.get("reply_to"))
 
 
-def _body(frame: dict[str, Any], cls: type[T]) -> T:
-    body = frame["body"]
+def _decode_body(
+    value: Any, cls: type[T], conv: cattrs.Converter, decoders: Mapping[type[Any], Any]
+) -> T:
+    """*value* as *cls*, or FrameError naming what is wrong and where."""
     try:
         # The hot path: every field checked once, the model built without re-validating.
-        decoded: T = _bodies.SERVER_DECODERS[cls](body)
+        decoded: T = decoders[cls](value)
         return decoded
     except Exception:  # any fault at all: the reference converter names it below
         pass
     # A rejected body (rare): the converter is the reference for what is wrong and where, so
     # error messages and paths are those it always gave. Should it accept what the fast path
     # refused, its model is used (tests/test_wire_bodies.py makes sure that never happens).
+    return structure(conv, value, cls)
+
+
+def _body(frame: dict[str, Any], cls: type[T]) -> T:
     try:
-        return structure(SERVER_BODY, body, cls)
+        return _decode_body(frame["body"], cls, SERVER_BODY, _bodies.SERVER_DECODERS)
     except FrameError as exc:
         raise _bad(str(exc)) from None
 
@@ -660,7 +670,7 @@ def decode_client_frame(raw: bytes | str) -> ClientFrame:
         raise bad("session_id must be 32 lowercase hex")
     body = frame.get("body")
     try:
-        model = structure(CLIENT_BODY, body, CLIENT_BODIES[kind])
+        model = _decode_body(body, CLIENT_BODIES[kind], CLIENT_BODY, _bodies.CLIENT_DECODERS)
         if isinstance(model, Finish):
             check_result(model.result)
     except FrameError as exc:

@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 from orbit_sync import _bodies, _codec
 from orbit_sync.errors import FrameError, WorkerProtocolError
 from orbit_sync.models import (
+    AttemptRef,
     AttemptState,
+    Capability,
     CommandResult,
     Lease,
     Receipt,
@@ -34,16 +36,25 @@ VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_te
 _BODY_MODEL = {"task.assign": _codec.Assignment, "task.cancel": _codec.CancelNotice}
 
 
+def _client_sent(cls: type[Any]) -> bool:
+    return cls in _bodies.CLIENT_DECODERS or cls is Capability
+
+
 def _reference(value: Any, cls: type[Any]) -> tuple[bool, Any]:
+    conv = _codec.CLIENT_BODY if _client_sent(cls) else _codec.SERVER_BODY
     try:
-        return True, _codec.structure(_codec.SERVER_BODY, copy.deepcopy(value), cls)
+        return True, _codec.structure(conv, copy.deepcopy(value), cls)
     except FrameError as exc:
         return False, str(exc)
 
 
 def _fast(value: Any, cls: type[Any]) -> tuple[bool, Any]:
+    if cls is Capability:
+        decode = _bodies.capability
+    else:
+        decode = (_bodies.CLIENT_DECODERS if _client_sent(cls) else _bodies.SERVER_DECODERS)[cls]
     try:
-        return True, _bodies.SERVER_DECODERS[cls](copy.deepcopy(value))
+        return True, decode(copy.deepcopy(value))
     except Exception as exc:
         return False, exc
 
@@ -93,6 +104,17 @@ def _bodies_in_vectors() -> list[tuple[str, Any, type[Any]]]:
             cases.append((vector["name"], body, CommandResult))
             cases.append((vector["name"] + "/as-lease", body.get("lease"), Lease))
             cases.append((vector["name"] + "/receipt", body.get("receipt"), Receipt))
+    for vector in VECTORS["client_to_server"]:
+        frame = json.loads(vector["frame"])
+        body = frame.get("body")
+        cls = _codec.CLIENT_BODIES.get(frame.get("type"))
+        if cls is None or not isinstance(body, dict):
+            continue
+        cases.append((vector["name"], body, cls))
+        if isinstance(body.get("ref"), dict):
+            cases.append((vector["name"] + "/ref", body["ref"], AttemptRef))
+        for i, cap in enumerate(body.get("capabilities") or []):
+            cases.append((f"{vector['name']}/capability{i}", cap, Capability))
     return cases
 
 
@@ -108,7 +130,7 @@ def test_vector_bodies_agree(name: str, body: Any, cls: type[Any]) -> None:
 def test_vector_bodies_cover_both_verdicts() -> None:
     """The vector bodies include accepted and rejected ones of every top-level model."""
     seen = {(cls, assert_agree(body, cls)) for _, body, cls in VECTOR_BODIES}
-    for cls in (CommandResult, Welcome, _codec.Assignment, Task):
+    for cls in (CommandResult, Welcome, _codec.Assignment, Task, *_bodies.CLIENT_DECODERS):
         assert (cls, True) in seen and (cls, False) in seen, cls.__name__
 
 
@@ -190,7 +212,32 @@ ODD_VALUES = st.sampled_from(
         {"x": 1},
     ]
 )
-VALUES = ODD_VALUES | wire_times()
+CAPABILITY = {"handler": "resize", "handler_version": "1", "payload_version": "1"}
+CLIENT_VALUES = st.sampled_from(
+    [
+        "FAILED",
+        "UNKNOWN",
+        "CANCELLED",
+        "HANDLER_ERROR",
+        "X" * 64,
+        "X" * 65,
+        "bad_code",
+        256,
+        257,
+        -1,
+        [CAPABILITY],
+        [CAPABILITY, CAPABILITY],
+        [CAPABILITY, {**CAPABILITY, "handler": "other"}],
+        [{**CAPABILITY, "handler": f"h{i}"} for i in range(33)],
+        [{**CAPABILITY, "extra": 1}],
+        [{"handler": "resize", "handler_version": "1"}],
+        ["resize"],
+    ]
+)
+VALUES = ODD_VALUES | wire_times() | CLIENT_VALUES
+#: Keys a body may lack (mutations add them), and one no model has.
+OPTIONAL_KEYS = ["cancel_requested_at", "cancellation_notifications", "error_code", "retryable"]
+OPTIONAL_KEYS += ["extra"]
 
 
 @st.composite
@@ -199,10 +246,13 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> dict[str, Any]:
     result = copy.deepcopy(body)
     for _ in range(draw(st.integers(1, 4))):
         target = result
-        nested = [k for k, v in target.items() if isinstance(v, dict) and k != "payload"]
+        nested = [v for k, v in sorted(target.items()) if isinstance(v, dict) and k != "payload"]
+        listed = target.get("capabilities")
+        if isinstance(listed, list):
+            nested += [item for item in listed if isinstance(item, dict)]
         if nested and draw(st.booleans()):
-            target = target[draw(st.sampled_from(sorted(nested)))]
-        key = draw(st.sampled_from([*sorted(target), "cancel_requested_at", "extra"]))
+            target = draw(st.sampled_from(nested))
+        key = draw(st.sampled_from([*sorted(target), *OPTIONAL_KEYS]))
         action = draw(st.sampled_from(["set", "set", "set", "delete"]))
         if action == "delete":
             target.pop(key, None)
