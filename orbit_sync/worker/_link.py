@@ -9,6 +9,7 @@ that is how shutdown bounds a finish waiting for a connection that never comes b
 
 from __future__ import annotations
 
+import collections
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -98,50 +99,93 @@ class GaveUp(Exception):
     """The link was closed for good while waiting for a connection: shutdown is over."""
 
 
+class _Parked:
+    """A thread blocked in :meth:`Gate.acquire`: its lock is released when a slot is granted
+    (``granted``) or the gate closes (not granted)."""
+
+    __slots__ = ("granted", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.granted = False
+
+
 class Gate:
     """A counting semaphore whose waiters give up (:class:`GaveUp`) when it is closed, so a
-    wait for a slot ends on an event, never on a polling timeout."""
+    wait for a slot ends on an event, never on a polling timeout.
+
+    Besides blocked threads (:meth:`acquire`), *jobs* can wait for a slot without holding a
+    thread (:meth:`acquire_or_queue`): :meth:`release` hands the freed slot to the first waiter
+    in arrival order, and returns a job to its caller, who then runs it (the slot is the job's).
+    """
 
     def __init__(self, slots: int) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
         self._free = slots
-        #: Threads blocked in acquire(): release() notifies only when there are some.
-        self._waiting = 0
+        #: Waiters in arrival order (only while no slot is free): parked threads and jobs.
+        self._queue: collections.deque[_Parked | Callable[[], None]] = collections.deque()
         self._closed = False
 
     def acquire(self) -> None:
         """Take a slot, waiting for one; raise :class:`GaveUp` once closed."""
-        with self._cond:
-            while not self._closed and self._free <= 0:
-                self._waiting += 1
-                try:
-                    self._cond.wait()
-                finally:
-                    self._waiting -= 1
+        with self._lock:
             if self._closed:
                 raise GaveUp("worker stopped")
-            self._free -= 1
+            if self._free > 0:
+                self._free -= 1
+                return
+            parked = _Parked()
+            self._queue.append(parked)
+        parked.lock.acquire()  # released by release() (granted) or close()
+        if not parked.granted:
+            raise GaveUp("worker stopped")
 
     def try_acquire(self) -> bool:
         """Take a slot if one is free, without waiting; False when none is (or once closed)."""
-        with self._cond:
+        with self._lock:
             if self._closed or self._free <= 0:
                 return False
             self._free -= 1
             return True
 
-    def release(self) -> None:
-        """Give a slot back, waking one waiter if there is one."""
-        with self._cond:
+    def acquire_or_queue(self, job: Callable[[], None]) -> bool:
+        """Take a slot (True), or queue *job* for the next slot freed (False: a later
+        :meth:`release` returns it). Raise :class:`GaveUp` once closed."""
+        with self._lock:
+            if self._closed:
+                raise GaveUp("worker stopped")
+            if self._free > 0:
+                self._free -= 1
+                return True
+            self._queue.append(job)
+            return False
+
+    def release(self) -> Callable[[], None] | None:
+        """Give a slot back: to the first waiter (a parked thread is woken; a job is returned,
+        and the caller must run it), else to the free slots."""
+        with self._lock:
+            if self._queue:
+                first = self._queue.popleft()
+                if not isinstance(first, _Parked):
+                    return first
+                first.granted = True
+                first.lock.release()
+                return None
             self._free += 1
-            if self._waiting:
-                self._cond.notify()
+            return None
 
     def close(self) -> None:
-        """Wake every waiter: they give up."""
-        with self._cond:
+        """Wake every parked thread: they give up. Queued jobs stay: slots still in use are
+        released as their requests end, and each goes to a job (which then finds no
+        connection)."""
+        with self._lock:
             self._closed = True
-            self._cond.notify_all()
+            parked = [w for w in self._queue if isinstance(w, _Parked)]
+            jobs = [w for w in self._queue if not isinstance(w, _Parked)]
+            self._queue = collections.deque(jobs)
+        for waiter in parked:
+            waiter.lock.release()
 
 
 class Link:

@@ -159,6 +159,30 @@ class _Attempt:
         return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
 
 
+class _Request:
+    """A start or finish on its way: what to send, whose answer goes to *on_answer*
+    ``(value, error, generation, successor)``, and the blocking *fallback* step that sends it
+    when it cannot be pipelined."""
+
+    __slots__ = ("att", "body", "fallback", "message_id", "on_answer", "request_type")
+
+    def __init__(
+        self,
+        att: _Attempt,
+        request_type: str,
+        body: Any,
+        message_id: str,
+        on_answer: Callable[[Any, OrbitError | None, int, Callable[[], None] | None], None],
+        fallback: Callable[[], bool],
+    ) -> None:
+        self.att = att
+        self.request_type = request_type
+        self.body = body
+        self.message_id = message_id
+        self.on_answer = on_answer
+        self.fallback = fallback
+
+
 def _event(att: _Attempt) -> AttemptEvent:
     task = att.task
     return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
@@ -177,6 +201,11 @@ def _finished(att: _Attempt, verdict: Verdict, delivered: bool) -> AttemptFinish
         ran=verdict.ran,
         delivered=delivered,
     )
+
+
+def _handed_back() -> bool:
+    """A step with nothing left to do: the worker is done with the attempt."""
+    return False
 
 
 def _lease_event(att: _Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
@@ -1075,9 +1104,14 @@ class Worker:
         """The pool job of a new assignment: send its start."""
         self._step(att, partial(self._send_start, att))
 
-    def _step(self, att: _Attempt, body: Callable[[], bool]) -> None:
+    def _step(
+        self, att: _Attempt, body: Callable[[], bool], first: Callable[[], None] | None = None
+    ) -> None:
         """Run one step of *att* on this (pool) thread; release the attempt unless it was handed
-        on."""
+        on. *first*: another attempt's request, given the request slot that *att*'s answer
+        freed, sent before (it never blocks, never raises)."""
+        if first is not None:
+            first()
         handed_on = False
         try:
             handed_on = body()
@@ -1087,9 +1121,13 @@ class Worker:
             if not handed_on:
                 self._release(att)
 
-    def _handoff(self, att: _Attempt, body: Callable[[], bool]) -> None:
+    def _handoff(
+        self, att: _Attempt, body: Callable[[], bool], first: Callable[[], None] | None = None
+    ) -> None:
         """From an answer's callback: run the next step of *att* on a pool thread."""
-        job = partial(self._step, att, body)
+        self._run_on_pool(partial(self._step, att, body, first))
+
+    def _run_on_pool(self, job: Callable[[], None]) -> None:
         try:
             self._pool.submit(job)
         except RuntimeError:  # a late answer after the pool shut down: a thread of its own
@@ -1106,67 +1144,96 @@ class Worker:
         else:
             self._notify()  # shutdown counts the abandoned handlers still running
 
-    def _submit(
-        self,
-        request_type: str,
-        body: Any,
-        message_id: str,
-        on_answer: Callable[[Any, OrbitError | None, int], None],
-    ) -> bool:
-        """Send a start or finish without waiting for its answer. True: it was sent, and
-        ``on_answer(value, error, generation)`` will be called once, on the reader thread (or
-        the thread that ends the connection). False: nothing was sent (no connection, or the
-        worker stopped: the blocking path waits for a connection or gives up).
-
-        Waits for a free request slot (the handlers' share of max_in_flight): answers free
-        them, and the connection's end answers them all."""
-        gate = self._link.gate
-        if not gate.try_acquire():
-            try:
-                gate.acquire()
-            except GaveUp:
-                return False
-        current = self._link.current()
-        if current is None:
-            gate.release()
-            return False
-        conn, gen = current
-
-        def done(value: Any, error: OrbitError | None) -> None:
-            gate.release()
-            on_answer(value, error, gen)
-
+    def _pipeline(self, req: _Request) -> bool:
+        """Send a start or finish without waiting for its answer (a pool step): True when it
+        was handed on (sent, or queued for the next free request slot: the handlers' share of
+        max_in_flight), else the result of its blocking fallback, run here."""
         try:
-            conn.submit(request_type, body, done, message_id=message_id, timeout=self._call_timeout)
-        except OrbitError:  # nothing was sent: the connection ended, or it is busy
-            gate.release()
-            return False
-        except BaseException:
-            gate.release()
-            raise
+            if not self._link.gate.acquire_or_queue(partial(self._send_queued, req)):
+                return True  # a freed slot sends it; this thread goes back to the pool
+        except GaveUp:
+            return req.fallback()  # the worker stopped: the blocking path gives up
+        return self._transmit(req, inline=True)
+
+    def _transmit(self, req: _Request, *, inline: bool) -> bool:
+        """Send *req*, whose request slot is taken, on the current connection. True: sent, or
+        (not *inline*) its fallback was handed to the pool; else its fallback's result."""
+        current = self._link.current()
+        if current is not None:
+            conn, gen = current
+            gate = self._link.gate
+
+            def done(value: Any, error: OrbitError | None) -> None:
+                req.on_answer(value, error, gen, gate.release())
+
+            try:
+                conn.submit(
+                    req.request_type,
+                    req.body,
+                    done,
+                    message_id=req.message_id,
+                    timeout=self._call_timeout,
+                )
+                return True
+            except OrbitError:  # nothing was sent: the connection ended, or it is busy
+                pass
+            except BaseException:
+                self._free_slot()
+                raise
+        self._free_slot()
+        if inline:
+            return req.fallback()
+        self._handoff(req.att, req.fallback)
         return True
 
+    def _send_queued(self, req: _Request) -> None:
+        """A queued request, now holding a slot (run on a pool thread, maybe inside another
+        attempt's step): it must not block, so its fallback goes to the pool."""
+        try:
+            self._transmit(req, inline=False)
+        except Exception:
+            req.att.ctx._log.exception("worker error while sending %s", req.request_type)
+            self._release(req.att)
+
+    def _free_slot(self) -> None:
+        """Give a request slot back; a queued request that gets it is sent from a pool thread."""
+        successor = self._link.gate.release()
+        if successor is not None:
+            self._run_on_pool(successor)
+
     def _send_start(self, att: _Attempt) -> bool:
-        on_answer = partial(self._start_answered, att)
-        if self._submit("task.start", att.ref, att.start_id, on_answer):
-            return True
-        return self._start_blocking(att, None)
+        return self._pipeline(
+            _Request(
+                att,
+                "task.start",
+                att.ref,
+                att.start_id,
+                partial(self._start_answered, att),
+                partial(self._start_blocking, att, None),
+            )
+        )
 
     def _start_answered(
-        self, att: _Attempt, result: Any, error: OrbitError | None, gen: int
+        self,
+        att: _Attempt,
+        result: Any,
+        error: OrbitError | None,
+        gen: int,
+        successor: Callable[[], None] | None,
     ) -> None:
-        # On the reader thread: it must never block or make a request.
-        try:
-            if error is not None:
-                self._handoff(att, partial(self._start_blocking, att, (error, gen)))
-                return
-            may_run = self._admit(att, result)
-            self._handoff(att, partial(self._after_start, att, result, may_run))
-        except Exception:
-            att.ctx._log.exception("worker error while starting the attempt")
-            self._release(att)
+        # On the reader thread: it must never block or make a request. The next step (and the
+        # request that got the freed slot, if any) runs on a pool thread.
+        body: Callable[[], bool] = partial(self._start_blocking, att, (error, gen))
+        if error is None:
+            try:
+                may_run = self._admit(att, result)
+                body = partial(self._after_start, att, result, may_run)
+            except Exception:
+                att.ctx._log.exception("worker error while starting the attempt")
+                body = _handed_back
+        self._handoff(att, body, successor)
 
-    def _start_blocking(self, att: _Attempt, failed: tuple[OrbitError, int] | None) -> bool:
+    def _start_blocking(self, att: _Attempt, failed: tuple[OrbitError | None, int] | None) -> bool:
         """Send (or, after *failed*, re-send) the start until it is answered, then go on."""
         ctx = att.ctx
         try:
@@ -1272,10 +1339,16 @@ class Worker:
 
     def _send_finish(self, att: _Attempt, verdict: Verdict) -> bool:
         finish, message_id = self._prepare_finish(att, verdict)
-        on_answer = partial(self._finish_answered, att, verdict, finish, message_id)
-        if self._submit("task.finish", finish, message_id, on_answer):
-            return True
-        return self._finish_blocking(att, verdict, finish, message_id, None)
+        return self._pipeline(
+            _Request(
+                att,
+                "task.finish",
+                finish,
+                message_id,
+                partial(self._finish_answered, att, verdict, finish, message_id),
+                partial(self._finish_blocking, att, verdict, finish, message_id, None),
+            )
+        )
 
     def _finish_answered(
         self,
@@ -1286,23 +1359,23 @@ class Worker:
         result: Any,
         error: OrbitError | None,
         gen: int,
+        successor: Callable[[], None] | None,
     ) -> None:
         # On the reader thread: it must never block or make a request, nor run user code.
-        try:
-            if error is not None:
-                failed = (error, gen)
-                self._handoff(
-                    att,
-                    partial(self._finish_blocking, att, verdict, finish, message_id, failed),
-                )
-            elif self._outbox is not None or self._hooks:
-                # An SQLite write and the listeners (user code) run on a pool thread.
-                self._handoff(att, partial(self._finish_accepted, att, verdict, result))
-            else:
+        if error is not None:
+            failed = (error, gen)
+            body = partial(self._finish_blocking, att, verdict, finish, message_id, failed)
+            self._handoff(att, body, successor)
+        elif self._outbox is not None or self._hooks:
+            # An SQLite write and the listeners (user code) run on a pool thread.
+            self._handoff(att, partial(self._finish_accepted, att, verdict, result), successor)
+        else:
+            if successor is not None:
+                self._run_on_pool(successor)
+            try:
                 self._accepted(att, verdict, result)
-                self._release(att)
-        except Exception:
-            att.ctx._log.exception("worker error while finishing the attempt")
+            except Exception:
+                att.ctx._log.exception("worker error while finishing the attempt")
             self._release(att)
 
     def _finish(self, att: _Attempt, verdict: Verdict) -> None:
@@ -1325,7 +1398,7 @@ class Worker:
         verdict: Verdict,
         finish: Finish,
         message_id: str,
-        failed: tuple[OrbitError, int] | None,
+        failed: tuple[OrbitError | None, int] | None,
     ) -> bool:
         """Send (or, after *failed*, re-send) the finish until it is answered; tell the
         listeners. False: the worker is done with the attempt."""
@@ -1346,7 +1419,7 @@ class Worker:
         verdict: Verdict,
         finish: Finish,
         message_id: str,
-        failed: tuple[OrbitError, int] | None,
+        failed: tuple[OrbitError | None, int] | None,
     ) -> bool:
         """Send the finish until it is answered; True when the server accepted it."""
         try:
@@ -1450,7 +1523,7 @@ class Worker:
                 self._cond.notify_all()
 
     def _call(
-        self, fn: Callable[[Connection], T], *, failed: tuple[OrbitError, int] | None = None
+        self, fn: Callable[[Connection], T], *, failed: tuple[OrbitError | None, int] | None = None
     ) -> T:
         """Send one operation until it is answered, re-sending it (same ``message_id``, bound
         in *fn*) on each newer connection after a connection failure. *failed*: the error its
@@ -1465,7 +1538,10 @@ class Worker:
                 except OrbitError as exc:
                     error = exc
             else:
-                (error, gen), failed = failed, None
+                (failed_error, gen), failed = failed, None
+                if failed_error is None:  # nothing to handle: send as usual
+                    continue
+                error = failed_error
             if is_link_failure(error):
                 newer_than = gen
                 self._link.broken(gen)
@@ -1484,7 +1560,7 @@ class Worker:
         try:
             return fn()
         finally:
-            self._link.gate.release()
+            self._free_slot()
 
     def _on_renewed(self, attempt_id: str, lag: float) -> None:
         if self._hooks:
