@@ -161,3 +161,55 @@ def test_attempt_finished_runs_off_the_reader_thread_after_delivery(
     assert thread.startswith("orbit-handler"), thread
     assert event.delivered and event.ran and event.task_id == task_id
     assert snap.state is TaskState.SUCCEEDED
+
+
+def test_gate_hands_freed_slots_to_queued_jobs_in_arrival_order() -> None:
+    """A job queued for a slot holds no thread: each release hands the slot to the first
+    queued job (returned to run), in arrival order; closing keeps queued jobs, which still get
+    the slots released after it, and refuses new ones."""
+    from orbit_sync.worker._link import Gate, GaveUp
+
+    gate = Gate(1)
+    ran: list[str] = []
+    assert gate.acquire_or_queue(lambda: ran.append("never"))  # a free slot: taken, not queued
+    assert not gate.acquire_or_queue(lambda: ran.append("a"))
+    assert not gate.acquire_or_queue(lambda: ran.append("b"))
+    job = gate.release()
+    assert job is not None
+    job()
+    gate.close()
+    with pytest.raises(GaveUp):
+        gate.acquire_or_queue(lambda: ran.append("late"))
+    job = gate.release()
+    assert job is not None
+    job()
+    assert gate.release() is None and gate._free == 1
+    assert ran == ["a", "b"]
+
+
+def test_gate_grants_a_released_slot_to_a_parked_thread() -> None:
+    """A thread blocked in acquire() gets the slot a release frees (without a poll), and a
+    thread parked when the gate closes gives up."""
+    from orbit_sync.worker._link import Gate, GaveUp
+
+    gate = Gate(1)
+    gate.acquire()
+    outcomes: list[str] = []
+
+    def take() -> None:
+        try:
+            gate.acquire()
+            outcomes.append("granted")
+        except GaveUp:
+            outcomes.append("gave up")
+
+    first = threading.Thread(target=take, daemon=True)
+    first.start()
+    assert gate.release() is None  # to the parked thread, or free for it to take
+    first.join(WAIT)
+    assert outcomes == ["granted"] and gate._free == 0
+    second = threading.Thread(target=take, daemon=True)
+    second.start()
+    gate.close()
+    second.join(WAIT)
+    assert outcomes == ["granted", "gave up"]
