@@ -20,6 +20,7 @@ from orbit_sync.worker import FakeClock as WorkerFakeClock
 from orbit_sync.worker import LeaseEvent, WorkerListener
 from orbit_sync.worker._context import TaskContext
 from orbit_sync.worker._watchdog import (
+    MAX_EARLY_BATCH,
     LeaseWatchdog,
     RenewDone,
     SendRenew,
@@ -557,3 +558,25 @@ def test_the_worker_renews_attempts_due_together_in_one_write(
         assert len(writes) == 1 and len(writes[0]) == 3
         assert len({json.loads(text)["body"]["attempt_id"] for text in writes[0]}) == 3
         assert worker.stats().lease_losses == 0
+
+
+def test_early_additions_stop_at_a_bounded_batch(clock: FakeClock, batcher: BatchRenewer) -> None:
+    """Nearly due renewals fill a batch only up to MAX_EARLY_BATCH; renewals that are due all go."""
+    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
+    due_now = [f"{i:032x}" for i in range(MAX_EARLY_BATCH - 2)]
+    nearly = [f"{i:032x}" for i in range(100, 105)]
+    for attempt_id in due_now:
+        wd.track(attempt_id, _ctx(clock), clock() + 20.0)  # due at +10
+    for attempt_id in nearly:
+        wd.track(attempt_id, _ctx(clock), clock() + 21.0)  # due at +10.5: joins if room
+    clock.advance(10.0)
+    wd.run_due()
+    [first] = batcher.batches
+    assert first[: len(due_now)] == due_now and len(first) == MAX_EARLY_BATCH
+    assert set(first[len(due_now) :]) < set(nearly)
+    many = [f"{i:032x}" for i in range(200, 200 + MAX_EARLY_BATCH + 4)]
+    for attempt_id in many:
+        wd.track(attempt_id, _ctx(clock), clock() + 2.0)  # all due at once, 1 s from now
+    clock.advance(1.0)
+    wd.run_due()
+    assert set(many) <= set(batcher.batches[-1]), "every due renewal goes, however many"

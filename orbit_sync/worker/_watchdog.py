@@ -12,11 +12,12 @@ Rules (PROTOCOL §6.3-6.6):
 
 - renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL)
   still has slack;
-- a renewal that is nearly due (within :data:`GROUP_FRACTION` of its wait, and at least
-  :data:`MIN_RENEW_INTERVAL` after its last grant) goes out early with a batch that is sent anyway:
-  attempts started together stay renewed together, in one write. Under CPU-bound handlers every
-  socket write and every GIL-releasing call on the way to it can cost a whole thread switch, so
-  the k-th of k renewals written one by one would be k switches late;
+- a renewal that is nearly due (within :data:`GROUP_FRACTION` of its wait, at least
+  :data:`MIN_RENEW_INTERVAL` after its last grant, while the batch holds fewer than
+  :data:`MAX_EARLY_BATCH`) goes out early with a batch that is sent anyway: attempts started
+  together stay renewed together, in one write. Under CPU-bound handlers every socket write and
+  every GIL-releasing call on the way to it can cost a whole thread switch, so the k-th of k
+  renewals written one by one would be k switches late;
 - at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
   watched (an answer that never comes cannot keep a handler running past its lease);
 - a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
@@ -77,6 +78,10 @@ MIN_RENEW_INTERVAL = 0.05
 #: (from its last grant to when it is due) is left: it then goes out at 3/8 instead of 1/2 of
 #: the remaining window at the earliest, so it keeps more slack, never less.
 GROUP_FRACTION = 0.25
+#: Renewals added early stop once a batch holds this many: a connection takes at most 32 requests
+#: in flight (more are refused, then retried a retry delay later), and handlers' starts and
+#: finishes need room too. Renewals that are due always go, however many.
+MAX_EARLY_BATCH = 16
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
 
@@ -307,6 +312,8 @@ class LeaseWatchdog:
         One pass over the entries (at most the worker's capacity), only when a batch is sent.
         """
         for entry in self._entries.values():
+            if len(batch) >= MAX_EARLY_BATCH:
+                return
             due = entry.due
             if (
                 entry.flight
