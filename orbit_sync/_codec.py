@@ -5,6 +5,11 @@ side).
 Both our client and our mock server decode through this module, so they agree on every vector in
 ``tests/vectors/frames.json`` by construction. cattrs' default hooks coerce (``"007"`` → 7,
 ``True`` → 1); every hook here checks exact types instead.
+
+The converters are the reference: bodies are decoded and encoded on the hot path by the
+hand-written functions of :mod:`orbit_sync._bodies` (each field checked once, models built
+without re-running their validators), and a body those reject is handed to the converter,
+which names the fault and its path.
 """
 
 from __future__ import annotations
