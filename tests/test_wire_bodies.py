@@ -272,7 +272,7 @@ def _valid_bodies() -> list[tuple[Any, type[Any]]]:
 VALID = _valid_bodies()
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@settings(max_examples=80, suppress_health_check=[HealthCheck.too_slow], deadline=None)
 @given(st.sampled_from(VALID).flatmap(lambda c: st.tuples(mutated(c[0]), st.just(c[1]))))
 def test_mutated_bodies_agree(case: tuple[dict[str, Any], type[Any]]) -> None:
     """Mutated valid bodies (odd values, boundary times, missing/extra keys) get one verdict."""

@@ -173,7 +173,7 @@ ALL_MODELS = st.one_of(
 )
 
 
-@settings(max_examples=150)
+@settings(max_examples=80)
 @given(ALL_MODELS)
 def test_hand_written_wire_forms_match_the_converter(model: Any) -> None:
     """unstructure's hand-written forms give the converter's dict, key order included."""
@@ -183,7 +183,7 @@ def test_hand_written_wire_forms_match_the_converter(model: Any) -> None:
     assert _codec._json.dumps(_codec.unstructure(model)) == _codec._json.dumps(expected)
 
 
-@settings(max_examples=100)
+@settings(max_examples=50)
 @given(finishes(), ids, ids)
 def test_finish_frame_is_the_generic_encoding(finish: Finish, mid: str, sid: str) -> None:
     """A finish frame built around its once-serialized result is the generic frame, to the byte."""
