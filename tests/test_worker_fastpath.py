@@ -11,7 +11,7 @@ from _worker_helpers import Probe, events, has_event, make_worker, running
 
 from orbit_sync.models import TaskState
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import AttemptFinished, FakeClock, TaskContext, WorkerListener
+from orbit_sync.worker import AttemptFinished, FakeClock, TaskContext, Worker, WorkerListener
 
 WAIT = 10.0
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
@@ -25,20 +25,23 @@ def server() -> Any:
         srv.check_invariants()
 
 
-def _counting(probe: Probe) -> Any:
-    def handler(ctx: TaskContext, payload: Any) -> Any:
+def _counting_worker(server: MockOrbitServer, **kwargs: Any) -> tuple[Worker, Probe]:
+    """A capacity-2 worker whose ``count`` handler records each run and echoes ``i``."""
+    probe = Probe()
+    worker = make_worker(server, capacity=2, **kwargs)
+
+    @worker.handler("count")
+    def count(ctx: TaskContext, payload: Any) -> Any:
         probe.enter(ctx)
         return {"i": payload["i"]}
 
-    return handler
+    return worker, probe
 
 
 def test_start_cut_before_its_answer_runs_the_handler_once(server: MockOrbitServer) -> None:
     """A connection cut after task.start was applied but before its answer: the start is
     re-sent with its message_id on the next connection and the handler runs exactly once."""
-    probe = Probe()
-    worker = make_worker(server, capacity=2)
-    worker.register("count", _counting(probe))
+    worker, probe = _counting_worker(server)
     with running(worker):
         cut = server.faults.close_after("task.start")
         task_id = server.enqueue("count", {"i": 1})
@@ -59,9 +62,7 @@ def test_transient_error_answer_is_retried_and_lands_once(
 ) -> None:
     """A start or finish answered UNAVAILABLE is sent again on the same session: the handler
     runs once and its finish is counted once."""
-    probe = Probe()
-    worker = make_worker(server, capacity=2, renew_retry_delay=0.1)
-    worker.register("count", _counting(probe))
+    worker, probe = _counting_worker(server, renew_retry_delay=0.1)
     with running(worker):
         refused = server.faults.reply_error(request_type, "UNAVAILABLE")
         task_id = server.enqueue("count", {"i": 2})
@@ -79,9 +80,7 @@ def test_stop_while_a_finish_is_in_flight_returns_once_it_is_answered(
     """stop() while a finish's answer is still on its way: on a clock that never moves, only
     the answer can end the drain, and the report counts the finish as delivered."""
     clock = FakeClock()
-    probe = Probe()
-    worker = make_worker(server, capacity=2, clock=clock, drain_timeout=60.0, flush_timeout=60.0)
-    worker.register("count", _counting(probe))
+    worker, probe = _counting_worker(server, clock=clock, drain_timeout=60.0, flush_timeout=60.0)
     report: list[Any] = []
     with running(worker):
         held = server.faults.delay_reply("task.finish", 0.5)
@@ -101,9 +100,7 @@ def test_stop_while_a_finish_is_in_flight_returns_once_it_is_answered(
 def test_finish_cut_before_its_answer_is_delivered_once(server: MockOrbitServer) -> None:
     """A connection cut after task.finish was applied but before its answer: the re-sent
     finish is a replay, and the worker counts the outcome once."""
-    probe = Probe()
-    worker = make_worker(server, capacity=2)
-    worker.register("count", _counting(probe))
+    worker, probe = _counting_worker(server)
     with running(worker):
         cut = server.faults.close_after("task.finish")
         task_id = server.enqueue("count", {"i": 4})
@@ -150,9 +147,7 @@ def test_attempt_finished_runs_off_the_reader_thread_after_delivery(
             seen.append((threading.current_thread().name, event))
             finished.set()
 
-    probe = Probe()
-    worker = make_worker(server, capacity=2, listeners=[Recorder()])
-    worker.register("count", _counting(probe))
+    worker, probe = _counting_worker(server, listeners=[Recorder()])
     with running(worker):
         task_id = server.enqueue("count", {"i": 5})
         assert finished.wait(WAIT)
@@ -160,7 +155,7 @@ def test_attempt_finished_runs_off_the_reader_thread_after_delivery(
     ((thread, event),) = seen
     assert thread.startswith("orbit-handler"), thread
     assert event.delivered and event.ran and event.task_id == task_id
-    assert snap.state is TaskState.SUCCEEDED
+    assert snap.state is TaskState.SUCCEEDED and probe.runs[task_id] == 1
 
 
 def test_gate_hands_freed_slots_to_queued_jobs_in_arrival_order() -> None:

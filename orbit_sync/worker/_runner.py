@@ -1392,6 +1392,12 @@ class Worker:
         )
         return finish, message_id
 
+    def _finish_accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> bool:
+        self._accepted(att, verdict, result)
+        if self._hooks:
+            self._hooks.emit("attempt_finished", _finished(att, verdict, True))
+        return False
+
     def _finish_blocking(
         self,
         att: _Attempt,
@@ -1407,21 +1413,11 @@ class Worker:
             self._hooks.emit("attempt_finished", _finished(att, verdict, delivered))
         return False
 
-    def _finish_accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> bool:
-        self._accepted(att, verdict, result)
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, True))
-        return False
-
     def _deliver(
-        self,
-        att: _Attempt,
-        verdict: Verdict,
-        finish: Finish,
-        message_id: str,
-        failed: tuple[OrbitError | None, int] | None,
+        self, att: _Attempt, verdict: Verdict, finish: Finish, message_id: str, failed: Any
     ) -> bool:
-        """Send the finish until it is answered; True when the server accepted it."""
+        """Send the finish until it is answered (*failed*: see :meth:`_call`); True when the
+        server accepted it."""
         try:
             result = self._call(
                 lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout),
