@@ -59,6 +59,7 @@ from ..models import (
     Lease,
     Outcome,
     Registration,
+    Welcome,
     new_id,
     new_message_id,
     new_secret,
@@ -181,6 +182,22 @@ class _Request:
         self.message_id = message_id
         self.on_answer = on_answer
         self.fallback = fallback
+
+
+class _FirstReport:
+    """The session's first capacity report, sent behind the resumes, and its answer."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.report: CapacityReport | None = None
+        self.sent_at = 0.0
+        self.value: Any = None
+        self.error: OrbitError | None = None
+
+    def answered(self, value: Any, error: OrbitError | None) -> None:
+        # Runs on the connection's reader (or deadline) thread: it only records and wakes.
+        self.value, self.error = value, error
+        self.event.set()
 
 
 def _event(att: _Attempt) -> AttemptEvent:
@@ -852,9 +869,12 @@ class Worker:
         try:
             if self._link.is_closed():
                 return
-            self._reconcile(conn)
+            # The first capacity report goes out right behind the resumes (the server answers a
+            # connection's frames in order), so a reconnect costs one round trip less; handler
+            # requests may use the connection once the resumes are answered.
+            first = self._reconcile(conn)
             gen = self._link.publish(conn)
-            self._send_capacity(conn)
+            self._first_capacity(conn, first)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
             if self._hooks:
@@ -913,21 +933,26 @@ class Worker:
                 )
                 self._link.pause(_BUSY_DELAY if isinstance(exc, WorkerBusy) else self._retry_delay)
 
-    def _reconcile(self, conn: Connection) -> None:
-        """``resume`` every live attempt before the first capacity report (PROTOCOL §5.5).
+    def _reconcile(self, conn: Connection) -> _FirstReport:
+        """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
+        §5.5) without waiting for the resumes' answers; return once every resume is answered.
 
         The resumes are pipelined: all of them are in flight at once (up to the connection's
-        32-request budget), so reconnecting costs one round trip, not one per attempt. Those
-        answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are retried on
-        this same connection; a link failure raises (reconnect).
+        32-request budget, one kept for the report), so reconnecting costs one round trip, not
+        one per attempt. The report follows the last resume on the wire: the server handles a
+        connection's frames in order, so every resume is applied before assignments can start.
+        Resumes answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are
+        retried on this same connection; a link failure raises (reconnect).
         """
         with self._cond:
             todo = [a for a in self._attempts.values() if a.phase is not _Phase.SETTLED]
         pending = set(self._watchdog.pending_renewals())
-        while todo:
+        first = _FirstReport()
+        then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
+        while True:
             retry: list[_Attempt] = []
             failure: OrbitError | None = None
-            for att, lease, error in self._resume_all(conn, todo):
+            for att, lease, error in self._resume_all(conn, todo, then=then):
                 if error is not None and is_transient(error):
                     if is_link_failure(error) or self._link.is_closed() or conn.done.is_set():
                         failure = failure or error  # resumed again on the next connection
@@ -939,20 +964,23 @@ class Worker:
                         "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
                     )
                 self._after_resume(att, lease, renew_now=att.id in pending)
+            then = None
             if failure is not None:
                 raise failure
-            if retry:
-                self._log.info(
-                    "%d resume(s) answered with a transient error; retrying on the same connection",
-                    len(retry),
-                )
-                self._link.pause(self._retry_delay)
+            if not retry:
+                return first
+            self._log.info(
+                "%d resume(s) answered with a transient error; retrying on the same connection",
+                len(retry),
+            )
+            self._link.pause(self._retry_delay)
             todo = retry
 
     def _resume_all(
-        self, conn: Connection, atts: list[_Attempt]
+        self, conn: Connection, atts: list[_Attempt], *, then: Callable[[], None] | None = None
     ) -> list[tuple[_Attempt, Lease | None, OrbitError | None]]:
-        """Send a ``resume`` for each of *atts*, at most 32 in flight; return every answer."""
+        """Send a ``resume`` for each of *atts*, at most 31 in flight, then call *then* (it
+        sends one more request: the budget's last slot is kept for it); return every answer."""
         answers: list[tuple[_Attempt, Lease | None, OrbitError | None]] = []
         window = threading.Condition()
         in_flight = [0]
@@ -969,13 +997,15 @@ class Worker:
         for att in atts:
             with window:
                 # Every request sent completes (answer, failure or deadline): these waits end.
-                while in_flight[0] >= MAX_IN_FLIGHT:
+                while in_flight[0] >= MAX_IN_FLIGHT - 1:
                     window.wait()
                 in_flight[0] += 1
             try:
                 conn.submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
             except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
                 answered(att)(None, exc)
+        if then is not None:
+            then()
         with window:
             while in_flight[0]:
                 window.wait()
@@ -1002,6 +1032,39 @@ class Worker:
                 if self._hooks:
                     self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
+    def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
+        """Send the session's first report without waiting; its answer lands in *first*."""
+        with self._capacity_lock:
+            first.report = self._report_next
+        first.sent_at = self._clock()
+        try:
+            conn.submit("worker.capacity", first.report, first.answered, timeout=self._call_timeout)
+        except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
+            first.answered(None, exc)
+
+    def _first_capacity(self, conn: Connection, first: _FirstReport) -> None:
+        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
+        answer is retried in place, like any later report."""
+        first.event.wait()  # every request sent completes (answer, failure or deadline)
+        error = first.error
+        if error is None:
+            # The connection checked the ack's body: a capacity ack carries a Welcome.
+            assert isinstance(first.value, Welcome) and first.report is not None
+            self._capacity_acked(first.report, first.sent_at, first.value)
+            return
+        if (
+            is_link_failure(error)
+            or not is_transient(error)
+            or self._link.is_closed()
+            or conn.done.is_set()
+        ):
+            raise error
+        self._log.info(
+            "request answered %s; retrying on the same connection", getattr(error, "code", error)
+        )
+        self._link.pause(_BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
+        self._send_capacity(conn)
+
     def _send_capacity(self, conn: Connection) -> None:
         # Only this (connection) thread sends reports. The lock is never held across the call:
         # request_stop() takes it to queue the drain report and must not wait for an answer.
@@ -1009,6 +1072,9 @@ class Worker:
             report = self._report_next
         sent_at = self._clock()
         welcome = self._in_place(conn, partial(conn.capacity, report, timeout=self._call_timeout))
+        self._capacity_acked(report, sent_at, welcome)
+
+    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
         with self._capacity_lock:
             self._report_sent = report
             # PROTOCOL §5.6: repeat the report at least every third of the session window.

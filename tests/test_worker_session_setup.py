@@ -1,0 +1,166 @@
+"""Session setup of a reconnecting Worker, against a scripted server: the first capacity report
+follows the resumes without waiting for their answers, and every resume answer still counts."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from _scripted import (
+    ATTEMPT_ID,
+    QUEUE_ID,
+    TOKEN,
+    WAIT,
+    Peer,
+    ScriptedServer,
+    assignment_body,
+    command_body,
+    lease_body,
+    welcome_body,
+)
+
+from orbit_sync.client import Client
+from orbit_sync.worker import Backoff, TaskContext, Worker
+
+OTHER_TASK = "66666666666666666666666666666666"
+OTHER_ATTEMPT = "77777777777777777777777777777777"
+
+
+class _Handlers:
+    """The ``resize`` handler: the first attempt blocks until released or cancelled."""
+
+    def __init__(self) -> None:
+        self.started: queue.Queue[str] = queue.Queue()
+        self.release = threading.Event()
+        self.reasons: dict[str, str | None] = {}
+        self.runs: dict[str, int] = {}
+
+    def resize(self, ctx: TaskContext, payload: Any) -> Any:
+        self.runs[ctx.attempt_id] = self.runs.get(ctx.attempt_id, 0) + 1
+        self.started.put(ctx.attempt_id)
+        if ctx.attempt_id == ATTEMPT_ID:
+            while not self.release.wait(0.02) and not ctx.cancelled.is_set():
+                pass  # released by the test, or cancelled by the worker
+            self.reasons[ctx.attempt_id] = ctx.cancel_reason
+            ctx.raise_if_cancelled()
+        return {"ok": True}
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
+    """A scripted server and a Worker (capacity 2) connected to it; stopped at once at the end."""
+    handlers = _Handlers()
+    with ScriptedServer() as server:
+        worker = Worker(
+            Client(server.url, TOKEN),
+            queue_id=QUEUE_ID,
+            capacity=2,
+            reconnect_backoff=Backoff(initial=0.05, maximum=0.2),
+            renew_retry_delay=0.1,
+            handle_signals=False,
+            drain_timeout=0,
+            cancel_grace=0,
+            flush_timeout=0.5,
+        )
+        worker.register("resize", handlers.resize)
+        worker.start()
+        try:
+            yield server, worker, handlers
+        finally:
+            worker.request_stop(drain=False)
+            server.close()
+            worker.stop(drain=False)
+
+
+def _first_session(server: ScriptedServer, handlers: _Handlers) -> Peer:
+    """Welcome the worker, give it one attempt, start it; return once its handler runs."""
+    peer = server.accept()
+    peer.handshake()
+    report = peer.recv()
+    assert report["type"] == "worker.capacity"
+    peer.ack(report, welcome_body())
+    peer.push("task.assign", assignment_body())
+    start = peer.recv()
+    assert start["type"] == "task.start"
+    peer.ack(start, command_body("start"))
+    assert handlers.started.get(timeout=WAIT) == ATTEMPT_ID
+    return peer
+
+
+def _reconnected(server: ScriptedServer, epoch: str) -> tuple[Peer, dict[str, Any]]:
+    """The next connection, welcomed; return it and its first request (the resume)."""
+    peer = server.accept()
+    peer.handshake(epoch=epoch)
+    resume = peer.recv()
+    assert resume["type"] == "worker.resume"
+    assert resume["body"]["attempt_id"] == ATTEMPT_ID
+    return peer, resume
+
+
+def _answer_until_finished(peer: Peer, attempts: set[str]) -> dict[str, dict[str, Any]]:
+    """Answer starts and finishes until every attempt in *attempts* has sent its finish."""
+    finishes: dict[str, dict[str, Any]] = {}
+    while not attempts <= finishes.keys():
+        request = peer.recv()
+        if request["type"] == "task.start":
+            peer.ack(request, command_body("start"))
+        elif request["type"] == "task.finish":
+            finishes[request["body"]["ref"]["attempt_id"]] = request["body"]
+            state = "SUCCEEDED" if request["body"]["outcome"] == "SUCCEEDED" else "FAILED"
+            done = command_body("finish", task_state=state, attempt_state=state)
+            peer.ack(request, done)
+    return finishes
+
+
+def test_first_report_follows_resumes_unanswered_and_lease_lost_still_cancels(
+    scripted: tuple[ScriptedServer, Worker, _Handlers],
+) -> None:
+    """On reconnect the capacity report comes right behind the resume, before its answer; an
+    assignment that arrives before the resume's LEASE_LOST answer runs, and the lost one stops."""
+    server, _, handlers = scripted
+    _first_session(server, handlers).close()  # the connection drops while the handler runs
+    peer, resume = _reconnected(server, "2")
+    report = peer.recv()  # the resume is not answered yet
+    assert report["type"] == "worker.capacity"
+    assert report["body"]["sequence"] == "1", "the same report, repeated on the new session"
+    peer.ack(report, welcome_body(epoch="2"))
+    peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
+    peer.error(resume, "LEASE_LOST")
+    finishes = _answer_until_finished(peer, {ATTEMPT_ID, OTHER_ATTEMPT})
+    assert handlers.reasons[ATTEMPT_ID] == "session_replaced"
+    assert finishes[OTHER_ATTEMPT]["outcome"] == "SUCCEEDED"
+    assert finishes[OTHER_ATTEMPT]["result"] == {"ok": True}
+    assert finishes[ATTEMPT_ID]["outcome"] != "SUCCEEDED"
+    assert handlers.runs == {ATTEMPT_ID: 1, OTHER_ATTEMPT: 1}
+
+
+def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again(
+    scripted: tuple[ScriptedServer, Worker, _Handlers],
+) -> None:
+    """A resume answered RATE_LIMITED after the report went out is re-sent on the same
+    connection; cut before its answer, it is sent again on the next one, and then holds."""
+    server, worker, handlers = scripted
+    _first_session(server, handlers).close()
+    peer, resume = _reconnected(server, "2")
+    report = peer.recv()
+    assert report["type"] == "worker.capacity"
+    peer.error(resume, "RATE_LIMITED")
+    peer.ack(report, welcome_body(epoch="2"))
+    again = peer.recv()
+    assert again["type"] == "worker.resume" and again["body"] == resume["body"]
+    peer.close()  # cut before the retried resume is answered
+    peer, resume = _reconnected(server, "3")
+    report = peer.recv()
+    assert report["type"] == "worker.capacity"
+    peer.ack(resume, lease_body())
+    peer.ack(report, welcome_body(epoch="3"))
+    assert worker.wait_ready(WAIT)
+    handlers.release.set()
+    finishes = _answer_until_finished(peer, {ATTEMPT_ID})
+    assert finishes[ATTEMPT_ID]["outcome"] == "SUCCEEDED"
+    assert handlers.reasons[ATTEMPT_ID] is None, "the lease held: never cancelled"
+    assert handlers.runs == {ATTEMPT_ID: 1}
+    assert worker.stats().reconnects >= 2
