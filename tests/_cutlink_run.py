@@ -48,6 +48,11 @@ class RunResult:
     #: SUCCEEDED tasks whose stored result is not what the handler returned (must be empty).
     wrong_results: list[str]
     unreported: int
+    #: Attempts the server created (more than *tasks*: some were lost and assigned again).
+    attempts: int = 0
+    #: Attempts whose lease ran out before they started: most are assignments a cut lost on the
+    #: wire, which hold one of the worker's slots on the server until their lease expires.
+    expired: int = 0
 
     @property
     def throughput(self) -> float:
@@ -133,6 +138,7 @@ def run(
         snaps = {t.task_id: t for t in server.tasks()}
         server.check_invariants()
     states = collections.Counter(snaps[t].state.value for t in ids)
+    attempts = [a for t in ids for a in snaps[t].attempts]
     wrong = [
         t
         for i, t in enumerate(ids)
@@ -149,6 +155,8 @@ def run(
         repeated=sorted(a for a, n in runs.items() if n > 1),
         wrong_results=wrong,
         unreported=len(report.unreported),
+        attempts=len(attempts),
+        expired=sum(1 for a in attempts if a.state.value == "EXPIRED"),
     )
 
 
@@ -160,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mean-cut", type=float, default=0.3)
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--capacity", type=int, default=32)
+    parser.add_argument("--lease", type=float, default=2.0, help="the server's lease window (s)")
     parser.add_argument("--time-limit", type=float, default=300.0)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--verbose", action="store_true", help="show the worker's log lines")
@@ -175,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             "rtt": args.rtt,
             "seed": seed,
             "capacity": args.capacity,
+            "lease": args.lease,
             "time_limit": args.time_limit,
         }
         calm = run(mean_cut=None, **common)
@@ -191,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
             "cuts": cut.cuts,
             "connections": cut.connections,
             "cut_states": cut.states,
+            "attempts": cut.attempts,
+            "expired_unstarted": cut.expired,
             "violations": calm.violations + cut.violations,
         }
         rows.append(row)
@@ -199,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             f"seed {seed}: {args.tasks} tasks, rtt {row['rtt_ms']} ms, cut every "
             f"~{args.mean_cut} s ({cut.cuts} cuts, {cut.connections} connections): "
             f"{row['cut_tasks_per_s']} tasks/s vs {row['calm_tasks_per_s']} without cuts, "
-            f"ratio {row['ratio']}; states {cut.states}"
+            f"ratio {row['ratio']}; {cut.attempts} attempts ({cut.expired} expired unstarted); "
+            f"states {cut.states}"
             + (f"; VIOLATIONS {row['violations']}" if row["violations"] else ""),
             flush=True,
         )
