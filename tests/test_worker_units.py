@@ -202,7 +202,7 @@ def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -
 
 
 def test_backoff_is_exponential_bounded_and_jittered() -> None:
-    """Delays double up to the maximum, stay within [cap/2, cap] and vary."""
+    """Delays double up to the maximum, in [cap/2, cap] (the first in [0, initial]), and vary."""
     b = Backoff(initial=0.1, maximum=2.0)
     assert [b.cap(n) for n in range(6)] == [0.1, 0.2, 0.4, 0.8, 1.6, 2.0]
     assert b.cap(10_000) == 2.0
@@ -210,6 +210,10 @@ def test_backoff_is_exponential_bounded_and_jittered() -> None:
     delays = [b.delay(3, rng) for _ in range(50)]
     assert all(0.4 <= d <= 0.8 for d in delays)
     assert len(set(delays)) > 1
+    # The first reconnect after a welcomed session: full jitter, anywhere in [0, initial].
+    first = [b.delay(0, rng) for _ in range(200)]
+    assert all(0.0 <= d <= 0.1 for d in first)
+    assert min(first) < 0.05 < max(first), "below the equal-jitter floor too"
     with pytest.raises(ValueError):
         Backoff(initial=3.0, maximum=1.0)
     with pytest.raises(ValueError):

@@ -19,7 +19,15 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 @attrs.frozen
 class Backoff:
     """Delay before reconnect attempt *n* (0-based): ``cap = min(maximum, initial * 2**n)``, then
-    a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap)."""
+    a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap) for
+    ``n >= 1``, and in ``[0, initial]`` ("full jitter") for ``n == 0``.
+
+    The worker asks for attempt 0 only after a session that was welcomed (the server was up and
+    took it), and for 1, 2, ... after dials that failed in a row. Full jitter on that first
+    reconnect halves the mean wait on a link that keeps cutting healthy sessions, and, when a
+    server restart cuts a whole fleet at once, spreads the fleet's first dials over twice the
+    window of equal jitter (half the peak rate); dials that then fail back off exponentially.
+    """
 
     initial: float = attrs.field(default=0.2, validator=_positive)
     maximum: float = attrs.field(default=10.0, validator=_positive)
@@ -36,4 +44,5 @@ class Backoff:
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
         """A jittered delay for attempt *attempt*."""
         cap = self.cap(attempt)
-        return (rng or _RNG).uniform(cap / 2, cap)
+        low = 0.0 if attempt <= 0 else cap / 2
+        return (rng or _RNG).uniform(low, cap)
