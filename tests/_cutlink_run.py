@@ -82,6 +82,7 @@ def run(
     capacity: int = 32,
     lease: float = 2.0,
     time_limit: float = 120.0,
+    backoff: Backoff | None = None,
 ) -> RunResult:
     """Run *tasks* no-op tasks through a link with *rtt* and cuts every *mean_cut* s on average."""
     runs: collections.Counter[str] = collections.Counter()
@@ -94,7 +95,7 @@ def run(
                 Client(link.url, server.token),
                 queue_id=server.queue_id,
                 capacity=capacity,
-                reconnect_backoff=Backoff(initial=0.05, maximum=1.0),
+                reconnect_backoff=backoff or Backoff(initial=0.05, maximum=1.0),
                 handle_signals=False,
                 drain_timeout=0,
                 cancel_grace=0,
@@ -169,6 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3")
     parser.add_argument("--capacity", type=int, default=32)
     parser.add_argument("--lease", type=float, default=2.0, help="the server's lease window (s)")
+    parser.add_argument("--backoff-initial", type=float, default=0.05)
+    parser.add_argument("--backoff-max", type=float, default=1.0)
     parser.add_argument("--time-limit", type=float, default=300.0)
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--verbose", action="store_true", help="show the worker's log lines")
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
             "seed": seed,
             "capacity": args.capacity,
             "lease": args.lease,
+            "backoff": Backoff(initial=args.backoff_initial, maximum=args.backoff_max),
             "time_limit": args.time_limit,
         }
         calm = run(mean_cut=None, **common)
