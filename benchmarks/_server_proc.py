@@ -5,6 +5,8 @@ answers commands until stdin closes:
 
 - ``{"op": "enqueue", "n": N, "handler": H}``: N tasks through the Python API in this process
   (the bulk method when the server has one), answers ``{"seconds": s, "bulk": bool}``.
+- ``{"op": "list"}``: snapshots of every task through the Python API (``server.tasks()``),
+  answers ``{"seconds": s, "count": n}``.
 
 Tokens travel only over the pipe to the harness; nothing here prints them elsewhere.
 """
@@ -92,6 +94,10 @@ def main() -> int:
             if command["op"] == "enqueue":
                 seconds, bulk = enqueue(server, int(command["n"]), str(command["handler"]))
                 emit({"seconds": seconds, "bulk": bulk})
+            elif command["op"] == "list":
+                start = time.perf_counter()
+                count = len(server.tasks())
+                emit({"seconds": time.perf_counter() - start, "count": count})
             else:
                 emit({"error": f"unknown op {command['op']!r}"})
     return 0

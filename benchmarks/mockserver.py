@@ -57,6 +57,19 @@ def admin_enqueue(n: int, per_task_n: int, servers: Any) -> dict[str, Any]:
             for i in range(count):
                 admin.enqueue("noop", {"i": i})
         seconds = time.perf_counter() - start
+        # Listing them all: page by page where the client can, else one GET /tasks; against
+        # the same snapshots through the Python API in the server's process.
+        start = time.perf_counter()
+        if hasattr(admin, "tasks"):
+            listed = len(admin.tasks())
+            first = time.perf_counter()
+            admin.get("/tasks", limit=1000)
+            page_seconds: float | None = time.perf_counter() - first
+        else:
+            listed = int(admin.get("/tasks")["count"])
+            page_seconds = None
+        list_seconds = time.perf_counter() - start - (page_seconds or 0.0)
+        list_base = server.send({"op": "list"})
     finally:
         servers.done(server)
     # The same count through the Python API, in a fresh server process (the floor).
@@ -72,6 +85,10 @@ def admin_enqueue(n: int, per_task_n: int, servers: Any) -> dict[str, Any]:
         "base_seconds": base["seconds"],
         "base_bulk": base["bulk"],
         "estimate_100k": seconds * 100_000 / count,
+        "listed": listed,
+        "list_seconds": list_seconds,
+        "list_base_seconds": list_base["seconds"],
+        "page_seconds": page_seconds,
     }
 
 

@@ -545,7 +545,19 @@ def bench_admin(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
             target=60 * o["admin_n"] / 100_000,
             absolute=True,
             note=note + " (target: seconds, not minutes)",
-        )
+        ),
+        row(
+            f"admin list of {admin['listed']:,} tasks vs Python API",
+            admin["list_seconds"],
+            admin["list_base_seconds"],
+            "s",
+            note="every page, AdminClient.tasks()"
+            + (
+                f"; one page of 1,000: {admin['page_seconds'] * 1000:.0f} ms"
+                if admin["page_seconds"] is not None
+                else "; no pagination: one GET /tasks"
+            ),
+        ),
     ]
 
 

@@ -66,6 +66,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _seconds_or_none(text: str) -> float | None:
+    if text.lower() == "none":
+        return None
+    return _positive_float(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("expected a whole number >= 1")
+    return int(text)
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError("expected a port number from 0 to 65535")
@@ -113,6 +125,15 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
 
 
 def _mock_arguments(parser: argparse.ArgumentParser) -> None:
+    # The state machine's defaults; its module needs no websockets, so --help works without
+    # the testing extra.
+    from .testing._state import (
+        DEFAULT_EVENT_LOG_SIZE,
+        DEFAULT_IDEMPOTENCY_WINDOW,
+        DEFAULT_MAX_RECEIPTS,
+        DEFAULT_RETENTION,
+    )
+
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     parser.add_argument(
         "--port", type=_port, default=8765, help="port to bind; 0 picks a free one (default: 8765)"
@@ -137,6 +158,38 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
         default=4.0,
         metavar="N",
         help="new assignments per second; 0 for no limit (default: 4, as a real node)",
+    )
+    # State bounds: what a long-running shared server keeps (docs/mock-server.md).
+    parser.add_argument(
+        "--idempotency-window",
+        type=_positive_float,
+        default=DEFAULT_IDEMPOTENCY_WINDOW,
+        metavar="S",
+        help="seconds a request's message_id and receipt are remembered "
+        f"(default: {DEFAULT_IDEMPOTENCY_WINDOW:g})",
+    )
+    parser.add_argument(
+        "--max-receipts",
+        type=_count,
+        default=DEFAULT_MAX_RECEIPTS,
+        metavar="N",
+        help="receipts kept at most; past it the oldest are forgotten first "
+        f"(default: {DEFAULT_MAX_RECEIPTS})",
+    )
+    parser.add_argument(
+        "--retention",
+        type=_seconds_or_none,
+        default=DEFAULT_RETENTION,
+        metavar="S",
+        help="seconds an ended task, session or worker process stays inspectable; "
+        f"'none' keeps them forever (default: {DEFAULT_RETENTION:g})",
+    )
+    parser.add_argument(
+        "--event-log-size",
+        type=_count,
+        default=DEFAULT_EVENT_LOG_SIZE,
+        metavar="N",
+        help=f"events the event log keeps (default: {DEFAULT_EVENT_LOG_SIZE})",
     )
     parser.add_argument(
         "--manual-clock",
@@ -244,6 +297,10 @@ def _run_mock_server(
             assignment_rate=args.assignment_rate or None,
             clock=ManualClock() if args.manual_clock else None,
             admin_handler=api,
+            idempotency_window=args.idempotency_window,
+            retention=args.retention,
+            event_log_size=args.event_log_size,
+            max_receipts=args.max_receipts,
         )
     except ValueError as exc:
         parser.error(str(exc))

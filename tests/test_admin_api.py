@@ -388,6 +388,59 @@ def test_enqueue_get_and_list(admin: Admin) -> None:
     assert admin.call("GET", "/tasks", {"state": "DONE"})[0] == 400
 
 
+def test_task_list_pages_with_limit_and_cursor(admin: Admin) -> None:
+    """GET /tasks returns one page in enqueue order; "next" resumes it, and is null at the end."""
+    ids = [admin.server.enqueue("crop" if n % 3 == 0 else "resize", {"n": n}) for n in range(8)]
+    seen: list[str] = []
+    cursor: int | None = 0
+    pages = 0
+    while cursor is not None:
+        status, page = admin.call("GET", "/tasks", {"limit": "3", "after": str(cursor)})
+        assert status == 200 and page["count"] == len(page["tasks"]) <= 3
+        seen += [t["task_id"] for t in page["tasks"]]
+        cursor = page["next"]
+        pages += 1
+    assert seen == ids and pages == 3
+    # Filters apply before the page is cut: three crop tasks, two pages of two.
+    _, first = admin.call("GET", "/tasks", {"handler": "crop", "limit": "2"})
+    _, second = admin.call("GET", "/tasks", {"handler": "crop", "limit": "2", "after": first["next"]})
+    assert [t["task_id"] for t in first["tasks"] + second["tasks"]] == ids[0::3]
+    assert second["next"] is None
+    # Without limit: a default page of 1000 (and everything here).
+    _, everything = admin.call("GET", "/tasks")
+    assert everything["count"] == 8 and everything["next"] is None
+    for bad_params in ({"limit": "0"}, {"limit": "10001"}, {"after": "-1"}, {"after": "x"}):
+        status, body = admin.call("GET", "/tasks", bad_params)
+        assert status == 400 and body["error"]["code"] == "INVALID_ARGUMENT"
+
+
+def test_task_cursor_survives_forgotten_tasks() -> None:
+    """A cursor is a position in enqueue order: tasks forgotten between pages do not break it."""
+    api = AdminAPI(ADMIN_TOKEN)
+    with MockOrbitServer(clock=ManualClock(), admin_handler=api, retention=5) as server:
+        ids = [server.enqueue("resize", {"n": n}) for n in range(6)]
+        client = AdminClient(server.url, ADMIN_TOKEN)
+        first = client.get("/tasks", limit=2)
+        assert [t["task_id"] for t in first["tasks"]] == ids[:2]
+        for task_id in ids[:4]:  # the page's last task and the next one end and are forgotten
+            server.request_cancel(task_id)
+        server.advance(5)
+        rest = client.get("/tasks", limit=2, after=first["next"])
+        assert [t["task_id"] for t in rest["tasks"]] == ids[4:] and rest["next"] is None
+
+
+def test_admin_client_iterates_every_page(admin: Admin) -> None:
+    """AdminClient.tasks() follows the cursors through every page, filters kept."""
+    ids = [admin.server.enqueue("crop" if n % 2 else "resize", {"n": n}) for n in range(25)]
+    client = AdminClient(admin.server.url, ADMIN_TOKEN)
+    assert [t["task_id"] for t in client.tasks(page_size=4)] == ids
+    crops = client.iter_tasks(handler="crop", state=["WAITING"], page_size=5)
+    assert [t["task_id"] for t in crops] == ids[1::2]
+    assert client.tasks(state="SUCCEEDED") == []
+    with pytest.raises(ValueError, match="page_size"):
+        client.tasks(page_size=0)
+
+
 def test_unknown_task_is_404(admin: Admin) -> None:
     """A well-formed but unknown id is 404 on get, cancel and wait."""
     missing = new_id()
@@ -725,7 +778,7 @@ def test_admin_client_reads_large_answers(admin: Admin) -> None:
     """GET /tasks with thousands of tasks parses (answers are not held to the frame limit)."""
     admin.server.enqueue_many({"handler": "resize", "payload": {"n": n}} for n in range(2000))
     client = AdminClient(admin.server.url, ADMIN_TOKEN)
-    assert client.get("/tasks")["count"] == 2000
+    assert client.get("/tasks", limit=10_000)["count"] == 2000
     with pytest.raises(AdminError) as info:
         AdminClient(admin.server.url, ADMIN_TOKEN, max_answer_bytes=100_000).get("/tasks")
     assert info.value.code == "BAD_ANSWER" and info.value.status == 200

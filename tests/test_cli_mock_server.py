@@ -80,6 +80,8 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
     manual clock moved through the admin API, and exits 0 on SIGINT."""
     argv = [sys.executable, "-m", "orbit_sync.testing", "--port", "0", "--manual-clock"]
     argv += ["--lease-duration", "5", "--admin-token", FIXED_ADMIN]
+    argv += ["--idempotency-window", "90", "--max-receipts", "500", "--retention", "none"]
+    argv += ["--event-log-size", "64"]
     proc = Proc(argv, env=clean_env(ORBIT_MOCK_TOKEN=FIXED_TOKEN))
     procs.append(proc)
     banner = proc.banner()
@@ -88,6 +90,9 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
     admin = AdminClient(banner["ORBIT_URL"], FIXED_ADMIN)
     info = admin.get("/server")
     assert info["manual_clock"] is True and info["lease_duration"] == 5.0
+    bounds = info["bounds"]
+    assert (bounds["idempotency_window"], bounds["max_receipts"]) == (90.0, 500)
+    assert (bounds["retention"], bounds["event_log_size"]) == (None, 64)
     assert admin.get("/clock")["now"] == "2026-01-01T00:00:00Z"
     assert admin.post("/clock/advance", seconds=90)["now"] == "2026-01-01T00:01:30Z"
     run_one_task(banner["ORBIT_URL"], FIXED_TOKEN, banner["ORBIT_QUEUE_ID"], admin)
@@ -100,6 +105,9 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
         (["--lease-duration", "500"], "lease_duration"),
         (["--port", "70000"], "port"),
         (["--assignment-rate", "-1"], "assignment-rate"),
+        (["--max-receipts", "0"], "max-receipts"),
+        (["--retention", "-5"], "retention"),
+        (["--event-log-size", "1.5"], "event-log-size"),
         (["--token", FIXED_TOKEN, "--admin-token", FIXED_TOKEN], "must differ"),
         (["--admin-token", f"{FIXED_ADMIN} x"], "admin token"),
         (["--token", f"{FIXED_TOKEN}\tx"], "worker token"),

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 from _rawclient import RawClient
-from _serverkit import CAP, Kit, Proc, body
+from _serverkit import CAP, Kit, Proc, body, code
 
 from orbit_sync._codec import parse_time
 from orbit_sync.models import Capability, TaskState, new_message_id
@@ -294,6 +294,72 @@ def test_receipts_are_kept_for_the_idempotency_window() -> None:
     assert body(proc.renew(ref, message_id=renewal))["deduplicated"] is True
     kit.advance(1)
     assert body(proc.renew(ref, message_id=renewal))["deduplicated"] is False
+
+
+def test_capacity_heartbeats_keep_only_the_latest_receipt() -> None:
+    """A process's capacity reports keep one receipt between them: each supersedes the last."""
+    kit = Kit()
+    proc = kit.worker().open()
+    first = new_message_id()
+    assert proc.capacity(sequence=1, message_id=first).answer.type == "ack"
+    for _ in range(50):
+        assert proc.capacity(sequence=1).answer.type == "ack"
+    assert len(kit.state._ops) == 1
+    # The first message_id was forgotten: it now names a new report, not a conflict.
+    assert code(proc.capacity(sequence=2, message_id=first)) is None
+    assert list(kit.state._ops) == [first]
+    assert code(proc.capacity(sequence=3, message_id=first)) == "IDEMPOTENCY_CONFLICT"
+
+
+def test_resume_receipts_end_with_their_session() -> None:
+    """A resume's receipt is kept while its session lives and dropped when it ends."""
+    kit = Kit()
+    proc = kit.worker().open()
+    kit.enqueue()
+    ref = proc.take()
+    resumed = new_message_id()
+    assert body(proc.resume(ref, message_id=resumed))["active"] is True
+    assert resumed in kit.state._ops
+    sid = proc.session_id
+    assert sid is not None
+    proc.hello()  # a reconnect: the old session is stale ...
+    kit.route(kit.state.connection_lost(sid))  # ... and closed, so it ended
+    assert resumed not in kit.state._ops
+    assert proc.capacity(sequence=2).answer.type == "ack"
+    assert body(proc.resume(ref, message_id=resumed))["active"] is True
+
+
+def test_forgotten_process_takes_its_capacity_receipt_along() -> None:
+    """When retention forgets a worker process, its last capacity receipt goes with it."""
+    kit = Kit(retention=5, idempotency_window=3600)
+    proc = kit.worker().open()
+    assert len(kit.state._ops) == 1
+    assert proc.session_id is not None
+    kit.route(kit.state.connection_lost(proc.session_id))
+    kit.advance(45 + 5)  # the session expires, then a retention
+    assert kit.state._instances == {} and len(kit.state._ops) == 0
+
+
+def test_receipt_count_cap_forgets_the_oldest_first() -> None:
+    """Past max_receipts the oldest receipt goes: a start re-sent then is a new request."""
+    kit = Kit(max_receipts=3)
+    proc = kit.worker().open()  # receipt 1: capacity
+    kit.enqueue()
+    ref = proc.take()
+    started = new_message_id()
+    assert body(proc.start(ref, message_id=started))["deduplicated"] is False  # receipt 2
+    assert body(proc.start(ref, message_id=started))["deduplicated"] is True
+    renewals = [new_message_id() for _ in range(2)]
+    for renewal in renewals:  # receipts 3 and 4: the capacity receipt goes
+        proc.renew(ref, message_id=renewal)
+    assert kit.state.receipts_evicted == 1
+    assert body(proc.start(ref, message_id=started))["deduplicated"] is True
+    proc.renew(ref)  # receipt 5: the start's receipt goes
+    assert len(kit.state._ops) == 3 and kit.state.receipts_evicted == 2
+    assert code(proc.start(ref, message_id=started)) == "STATE_CONFLICT"
+    assert body(proc.renew(ref, message_id=renewals[1]))["deduplicated"] is True
+    with pytest.raises(ValueError, match="max_receipts"):
+        Kit(max_receipts=0)
 
 
 def test_event_log_is_a_ring_that_says_it_was_truncated() -> None:

@@ -10,19 +10,30 @@ import datetime as _dt
 import enum
 import http.client
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 from .. import _json
 from .._codec import format_time
 from ..errors import FrameError
 
-__all__ = ["ADMIN_PREFIX", "MAX_WAIT", "AdminClient", "AdminError", "admin_url"]
+__all__ = [
+    "ADMIN_PREFIX",
+    "DEFAULT_TASK_PAGE",
+    "MAX_TASK_PAGE",
+    "MAX_WAIT",
+    "AdminClient",
+    "AdminError",
+    "admin_url",
+]
 
 #: Every endpoint lives under this path.
 ADMIN_PREFIX = "/admin/v1"
 #: The longest a ``wait`` request may block (the server caps longer ones).
 MAX_WAIT = 30.0
+#: Tasks per ``GET /tasks`` page: by default, and at most.
+DEFAULT_TASK_PAGE = 1000
+MAX_TASK_PAGE = 10_000
 #: The largest answer :class:`AdminClient` reads by default: ``GET /tasks`` of 100,000 tasks.
 MAX_ANSWER_BYTES = 256 * 1024 * 1024
 
@@ -175,6 +186,37 @@ class AdminClient:
         items = [{k: _json_value(v) for k, v in task.items()} for task in tasks]
         body = self.call("POST", "/tasks/bulk", json={"tasks": items})
         return [str(task_id) for task_id in body["task_ids"]]
+
+    def iter_tasks(
+        self,
+        *,
+        state: Iterable[str] | None = None,
+        queue_id: str | None = None,
+        handler: str | None = None,
+        page_size: int = MAX_TASK_PAGE,
+    ) -> Iterator[dict[str, Any]]:
+        """Every task snapshot that matches, in enqueue order, one ``GET /tasks`` page of
+        *page_size* at a time (a task enqueued meanwhile shows up on a later page)."""
+        if type(page_size) is not int or not 1 <= page_size <= MAX_TASK_PAGE:
+            raise ValueError(f"page_size must be an int from 1 to {MAX_TASK_PAGE}")
+        filters: dict[str, Any] = {"limit": page_size}
+        if state is not None:
+            filters["state"] = [state] if isinstance(state, str) else list(state)
+        if queue_id is not None:
+            filters["queue_id"] = queue_id
+        if handler is not None:
+            filters["handler"] = handler
+        after = 0
+        while True:
+            page = self.get("/tasks", after=after, **filters)
+            yield from page["tasks"]
+            if page.get("next") is None:
+                return
+            after = int(page["next"])
+
+    def tasks(self, **filters: Any) -> list[dict[str, Any]]:
+        """Every task snapshot that matches (:meth:`iter_tasks`, all pages), as a list."""
+        return list(self.iter_tasks(**filters))
 
     def task(self, task_id: str) -> dict[str, Any]:
         """One task snapshot, as JSON."""

@@ -36,7 +36,7 @@ from websockets.http11 import Response
 
 from .._codec import format_time
 from ..models import CODE_RE, ID_RE, TaskState
-from ._admin_client import ADMIN_PREFIX, MAX_WAIT
+from ._admin_client import ADMIN_PREFIX, DEFAULT_TASK_PAGE, MAX_TASK_PAGE, MAX_WAIT
 from ._admin_query import Params, Problem, bad, not_found, parse_body
 from ._clock import ManualClock
 from ._faults import Fault
@@ -104,10 +104,12 @@ class AdminAPI:
 
     Endpoints, under ``/admin/v1``::
 
-        GET  /server                             url, default queue, windows, server time
+        GET  /server                             url, default queue, windows, bounds, server time
         GET  /clock                              server time
         POST /clock/advance?seconds=S            server.advance(S): due work runs on the way
-        GET  /tasks[?state=A,B&queue_id=&handler=]   task snapshots
+        GET  /tasks[?state=A,B&queue_id=&handler=&limit=N&after=C]   one page of task
+                                                 snapshots (default 1000, at most 10000);
+                                                 "next": the cursor for after=, or null
         POST /tasks {handler, payload[, ...]}     enqueue (201); the enqueue options optional:
                                                  handler_version, payload_version, queue_id,
                                                  max_attempts, backoff_initial, backoff_max,
@@ -154,7 +156,7 @@ class AdminAPI:
             ("GET", r"/server", self._server_info, ""),
             ("GET", r"/clock", self._clock, ""),
             ("POST", r"/clock/advance", self._advance, "seconds"),
-            ("GET", r"/tasks", self._list_tasks, "state queue_id handler"),
+            ("GET", r"/tasks", self._list_tasks, "state queue_id handler after limit"),
             ("POST", r"/tasks", self._enqueue, _ENQUEUE_NAMES),
             ("POST", r"/tasks/bulk", self._enqueue_bulk, "tasks"),
             ("GET", rf"/tasks/{hexid}", self._get_task, ""),
@@ -291,6 +293,7 @@ class AdminAPI:
             "manual_clock": isinstance(server.clock, ManualClock),
             "accepting": server.accepting,
             "now": format_time(server.now()),
+            "bounds": server.bounds(),
         }
 
     def _clock(
@@ -317,15 +320,13 @@ class AdminAPI:
         states = _states(p, "state", required=False)
         queue_id = p.opt_id("queue_id")
         handler = p.opt_text("handler")
+        after = p.opt_int("after", 0, 2**63 - 1) or 0
+        limit = p.opt_int("limit", 1, MAX_TASK_PAGE) or DEFAULT_TASK_PAGE
         p.done()
-        tasks = [
-            t
-            for t in server.tasks()
-            if (states is None or t.state in states)
-            and (queue_id is None or t.queue_id == queue_id)
-            and (handler is None or t.handler == handler)
-        ]
-        return 200, {"tasks": jsonable(tasks), "count": len(tasks)}
+        tasks, cursor = server.task_page(
+            states=states, queue_id=queue_id, handler=handler, after=after, limit=limit
+        )
+        return 200, {"tasks": jsonable(tasks), "count": len(tasks), "next": cursor}
 
     def _enqueue(
         self, server: MockOrbitServer, p: Params, m: re.Match[str], r: HttpRequest

@@ -7,7 +7,9 @@ share; dispatch and recovery (``_dispatch``), request handling (``_requests``) a
 Memory stays bounded on a long-running server:
 
 * a request's receipt (its ``message_id``) is remembered for the idempotency window, then
-  forgotten, oldest first;
+  forgotten, oldest first, and never more than ``max_receipts`` of them; a capacity report's
+  receipt only until the process's next report, and a resume's only while its session lasts
+  (both are superseded: see ``docs/mock-server.md``);
 * the event log is a ring of ``event_log_size`` records;
 * ended tasks, sessions and instances are forgotten a retention after they end (``_dispatch``).
 """
@@ -55,6 +57,7 @@ class StateCore:
         request_rate: float | None,
         retention_us: int | None,
         idempotency_us: int,
+        max_receipts: int,
         event_log_size: int,
     ) -> None:
         self._clock = clock
@@ -64,6 +67,10 @@ class StateCore:
         self.retention_us = retention_us
         #: How long a request's message_id (and its receipt) is remembered.
         self.idempotency_us = idempotency_us
+        #: At most this many receipts are kept; past it the oldest is forgotten first.
+        self.max_receipts = max_receipts
+        #: Receipts forgotten to stay under max_receipts (not counting the window's).
+        self.receipts_evicted = 0
         self._assign_rate = RateWindow(assignment_rate)
         self._request_rate = request_rate
         self.namespace_id = new_id()
@@ -76,8 +83,10 @@ class StateCore:
         self._tasks: dict[str, Task] = {}
         self._attempts: dict[str, Attempt] = {}
         self._waiting: dict[str, None] = {}  # WAITING task ids
-        self._ops: dict[str, Op] = {}
-        self._op_times: collections.deque[tuple[int, str]] = collections.deque()
+        # Insertion order is time order (server time never goes back), so the oldest receipt
+        # is always first: pruning and eviction are O(1) each, and a superseded receipt can be
+        # dropped from the middle.
+        self._ops: collections.OrderedDict[str, Op] = collections.OrderedDict()
         self._events: collections.deque[EventRecord] = collections.deque(maxlen=event_log_size)
         self._events_total = 0
         self._seq = 0
@@ -161,20 +170,33 @@ class StateCore:
         key: str,
         receipt: Receipt | None = None,
         attempt_id: str | None = None,
-    ) -> None:
-        """Remember what *message_id* named, for the idempotency window."""
+    ) -> bool:
+        """Remember what *message_id* named, for the idempotency window; False if it already
+        was."""
         now = self.now_us()
+        ops = self._ops
         self._prune_ops(now)
-        if message_id not in self._ops:
-            self._ops[message_id] = Op(kind, key, receipt, attempt_id)
-            self._op_times.append((now, message_id))
+        if message_id in ops:
+            return False
+        ops[message_id] = Op(kind, key, receipt, attempt_id, now)
+        if len(ops) > self.max_receipts:
+            ops.popitem(last=False)
+            self.receipts_evicted += 1
+        return True
 
     def _prune_ops(self, now: int) -> None:
-        # Insertion order is time order, so the oldest receipts are at the front.
-        times = self._op_times
+        ops = self._ops
         horizon = now - self.idempotency_us
-        while times and times[0][0] <= horizon:
-            self._ops.pop(times.popleft()[1], None)
+        while ops:
+            oldest = next(iter(ops.values()))
+            if oldest.at > horizon:
+                break
+            ops.popitem(last=False)
+
+    def _forget_op(self, message_id: str | None) -> None:
+        """Drop a superseded receipt before its window ends."""
+        if message_id is not None:
+            self._ops.pop(message_id, None)
 
     # ------------------------------------------------------------------ sessions
 
@@ -192,6 +214,11 @@ class StateCore:
             return
         now = self.now_us()
         session.ended_at = now
+        # A resume re-binds attempts to *this* session: re-sent under a later session it is a
+        # new resume whatever its message_id, so its receipt is of no use once the session ended.
+        for message_id in session.resume_ops:
+            self._forget_op(message_id)
+        session.resume_ops.clear()
         self._forget_later(now, FORGET_SESSION, session.session_id)
 
     def _forget_later(self, now: int, kind: int, ident: str) -> None:

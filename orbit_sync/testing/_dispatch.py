@@ -558,4 +558,5 @@ class Dispatch(StateCore):
         if inst.held:
             self._forget_later(now, FORGET_INSTANCE, inst.instance_id)
             return
+        self._forget_op(inst.capacity_op)
         del self._instances[inst.instance_id]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from ..models import AttemptState, Outcome, TaskState
 from ._core import StateCore
@@ -23,6 +23,34 @@ class Inspection(StateCore):
     def task_snapshots(self) -> tuple[TaskSnapshot, ...]:
         """Every task kept, in enqueue order (an ended one is forgotten a retention later)."""
         return tuple(snapshot_task(t, self.namespace_id) for t in self._tasks.values())
+
+    def task_page(
+        self,
+        *,
+        states: Collection[TaskState] | None = None,
+        queue_id: str | None = None,
+        handler: str | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> tuple[tuple[TaskSnapshot, ...], int | None]:
+        """Up to *limit* snapshots of the tasks that match, in enqueue order, from the first
+        enqueued after cursor *after* (0: from the start); with the cursor of the next page, or
+        ``None`` when no matching task follows. Only the page is snapshotted."""
+        page: list[TaskSnapshot] = []
+        last = 0
+        for task in self._tasks.values():  # enqueue order: seq increases
+            if (
+                task.seq <= after
+                or (states is not None and task.state not in states)
+                or (queue_id is not None and task.queue_id != queue_id)
+                or (handler is not None and task.handler != handler)
+            ):
+                continue
+            if len(page) == limit:
+                return tuple(page), last
+            page.append(snapshot_task(task, self.namespace_id))
+            last = task.seq
+        return tuple(page), None
 
     def session_snapshots(self) -> tuple[SessionSnapshot, ...]:
         """Every session kept, oldest first (an ended one is forgotten a retention later)."""
@@ -56,6 +84,22 @@ class Inspection(StateCore):
         """The recorded transitions still in the ring, in order; ``.dropped`` counts the older
         ones the ring let go (``.truncated`` is true when there are any)."""
         return EventLog(self._events, self._events_total - len(self._events))
+
+    def bounds(self) -> dict[str, float | int | None]:
+        """The state bounds in force and how full they are: ``idempotency_window``,
+        ``retention`` (seconds; ``None``: forever), ``max_receipts``, ``event_log_size``, and
+        the counts ``receipts``, ``receipts_evicted`` (forgotten early to stay under the cap),
+        ``tasks``, ``sessions``."""
+        return {
+            "idempotency_window": self.idempotency_us / 1_000_000,
+            "retention": None if self.retention_us is None else self.retention_us / 1_000_000,
+            "max_receipts": self.max_receipts,
+            "event_log_size": self._events.maxlen,
+            "receipts": len(self._ops),
+            "receipts_evicted": self.receipts_evicted,
+            "tasks": len(self._tasks),
+            "sessions": len(self._sessions),
+        }
 
     def record(self, kind: str, *, session: str | None = None, detail: str = "") -> None:
         """Record a shell-level event (faults, slow consumers, refused connections)."""

@@ -230,6 +230,8 @@ class Instance:
     report: CapacityReport | None = None
     held: int = 0
     current_session: str | None = None
+    #: The message_id of its latest capacity report: the only one whose receipt is kept.
+    capacity_op: str | None = None
     #: Sessions of this instance still stored (it is forgotten after the last one).
     sessions: set[str] = attrs.field(factory=set)
 
@@ -253,6 +255,8 @@ class Session:
     enabled: bool = False
     #: When it ended (stale or expired, and disconnected); it is forgotten a retention later.
     ended_at: int | None = None
+    #: message_ids of its worker.resume requests: their receipts go when the session ends.
+    resume_ops: list[str] = attrs.field(factory=list, repr=False)
 
 
 @attrs.define
@@ -358,6 +362,8 @@ class Op:
     key: str
     receipt: Receipt | None = None
     attempt_id: str | None = None
+    #: When it was recorded (server time, microseconds).
+    at: int = 0
 
 
 class RateWindow:

@@ -284,7 +284,12 @@ class Requests(Dispatch):
                 detail=f"sequence={report.sequence} capacity={report.capacity} "
                 f"drain={str(report.drain).lower()}",
             )
-        self._record(frame.message_id, frame.type, key)
+        if self._record(frame.message_id, frame.type, key):
+            # A report is superseded by the next one (an older sequence is STATE_CONFLICT and
+            # a repeat is re-checked by content), so only the latest receipt can ever matter.
+            if inst.capacity_op != frame.message_id:
+                self._forget_op(inst.capacity_op)
+            inst.capacity_op = frame.message_id
         return Answer("ack", self._welcome(session)), self._pump()
 
     # ------------------------------------------------------------------ attempts
@@ -379,7 +384,8 @@ class Requests(Dispatch):
                 old=old,
                 new=session.session_id,
             )
-        self._record(frame.message_id, frame.type, key)
+        if self._record(frame.message_id, frame.type, key):
+            session.resume_ops.append(frame.message_id)
         return Answer("ack", self._lease(task, att, session)), []
 
     def _start(self, session: Session, frame: ClientFrame, key: str) -> tuple[Answer, list[Action]]:

@@ -57,6 +57,7 @@ from ._snapshots import EventLog, SessionSnapshot, TaskSnapshot
 from ._state import (
     DEFAULT_EVENT_LOG_SIZE,
     DEFAULT_IDEMPOTENCY_WINDOW,
+    DEFAULT_MAX_RECEIPTS,
     DEFAULT_RETENTION,
     SCOPE_CONNECT,
     SCOPE_CONSUME,
@@ -285,6 +286,7 @@ class MockOrbitServer:
         idempotency_window: float = DEFAULT_IDEMPOTENCY_WINDOW,
         retention: float | None = DEFAULT_RETENTION,
         event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
+        max_receipts: int = DEFAULT_MAX_RECEIPTS,
         max_pending_connections: int = 64,
         handshake_timeout: float = 3.0,
         max_admin_requests: int = 16,
@@ -293,8 +295,9 @@ class MockOrbitServer:
         for room in a connection's full outbox before the client is dropped as a slow consumer.
 
         Bounded state: a request's ``message_id`` is remembered for *idempotency_window*
-        seconds; an ended task, session or worker process is kept for *retention* seconds
-        (``None``: forever); the event log keeps the last *event_log_size* events.
+        seconds (at most *max_receipts* of them, the oldest forgotten first); an ended task,
+        session or worker process is kept for *retention* seconds (``None``: forever); the event
+        log keeps the last *event_log_size* events. :meth:`bounds` shows them.
 
         Hostile-client bounds: at most *max_pending_connections* accepted connections may be
         unauthenticated at once (more are closed as soon as they are accepted); each must finish
@@ -331,6 +334,7 @@ class MockOrbitServer:
             idempotency_window=idempotency_window,
             retention=retention,
             event_log_size=event_log_size,
+            max_receipts=max_receipts,
         )
         self._state.push_gate = self._push_gate
         self._max_connections = max_connections
@@ -573,6 +577,29 @@ class MockOrbitServer:
         with self._cond:
             return self._state.task_snapshots()
 
+    def task_page(
+        self,
+        *,
+        states: Iterable[TaskState | str] | None = None,
+        queue_id: str | None = None,
+        handler: str | None = None,
+        after: int = 0,
+        limit: int = 1000,
+    ) -> tuple[tuple[TaskSnapshot, ...], int | None]:
+        """One page of task snapshots, in enqueue order: up to *limit* tasks in one of *states*
+        (and *queue_id*, *handler* when given) enqueued after cursor *after*; returns them and
+        the cursor of the next page (``None``: this was the last). A cursor stays valid when
+        tasks are forgotten in between."""
+        if type(limit) is not int or limit < 1:
+            raise ValueError("limit must be an int >= 1")
+        if type(after) is not int or after < 0:
+            raise ValueError("after must be an int >= 0")
+        wanted = None if states is None else frozenset(TaskState(s) for s in states)
+        with self._cond:
+            return self._state.task_page(
+                states=wanted, queue_id=queue_id, handler=handler, after=after, limit=limit
+            )
+
     def sessions(self) -> tuple[SessionSnapshot, ...]:
         """Snapshots of every session ever opened, oldest first."""
         with self._cond:
@@ -583,6 +610,13 @@ class MockOrbitServer:
         server time; ``.dropped`` counts older ones no longer kept."""
         with self._cond:
             return self._state.events()
+
+    def bounds(self) -> dict[str, float | int | None]:
+        """The state bounds in force (``idempotency_window``, ``retention``, ``max_receipts``,
+        ``event_log_size``) and how full they are (``receipts``, ``receipts_evicted``,
+        ``tasks``, ``sessions``): see ``docs/mock-server.md``."""
+        with self._cond:
+            return self._state.bounds()
 
     def check_invariants(self) -> None:
         """Raise ``InvariantError`` (an AssertionError) when a global invariant is broken."""

@@ -17,8 +17,9 @@ can be tested deterministically.
 this module adds the operator API.
 
 Bounded state: a request's ``message_id`` is remembered for ``idempotency_window`` seconds
-(10 minutes by default), ended tasks, sessions and instances for ``retention`` seconds after
-they end (1 hour by default), and the event log keeps the last ``event_log_size`` events.
+(10 minutes by default; at most ``max_receipts`` of them, 100,000 by default), ended tasks,
+sessions and instances for ``retention`` seconds after they end (1 hour by default), and the
+event log keeps the last ``event_log_size`` events.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ from ._snapshots import RetrySafety
 __all__ = [
     "DEFAULT_EVENT_LOG_SIZE",
     "DEFAULT_IDEMPOTENCY_WINDOW",
+    "DEFAULT_MAX_RECEIPTS",
     "DEFAULT_RETENTION",
     "SCOPE_CONNECT",
     "SCOPE_CONSUME",
@@ -83,6 +85,8 @@ __all__ = [
 #: the longest session window (5 min) plus the longest lease (2 min), so an operation re-sent
 #: after any reconnect within a session's life is still recognized (PROTOCOL §7).
 DEFAULT_IDEMPOTENCY_WINDOW = 600.0
+#: At most this many receipts are kept at once, whatever the window (the oldest go first).
+DEFAULT_MAX_RECEIPTS = 100_000
 #: How long an ended task (with its attempts), session or worker process stays inspectable.
 DEFAULT_RETENTION = 3600.0
 #: How many events the event log keeps (the oldest are dropped first).
@@ -104,8 +108,10 @@ class OrbitState(Requests, Inspection):
         idempotency_window: float = DEFAULT_IDEMPOTENCY_WINDOW,
         retention: float | None = DEFAULT_RETENTION,
         event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
+        max_receipts: int = DEFAULT_MAX_RECEIPTS,
     ) -> None:
-        """*idempotency_window*: seconds a ``message_id`` is remembered; *retention*: seconds
+        """*idempotency_window*: seconds a ``message_id`` is remembered (at most
+        *max_receipts* of them, the oldest forgotten first); *retention*: seconds
         an ended task, session or instance is kept (``None``: forever); *event_log_size*: how
         many events the log keeps."""
         if not 1.0 <= lease_duration <= 120.0:
@@ -123,6 +129,8 @@ class OrbitState(Requests, Inspection):
         keep = seconds_us("retention", retention)
         if type(event_log_size) is not int or event_log_size < 1:
             raise ValueError("event_log_size must be an int >= 1")
+        if type(max_receipts) is not int or max_receipts < 1:
+            raise ValueError("max_receipts must be an int >= 1")
         super().__init__(
             clock=clock,
             lease_us=round(lease_duration * US),
@@ -131,6 +139,7 @@ class OrbitState(Requests, Inspection):
             request_rate=request_rate,
             retention_us=keep,
             idempotency_us=window,
+            max_receipts=max_receipts,
             event_log_size=event_log_size,
         )
         self.default_queue = self.add_queue(max_concurrency=max_concurrency)
