@@ -192,6 +192,12 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"events the event log keeps (default: {DEFAULT_EVENT_LOG_SIZE})",
     )
     parser.add_argument(
+        "--exact-recovery",
+        action="store_true",
+        help="recover expired leases and overdue tasks at their own moment, not on the "
+        "2 s recovery scan a real server runs",
+    )
+    parser.add_argument(
         "--manual-clock",
         action="store_true",
         help="server time moves only through POST /admin/v1/clock/advance",
@@ -301,6 +307,7 @@ def _run_mock_server(
             retention=args.retention,
             event_log_size=args.event_log_size,
             max_receipts=args.max_receipts,
+            exact_recovery=args.exact_recovery,
         )
     except ValueError as exc:
         parser.error(str(exc))

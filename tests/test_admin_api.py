@@ -403,7 +403,9 @@ def test_task_list_pages_with_limit_and_cursor(admin: Admin) -> None:
     assert seen == ids and pages == 3
     # Filters apply before the page is cut: three crop tasks, two pages of two.
     _, first = admin.call("GET", "/tasks", {"handler": "crop", "limit": "2"})
-    _, second = admin.call("GET", "/tasks", {"handler": "crop", "limit": "2", "after": first["next"]})
+    _, second = admin.call(
+        "GET", "/tasks", {"handler": "crop", "limit": "2", "after": first["next"]}
+    )
     assert [t["task_id"] for t in first["tasks"] + second["tasks"]] == ids[0::3]
     assert second["next"] is None
     # Without limit: a default page of 1000 (and everything here).

@@ -81,7 +81,7 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
     argv = [sys.executable, "-m", "orbit_sync.testing", "--port", "0", "--manual-clock"]
     argv += ["--lease-duration", "5", "--admin-token", FIXED_ADMIN]
     argv += ["--idempotency-window", "90", "--max-receipts", "500", "--retention", "none"]
-    argv += ["--event-log-size", "64"]
+    argv += ["--event-log-size", "64", "--exact-recovery"]
     proc = Proc(argv, env=clean_env(ORBIT_MOCK_TOKEN=FIXED_TOKEN))
     procs.append(proc)
     banner = proc.banner()
@@ -93,6 +93,7 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
     bounds = info["bounds"]
     assert (bounds["idempotency_window"], bounds["max_receipts"]) == (90.0, 500)
     assert (bounds["retention"], bounds["event_log_size"]) == (None, 64)
+    assert bounds["exact_recovery"] is True
     assert admin.get("/clock")["now"] == "2026-01-01T00:00:00Z"
     assert admin.post("/clock/advance", seconds=90)["now"] == "2026-01-01T00:01:30Z"
     run_one_task(banner["ORBIT_URL"], FIXED_TOKEN, banner["ORBIT_QUEUE_ID"], admin)

@@ -240,6 +240,25 @@ def test_real_time_rate_window_releases_on_time() -> None:
     assert dt.timedelta(seconds=1) <= times[4] - times[0] < dt.timedelta(seconds=1.5)
 
 
+def test_exact_recovery_expires_each_lease_at_its_moment() -> None:
+    """With exact_recovery, an off-grid lease expiry is recovered at lease_until, all at once."""
+    kit = Kit(exact_recovery=True)
+    procs = [kit.worker(capacity=1).open() for _ in range(101)]  # one more than a scan batch
+    kit.advance(1)  # leases now end between the 2 s scan ticks
+    ids = [kit.enqueue(max_attempts=1) for _ in range(101)]
+    for p in procs:
+        p.take()
+    kit.advance(30 - 0.001)
+    assert {kit.state.task_snapshot(t).state for t in ids} == {TaskState.LEASED}
+    assert kit.state.next_due() == kit.state.now_us() + 1000
+    kit.advance(0.001)
+    assert {kit.state.task_snapshot(t).state for t in ids} == {TaskState.FAILED}  # no batches
+    overdue = kit.enqueue("crop", deadline=0.5)
+    kit.advance(0.5)
+    assert kit.state.task_snapshot(overdue).state is TaskState.FAILED
+    kit.state.check_invariants()
+
+
 # --------------------------------------------------------------------------- bounded state
 
 

@@ -59,6 +59,7 @@ class StateCore:
         idempotency_us: int,
         max_receipts: int,
         event_log_size: int,
+        exact_recovery: bool = False,
     ) -> None:
         self._clock = clock
         self.lease_us = lease_us
@@ -67,6 +68,8 @@ class StateCore:
         self.retention_us = retention_us
         #: How long a request's message_id (and its receipt) is remembered.
         self.idempotency_us = idempotency_us
+        #: Recover expired leases and overdue tasks at their own moment, not on the 2 s scan.
+        self.exact_recovery = exact_recovery
         #: At most this many receipts are kept; past it the oldest is forgotten first.
         self.max_receipts = max_receipts
         #: Receipts forgotten to stay under max_receipts (not counting the window's).

@@ -9,7 +9,9 @@ Time-driven work runs at its own moment, read from heaps rather than from a scan
 
 * backoff ends, assignment-rate windows and session expiries fire exactly when due;
 * expired leases and WAITING tasks past their deadline are recovered by the 2 s recovery scan,
-  at most 100 a batch (PROTOCOL §8), which now only wakes when one of them is due;
+  at most 100 a batch (PROTOCOL §8), which now only wakes when one of them is due and pops only
+  what is due from the lease and deadline heaps (never a walk of every attempt); with
+  ``exact_recovery`` they are recovered at their own moment instead;
 * ended tasks, sessions and instances are forgotten a retention after they end.
 
 Heap entries are never searched for and removed: an entry is checked when it reaches the top,
@@ -388,7 +390,9 @@ class Dispatch(StateCore):
             due.append(self._forget[0][0])
         recovery = self._recovery_due()
         if recovery is not None:
-            due.append(self._scan_tick(max(recovery, self._next_scan)))
+            due.append(
+                recovery if self.exact_recovery else self._scan_tick(max(recovery, self._next_scan))
+            )
         if self._rate_wake is not None:
             due.append(self._rate_wake)
         return min(due) if due else None
@@ -441,7 +445,11 @@ class Dispatch(StateCore):
         """Run what is due now: recovery scans, session expiries, forgetting, then dispatch."""
         actions: list[Action] = []
         now = self.now_us()
-        while self._next_scan <= now:
+        if self.exact_recovery:
+            # Every due lease and overdue task at once, in batches, whatever the tick.
+            while (recovery := self._recovery_due()) is not None and recovery <= now:
+                self._scan(now)
+        while not self.exact_recovery and self._next_scan <= now:
             recovery = self._recovery_due()
             if recovery is not None and recovery <= self._next_scan:
                 self._scan(now)

@@ -85,16 +85,17 @@ class Inspection(StateCore):
         ones the ring let go (``.truncated`` is true when there are any)."""
         return EventLog(self._events, self._events_total - len(self._events))
 
-    def bounds(self) -> dict[str, float | int | None]:
-        """The state bounds in force and how full they are: ``idempotency_window``,
-        ``retention`` (seconds; ``None``: forever), ``max_receipts``, ``event_log_size``, and
-        the counts ``receipts``, ``receipts_evicted`` (forgotten early to stay under the cap),
+    def bounds(self) -> dict[str, float | int | bool | None]:
+        """The state bounds in force: ``idempotency_window``, ``retention`` (seconds; ``None``:
+        forever), ``max_receipts``, ``event_log_size``, ``exact_recovery``; and how full they
+        are: ``receipts``, ``receipts_evicted`` (forgotten early to stay under the cap),
         ``tasks``, ``sessions``."""
         return {
             "idempotency_window": self.idempotency_us / 1_000_000,
             "retention": None if self.retention_us is None else self.retention_us / 1_000_000,
             "max_receipts": self.max_receipts,
             "event_log_size": self._events.maxlen,
+            "exact_recovery": self.exact_recovery,
             "receipts": len(self._ops),
             "receipts_evicted": self.receipts_evicted,
             "tasks": len(self._tasks),

@@ -287,6 +287,7 @@ class MockOrbitServer:
         retention: float | None = DEFAULT_RETENTION,
         event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
         max_receipts: int = DEFAULT_MAX_RECEIPTS,
+        exact_recovery: bool = False,
         max_pending_connections: int = 64,
         handshake_timeout: float = 3.0,
         max_admin_requests: int = 16,
@@ -298,6 +299,10 @@ class MockOrbitServer:
         seconds (at most *max_receipts* of them, the oldest forgotten first); an ended task,
         session or worker process is kept for *retention* seconds (``None``: forever); the event
         log keeps the last *event_log_size* events. :meth:`bounds` shows them.
+
+        Recovery: expired leases and overdue WAITING tasks are recovered by PROTOCOL §8's scan
+        (every 2 s, at most 100 a batch), as a real server does; *exact_recovery* recovers
+        each at its own moment instead.
 
         Hostile-client bounds: at most *max_pending_connections* accepted connections may be
         unauthenticated at once (more are closed as soon as they are accepted); each must finish
@@ -335,6 +340,7 @@ class MockOrbitServer:
             retention=retention,
             event_log_size=event_log_size,
             max_receipts=max_receipts,
+            exact_recovery=exact_recovery,
         )
         self._state.push_gate = self._push_gate
         self._max_connections = max_connections
@@ -611,7 +617,7 @@ class MockOrbitServer:
         with self._cond:
             return self._state.events()
 
-    def bounds(self) -> dict[str, float | int | None]:
+    def bounds(self) -> dict[str, float | int | bool | None]:
         """The state bounds in force (``idempotency_window``, ``retention``, ``max_receipts``,
         ``event_log_size``) and how full they are (``receipts``, ``receipts_evicted``,
         ``tasks``, ``sessions``): see ``docs/mock-server.md``."""

@@ -109,11 +109,13 @@ class OrbitState(Requests, Inspection):
         retention: float | None = DEFAULT_RETENTION,
         event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
         max_receipts: int = DEFAULT_MAX_RECEIPTS,
+        exact_recovery: bool = False,
     ) -> None:
         """*idempotency_window*: seconds a ``message_id`` is remembered (at most
         *max_receipts* of them, the oldest forgotten first); *retention*: seconds
         an ended task, session or instance is kept (``None``: forever); *event_log_size*: how
-        many events the log keeps."""
+        many events the log keeps; *exact_recovery*: recover an expired lease or an overdue
+        WAITING task at its own moment instead of on PROTOCOL §8's 2 s scan."""
         if not 1.0 <= lease_duration <= 120.0:
             raise ValueError("lease_duration must be between 1 and 120 seconds")
         if not 0.0 < session_window <= 300.0:
@@ -141,6 +143,7 @@ class OrbitState(Requests, Inspection):
             idempotency_us=window,
             max_receipts=max_receipts,
             event_log_size=event_log_size,
+            exact_recovery=bool(exact_recovery),
         )
         self.default_queue = self.add_queue(max_concurrency=max_concurrency)
 
