@@ -23,7 +23,6 @@ faults included) is followed by ``notify_all`` on its condition, which is what
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import datetime as _dt
@@ -47,9 +46,10 @@ from websockets.sync.server import ServerConnection
 
 from .._codec import SUBPROTOCOL, ClientFrame, InvalidClientFrame, decode_client_frame, encode_frame
 from .._json import MAX_FRAME_BYTES
-from ..models import MAX_CAPACITY, TaskState, new_message_id
+from ..models import TaskState, new_message_id
 from . import _http
 from ._clock import Clock, ManualClock, SystemClock
+from ._conn import Conn
 from ._faults import PUSH_TYPES, Fault, Faults
 from ._listener import Admission, Listener
 from ._options import EnqueueOptions
@@ -81,14 +81,6 @@ AdminHandler = Callable[
 ]
 
 CONNECT_PATH = "/v1/worker/connect"
-#: Frames a connection may have waiting to be written (PROTOCOL §10). An answer finding no room
-#: waits for it up to the write deadline; assignments pause before it fills (``PUSH_ROOM``).
-OUTBOX_FRAMES = 8
-#: Pushes stop while this many frames wait, keeping room for answers to requests.
-PUSH_ROOM = 4
-#: How far pushes that cannot wait may go past a full outbox while its writer keeps up: one
-#: cancel notice per attempt a session can hold.
-SPILL_FRAMES = MAX_CAPACITY
 #: Inbound frames buffered per connection before websockets stops reading (flow control); the
 #: handler thread applies one frame at a time and reads the next only once its answer is queued.
 INBOX_FRAMES = 4
@@ -118,149 +110,6 @@ class _Late:
     delay: float
     actions: tuple[Action, ...]
     close: str | None
-
-
-class _Conn:
-    """One accepted WebSocket: its session binding and its bounded outbox."""
-
-    def __init__(
-        self, server: MockOrbitServer, ws: ServerConnection, token: str, write_timeout: float
-    ) -> None:
-        self.server = server
-        self.ws = ws
-        self.token = token
-        self.session_id: str | None = None
-        self._write_timeout = write_timeout
-        self._cv = threading.Condition()
-        # (text, delay) frames, or (code, reason) close markers as ints/str.
-        self._items: collections.deque[tuple[str, float] | tuple[int, str]] = collections.deque()
-        self._frames = 0
-        # When the writer last took a frame, or was last handed one while idle (monotonic s).
-        self._took = time.monotonic()
-        self._idle = False
-        self.closing = False
-        self._aborted = False
-        self._want_kick = False
-        self._writer = threading.Thread(
-            target=self._write_loop, name="orbit-mock-writer", daemon=True
-        )
-
-    def start(self) -> None:
-        self._writer.start()
-
-    # ------------------------------------------------------------------ producer side
-
-    def offer(self, text: str, delay: float = 0.0) -> bool:
-        """Queue one frame if the outbox has room now; False when it is full."""
-        with self._cv:
-            return self._put(text, delay, OUTBOX_FRAMES)
-
-    def put(self, text: str, delay: float = 0.0) -> bool:
-        """Queue one answer, waiting for room up to the write deadline; False when none came."""
-        with self._cv:
-            self._cv.wait_for(
-                lambda: self.closing or self._frames < OUTBOX_FRAMES, self._write_timeout
-            )
-            return self._put(text, delay, OUTBOX_FRAMES)
-
-    def spill(self, text: str) -> bool:
-        """Queue one push that cannot wait: past a full outbox too (up to ``SPILL_FRAMES``
-        more) while the writer keeps up, i.e. took a frame within the write deadline. False
-        when the writer is stuck on a socket that accepts no data, or too far behind."""
-        with self._cv:
-            keeping_up = time.monotonic() - self._took < self._write_timeout
-            return self._put(text, 0.0, OUTBOX_FRAMES + (SPILL_FRAMES if keeping_up else 0))
-
-    def _put(self, text: str, delay: float, limit: int) -> bool:
-        if self.closing:
-            return True  # the connection is going away; nothing more is delivered
-        if self._frames >= limit:
-            return False
-        if self._idle:
-            self._idle = False
-            self._took = time.monotonic()  # the writer had nothing to do: its clock starts now
-        self._items.append((text, delay))
-        self._frames += 1
-        self._cv.notify_all()
-        return True
-
-    def push_room(self, emitted: int = 0) -> bool:
-        """May a push be queued now, *emitted* more being on their way (room for answers)?"""
-        with self._cv:
-            room = not self.closing and self._frames + emitted < PUSH_ROOM
-            if not room:
-                # Ask the writer to kick dispatch once it has drained below the mark.
-                self._want_kick = True
-            return room
-
-    def close_after_flush(self, code: int = 1000, reason: str = "") -> None:
-        """Write what is queued, then close with *code*."""
-        with self._cv:
-            if self.closing:
-                return
-            self.closing = True
-            self._items.append((code, reason))
-            self._cv.notify_all()
-
-    def abort(self) -> None:
-        """Cut the TCP connection now: no close frame, queued frames dropped."""
-        with self._cv:
-            self.closing = True
-            self._aborted = True
-            self._items.clear()
-            self._frames = 0
-            self._cv.notify_all()
-        # shutdown() (not close()) wakes a writer blocked in sendall and the reader thread,
-        # without taking the websockets mutex a blocked writer may hold.
-        with contextlib.suppress(OSError):
-            self.ws.socket.shutdown(socket.SHUT_RDWR)
-
-    def finish(self) -> None:
-        """Called when the handler ends: flush and close, bounded; then join the writer."""
-        self.close_after_flush()
-        self._writer.join(2.0)
-        if self._writer.is_alive():
-            self.abort()
-            self._writer.join()
-
-    # ------------------------------------------------------------------ writer thread
-
-    def _write_loop(self) -> None:
-        while True:
-            with self._cv:
-                while not self._items and not self._aborted:
-                    self._idle = True
-                    self._cv.wait()
-                if self._aborted:
-                    return
-                item = self._items.popleft()
-                if isinstance(item[0], str):
-                    self._frames -= 1
-                    self._took = time.monotonic()
-                    self._cv.notify_all()  # an answer may be waiting for this room
-            if isinstance(item[0], int):
-                try:
-                    self.ws.close(item[0], str(item[1]))
-                except Exception:
-                    self.abort()
-                return
-            text, delay = item
-            assert isinstance(text, str) and isinstance(delay, float | int)
-            if delay:
-                with self._cv:
-                    if self._cv.wait_for(lambda: self._aborted, timeout=delay):
-                        return
-            try:
-                self.ws.send(text)
-            except Exception:
-                self.abort()
-                return
-            with self._cv:
-                kick = self._want_kick and self._frames < PUSH_ROOM and not self.closing
-                if kick:
-                    self._want_kick = False
-            if kick:
-                self.server._dispatch()
 
 
 class MockOrbitServer:
@@ -352,8 +201,8 @@ class MockOrbitServer:
         self._write_timeout = float(write_timeout)
         self._admin_handler = admin_handler
         self._cond = threading.Condition(threading.RLock())
-        self._conns: set[_Conn] = set()
-        self._by_session: dict[str, _Conn] = {}
+        self._conns: set[Conn] = set()
+        self._by_session: dict[str, Conn] = {}
         # Upgrades accepted (101 on its way) whose connection is not in _conns yet.
         self._opening = 0
         self._admin_active = 0
@@ -706,12 +555,12 @@ class MockOrbitServer:
                 self._queue(conn, text)
         self._cond.notify_all()
 
-    def _queue(self, conn: _Conn, text: str) -> None:
+    def _queue(self, conn: Conn, text: str) -> None:
         """Queue a push; it never waits (the caller holds the lock)."""
         if not conn.spill(text):
             self._slow_consumer(conn)
 
-    def _slow_consumer(self, conn: _Conn) -> None:
+    def _slow_consumer(self, conn: Conn) -> None:
         with self._cond:
             self._record("connection.slow_consumer", session=conn.session_id)
             conn.abort()
@@ -1000,7 +849,7 @@ class MockOrbitServer:
     def _handle(self, ws: ServerConnection, token: str) -> None:
         with self._cond:
             self._opening -= 1
-            conn = _Conn(self, ws, token, self._write_timeout)
+            conn = Conn(ws, token, self._write_timeout, self._dispatch)
             if self._stopping:
                 self._cond.notify_all()
                 return
@@ -1018,7 +867,7 @@ class MockOrbitServer:
                     self._commit(self._state.connection_lost(sid))
                 self._cond.notify_all()
 
-    def _serve(self, conn: _Conn) -> None:
+    def _serve(self, conn: Conn) -> None:
         timeout = self._hello_timeout
         while not conn.closing:
             try:
@@ -1035,7 +884,7 @@ class MockOrbitServer:
                 return
             timeout = self._read_idle
 
-    def _on_frame(self, conn: _Conn, raw: str | bytes) -> bool:
+    def _on_frame(self, conn: Conn, raw: str | bytes) -> bool:
         """Apply one frame; False when the connection must stop reading."""
         outcome: bool | _Late
         if isinstance(raw, bytes):
@@ -1052,7 +901,7 @@ class MockOrbitServer:
             return self._deliver_late(conn, outcome)
         return outcome
 
-    def _apply(self, conn: _Conn, frame: ClientFrame) -> bool | _Late:
+    def _apply(self, conn: Conn, frame: ClientFrame) -> bool | _Late:
         """Apply one decoded frame and queue its answer. Caller holds the lock."""
         if conn.closing:
             return False
@@ -1075,7 +924,7 @@ class MockOrbitServer:
             handled = self._state.handle(sid, frame)
         return self._respond(conn, frame, handled)
 
-    def _respond(self, conn: _Conn, frame: ClientFrame, handled: Handled) -> bool | _Late:
+    def _respond(self, conn: Conn, frame: ClientFrame, handled: Handled) -> bool | _Late:
         sid = handled.session_id
         answer = handled.answer
         if self.faults.take("close_after", frame.type, sid):
@@ -1094,7 +943,7 @@ class MockOrbitServer:
 
     def _reply(
         self,
-        conn: _Conn,
+        conn: Conn,
         text: str,
         delay: float,
         actions: Iterable[Action],
@@ -1112,14 +961,14 @@ class MockOrbitServer:
         self._commit(a for a in actions if a.session_id != sid)
         return _Late(text, delay, tuple(a for a in actions if a.session_id == sid), close)
 
-    def _follow(self, conn: _Conn, actions: Iterable[Action], close: str | None) -> bool:
+    def _follow(self, conn: Conn, actions: Iterable[Action], close: str | None) -> bool:
         """What follows an answer: *actions*, then the close. Caller holds the lock."""
         self._commit(actions)
         if close is not None:
             conn.close_after_flush(1008, close)
         return close is None and not conn.closing
 
-    def _deliver_late(self, conn: _Conn, late: _Late) -> bool:
+    def _deliver_late(self, conn: Conn, late: _Late) -> bool:
         """Wait for room for an answer up to the write deadline, without the lock (so the
         scheduler and every other connection go on meanwhile); none came: a slow consumer.
         The handler reads nothing more meanwhile, so inbound frames stay bounded too."""
@@ -1129,7 +978,7 @@ class MockOrbitServer:
         with self._cond:
             return self._follow(conn, late.actions, late.close)
 
-    def _invalid(self, conn: _Conn, message_id: str | None, reason: str) -> bool | _Late:
+    def _invalid(self, conn: Conn, message_id: str | None, reason: str) -> bool | _Late:
         # Answer INVALID_FRAME (with reply_to when the id was readable), then close (§11).
         with self._cond:
             self._record("frame.invalid", session=conn.session_id, detail=reason[:200])
