@@ -183,9 +183,10 @@ class Listener:
                 admission = Admission(self, sock)
                 self._pending[admission] = None
         if not admitted:
-            sock.close()
+            # Recorded before the close, so a peer that sees its socket closed finds the event.
             if not self._stopping.is_set():
                 self._on_refused()
+            sock.close()
             return
         thread = threading.Thread(
             target=self._run, args=(sock, addr, admission), name="orbit-mock-conn", daemon=True
