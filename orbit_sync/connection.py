@@ -385,7 +385,7 @@ class WorkerConnection:
             raise ValueError("a message_id is repeated in the batch")
         opened: list[Call] = []
         texts: list[str] = []
-        refused: list[tuple[Done, OrbitError]] = []
+        refused: list[tuple[Submission, OrbitError]] = []
         ids: list[str | None] = []
         with self._lock:
             if any(mid in self._core.calls for _, mid in batch):
@@ -398,7 +398,7 @@ class WorkerConnection:
                         del self._core.calls[c.message_id]
                     raise
                 except OrbitError as exc:  # ended, or too many in flight: not sent
-                    refused.append((r.on_done, exc))
+                    refused.append((r, exc))
                     ids.append(None)
                     continue
                 opened.append(call)
@@ -414,8 +414,8 @@ class WorkerConnection:
                 self._send_failed(exc)
             else:
                 log.debug("sent %d requests in one write", len(texts))
-        for on_done, err in refused:
-            _complete_with(on_done, err)
+        for r, err in refused:  # never sent: each is told why
+            _run_done(r.on_done, None, err, r.request_type)
         return ids
 
     def _check_request(self, request_type: str, body: Any) -> None:
@@ -638,18 +638,14 @@ def _check_ref(ref: object) -> None:
 
 
 def _complete(call: Call, value: Any, error: OrbitError | None) -> None:
+    _run_done(call.on_done, value, error, call.request_type)
+
+
+def _run_done(on_done: Done, value: Any, error: OrbitError | None, request_type: str) -> None:
     try:
-        call.on_done(value, error)
+        on_done(value, error)
     except Exception:  # one faulty callback must not keep the others from their answers
-        log.exception("completion callback of %s raised", call.request_type)
-
-
-def _complete_with(on_done: Done, error: OrbitError) -> None:
-    """Tell a request that was never sent why (a faulty callback must not stop the others)."""
-    try:
-        on_done(None, error)
-    except Exception:
-        log.exception("completion callback of a refused request raised")
+        log.exception("completion callback of %s raised", request_type)
 
 
 #: The body model of each request type a session sends (the handshake's hello is not one).

@@ -920,18 +920,27 @@ class Worker:
             try:
                 return fn()
             except OrbitError as exc:
-                if (
-                    is_link_failure(exc)
-                    or not is_transient(exc)
-                    or self._link.is_closed()
-                    or conn.done.is_set()
-                ):
-                    raise
-                self._log.info(
-                    "request answered %s; retrying on the same connection",
-                    getattr(exc, "code", type(exc).__name__),
-                )
-                self._link.pause(_BUSY_DELAY if isinstance(exc, WorkerBusy) else self._retry_delay)
+                self._pause_to_retry_in_place(conn, exc)
+
+    def _pause_to_retry_in_place(self, conn: Connection, error: OrbitError) -> None:
+        """Raise *error* unless it is a transient answer on a live session; else log it and
+        wait before the request is re-sent on this same connection."""
+        if (
+            is_link_failure(error)
+            or not is_transient(error)
+            or self._link.is_closed()
+            or conn.done.is_set()
+        ):
+            raise error
+        self._log.info(
+            "request answered %s; retrying on the same connection",
+            getattr(error, "code", type(error).__name__),
+        )
+        self._retry_pause(error)
+
+    def _retry_pause(self, error: OrbitError) -> None:
+        """Wait before re-sending after a transient error (longer for our own busy gate)."""
+        self._link.pause(_BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
 
     def _reconcile(self, conn: Connection) -> _FirstReport:
         """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
@@ -1052,17 +1061,7 @@ class Worker:
             assert isinstance(first.value, Welcome) and first.report is not None
             self._capacity_acked(first.report, first.sent_at, first.value)
             return
-        if (
-            is_link_failure(error)
-            or not is_transient(error)
-            or self._link.is_closed()
-            or conn.done.is_set()
-        ):
-            raise error
-        self._log.info(
-            "request answered %s; retrying on the same connection", getattr(error, "code", error)
-        )
-        self._link.pause(_BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
+        self._pause_to_retry_in_place(conn, error)
         self._send_capacity(conn)
 
     def _send_capacity(self, conn: Connection) -> None:
@@ -1609,9 +1608,7 @@ class Worker:
                 self._link.broken(gen)
                 continue
             if is_transient(error):
-                self._link.pause(
-                    _BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay
-                )
+                self._retry_pause(error)
                 continue
             raise error
 
