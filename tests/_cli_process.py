@@ -73,13 +73,16 @@ class Proc:
         cwd: Path | None = None,
         stdin: bool = False,
     ) -> None:
+        # faulthandler: a process that hangs is sent SIGABRT by wait(), which then prints every
+        # thread's stack (file, line and function only: no values) to its stderr.
+        env = {**(clean_env() if env is None else env), "PYTHONFAULTHANDLER": "1"}
         self.popen = subprocess.Popen(
             list(argv),
             stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=clean_env() if env is None else env,
+            env=env,
             cwd=cwd,
         )
         self.out: queue.Queue[str | None] = queue.Queue()
@@ -160,8 +163,18 @@ class Proc:
         return self.wait(timeout)
 
     def wait(self, timeout: float = 15.0) -> int:
-        """Wait for the exit status and for the output to be drained."""
-        code = self.popen.wait(timeout)
+        """Wait for the exit status and for the output to be drained; a process still running
+        after *timeout* is aborted and the test fails with its threads' stacks."""
+        try:
+            code = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.popen.send_signal(signal.SIGABRT)
+            self.popen.wait(timeout)
+            for thread in self._threads:
+                thread.join(timeout)
+            raise AssertionError(
+                f"the process did not exit within {timeout} s; its stacks:\n{self.stderr}"
+            ) from None
         for thread in self._threads:
             thread.join(timeout)
         return code

@@ -8,7 +8,7 @@ It runs a :class:`Worker` on the main thread (so ``run()`` handles signals) and 
 shutdown report as one JSON line. MODE ``drain``: the handler waits for FLAG_PATH to exist, then
 returns. MODE ``stubborn``: the handler ignores cancellation and never returns. MODE
 ``announce``: the handler prints ``running TASK_ID`` on stdout, then never returns (the kill -9
-tests).
+tests, and the second-signal test, which must know the handler is running).
 """
 
 from __future__ import annotations

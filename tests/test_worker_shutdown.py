@@ -19,7 +19,7 @@ from orbit_sync.client import Client
 from orbit_sync.errors import HTTPError
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import ShutdownReport, TaskContext, Worker
+from orbit_sync.worker import DrainEvent, ShutdownReport, TaskContext, Worker, WorkerListener
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 HELPER = Path(__file__).with_name("_worker_helpers.py")
@@ -271,9 +271,13 @@ def test_sigterm_drains_in_a_subprocess(server: MockOrbitServer, tmp_path: Path)
 def test_second_sigterm_stops_at_once(server: MockOrbitServer, tmp_path: Path) -> None:
     """A second signal stops without waiting for the drain; a stuck handler is left UNKNOWN."""
     task_id = server.enqueue("slow", {})
-    proc = _spawn(server, tmp_path / "never", "stubborn")
+    proc = _spawn(server, tmp_path / "never", "announce")
     try:
-        server.wait_for(task_id, {"RUNNING"}, timeout=15)
+        # The handler's own line, not the server's RUNNING: the server sees the attempt start
+        # before the handler is entered, and an attempt cancelled before its handler ran is
+        # finished FAILED (never ran), not abandoned.
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == f"running {task_id}"
         proc.send_signal(signal.SIGTERM)
         server.wait_until(has_event("instance.draining"), timeout=10)
         began = time.monotonic()
@@ -287,3 +291,35 @@ def test_second_sigterm_stops_at_once(server: MockOrbitServer, tmp_path: Path) -
     assert report["abandoned"] == [task_id] and report["non_daemon"] == []
     attempt = server.task(task_id).attempts[-1]
     assert (attempt.outcome, attempt.error_code) == (Outcome.UNKNOWN, "SHUTDOWN_TIMEOUT")
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_signal_delivered_to_another_thread_still_stops_run(server: MockOrbitServer) -> None:
+    """run() on the main thread stops on a SIGTERM that the kernel hands to another thread."""
+    worker = make_worker(server, handle_signals=True)
+    worker.handler("work")(lambda ctx, payload: payload)
+    stopped_by_signal = threading.Event()
+
+    class Listener(WorkerListener):
+        def draining(self, event: DrainEvent) -> None:
+            if event.drain:  # the signal's drain, not the fallback stop below
+                stopped_by_signal.set()
+
+    worker.add_listener(Listener())
+
+    def deliver() -> None:
+        assert worker.wait_ready(10.0)
+        # A process-directed signal may land on any thread that does not block it; this one
+        # lands here while the main thread sleeps in run(). Python runs the handler only on the
+        # main thread, so run() must be woken by the signal itself, not by its handler.
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        if not stopped_by_signal.wait(5.0):
+            worker.request_stop(drain=False)  # unblock run() so the test fails instead of hanging
+
+    sender = threading.Thread(target=deliver, daemon=True)
+    sender.start()
+    report = worker.run()
+    sender.join(15)
+    assert stopped_by_signal.is_set(), "run() slept through a SIGTERM delivered to another thread"
+    assert report.drained
+    assert worker_threads() == []

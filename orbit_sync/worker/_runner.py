@@ -109,6 +109,8 @@ _BUSY_DELAY = 0.05
 #: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
 #: one).
 _CLOSE_ALLOWANCE = 0.5
+#: The signals :meth:`Worker.run` handles: the first drains, the second stops at once.
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
 _RESERVED_SLOTS = 8
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
@@ -407,8 +409,8 @@ class Worker:
         self._stop_requested = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
-        self._signals = 0
         self._last_signal = int(signal.SIGTERM)
+        self._handler_writes = False
         self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
@@ -613,13 +615,22 @@ class Worker:
         """
         install = self._handle_signals and threading.current_thread() is threading.main_thread()
         previous: dict[signal.Signals, Any] = {}
+        previous_wakeup = -1
         read_fd = -1
         if install:
             read_fd, write_fd = os.pipe()
             os.set_blocking(write_fd, False)
             with self._pipe_lock:
                 self._pipe_w = write_fd
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            # The kernel may hand a process-directed signal to any thread, and Python runs its
+            # handler only on the main thread, which sleeps in read() below and would never get
+            # to it: the interpreter's C-level handler writes the signal number to this pipe
+            # from whichever thread received it, and that wakes the read.
+            try:
+                previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+            except ValueError:  # Windows takes only a socket: the handler writes instead
+                self._handler_writes = True
+            for sig in _STOP_SIGNALS:
                 previous[sig] = signal.signal(sig, self._on_signal)
         try:
             self.start()
@@ -634,7 +645,8 @@ class Worker:
             # Handlers first: once restored, ours can no longer run and write to a closed pipe.
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if install:
+            if install and not self._handler_writes:
+                signal.set_wakeup_fd(previous_wakeup)
                 with self._pipe_lock:
                     write_fd, self._pipe_w = self._pipe_w or -1, None
                 os.close(write_fd)
@@ -646,30 +658,31 @@ class Worker:
         return report
 
     def _wait_for_signals(self, read_fd: int) -> None:
-        # Sleeps in read() until a signal handler or the end of shutdown writes a byte: signal
-        # handlers only count and write (taking locks there can deadlock); this turns the count
-        # into stop requests from ordinary code.
-        seen = 0
+        # Sleeps in read() until a signal or the end of shutdown writes to the pipe. Each stop
+        # signal arrives as one byte holding its number (set_wakeup_fd), so signals are counted
+        # here, in ordinary code that may take locks, whichever thread received them.
+        signals = 0
         while not self._done.is_set():
-            os.read(read_fd, 64)
-            if self._signals > seen:
-                seen = self._signals
-                self._announce_signal(first=seen == 1)
-                self.request_stop(drain=seen == 1)
+            for number in os.read(read_fd, 64):
+                if number in _STOP_SIGNALS:
+                    signals += 1
+                    self._last_signal = number
+                    self._announce_signal(first=signals == 1)
+                    self.request_stop(drain=signals == 1)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        self._last_signal = signum
-        self._signals += 1
+        # Installed to replace the default action (exit, or KeyboardInterrupt): the interpreter
+        # has already written the signal's number to the wakeup pipe, unless it could not.
         fd = self._pipe_w  # no lock in a signal handler; run() restores handlers before closing
-        if fd is not None:
+        if self._handler_writes and fd is not None:
             with contextlib.suppress(OSError):
-                os.write(fd, b"s")
+                os.write(fd, bytes([signum]))
 
     def _wake_run(self) -> None:
         with self._pipe_lock:
             if self._pipe_w is not None:
                 with contextlib.suppress(OSError):
-                    os.write(self._pipe_w, b"d")
+                    os.write(self._pipe_w, b"d")  # 100: no stop signal has that number
 
     def _announce_signal(self, *, first: bool) -> None:
         # WARNING, so that an operator sees at the default level what a signal started and how to
