@@ -7,6 +7,12 @@ from collections.abc import Iterator
 
 import pytest
 from _cli_process import procs  # noqa: F401 (the fixture, for the tests that run processes)
+from hypothesis import HealthCheck, settings
+
+# Property tests check what is generated, not how fast: on a loaded 2-core CI machine the
+# per-example deadline and the slow-generation health check fail runs whose every example passed.
+settings.register_profile("orbit-sync", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("orbit-sync")
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

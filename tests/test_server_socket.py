@@ -144,7 +144,9 @@ def test_wss(tmp_path: Path) -> None:
     cert.configure_cert(server_ctx)
     client_ctx = ssl.create_default_context()
     ca.configure_trust(client_ctx)
-    with MockOrbitServer(ssl_context=server_ctx, clock=ManualClock()) as srv:
+    # A generous handshake deadline: this test is about TLS, not about the deadline, and a TLS
+    # handshake on a loaded CI machine can take longer than the default 3 s.
+    with MockOrbitServer(ssl_context=server_ctx, clock=ManualClock(), handshake_timeout=20) as srv:
         assert srv.url.startswith("wss://127.0.0.1:")
         client = RawClient(srv).open(ssl=client_ctx)
         task_id = srv.enqueue("resize", {"n": 1})

@@ -115,7 +115,8 @@ class Listener:
         """Wait until every connection thread has ended (after :meth:`stop`)."""
         while True:
             with self._lock:
-                threads = list(self._threads)
+                threads = [t for t in self._threads if t.is_alive()]
+                self._threads = set(threads)
             if not threads:
                 return
             for thread in threads:
@@ -192,6 +193,9 @@ class Listener:
             target=self._run, args=(sock, addr, admission), name="orbit-mock-conn", daemon=True
         )
         with self._lock:
+            # Ended threads are dropped here, not by themselves: one that removed itself could
+            # still be alive when join() finds the set empty.
+            self._threads = {t for t in self._threads if t.is_alive()}
             self._threads.add(thread)
         try:
             thread.start()
@@ -210,8 +214,6 @@ class Listener:
         finally:
             admission.release()
             admission.sock.close()
-            with self._lock:
-                self._threads.discard(threading.current_thread())
 
     def _release(self, admission: Admission) -> None:
         with self._lock:
