@@ -245,6 +245,34 @@ def test_pool_threads_are_daemons_and_bounded() -> None:
     assert seen == [True, True, True]
 
 
+def test_pool_runs_every_job_while_idle_threads_retire() -> None:
+    """Jobs submitted from several threads while idle threads keep retiring and new ones start
+    all run, on at most size threads."""
+    pool = DaemonPool(3, idle_timeout=0.0005)  # threads retire between bursts, over and over
+    total = 4 * 300
+    done = threading.Semaphore(0)
+    peak: list[int] = []
+
+    def job() -> None:
+        peak.append(pool.thread_count())
+        done.release()
+
+    def submitter() -> None:
+        for i in range(300):
+            pool.submit(job)
+            if i % 7 == 0:
+                time.sleep(0.001)  # let threads go idle and retire mid-stream
+
+    threads = [threading.Thread(target=submitter) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert all(done.acquire(timeout=5) for _ in range(total)), "a submitted job never ran"
+    assert max(peak) <= 3
+    assert pool.shutdown(time.monotonic() + 5) == []
+
+
 # ----------------------------------------------------------------------------- worker API
 
 

@@ -1,8 +1,9 @@
 """The worker's time: a monotonic clock and every timed wait, behind one injectable object.
 
 Every timed wait of the worker's own threads (heartbeats, retry delays, the lease watchdog's
-schedule, the shutdown phases, idle pool threads) goes through :meth:`WorkerClock.wait`, a
-condition wait that ends at a deadline on this clock. :class:`WorkerClock` is real time.
+schedule, the shutdown phases) goes through :meth:`WorkerClock.wait`, a condition wait that ends
+at a deadline on this clock; idle pool threads wait for work in :meth:`WorkerClock.take`.
+:class:`WorkerClock` is real time.
 :class:`FakeClock` moves only when told to (or when the mock server's ``ManualClock`` it follows
 moves), so a test can let a lease window, a drain timeout or an idle period pass at once instead
 of sleeping through it. Network bounds (dial, call and read-idle timeouts) stay in real time:
@@ -13,10 +14,13 @@ from __future__ import annotations
 
 import collections
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, TypeVar
+
+_T = TypeVar("_T")
 
 __all__ = ["FakeClock", "Wakeup", "WorkerClock"]
 
@@ -33,6 +37,18 @@ class WorkerClock:
     def now(self) -> float:
         """Seconds on a monotonic clock."""
         return time.monotonic()
+
+    def put(self, jobs: queue.SimpleQueue[_T], item: _T) -> None:
+        """Add *item* to *jobs* for a thread in :meth:`take` (a plain put in real time)."""
+        jobs.put(item)
+
+    def take(self, jobs: queue.SimpleQueue[_T], deadline: float) -> _T:
+        """The next item of *jobs*, waiting until *deadline* (clock time); ``queue.Empty`` then.
+
+        In real time this is the queue's own timed get: handing an item over wakes one thread
+        and takes no Python-level lock (the idle pool threads' hot path).
+        """
+        return jobs.get(timeout=max(0.0, deadline - self.now()))
 
     def wait(self, cond: threading.Condition, deadline: float | None) -> None:
         """Wait on *cond* (held by the caller) until notified or until *deadline* (clock time).
@@ -72,6 +88,8 @@ class FakeClock(WorkerClock):
         #: Threads in a timed wait on this clock (notified on every change).
         self._sleepers: collections.Counter[str] = collections.Counter()
         self._sleep_change = threading.Condition(self._lock)
+        #: One condition per queue used with put()/take(), so that both wake its takers.
+        self._queue_conds: dict[object, threading.Condition] = {}
         if follow is not None:
             follow.subscribe(self._wake_all)
 
@@ -144,6 +162,35 @@ class FakeClock(WorkerClock):
         for cond in conds:
             with cond:
                 cond.notify_all()
+
+    def put(self, jobs: queue.SimpleQueue[_T], item: _T) -> None:
+        """Add *item* to *jobs* and wake the threads in :meth:`take` on it."""
+        cond = self._queue_cond(jobs)
+        with cond:
+            jobs.put(item)
+            cond.notify_all()
+
+    def take(self, jobs: queue.SimpleQueue[_T], deadline: float) -> _T:
+        """The next item of *jobs*, or ``queue.Empty`` once :meth:`advance` reaches *deadline*.
+
+        Items must come through :meth:`put`: it and :meth:`advance` wake this wait.
+        """
+        cond = self._queue_cond(jobs)
+        with cond:
+            while True:
+                try:
+                    return jobs.get_nowait()
+                except queue.Empty:
+                    if self.now() >= deadline:
+                        raise
+                self.wait(cond, deadline)
+
+    def _queue_cond(self, jobs: queue.SimpleQueue[_T]) -> threading.Condition:
+        with self._lock:
+            cond = self._queue_conds.get(jobs)
+            if cond is None:
+                cond = self._queue_conds[jobs] = threading.Condition()
+            return cond
 
     def __repr__(self) -> str:
         return f"FakeClock(now={self.now():.3f})"

@@ -9,9 +9,9 @@ threads behind for the life of the process.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
+import queue
 import threading
 from collections.abc import Callable
 
@@ -45,28 +45,32 @@ class DaemonPool:
         self._name = name
         self._idle_timeout = idle_timeout
         self._clock = clock or WorkerClock()
+        # Jobs go through a SimpleQueue: handing one to an idle thread is a C-level wake-up,
+        # not a notify under a lock that the woken thread must then take (that hand-off was
+        # over a third of the reader thread's time at full load). None tells a thread to exit.
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._cond = threading.Condition(threading.Lock())
-        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
         self._threads: set[threading.Thread] = set()
-        #: Threads waiting for a job (notified ones included until they run again).
-        self._waiting = 0
+        #: Threads waiting for a job minus jobs queued: negative means jobs wait for a thread.
+        self._idle = 0
         self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run *job* on a pool thread (queued while all threads are busy). Never blocks."""
+        thread = None
         with self._cond:
             if self._closed:
                 raise RuntimeError("pool is shut down")
-            self._jobs.append(job)
-            if len(self._jobs) <= self._waiting:
-                self._cond.notify()
-                return
-            if len(self._threads) < self._size:
+            self._idle -= 1
+            if self._idle < 0 and len(self._threads) < self._size:
+                self._idle += 1  # the new thread waits for this job from its start
                 thread = threading.Thread(
                     target=self._main, name=f"{self._name}-{next(_names)}", daemon=True
                 )
                 self._threads.add(thread)
-                thread.start()
+        self._clock.put(self._jobs, job)
+        if thread is not None:
+            thread.start()
 
     def owns_current_thread(self) -> bool:
         """True when called from one of this pool's threads."""
@@ -84,29 +88,41 @@ class DaemonPool:
         *stuck* threads are left (handlers known to ignore cancellation, never waited for) or
         until *deadline* (clock time). Return the names of the threads still running."""
         with self._cond:
-            self._closed = True
-            self._cond.notify_all()
+            if not self._closed:
+                self._closed = True
+                for _ in self._threads:  # behind the jobs already queued: those still run
+                    self._clock.put(self._jobs, None)
             while len(self._threads) > stuck and self._clock.now() < deadline:
                 self._clock.wait(self._cond, deadline)
             return sorted(t.name for t in self._threads)
 
     def _main(self) -> None:
-        me = threading.current_thread()
+        waiting = True  # counted in _idle by the submit() that started this thread
         while True:
-            with self._cond:
-                idle_until = self._clock.now() + self._idle_timeout
-                while not self._jobs:
-                    if self._closed or self._clock.now() >= idle_until:
-                        self._threads.discard(me)
-                        self._cond.notify_all()  # shutdown() waits for the pool to empty
-                        return
-                    self._waiting += 1
-                    try:
-                        self._clock.wait(self._cond, idle_until)
-                    finally:
-                        self._waiting -= 1
-                job = self._jobs.popleft()
+            if not waiting:
+                with self._cond:
+                    self._idle += 1
+            job = self._next_job()
+            if job is None:
+                with self._cond:
+                    self._threads.discard(threading.current_thread())
+                    self._cond.notify_all()  # shutdown() waits for the pool to empty
+                return
+            waiting = False
             try:
                 job()
             except BaseException:  # a job's bug must not shrink the pool
                 _LOG.exception("worker pool job failed")
+
+    def _next_job(self) -> Callable[[], None] | None:
+        """The next job, or None when this thread should exit (shut down, or idle too long)."""
+        while True:
+            try:
+                return self._clock.take(self._jobs, self._clock.now() + self._idle_timeout)
+            except queue.Empty:
+                with self._cond:
+                    # Leave only if every queued job still has a waiting thread without this one;
+                    # otherwise a job was queued for this thread just as its wait ended.
+                    if self._idle > 0:
+                        self._idle -= 1
+                        return None
