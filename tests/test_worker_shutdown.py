@@ -322,4 +322,5 @@ def test_signal_delivered_to_another_thread_still_stops_run(server: MockOrbitSer
     sender.join(15)
     assert stopped_by_signal.is_set(), "run() slept through a SIGTERM delivered to another thread"
     assert report.drained
+    assert signal.set_wakeup_fd(-1) == -1, "run() left its wakeup fd installed"
     assert worker_threads() == []

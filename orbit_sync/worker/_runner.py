@@ -645,8 +645,9 @@ class Worker:
             # Handlers first: once restored, ours can no longer run and write to a closed pipe.
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            if install and not self._handler_writes:
-                signal.set_wakeup_fd(previous_wakeup)
+            if install:
+                if not self._handler_writes:
+                    signal.set_wakeup_fd(previous_wakeup)
                 with self._pipe_lock:
                     write_fd, self._pipe_w = self._pipe_w or -1, None
                 os.close(write_fd)
