@@ -111,12 +111,20 @@ class Listener:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
 
+    def _prune_threads(self) -> list[threading.Thread]:
+        """Drop ended connection threads (under the lock); return those still alive.
+
+        Threads never remove themselves: one that did could still be alive when join() found
+        the set empty."""
+        alive = [t for t in self._threads if t.is_alive()]
+        self._threads = set(alive)
+        return alive
+
     def join(self) -> None:
         """Wait until every connection thread has ended (after :meth:`stop`)."""
         while True:
             with self._lock:
-                threads = [t for t in self._threads if t.is_alive()]
-                self._threads = set(threads)
+                threads = self._prune_threads()
             if not threads:
                 return
             for thread in threads:
@@ -193,9 +201,7 @@ class Listener:
             target=self._run, args=(sock, addr, admission), name="orbit-mock-conn", daemon=True
         )
         with self._lock:
-            # Ended threads are dropped here, not by themselves: one that removed itself could
-            # still be alive when join() finds the set empty.
-            self._threads = {t for t in self._threads if t.is_alive()}
+            self._prune_threads()
             self._threads.add(thread)
         try:
             thread.start()

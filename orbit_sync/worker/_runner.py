@@ -409,7 +409,6 @@ class Worker:
         self._stop_requested = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
-        self._last_signal = int(signal.SIGTERM)
         self._handler_writes = False
         self._ready = threading.Event()
         self._done = threading.Event()
@@ -667,8 +666,7 @@ class Worker:
             for number in os.read(read_fd, 64):
                 if number in _STOP_SIGNALS:
                     signals += 1
-                    self._last_signal = number
-                    self._announce_signal(first=signals == 1)
+                    self._announce_signal(number, first=signals == 1)
                     self.request_stop(drain=signals == 1)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
@@ -685,10 +683,10 @@ class Worker:
                 with contextlib.suppress(OSError):
                     os.write(self._pipe_w, b"d")  # 100: no stop signal has that number
 
-    def _announce_signal(self, *, first: bool) -> None:
+    def _announce_signal(self, number: int, *, first: bool) -> None:
         # WARNING, so that an operator sees at the default level what a signal started and how to
         # cut it short (a supervisor's stop timeout may be shorter than the drain).
-        name = signal.Signals(self._last_signal).name
+        name = signal.Signals(number).name
         with self._cond:
             running = len(self._attempts)
         tasks = f"{running} task{'' if running == 1 else 's'}"
