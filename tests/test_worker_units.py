@@ -249,27 +249,37 @@ def test_pool_runs_every_job_while_idle_threads_retire() -> None:
     """Jobs submitted from several threads while idle threads keep retiring and new ones start
     all run, on at most size threads."""
     pool = DaemonPool(3, idle_timeout=0.0005)  # threads retire between bursts, over and over
-    total = 4 * 300
-    done = threading.Semaphore(0)
     peak: list[int] = []
-
-    def job() -> None:
-        peak.append(pool.thread_count())
-        done.release()
+    names: set[str] = set()
 
     def submitter() -> None:
-        for i in range(300):
-            pool.submit(job)
-            if i % 7 == 0:
-                time.sleep(0.001)  # let threads go idle and retire mid-stream
+        done = threading.Semaphore(0)
+        ran: list[threading.Thread] = []
+
+        def job() -> None:
+            peak.append(pool.thread_count())
+            names.add(threading.current_thread().name)
+            ran.append(threading.current_thread())
+            done.release()
+
+        for _ in range(40):  # bursts of 7, while the other submitters' bursts come and go
+            for _ in range(7):
+                pool.submit(job)
+            assert all(done.acquire(timeout=5) for _ in range(7)), "a submitted job never ran"
+            # Until a thread of this burst has retired (its end is the event waited for): the
+            # next burst then needs a new thread, started while others may be retiring.
+            ran[-1].join(5)
+            assert not ran[-1].is_alive(), "an idle pool thread never retired"
 
     threads = [threading.Thread(target=submitter) for _ in range(4)]
     for thread in threads:
         thread.start()
     for thread in threads:
-        thread.join(10)
-    assert all(done.acquire(timeout=5) for _ in range(total)), "a submitted job never ran"
+        thread.join(30)
+        assert not thread.is_alive()
+    assert len(peak) == 4 * 40 * 7
     assert max(peak) <= 3
+    assert len(names) > 3, "no thread retired and was replaced: the test exercised nothing"
     assert pool.shutdown(time.monotonic() + 5) == []
 
 

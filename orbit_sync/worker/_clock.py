@@ -2,7 +2,7 @@
 
 Every timed wait of the worker's own threads (heartbeats, retry delays, the lease watchdog's
 schedule, the shutdown phases) goes through :meth:`WorkerClock.wait`, a condition wait that ends
-at a deadline on this clock; idle pool threads wait for work in :meth:`WorkerClock.take`.
+at a deadline on this clock; idle pool threads wait for work in :meth:`WorkerClock.park`.
 :class:`WorkerClock` is real time.
 :class:`FakeClock` moves only when told to (or when the mock server's ``ManualClock`` it follows
 moves), so a test can let a lease window, a drain timeout or an idle period pass at once instead
@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import collections
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Protocol, TypeVar
-
-_T = TypeVar("_T")
+from typing import Protocol
 
 __all__ = ["FakeClock", "Wakeup", "WorkerClock"]
 
@@ -38,17 +35,18 @@ class WorkerClock:
         """Seconds on a monotonic clock."""
         return time.monotonic()
 
-    def put(self, jobs: queue.SimpleQueue[_T], item: _T) -> None:
-        """Add *item* to *jobs* for a thread in :meth:`take` (a plain put in real time)."""
-        jobs.put(item)
+    def park(self, lock: threading.Lock, deadline: float) -> bool:
+        """Acquire *lock* (held by the caller's parking place), waiting until *deadline* (clock
+        time); False when the deadline came first.
 
-    def take(self, jobs: queue.SimpleQueue[_T], deadline: float) -> _T:
-        """The next item of *jobs*, waiting until *deadline* (clock time); ``queue.Empty`` then.
-
-        In real time this is the queue's own timed get: handing an item over wakes one thread
-        and takes no Python-level lock (the idle pool threads' hot path).
+        In real time this is the lock's own timed acquire: :meth:`unpark` wakes exactly this
+        thread and takes no Python-level lock (the idle pool threads' hot path).
         """
-        return jobs.get(timeout=max(0.0, deadline - self.now()))
+        return lock.acquire(timeout=max(0.0, deadline - self.now()))
+
+    def unpark(self, lock: threading.Lock) -> None:
+        """Release *lock*, waking the thread parked on it."""
+        lock.release()
 
     def wait(self, cond: threading.Condition, deadline: float | None) -> None:
         """Wait on *cond* (held by the caller) until notified or until *deadline* (clock time).
@@ -88,8 +86,8 @@ class FakeClock(WorkerClock):
         #: Threads in a timed wait on this clock (notified on every change).
         self._sleepers: collections.Counter[str] = collections.Counter()
         self._sleep_change = threading.Condition(self._lock)
-        #: One condition per queue used with put()/take(), so that both wake its takers.
-        self._queue_conds: dict[object, threading.Condition] = {}
+        #: Notified by unpark(), so that parked threads re-check their locks.
+        self._park_change = threading.Condition()
         if follow is not None:
             follow.subscribe(self._wake_all)
 
@@ -163,34 +161,23 @@ class FakeClock(WorkerClock):
             with cond:
                 cond.notify_all()
 
-    def put(self, jobs: queue.SimpleQueue[_T], item: _T) -> None:
-        """Add *item* to *jobs* and wake the threads in :meth:`take` on it."""
-        cond = self._queue_cond(jobs)
-        with cond:
-            jobs.put(item)
-            cond.notify_all()
+    def park(self, lock: threading.Lock, deadline: float) -> bool:
+        """Acquire *lock*, or return False once :meth:`advance` reaches *deadline*.
 
-    def take(self, jobs: queue.SimpleQueue[_T], deadline: float) -> _T:
-        """The next item of *jobs*, or ``queue.Empty`` once :meth:`advance` reaches *deadline*.
-
-        Items must come through :meth:`put`: it and :meth:`advance` wake this wait.
+        The lock must be released through :meth:`unpark`: it and :meth:`advance` wake this wait.
         """
-        cond = self._queue_cond(jobs)
-        with cond:
-            while True:
-                try:
-                    return jobs.get_nowait()
-                except queue.Empty:
-                    if self.now() >= deadline:
-                        raise
-                self.wait(cond, deadline)
+        with self._park_change:
+            while not lock.acquire(blocking=False):
+                if self.now() >= deadline:
+                    return False
+                self.wait(self._park_change, deadline)
+            return True
 
-    def _queue_cond(self, jobs: queue.SimpleQueue[_T]) -> threading.Condition:
-        with self._lock:
-            cond = self._queue_conds.get(jobs)
-            if cond is None:
-                cond = self._queue_conds[jobs] = threading.Condition()
-            return cond
+    def unpark(self, lock: threading.Lock) -> None:
+        """Release *lock* and wake the threads in :meth:`park`."""
+        with self._park_change:
+            lock.release()
+            self._park_change.notify_all()
 
     def __repr__(self) -> str:
         return f"FakeClock(now={self.now():.3f})"

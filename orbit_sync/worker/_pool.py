@@ -9,9 +9,9 @@ threads behind for the life of the process.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
-import queue
 import threading
 from collections.abc import Callable
 
@@ -24,6 +24,17 @@ _names = itertools.count(1)
 
 #: How long a pool thread waits for work before it exits.
 IDLE_TIMEOUT = 30.0
+
+
+class _Parked:
+    """An idle thread's parking place: the lock it sleeps on and the job handed to it."""
+
+    __slots__ = ("job", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.lock.acquire()  # held while parked; a release hands over self.job
+        self.job: Callable[[], None] | None = None
 
 
 class DaemonPool:
@@ -45,32 +56,35 @@ class DaemonPool:
         self._name = name
         self._idle_timeout = idle_timeout
         self._clock = clock or WorkerClock()
-        # Jobs go through a SimpleQueue: handing one to an idle thread is a C-level wake-up,
-        # not a notify under a lock that the woken thread must then take (that hand-off was
-        # over a third of the reader thread's time at full load). None tells a thread to exit.
-        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._cond = threading.Condition(threading.Lock())
+        #: Jobs waiting for a thread (only while every thread is busy).
+        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
+        # Idle threads, the most recently parked last. A job is handed straight to one of them
+        # by releasing its own lock: a C-level wake-up, not a notify under the pool's lock that
+        # the woken thread must then take (that hand-off was over a third of the reader
+        # thread's time at full load). Taking the newest keeps the same few threads busy, so
+        # the others reach the idle timeout and retire.
+        self._parked: list[_Parked] = []
         self._threads: set[threading.Thread] = set()
-        #: Threads waiting for a job minus jobs queued: negative means jobs wait for a thread.
-        self._idle = 0
         self._closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run *job* on a pool thread (queued while all threads are busy). Never blocks."""
-        thread = None
         with self._cond:
             if self._closed:
                 raise RuntimeError("pool is shut down")
-            self._idle -= 1
-            if self._idle < 0 and len(self._threads) < self._size:
-                self._idle += 1  # the new thread waits for this job from its start
+            if self._parked:
+                parked = self._parked.pop()
+                parked.job = job
+                self._clock.unpark(parked.lock)
+                return
+            self._jobs.append(job)
+            if len(self._threads) < self._size:
                 thread = threading.Thread(
                     target=self._main, name=f"{self._name}-{next(_names)}", daemon=True
                 )
                 self._threads.add(thread)
-        self._clock.put(self._jobs, job)
-        if thread is not None:
-            thread.start()
+                thread.start()
 
     def owns_current_thread(self) -> bool:
         """True when called from one of this pool's threads."""
@@ -88,41 +102,43 @@ class DaemonPool:
         *stuck* threads are left (handlers known to ignore cancellation, never waited for) or
         until *deadline* (clock time). Return the names of the threads still running."""
         with self._cond:
-            if not self._closed:
-                self._closed = True
-                for _ in self._threads:  # behind the jobs already queued: those still run
-                    self._clock.put(self._jobs, None)
+            self._closed = True
+            for parked in self._parked:  # no job: the thread exits
+                self._clock.unpark(parked.lock)
+            self._parked.clear()
             while len(self._threads) > stuck and self._clock.now() < deadline:
                 self._clock.wait(self._cond, deadline)
             return sorted(t.name for t in self._threads)
 
     def _main(self) -> None:
-        waiting = True  # counted in _idle by the submit() that started this thread
+        me = _Parked()
         while True:
-            if not waiting:
-                with self._cond:
-                    self._idle += 1
-            job = self._next_job()
+            job = self._next_job(me)
             if job is None:
                 with self._cond:
                     self._threads.discard(threading.current_thread())
                     self._cond.notify_all()  # shutdown() waits for the pool to empty
                 return
-            waiting = False
             try:
                 job()
             except BaseException:  # a job's bug must not shrink the pool
                 _LOG.exception("worker pool job failed")
 
-    def _next_job(self) -> Callable[[], None] | None:
+    def _next_job(self, me: _Parked) -> Callable[[], None] | None:
         """The next job, or None when this thread should exit (shut down, or idle too long)."""
-        while True:
-            try:
-                return self._clock.take(self._jobs, self._clock.now() + self._idle_timeout)
-            except queue.Empty:
-                with self._cond:
-                    # Leave only if every queued job still has a waiting thread without this one;
-                    # otherwise a job was queued for this thread just as its wait ended.
-                    if self._idle > 0:
-                        self._idle -= 1
-                        return None
+        with self._cond:
+            if self._jobs:  # queued jobs still run after shutdown
+                return self._jobs.popleft()
+            if self._closed:
+                return None
+            self._parked.append(me)
+        if not self._clock.park(me.lock, self._clock.now() + self._idle_timeout):
+            with self._cond:
+                if me in self._parked:  # nobody picked this thread: it retires
+                    self._parked.remove(me)
+                    return None
+            # Picked just as the wait ended: the release happened under the pool's lock,
+            # before this thread could take it, so this acquire returns at once.
+            me.lock.acquire()
+        job, me.job = me.job, None
+        return job
