@@ -927,14 +927,6 @@ def test_falsy_result_and_explicit_retryable_false(server: MockOrbitServer) -> N
         assert fin["body"]["receipt"]["disposition"] == "APPLIED"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "§2 rejects invalid UTF-8 and §11 says a frame the server cannot parse is answered "
-        "INVALID_FRAME, then the connection closed; the mock server (websockets' UTF-8 check) "
-        "closes with WebSocket code 1007 and sends no INVALID_FRAME"
-    ),
-)
 def test_invalid_utf8_text_frame_is_invalid_frame(server: MockOrbitServer) -> None:
     """A text frame that is not UTF-8 is answered INVALID_FRAME, then the close (§2, §11)."""
     with client(server).open() as c:

@@ -1,7 +1,11 @@
 """One accepted worker WebSocket of the mock server: its session binding and bounded outbox.
 
-A :class:`Conn` owns one writer thread that drains the outbox into the socket; the server's
-handler thread (websockets') produces into it. The outbox policy (PROTOCOL §10):
+Every byte for the socket goes through a :class:`Conn`, in order: answers and pushes from any
+thread, pongs and the close frame from the connection's reader. A frame that finds the outbox
+empty and the writer idle is written at once, without blocking, by the thread that produced it
+(most frames: a hand-off to another thread costs more CPU than the rest of an answer); what the
+socket does not take at once, and everything behind it, goes through the connection's writer
+thread. The outbox policy (PROTOCOL §10):
 
 * an answer finding the outbox full waits for room up to the write deadline, then the client
   is a slow consumer;
@@ -14,15 +18,15 @@ handler thread (websockets') produces into it. The outbox policy (PROTOCOL §10)
 from __future__ import annotations
 
 import collections
-import contextlib
 import socket
 import threading
 import time
 from collections.abc import Callable
 
-from websockets.sync.server import ServerConnection
+from websockets.server import ServerProtocol
 
 from ..models import MAX_CAPACITY
+from ._wire import ServerWire, text_frame
 
 __all__ = ["OUTBOX_FRAMES", "PUSH_ROOM", "SPILL_FRAMES", "Conn"]
 
@@ -36,32 +40,50 @@ PUSH_ROOM = 4
 SPILL_FRAMES = MAX_CAPACITY
 
 
+class _End:
+    """The last item of an outbox: the close frame with *code* (``None``: the peer's close was
+    already answered, so only what is queued before it is written)."""
+
+    __slots__ = ("code", "reason")
+
+    def __init__(self, code: int | None, reason: str) -> None:
+        self.code = code
+        self.reason = reason
+
+
 class Conn:
-    """One accepted WebSocket: its session binding and its bounded outbox."""
+    """One accepted WebSocket: its session binding, its reader and its bounded outbox."""
 
     def __init__(
         self,
-        ws: ServerConnection,
+        sock: socket.socket,
+        protocol: ServerProtocol,
         token: str,
         write_timeout: float,
         kick: Callable[[], None],
     ) -> None:
-        self.ws = ws
+        #: Read by the connection's handler thread only.
+        self.wire = ServerWire(sock, protocol, self._control)
+        self._sock = sock
+        self._dontwait = self.wire.nonblocking_writes
         #: Runs dispatch again once a full outbox drained below ``PUSH_ROOM``.
         self._kick = kick
         self.token = token
         self.session_id: str | None = None
         self._write_timeout = write_timeout
         self._cv = threading.Condition()
-        # (text, delay) frames, or (code, reason) close markers as ints/str.
-        self._items: collections.deque[tuple[str, float] | tuple[int, str]] = collections.deque()
+        # (encoded bytes, delay before writing, whether it counts as a frame), then an _End.
+        self._items: collections.deque[tuple[bytes, float, bool] | _End] = collections.deque()
         self._frames = 0
         # When the writer last took a frame, or was last handed one while idle (monotonic s).
         self._took = time.monotonic()
         self._idle = False
+        # The writer holds an item it took and has not finished writing.
+        self._busy = False
         self.closing = False
         self._aborted = False
         self._want_kick = False
+        self._kick_due = False
         self._writer = threading.Thread(
             target=self._write_loop, name="orbit-mock-writer", daemon=True
         )
@@ -97,13 +119,58 @@ class Conn:
             return True  # the connection is going away; nothing more is delivered
         if self._frames >= limit:
             return False
+        data = text_frame(text)
+        if not delay and self._write_now(data):
+            return True
+        self._queue(data, delay)
+        return True
+
+    def _write_now(self, data: bytes) -> bool:
+        """Write *data* at once when nothing is ahead of it; False when it must be queued.
+        What the socket took in part is queued as the rest (the caller holds the lock)."""
+        if self._items or self._busy or not self._dontwait:
+            return False
+        try:
+            sent = self._sock.send(data, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True  # the connection is failing: its reader sees the end and closes it
+        if sent == len(data):
+            self._took = time.monotonic()
+            if self._want_kick and self._frames < PUSH_ROOM:
+                # Dispatch paused for room that never filled: the writer runs it again (not
+                # this thread, which may be inside dispatch).
+                self._want_kick = False
+                self._kick_due = True
+                self._cv.notify_all()
+            return True
+        self._queue(data[sent:], 0.0)
+        return True
+
+    def _queue(self, data: bytes, delay: float, counted: bool = True) -> None:
         if self._idle:
             self._idle = False
             self._took = time.monotonic()  # the writer had nothing to do: its clock starts now
-        self._items.append((text, delay))
-        self._frames += 1
+        self._items.append((data, delay, counted))
+        if counted:
+            self._frames += 1
         self._cv.notify_all()
-        return True
+
+    def _control(self, data: bytes, closing: bool) -> None:
+        """What the protocol writes on its own (a pong, the echo of the peer's close frame);
+        with *closing*, nothing is written after it. Called by the reader, holding the wire's
+        lock."""
+        with self._cv:
+            if self._aborted or (self.closing and not closing):
+                return
+            if not self._write_now(data):
+                self._queue(data, 0.0, counted=False)
+            if not self.closing:
+                self.closing = closing
+                if closing:
+                    self._items.append(_End(None, ""))
+                    self._cv.notify_all()
 
     def push_room(self, emitted: int = 0) -> bool:
         """May a push be queued now, *emitted* more being on their way (room for answers)?"""
@@ -120,7 +187,7 @@ class Conn:
             if self.closing:
                 return
             self.closing = True
-            self._items.append((code, reason))
+            self._items.append(_End(code, reason))
             self._cv.notify_all()
 
     def abort(self) -> None:
@@ -131,54 +198,79 @@ class Conn:
             self._items.clear()
             self._frames = 0
             self._cv.notify_all()
-        # shutdown() (not close()) wakes a writer blocked in sendall and the reader thread,
-        # without taking the websockets mutex a blocked writer may hold.
-        with contextlib.suppress(OSError):
-            self.ws.socket.shutdown(socket.SHUT_RDWR)
+        # shutdown() (not close()) wakes a writer blocked in sendall and the reader.
+        self.wire.shutdown()
 
     def finish(self) -> None:
-        """Called when the handler ends: flush and close, bounded; then join the writer."""
+        """Called when the handler ends: flush and close, bounded; then join the writer and
+        release the socket."""
         self.close_after_flush()
         self._writer.join(2.0)
         if self._writer.is_alive():
             self.abort()
             self._writer.join()
+        self.wire.close(graceful=not self._aborted)
 
     # ------------------------------------------------------------------ writer thread
 
     def _write_loop(self) -> None:
         while True:
             with self._cv:
-                while not self._items and not self._aborted:
+                self._busy = False
+                while not self._items and not self._aborted and not self._kick_due:
                     self._idle = True
                     self._cv.wait()
                 if self._aborted:
                     return
-                item = self._items.popleft()
-                if isinstance(item[0], str):
-                    self._frames -= 1
-                    self._took = time.monotonic()
-                    self._cv.notify_all()  # an answer may be waiting for this room
-            if isinstance(item[0], int):
-                try:
-                    self.ws.close(item[0], str(item[1]))
-                except Exception:
-                    self.abort()
+                if not self._items:
+                    self._kick_due = False
+                    item = None
+                else:
+                    item = self._items.popleft()
+                    self._busy = True
+                    if not isinstance(item, _End) and item[2]:
+                        self._frames -= 1
+                        self._took = time.monotonic()
+                        self._cv.notify_all()  # an answer may be waiting for this room
+            if item is None:
+                self._kick()
+                continue
+            if isinstance(item, _End):
+                self._end(item)
                 return
-            text, delay = item
-            assert isinstance(text, str) and isinstance(delay, float | int)
+            data, delay, _ = item
             if delay:
                 with self._cv:
                     if self._cv.wait_for(lambda: self._aborted, timeout=delay):
                         return
-            try:
-                self.ws.send(text)
-            except Exception:
-                self.abort()
+            if not self._send(data):
                 return
             with self._cv:
                 kick = self._want_kick and self._frames < PUSH_ROOM and not self.closing
                 if kick:
                     self._want_kick = False
+                    self._kick_due = False
             if kick:
                 self._kick()
+
+    def _end(self, end: _End) -> None:
+        """The close frame, then what the reader queued behind it meanwhile (the echo of a
+        close frame crossing ours, which the wire produces instead of ours)."""
+        if end.code is not None:
+            data = self.wire.close_frame(end.code, end.reason)  # not under _cv: see ServerWire
+            if data and not self._send(data):
+                return
+        with self._cv:
+            rest = [item for item in self._items if not isinstance(item, _End)]
+            self._items.clear()
+        for data, _, _ in rest:
+            if not self._send(data):
+                return
+
+    def _send(self, data: bytes) -> bool:
+        try:
+            self._sock.sendall(data)
+        except Exception:
+            self.abort()
+            return False
+        return True

@@ -2,18 +2,20 @@
 
 Threads (all joined by :meth:`MockOrbitServer.stop`):
 
-* ``serve_forever`` of :mod:`websockets.sync.server` (accepts connections),
-* one handler thread per connection (websockets'), which reads frames and applies them,
-* one writer thread per connection (ours), which drains a bounded outbox of 8 frames into the
-  socket. A slow consumer is a client whose socket accepts no data for the write deadline
-  (``write_timeout``, 5 s); a writer thread that merely lags behind the producers (GIL
-  scheduling) is not one. So an answer that finds the outbox full waits for room, outside the
-  lock, up to the write deadline and only then disconnects the client; assignments are only
-  dispatched while the outbox has room for them and for answers (they pause, never block); other
-  pushes (cancel notices), which cannot wait, may go past a full outbox while the writer keeps
-  taking frames, up to a hard bound. (A writer stuck in ``sendall`` also holds websockets'
-  connection lock, so that connection's incoming frames wait too: a stalled client is caught
-  by the next push, or by the read-idle bound.)
+* the accept loop (:mod:`._listener`), supervised, which admits connections before any byte is
+  read,
+* one handler thread per connection, which reads the request head, completes the opening
+  handshake through websockets' sans-I/O protocol, then reads frames (:mod:`._wire`) and
+  applies them,
+* one writer thread per connection (:mod:`._conn`), which drains a bounded outbox of 8 frames
+  into the socket when a frame cannot be written at once without blocking. A slow consumer is a
+  client whose socket accepts no data for the write deadline (``write_timeout``, 5 s); a writer
+  thread that merely lags behind the producers (GIL scheduling) is not one. So an answer that
+  finds the outbox full waits for room, outside the lock, up to the write deadline and only
+  then disconnects the client; assignments are only dispatched while the outbox has room for
+  them and for answers (they pause, never block); other pushes (cancel notices), which cannot
+  wait, may go past a full outbox while the writer keeps taking frames, up to a hard bound. A
+  stalled client is caught by the next push, or by the read-idle bound.
 * one scheduler thread, which runs due work (recovery scans, backoff, rate-limit windows).
 
 One re-entrant lock guards the state machine; every mutation (and every recorded event, fired
@@ -27,7 +29,6 @@ import contextlib
 import dataclasses
 import datetime as _dt
 import http
-import inspect
 import logging
 import math
 import socket
@@ -38,11 +39,9 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-from websockets.exceptions import ConnectionClosed
 from websockets.http11 import Request, Response
 from websockets.protocol import State
 from websockets.server import ServerProtocol
-from websockets.sync.server import ServerConnection
 
 from .._codec import SUBPROTOCOL, ClientFrame, InvalidClientFrame, decode_client_frame, encode_frame
 from .._json import MAX_FRAME_BYTES
@@ -68,6 +67,7 @@ from ._state import (
     queue_scope,
     to_datetime,
 )
+from ._wire import InvalidText, WireClosed
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -81,9 +81,6 @@ AdminHandler = Callable[
 ]
 
 CONNECT_PATH = "/v1/worker/connect"
-#: Inbound frames buffered per connection before websockets stops reading (flow control); the
-#: handler thread applies one frame at a time and reads the next only once its answer is queued.
-INBOX_FRAMES = 4
 #: The largest admin request body (a bulk enqueue of 100,000 small tasks is ~5 MiB).
 MAX_ADMIN_BODY = 16 * 1024 * 1024
 #: How long an admin request may take to send its body, and to take its answer.
@@ -769,20 +766,13 @@ class MockOrbitServer:
                 self._release_opening()
             self._flush(sock, protocol)
             return
-        # The connection (and its reader thread) exists before the 101 leaves, with the
-        # handshake it completed recorded, so the client's first frame finds it ready.
-        ws = _connection(sock, protocol)
-        ws.request = request
-        ws.response = response
         if not self._flush(sock, protocol):
             self._release_opening()
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            ws.close()
             return
-        sock.settimeout(None)  # websockets' reader and our writer enforce their own deadlines
-        with ws:
-            self._handle(ws, token)
+        sock.settimeout(None)  # the wire's reads and our writer enforce their own deadlines
+        self._handle(sock, protocol, token)
 
     def _release_opening(self) -> None:
         with self._cond:
@@ -846,12 +836,14 @@ class MockOrbitServer:
 
     # ------------------------------------------------------------------ one connection
 
-    def _handle(self, ws: ServerConnection, token: str) -> None:
+    def _handle(self, sock: socket.socket, protocol: ServerProtocol, token: str) -> None:
         with self._cond:
             self._opening -= 1
-            conn = Conn(ws, token, self._write_timeout, self._dispatch)
+            conn = Conn(sock, protocol, token, self._write_timeout, self._dispatch)
             if self._stopping:
                 self._cond.notify_all()
+                conn.abort()
+                conn.wire.close(graceful=False)
                 return
             self._conns.add(conn)
         conn.start()
@@ -871,14 +863,17 @@ class MockOrbitServer:
         timeout = self._hello_timeout
         while not conn.closing:
             try:
-                raw = conn.ws.recv(timeout=timeout)
+                raw = conn.wire.recv(timeout)
+            except InvalidText as exc:
+                self._invalid(conn, None, str(exc))
+                return
             except TimeoutError:
                 with self._cond:
                     kind = "hello_timeout" if conn.session_id is None else "read_idle"
                     self._record(f"connection.{kind}", session=conn.session_id)
                 conn.close_after_flush(1008, kind.replace("_", " "))
                 return
-            except ConnectionClosed:
+            except WireClosed:
                 return
             if not self._on_frame(conn, raw):
                 return
@@ -1035,21 +1030,6 @@ _ERROR_CODES = {
     500: "INTERNAL",
     503: "UNAVAILABLE",
 }
-
-#: ServerConnection's constructor grew arguments across websockets 13-17 (keepalive, server).
-_CONNECTION_ARGS = inspect.signature(ServerConnection.__init__).parameters
-
-
-def _connection(sock: socket.socket, protocol: ServerProtocol) -> ServerConnection:
-    """A websockets connection around a socket whose opening handshake we completed."""
-    kwargs: dict[str, Any] = {"close_timeout": 0.5, "max_queue": INBOX_FRAMES}
-    if "ping_interval" in _CONNECTION_ARGS:
-        kwargs.update(ping_interval=None, ping_timeout=None)
-    factory: Any = ServerConnection
-    if "server" in _CONNECTION_ARGS:
-        # Only its handshake() looks at the server object, and that never runs here.
-        return factory(sock, protocol, None, **kwargs)  # type: ignore[no-any-return]
-    return factory(sock, protocol, **kwargs)  # type: ignore[no-any-return]
 
 
 def _bearer(request: Request) -> str | None:
