@@ -197,7 +197,14 @@ class MockOrbitServer:
         self._read_idle = read_idle_timeout
         self._write_timeout = float(write_timeout)
         self._admin_handler = admin_handler
-        self._cond = threading.Condition(threading.RLock())
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)
+        # The scheduler sleeps on its own condition (same lock) until the next due moment, and
+        # is woken only when a change makes something due sooner: waking it on every change
+        # (several per task) cost a thread switch each.
+        self._sched = threading.Condition(lock)
+        self._sched_sleeping = False
+        self._sched_until: int | None = None
         self._conns: set[Conn] = set()
         self._by_session: dict[str, Conn] = {}
         # Upgrades accepted (101 on its way) whose connection is not in _conns yet.
@@ -257,6 +264,7 @@ class MockOrbitServer:
             self._stopping = True
             listener = self._listener
             self._cond.notify_all()
+            self._sched.notify()
         if self._unsubscribe is not None:
             self._unsubscribe()
         if listener is not None:
@@ -524,7 +532,7 @@ class MockOrbitServer:
             for conn in targets:
                 self._record("connection.cut", session=conn.session_id)
                 conn.abort()
-            self._cond.notify_all()
+            self._changed()
         return len(targets)
 
     # ------------------------------------------------------------------ internals
@@ -550,7 +558,7 @@ class MockOrbitServer:
                 "duplicate_push", action.type, action.session_id
             ):
                 self._queue(conn, text)
-        self._cond.notify_all()
+        self._changed()
 
     def _queue(self, conn: Conn, text: str) -> None:
         """Queue a push; it never waits (the caller holds the lock)."""
@@ -565,7 +573,7 @@ class MockOrbitServer:
     def _record(self, kind: str, *, session: str | None = None, detail: str = "") -> None:
         """Record a shell-level event and wake every waiter. Caller holds the lock."""
         self._state.record(kind, session=session, detail=detail)
-        self._cond.notify_all()
+        self._changed()
 
     def _push_gate(self, session_id: str, emitted: int) -> bool:
         conn = self._by_session.get(session_id)
@@ -577,8 +585,27 @@ class MockOrbitServer:
                 self._commit(self._state.run_due())
 
     def _wake(self) -> None:
+        # The clock moved (ManualClock) or a connection slot freed: everything re-checks.
         with self._cond:
             self._cond.notify_all()
+            self._sched.notify()
+
+    def _changed(self) -> None:
+        """Wake every waiter after a change, and the scheduler when the change made work due
+        before the moment it sleeps until. Caller holds the lock."""
+        self._cond.notify_all()
+        if not self._sched_sleeping:
+            return
+        due = self._state.next_due()
+        if due is None:
+            return
+        if self._real_time:
+            wake = self._sched_until is None or due < self._sched_until
+        else:
+            wake = due <= self._state.now_us()  # ManualClock: only advance() moves time
+        if wake:
+            self._sched_sleeping = False
+            self._sched.notify()
 
     def _fault_fired(self, fault: Fault, session_id: str | None) -> None:
         # Wakes wait_until(), whose predicate may look at fault.fired (already counted).
@@ -610,7 +637,10 @@ class MockOrbitServer:
                 timeout = None
                 if self._real_time and due is not None:
                     timeout = (due - now) / 1_000_000
-                self._cond.wait(timeout)
+                self._sched_until = due
+                self._sched_sleeping = True
+                self._sched.wait(timeout)
+                self._sched_sleeping = False
 
     # ------------------------------------------------------------------ front door
 
@@ -681,7 +711,7 @@ class MockOrbitServer:
             else:
                 self._admin_active += 1
                 self._admin_waits += waiting
-                self._cond.notify_all()
+                self._changed()
         if busy:
             self._answer(
                 sock,
@@ -696,7 +726,7 @@ class MockOrbitServer:
             with self._cond:
                 self._admin_active -= 1
                 self._admin_waits -= waiting
-                self._cond.notify_all()
+                self._changed()
         self._answer(sock, response)
 
     def _admin_response(
@@ -777,7 +807,7 @@ class MockOrbitServer:
     def _release_opening(self) -> None:
         with self._cond:
             self._opening -= 1
-            self._cond.notify_all()
+            self._changed()
 
     def _flush(self, sock: socket.socket, protocol: ServerProtocol) -> bool:
         """Write what the protocol has to send; False when the socket failed."""
@@ -841,7 +871,7 @@ class MockOrbitServer:
             self._opening -= 1
             conn = Conn(sock, protocol, token, self._write_timeout, self._dispatch)
             if self._stopping:
-                self._cond.notify_all()
+                self._changed()
                 conn.abort()
                 conn.wire.close(graceful=False)
                 return
@@ -857,7 +887,7 @@ class MockOrbitServer:
                 if sid is not None and self._by_session.get(sid) is conn:
                     del self._by_session[sid]
                     self._commit(self._state.connection_lost(sid))
-                self._cond.notify_all()
+                self._changed()
 
     def _serve(self, conn: Conn) -> None:
         timeout = self._hello_timeout
