@@ -62,9 +62,8 @@ class SystemClock:
 
     def now(self) -> float:
         """Wall time at creation plus monotonic progress plus the advanced offset."""
-        with self._lock:
-            offset = self._offset
-        return self._wall0 + (time.monotonic() - self._mono0) + offset
+        # One attribute read is atomic; the lock only serializes advance()'s read-modify-write.
+        return self._wall0 + (time.monotonic() - self._mono0) + self._offset
 
     def advance(self, seconds: float) -> None:
         """Jump forward by *seconds*."""

@@ -38,6 +38,11 @@ from ._records import (
 )
 from ._snapshots import EventRecord
 
+#: One event as recorded: (at µs, kind, task_id, attempt_id, session_id, old, new, detail).
+_RawEvent = tuple[
+    int, str, "str | None", "str | None", "str | None", "str | None", "str | None", str
+]
+
 __all__ = ["StateCore"]
 
 #: What the forget heap names: an ended task, session or instance.
@@ -90,7 +95,13 @@ class StateCore:
         # is always first: pruning and eviction are O(1) each, and a superseded receipt can be
         # dropped from the middle.
         self._ops: collections.OrderedDict[str, Op] = collections.OrderedDict()
-        self._events: collections.deque[EventRecord] = collections.deque(maxlen=event_log_size)
+        # The ring of events as plain tuples (stamped in microseconds): recording one is on
+        # every request's path, while EventRecord objects are only needed when someone reads
+        # the log, so events() builds them then, once each (_event_records keeps them).
+        self._events: collections.deque[_RawEvent] = collections.deque(maxlen=event_log_size)
+        self._event_records: collections.deque[EventRecord] = collections.deque(
+            maxlen=event_log_size
+        )
         self._events_total = 0
         self._seq = 0
         # Dispatch and timer heaps (owned by _dispatch; entries are checked when popped, so a
@@ -152,17 +163,36 @@ class StateCore:
     ) -> None:
         self._events_total += 1
         self._events.append(
-            EventRecord(
-                at=to_datetime(self.now_us()),
-                kind=kind,
-                task_id=task.task_id if task is not None else task_id,
-                attempt_id=attempt.attempt_id if attempt is not None else None,
-                session_id=session,
-                old=old,
-                new=new,
-                detail=detail,
+            (
+                self.now_us(),
+                kind,
+                task.task_id if task is not None else task_id,
+                attempt.attempt_id if attempt is not None else None,
+                session,
+                old,
+                new,
+                detail,
             )
         )
+
+    def _event_log(self) -> collections.deque[EventRecord]:
+        """The ring as EventRecords, building those recorded since the last call."""
+        records, raw = self._event_records, self._events
+        while raw:
+            at, kind, task_id, attempt_id, session, old, new, detail = raw.popleft()
+            records.append(
+                EventRecord(
+                    at=to_datetime(at),
+                    kind=kind,
+                    task_id=task_id,
+                    attempt_id=attempt_id,
+                    session_id=session,
+                    old=old,
+                    new=new,
+                    detail=detail,
+                )
+            )
+        return records
 
     # ------------------------------------------------------------------ receipts
 

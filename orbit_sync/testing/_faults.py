@@ -218,6 +218,8 @@ class Faults:
 
     def take(self, kind: str, frame_type: str | None, session_id: str | None) -> Fault | None:
         """Fire the first armed fault matching, if any."""
+        if not self._faults:  # asked several times per frame; most servers have no faults
+            return None
         with self._lock:
             candidates = [f for f in self._faults if f._matches(kind, frame_type, session_id)]
         for fault in candidates:

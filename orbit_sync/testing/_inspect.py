@@ -83,7 +83,8 @@ class Inspection(StateCore):
     def events(self) -> EventLog:
         """The recorded transitions still in the ring, in order; ``.dropped`` counts the older
         ones the ring let go (``.truncated`` is true when there are any)."""
-        return EventLog(self._events, self._events_total - len(self._events))
+        records = self._event_log()
+        return EventLog(records, self._events_total - len(records))
 
     def bounds(self) -> dict[str, float | int | bool | None]:
         """The state bounds in force: ``idempotency_window``, ``retention`` (seconds; ``None``:
@@ -94,7 +95,7 @@ class Inspection(StateCore):
             "idempotency_window": self.idempotency_us / 1_000_000,
             "retention": None if self.retention_us is None else self.retention_us / 1_000_000,
             "max_receipts": self.max_receipts,
-            "event_log_size": self._events.maxlen,
+            "event_log_size": self._event_records.maxlen,
             "exact_recovery": self.exact_recovery,
             "receipts": len(self._ops),
             "receipts_evicted": self.receipts_evicted,
