@@ -465,14 +465,13 @@ CLIENT_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
 
 def format_time(value: _dt.datetime) -> str:
     """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
-    value = value.astimezone(_UTC)
-    # strftime's %Y does not zero-pad years before 1000 on glibc; RFC 3339 needs four digits.
-    text = (
-        f"{value.year:04d}-{value.month:02d}-{value.day:02d}"
-        f"T{value.hour:02d}:{value.minute:02d}:{value.second:02d}"
-    )
+    if value.tzinfo is not _UTC:
+        value = value.astimezone(_UTC)
+    # isoformat() (C) always gives four year digits and ends in "+00:00" here; a fraction, when
+    # there is one, has six digits, of which RFC 3339 needs only the significant ones.
+    text = value.isoformat()[:-6]
     if value.microsecond:
-        text += "." + f"{value.microsecond:06d}".rstrip("0")
+        text = text.rstrip("0")
     return text + "Z"
 
 

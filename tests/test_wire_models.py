@@ -211,6 +211,30 @@ def test_registration_encodes_as_the_server_expects(reg: Registration) -> None:
     assert _codec.decode_client_frame(raw).body == reg
 
 
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [
+        (dt.datetime(2026, 9, 17, 8, 0, 30, tzinfo=dt.timezone.utc), "2026-09-17T08:00:30Z"),
+        (
+            dt.datetime(2026, 9, 17, 8, 0, 30, 120000, tzinfo=dt.timezone.utc),
+            "2026-09-17T08:00:30.12Z",
+        ),
+        (
+            dt.datetime(2026, 9, 17, 8, 0, 30, 1, tzinfo=dt.timezone.utc),
+            "2026-09-17T08:00:30.000001Z",
+        ),
+        (dt.datetime(999, 1, 2, 3, 4, 5, tzinfo=dt.timezone.utc), "0999-01-02T03:04:05Z"),
+        (
+            dt.datetime(2026, 9, 17, 10, 0, 30, 500, tzinfo=dt.timezone(dt.timedelta(hours=2))),
+            "2026-09-17T08:00:30.0005Z",
+        ),
+    ],
+)
+def test_time_format_is_utc_z_with_significant_fraction(value: dt.datetime, text: str) -> None:
+    """Four year digits, UTC with Z, and a fraction only with its significant digits."""
+    assert _codec.format_time(value) == text
+
+
 @given(st.datetimes(timezones=st.just(dt.timezone.utc)))
 def test_time_round_trip(value: dt.datetime) -> None:
     """format_time and parse_time are inverses to the microsecond."""
