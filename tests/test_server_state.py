@@ -7,10 +7,13 @@ from typing import Any
 
 import attrs
 import pytest
-from _serverkit import CAP, Kit, Proc, body, client_frame, code, pushes_of
+from _serverkit import CAP, Kit, Proc, body, client_frame, code, pushes_of, ref_of
+from hypothesis import given
+from hypothesis import strategies as st
 
-from orbit_sync._codec import parse_time
+from orbit_sync._codec import SERVER_BODY, format_time, parse_time, structure, unstructure
 from orbit_sync.models import (
+    Assignment,
     AttemptRef,
     Capability,
     Lease,
@@ -19,6 +22,7 @@ from orbit_sync.models import (
     new_secret,
 )
 from orbit_sync.testing import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, queue_scope
+from orbit_sync.testing._records import format_us, to_datetime
 
 # --------------------------------------------------------------------------- sessions
 
@@ -955,3 +959,36 @@ def test_add_token_with_a_chosen_value() -> None:
     with pytest.raises(ValueError) as info:
         kit.state.add_token(scopes, token="has space")
     assert "has space" not in str(info.value)
+
+
+# --------------------------------------------------------------------------- wire forms
+
+
+@given(st.integers(min_value=-(10**15), max_value=253_402_300_799_999_999))
+def test_format_us_is_format_time_of_the_datetime(us: int) -> None:
+    """format_us writes exactly what format_time writes for the same instant."""
+    assert format_us(us) == format_time(to_datetime(us))
+
+
+def _model_form(cls: type[Any], wire: dict[str, Any]) -> dict[str, Any]:
+    """*wire* through the strict model and back: the canonical wire form of its content."""
+    return unstructure(structure(SERVER_BODY, wire, cls))
+
+
+def test_assignment_and_lease_bodies_are_the_models_wire_forms() -> None:
+    """Bodies the state writes directly equal the wire forms of the models they describe."""
+    kit = Kit()
+    proc = kit.worker(capacity=1).open()
+    kit.enqueue(payload={"n": [1, 2.5, "x"]})
+    assign = proc.assignments()[0]
+    assert assign == _model_form(Assignment, assign)
+    ref = ref_of(assign)
+    started = body(proc.start(ref))
+    assert started["lease"] == _model_form(Lease, started["lease"])
+    kit.cancel(ref.task_id)
+    renewed = body(proc.renew(ref))
+    assert "cancel_requested_at" in renewed["lease"]
+    assert renewed["lease"] == _model_form(Lease, renewed["lease"])
+    finished = body(proc.finish(ref, "CANCELLED", {}, "STOPPED"))
+    assert finished["lease"]["active"] is False
+    assert finished["lease"] == _model_form(Lease, finished["lease"])
