@@ -177,8 +177,16 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
         for _ in range(2):
             ours += _timed(lambda: conn.renew(ref), half)
             base += _raw_loop(raw, raw.renew_frames(raw_ref, half))
+        # The same comparison with the two sides taking turns call by call: each sample of one
+        # side then finds the machine (CPU idle states, thread placement) as the other left it.
+        mixed_ours: list[float] = []
+        mixed_base: list[float] = []
+        for text in raw.renew_frames(raw_ref, rounds):
+            mixed_ours += _timed(lambda: conn.renew(ref), 1)
+            mixed_base += _raw_loop(raw, [text])
     raw.close()
     results["one"] = {"ours": _summary(ours), "base": _summary(base)}
+    results["one_mixed"] = {"ours": _summary(mixed_ours), "base": _summary(mixed_base)}
 
     # --- 32 threads: one connection vs one raw socket per thread
     assigned: list[AttemptRef] = []

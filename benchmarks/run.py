@@ -11,7 +11,10 @@ Sections:
 
 - codec: our strict decode / encode against ``json.loads`` / ``json.dumps`` of the same frames;
 - call overhead: ``conn.renew()`` against a bare websocket-client round trip of the same frame to
-  the same server, 1 thread, and 32 threads (one connection) against 32 raw sockets;
+  the same server, 1 thread, and 32 threads (one connection) against 32 raw sockets; with 1
+  thread both in alternating halves of the run (the target's figure) and taking turns call by
+  call (each side then finds the machine's CPU idle states and thread placement as the other
+  left them, which a back-to-back loop on one thread keeps warm);
 - worker: CPU per task, tasks/s and peak RSS draining no-op tasks with ``Worker(capacity=32)``,
   against Dramatiq 2 (``-p 1 -t 32``; one Redis INCR per task, and pure no-op) and Celery 5
   (``--pool threads -c 32``, ``acks_late``) in the same run;
@@ -300,6 +303,13 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
             target=1.3,
         ),
         row("renew p99, 1 thread vs raw round trip", one["ours"]["p99"], one["base"]["p99"], "us"),
+        row(
+            "renew p50, 1 thread, taking turns per call",
+            r["one_mixed"]["ours"]["p50"],
+            r["one_mixed"]["base"]["p50"],
+            "us",
+            note="the two sides alternate call by call instead of in halves of the run",
+        ),
         row(
             f"renew p50, {n} threads vs {n} raw sockets",
             many["ours"]["p50"],
