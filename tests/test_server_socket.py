@@ -681,6 +681,12 @@ def test_stop_is_idempotent_and_joins_threads() -> None:
     srv.stop()
     client.wait_closed()
     client.close()
+    # The client's own threads (its reader, and its keepalive in websockets 14+) end just after
+    # its close returns: joined here, so that only the server's could be left over.
+    ws = client.ws
+    for thread in (getattr(ws, "recv_events_thread", None), getattr(ws, "keepalive_thread", None)):
+        if thread is not None:
+            thread.join(5)
     leftovers = [t for t in threading.enumerate() if t not in before and t.is_alive()]
     assert leftovers == []
 
