@@ -107,13 +107,17 @@ def _mask(key: bytes, payload: bytes) -> bytes:
     )
 
 
-def _header(opcode: int, n: int) -> bytes:
-    """A FIN client frame header with the MASK bit, for an *n*-byte payload (key not included)."""
+def frame_header(opcode: int, n: int, mask_bit: int = 0x80) -> bytes:
+    """A FIN frame header for an *n*-byte payload, with the shortest length RFC 6455 allows.
+
+    *mask_bit* is 0x80 for a client frame (its 4-byte key follows the header) and 0 for a
+    server frame (the mock server's, which are never masked).
+    """
     if n < 126:
-        return bytes((0x80 | opcode, 0x80 | n))
+        return bytes((0x80 | opcode, mask_bit | n))
     if n < 65536:
-        return struct.pack("!BBH", 0x80 | opcode, 0xFE, n)
-    return struct.pack("!BBQ", 0x80 | opcode, 0xFF, n)
+        return struct.pack("!BBH", 0x80 | opcode, mask_bit | 126, n)
+    return struct.pack("!BBQ", 0x80 | opcode, mask_bit | 127, n)
 
 
 class DialGuard:
@@ -279,7 +283,7 @@ class Transport:
             at = 0
         key = self._keys[at : at + 4]
         self._key_at = at + 4
-        return _header(opcode, len(payload)) + key + _mask(key, payload)
+        return frame_header(opcode, len(payload)) + key + _mask(key, payload)
 
     def _try_close_frame(self, code: int) -> None:
         """Send a close frame if no writer holds the lock and the socket takes it now.

@@ -19,7 +19,6 @@ import contextlib
 import select
 import socket
 import ssl
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -28,16 +27,15 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from .._transport import frame_header
+
 __all__ = ["CLOSE_TIMEOUT", "InvalidText", "ServerWire", "WireClosed", "text_frame"]
 
 #: How long a closing connection waits for the peer's close frame and end of stream.
 CLOSE_TIMEOUT = 0.5
 #: Bytes asked of the socket per read.
 _READ_SIZE = 65536
-_HEAD_SHORT = struct.Struct("!BB")
-_HEAD_MEDIUM = struct.Struct("!BBH")
-_HEAD_LONG = struct.Struct("!BBQ")
-_FIN_TEXT = 0x81
+_OP_TEXT = 0x1
 
 
 class WireClosed(Exception):
@@ -52,12 +50,7 @@ class InvalidText(Exception):
 def text_frame(text: str) -> bytes:
     """One unfragmented, unmasked text frame carrying *text* (RFC 6455 §5.2)."""
     payload = text.encode()
-    n = len(payload)
-    if n < 126:
-        return _HEAD_SHORT.pack(_FIN_TEXT, n) + payload
-    if n < 65536:
-        return _HEAD_MEDIUM.pack(_FIN_TEXT, 126, n) + payload
-    return _HEAD_LONG.pack(_FIN_TEXT, 127, n) + payload
+    return frame_header(_OP_TEXT, len(payload), 0) + payload
 
 
 #: Receives what the protocol wants written (pongs, the echo of a close frame) and whether
