@@ -39,9 +39,7 @@ from ._records import (
 from ._snapshots import EventRecord
 
 #: One event as recorded: (at µs, kind, task_id, attempt_id, session_id, old, new, detail).
-_RawEvent = tuple[
-    int, str, "str | None", "str | None", "str | None", "str | None", "str | None", str
-]
+_RawEvent = tuple[int, str, str | None, str | None, str | None, str | None, str | None, str]
 
 __all__ = ["StateCore"]
 

@@ -27,7 +27,7 @@ from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
-from .._transport import frame_header
+from .._transport import _OP_TEXT, frame_header
 
 __all__ = ["CLOSE_TIMEOUT", "InvalidText", "ServerWire", "WireClosed", "text_frame"]
 
@@ -35,7 +35,6 @@ __all__ = ["CLOSE_TIMEOUT", "InvalidText", "ServerWire", "WireClosed", "text_fra
 CLOSE_TIMEOUT = 0.5
 #: Bytes asked of the socket per read.
 _READ_SIZE = 65536
-_OP_TEXT = 0x1
 
 
 class WireClosed(Exception):
