@@ -44,6 +44,7 @@ Other choices:
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import socket
@@ -304,6 +305,26 @@ class Transport:
             self._write_lock.release()
 
     # ------------------------------------------------------------------ reading
+
+    def buffered(self) -> bool:
+        """True when bytes already received wait to be parsed (the socket may never wake a
+        poll for them). A hint when read from a thread that does not own the reads."""
+        pending = getattr(self._sock, "pending", None)  # TLS: decrypted bytes held by OpenSSL
+        return self._pos < len(self._buf) or (pending is not None and pending() > 0)
+
+    def wait_readable(self, timeout: float | None = None) -> bool:
+        """Block until the socket has something to read (bytes, end of stream, an error) or
+        *timeout* seconds pass; True if readable. Reads nothing, so a thread may wait here while
+        another one reads (see ``WorkerConnection``)."""
+        if self._closed:
+            return True  # the descriptor may already belong to another socket
+        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
+        try:
+            poller = select.poll()  # one per wait: a poll object refuses concurrent use
+            poller.register(self._sock, select.POLLIN | select.POLLPRI)
+            return bool(poller.poll(ms))
+        except (OSError, ValueError):
+            return True  # torn down under the waiter: the next read reports it
 
     def recv_message(self) -> bytes:
         """The next text message as bytes.

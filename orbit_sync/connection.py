@@ -44,6 +44,7 @@ from ._protocol import (
     check_message_id,
     check_wait,
 )
+from ._readturn import ReadTurn, Step, Take
 from ._transport import Transport
 from .errors import (
     FrameError,
@@ -167,12 +168,22 @@ class WorkerConnection:
         self._assignments: queue.Queue[Any] = queue.Queue(ASSIGNMENT_BUFFER)
         self._cancels: queue.Queue[Any] = queue.Queue(CANCEL_BUFFER)
         self._done = threading.Event()
+        # Without push callbacks no user code runs when a frame arrives, so a blocked caller may
+        # read the socket itself (orbit_sync._readturn): no hand-off from the reader thread.
+        self._turn: ReadTurn | None = None
+        if on_cancel is None and on_assignment is None:
+            self._turn = ReadTurn(
+                lambda: transport.buffered() or transport.wait_readable(0),
+                lambda: self._core.err is not None,
+            )
         tag = welcome.session_id[:8]
         self._deadlines = threading.Thread(
             target=self._watch, name=f"orbit-sync-deadlines-{tag}", daemon=True
         )
         self._reader = threading.Thread(
-            target=self._read_loop, name=f"orbit-sync-reader-{tag}", daemon=True
+            target=self._read_loop if self._turn is None else self._shared_read_loop,
+            name=f"orbit-sync-reader-{tag}",
+            daemon=True,
         )
         self._deadlines.start()
         self._reader.start()  # last: it may fail the connection at once
@@ -265,16 +276,31 @@ class WorkerConnection:
         return item
 
     def _take(self, source: queue.Queue[Any], timeout: float | None, what: str) -> object:
+        wait = timeout
         err = self.err
         if err is not None:
             raise err.with_message_id(None)
+        turn = self._turn
+        took = Take.NO
+        if turn is not None and timeout != 0 and source.empty():
+            # Nothing queued: read for it on this thread if nobody else reads.
+            deadline = None if timeout is None else time.monotonic() + timeout
+            took = turn.take(deadline)
+            if took is Take.TAKEN:
+                self._lead(lambda: not source.empty(), deadline)
+                if deadline is not None:
+                    timeout = max(0.0, deadline - time.monotonic())
         try:
             item = source.get(timeout=timeout) if timeout != 0 else source.get_nowait()
         except queue.Empty:
             err = self.err
             if err is not None:
                 raise err.with_message_id(None) from None
-            raise TimeoutError(f"no {what} within {timeout:g} s") from None
+            raise TimeoutError(f"no {what} within {wait:g} s") from None
+        finally:
+            if took is Take.FOLLOW:
+                assert turn is not None
+                turn.unfollow()
         if item is _CLOSED:
             _wake(source)  # pass the wake-up on to the next waiting reader
         err = self.err
@@ -440,7 +466,7 @@ class WorkerConnection:
         except BaseException:
             _WAITERS.append(waiter)  # never released: still ready for the next call
             raise
-        if not waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic())):
+        if not self._await_answer(waiter, call):
             # Normally the deadline thread ends the connection first; if it did not, do it here.
             with self._lock:
                 late = self._core.calls.get(call.message_id) is call
@@ -507,6 +533,8 @@ class WorkerConnection:
         else:
             close_code = 1000
         self._transport.abort(close_code)
+        if self._turn is not None:
+            self._turn.wake()
         _wake(self._assignments)
         _wake(self._cancels)
 
@@ -531,26 +559,89 @@ class WorkerConnection:
                     break
         self._fail(err)
 
+    def _await_answer(self, waiter: _Waiter, call: Call) -> bool:
+        """Wait for *waiter* until the call's deadline, reading the socket on this thread when
+        the read turn is ours; True once the waiter's lock is taken (answered)."""
+        turn = self._turn
+        took = Take.NO if turn is None else turn.take(call.deadline)
+        if took is Take.TAKEN and self._lead(lambda: waiter.lock.acquire(blocking=False), None):
+            return True
+        try:
+            return waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic()))
+        finally:
+            if took is Take.FOLLOW:
+                assert turn is not None
+                turn.unfollow()
+
+    def _lead(self, ready: Callable[[], bool], deadline: float | None) -> bool:
+        """Holding the read turn: read and handle frames until ``ready()`` (True), the
+        *deadline* passes with nothing to read or the connection ends (False). Gives the turn
+        back."""
+        assert self._turn is not None
+        transport = self._transport
+        try:
+            while not ready():
+                if (
+                    deadline is not None
+                    and not transport.buffered()
+                    and not transport.wait_readable(max(0.0, deadline - time.monotonic()))
+                ):
+                    return False
+                if not self._read_one():
+                    return ready()
+            return True
+        finally:
+            # Calls still in flight have no reader now: the reader thread takes over at once.
+            self._turn.release(bool(self._core.calls))
+
+    def _read_one(self) -> bool:
+        """Read and handle one server message; False once the connection has ended."""
+        try:
+            return self._dispatch(self._transport.recv_message())
+        except OrbitError as exc:  # the transport's failures, typed
+            self._fail(exc)
+        except Exception as exc:
+            # The transport types every network failure: this is a bug. Logged with its
+            # traceback, and kept as the cause of the error every caller gets.
+            log.error("connection reader failed; closing the connection", exc_info=exc)
+            self._fail(_caused(WorkerDisconnected("connection reader failed"), exc))
+        return False
+
     def _read_loop(self) -> None:
         try:
+            while self._read_one():
+                pass
+        finally:
+            self._reader_exit()
+
+    def _shared_read_loop(self) -> None:
+        """The reader of a connection whose blocked callers read for themselves: it reads
+        whenever no caller holds the read turn, one message at a time."""
+        turn = self._turn
+        assert turn is not None
+        try:
             while True:
-                try:
-                    if not self._dispatch(self._transport.recv_message()):
-                        return
-                except OrbitError as exc:  # the transport's failures, typed
-                    self._fail(exc)
+                step = turn.reader_next()
+                if step is Step.EXIT:
                     return
-                except Exception as exc:
-                    # The transport types every network failure: this is a bug. Logged with its
-                    # traceback, and kept as the cause of the error every caller gets.
-                    log.error("connection reader failed; closing the connection", exc_info=exc)
-                    self._fail(_caused(WorkerDisconnected("connection reader failed"), exc))
+                if step is Step.WAIT:
+                    self._transport.wait_readable()  # without the turn: a caller may take it
+                    continue
+                try:
+                    alive = self._read_one()
+                finally:
+                    turn.reader_done()
+                if not alive:
                     return
         finally:
-            self._fail(WorkerDisconnected("connection reader stopped"))  # no-op when already set
-            self._deadlines.join()
-            self._transport.close()
-            self._done.set()
+            turn.close()  # closing the transport under a reading caller would not be safe
+            self._reader_exit()
+
+    def _reader_exit(self) -> None:
+        self._fail(WorkerDisconnected("connection reader stopped"))  # no-op when already set
+        self._deadlines.join()
+        self._transport.close()
+        self._done.set()
 
     def _dispatch(self, raw: bytes) -> bool:
         """Handle one server frame; False once the connection has ended."""
