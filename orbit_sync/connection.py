@@ -10,7 +10,9 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
 * the **reader** decodes every server frame, completes the call it answers (waking a blocked
   caller or running a pipelined request's callback), queues pushes (or hands them to the
   ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment queue closes
-  the connection with ``WorkerBackpressure``);
+  the connection with ``WorkerBackpressure``). On a connection without push callbacks a caller
+  blocked on an answer or on a queue reads and handles the frames itself while it waits, when no
+  other thread is reading (:mod:`orbit_sync._readturn`): its answer then costs no thread hand-off;
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send), and a caller
@@ -380,7 +382,9 @@ class WorkerConnection:
         Returns its ``message_id``. ``on_done(value, error)`` is then called exactly once: with
         the answer (a lease in it carries its local ``deadline``), with the server's error, or
         with the connection's error once it ends (a timeout included). It runs on the reader
-        thread, the deadline thread or the thread that ended the connection, never under the
+        thread (or, on a connection without push callbacks, on a thread blocked in a request
+        method of this connection while it reads), the deadline thread or the thread that ended
+        the connection, never under the
         connection's lock: it must not block, and it must not take a lock held by a thread that
         calls ``submit``. Errors raised here mean nothing was sent and ``on_done`` is not called.
         """
