@@ -576,11 +576,12 @@ ACK_BODIES: dict[str, type[Any]] = {
 # and a well-formed envelope, so one match replaces the strict parse and the envelope checks;
 # the body still goes through the one body decoder. Anything else (another order, whitespace,
 # escapes, an error) takes the general path, which is also what names a fault.
+_PLAIN_STRING = r'"([^"\\\x00-\x1f\x7f-\U0010ffff]{1,64})"'  # nothing to unescape
 _SHAPE_PARTS = {
-    "S": r'"([^"\\\x00-\x1f\x7f-\U0010ffff]{1,64})"',  # a string with nothing to unescape
+    "S": _PLAIN_STRING,
     "H": r'"([0-9a-f]{32})"',
     "B": r"(true|false)",
-    "?": r'(?:,"cancel_requested_at":"([^"\\\x00-\x1f\x7f-\U0010ffff]{1,64})")?',
+    "?": r'(?:,"cancel_requested_at":' + _PLAIN_STRING + ")?",
 }
 _ACK_SHAPE = re.compile(
     "".join(

@@ -233,6 +233,8 @@ class Transport:
         self._pos = 0
         self._parts: list[bytes] | None = None
         self._size = 0
+        #: TLS only: how many decrypted bytes OpenSSL holds (a poll of the socket cannot see them).
+        self._tls_pending = getattr(sock, "pending", None)
 
     @property
     def subprotocol_header(self) -> str | None:
@@ -309,7 +311,7 @@ class Transport:
     def buffered(self) -> bool:
         """True when bytes already received wait to be parsed (the socket may never wake a
         poll for them). A hint when read from a thread that does not own the reads."""
-        pending = getattr(self._sock, "pending", None)  # TLS: decrypted bytes held by OpenSSL
+        pending = self._tls_pending
         return self._pos < len(self._buf) or (pending is not None and pending() > 0)
 
     def wait_readable(self, timeout: float | None = None) -> bool:
