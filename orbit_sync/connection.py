@@ -85,7 +85,7 @@ T = TypeVar("T")
 
 
 class Submission(NamedTuple):
-    """One request of :meth:`WorkerConnection.submit_many` (the arguments of ``submit``)."""
+    """One request of :meth:`WorkerConnection._submit_many` (the arguments of ``_submit``)."""
 
     request_type: str
     body: Any
@@ -368,7 +368,7 @@ class WorkerConnection:
         value: CommandResult = self._call("task.finish", finish, message_id, timeout)
         return value
 
-    def submit(
+    def _submit(
         self,
         request_type: str,
         body: Any,
@@ -386,17 +386,17 @@ class WorkerConnection:
         method of this connection while it reads), the deadline thread or the thread that ended
         the connection, never under the
         connection's lock: it must not block, and it must not take a lock held by a thread that
-        calls ``submit``. Errors raised here mean nothing was sent and ``on_done`` is not called.
+        calls ``_submit``. Errors raised here mean nothing was sent and ``on_done`` is not called.
         """
         self._check_request(request_type, body)
         call = self._send(request_type, body, message_id, timeout, on_done)
         return call.message_id
 
-    def submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
+    def _submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
         """Send several requests without waiting for them, with one socket write (internal: the
         lease watchdog renews every attempt that is due at once).
 
-        Each request is pipelined as by :meth:`submit` and its ``on_done`` is called exactly once,
+        Each request is pipelined as by :meth:`_submit` and its ``on_done`` is called exactly once,
         under the same rules. Wrong arguments (an unknown type, a wrong body, a bad or repeated
         ``message_id`` or timeout) raise before anything is sent, for the whole batch. A request
         the connection refuses (it has ended, or too many are in flight) is not sent: its

@@ -1,4 +1,4 @@
-"""WorkerConnection.submit and submit_many: requests sent without a parked thread, completed by
+"""WorkerConnection._submit and _submit_many: requests sent without a parked thread, completed by
 callback."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_requests_are_all_in_flight_and_answers_route_out_of_order() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(3)
-            ids = [conn.submit("task.renew", REF, out.callback(str(i))) for i in range(3)]
+            ids = [conn._submit("task.renew", REF, out.callback(str(i))) for i in range(3)]
             requests = [peer.recv() for _ in range(3)]  # all sent, none answered yet
             assert [r["message_id"] for r in requests] == ids
             for window, request in zip((10, 20, 30), reversed(requests), strict=True):
@@ -76,9 +76,9 @@ def test_error_answer_then_close_release_every_callback_once() -> None:
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
         answered, out = Outcomes(1), Outcomes(2)
-        refused = conn.submit("task.renew", REF, answered.callback("refused"))
-        resume = conn.submit("worker.resume", REF, out.callback("resume"))
-        report = conn.submit("worker.capacity", CapacityReport(1, 4), out.callback("report"))
+        refused = conn._submit("task.renew", REF, answered.callback("refused"))
+        resume = conn._submit("worker.resume", REF, out.callback("resume"))
+        report = conn._submit("worker.capacity", CapacityReport(1, 4), out.callback("report"))
         first = peer.recv()
         assert first["message_id"] == refused
         peer.error(first, "LEASE_LOST")
@@ -103,8 +103,8 @@ def test_an_unanswered_request_times_out_and_closes_the_connection() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(2)
-            late = conn.submit("worker.resume", REF, out.callback("late"), timeout=0.2)
-            other = conn.submit("worker.resume", REF, out.callback("other"))
+            late = conn._submit("worker.resume", REF, out.callback("late"), timeout=0.2)
+            other = conn._submit("worker.resume", REF, out.callback("other"))
             peer.recv(), peer.recv()
             assert out.all_in.wait(WAIT)
             [(_, timed_out, _)] = out.got["late"]
@@ -122,7 +122,7 @@ def test_a_resume_answer_carries_its_local_deadline() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(1)
-            conn.submit("worker.resume", REF, out.callback("resume"))
+            conn._submit("worker.resume", REF, out.callback("resume"))
             peer.ack(peer.recv(), lease_body(window=20))
             assert out.all_in.wait(WAIT)
             [(lease, error, _)] = out.got["resume"]
@@ -138,12 +138,12 @@ def test_bad_arguments_raise_before_anything_is_sent() -> None:
         try:
             out = Outcomes(1)
             with pytest.raises(ValueError):
-                conn.submit("worker.hello", REF, out.callback("x"))
+                conn._submit("worker.hello", REF, out.callback("x"))
             with pytest.raises(TypeError):
-                conn.submit("task.renew", CapacityReport(1, 4), out.callback("x"))
+                conn._submit("task.renew", CapacityReport(1, 4), out.callback("x"))
             with pytest.raises(ValueError):
-                conn.submit("task.renew", REF, out.callback("x"), message_id="nope")
-            probe = conn.submit("task.renew", REF, out.callback("probe"))
+                conn._submit("task.renew", REF, out.callback("x"), message_id="nope")
+            probe = conn._submit("task.renew", REF, out.callback("probe"))
             assert peer.recv()["message_id"] == probe  # the first frame sent is the probe
             assert not out.got
         finally:
@@ -160,7 +160,7 @@ def test_submit_many_sends_the_batch_in_order_and_routes_each_answer() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(3)
-            ids = conn.submit_many(_renews(out, ["0", "1", "2"]))
+            ids = conn._submit_many(_renews(out, ["0", "1", "2"]))
             requests = [peer.recv() for _ in range(3)]
             assert [r["message_id"] for r in requests] == ids and None not in ids
             assert all(r["type"] == "task.renew" for r in requests)
@@ -184,7 +184,7 @@ def test_submit_many_refuses_what_the_connection_cannot_take() -> None:
         busy = Outcomes(2)
         sent = Outcomes(MAX_IN_FLIGHT)
         requests = _renews(sent, keys[:MAX_IN_FLIGHT]) + _renews(busy, keys[MAX_IN_FLIGHT:])
-        ids = conn.submit_many(requests)
+        ids = conn._submit_many(requests)
         assert ids[MAX_IN_FLIGHT:] == [None, None] and None not in ids[:MAX_IN_FLIGHT]
         assert busy.all_in.wait(WAIT)
         assert all(isinstance(v[0][1], WorkerBusy) for v in busy.got.values())
@@ -192,7 +192,7 @@ def test_submit_many_refuses_what_the_connection_cannot_take() -> None:
         conn.close()
         assert sent.all_in.wait(WAIT)
         closed = Outcomes(2)
-        assert conn.submit_many(_renews(closed, ["a", "b"])) == [None, None]
+        assert conn._submit_many(_renews(closed, ["a", "b"])) == [None, None]
         assert closed.all_in.wait(WAIT)
         assert all(isinstance(v[0][1], WorkerClosed) for v in closed.got.values())
 
@@ -205,16 +205,16 @@ def test_submit_many_bad_arguments_raise_before_anything_is_sent() -> None:
             out = Outcomes(1)
             good = Submission("task.renew", REF, out.callback("x"))
             with pytest.raises(TypeError):
-                conn.submit_many([good, Submission("task.renew", CapacityReport(1, 4), good[2])])
+                conn._submit_many([good, Submission("task.renew", CapacityReport(1, 4), good[2])])
             with pytest.raises(TypeError):
-                conn.submit_many([("task.renew", REF, good[2])])  # type: ignore[list-item]
+                conn._submit_many([("task.renew", REF, good[2])])  # type: ignore[list-item]
             with pytest.raises(ValueError):
-                conn.submit_many(_renews(out, ["x", "y"], message_id="a" * 32))
+                conn._submit_many(_renews(out, ["x", "y"], message_id="a" * 32))
             with pytest.raises(ValueError):
-                conn.submit_many(_renews(out, ["x"], timeout=-1.0))
-            probe = conn.submit("task.renew", REF, out.callback("probe"))
+                conn._submit_many(_renews(out, ["x"], timeout=-1.0))
+            probe = conn._submit("task.renew", REF, out.callback("probe"))
             with pytest.raises(ValueError):
-                conn.submit_many([good, Submission("task.renew", REF, good[2], probe)])
+                conn._submit_many([good, Submission("task.renew", REF, good[2], probe)])
             assert peer.recv()["message_id"] == probe  # the first frame sent is the probe
             assert not out.got
         finally:
@@ -235,7 +235,7 @@ def test_a_bug_in_the_reader_is_logged_and_kept_as_the_cause(
 
             monkeypatch.setattr(conn._core, "decode", broken)
             out = Outcomes(1)
-            conn.submit("task.renew", REF, out.callback("renew"))
+            conn._submit("task.renew", REF, out.callback("renew"))
             peer.ack(peer.recv(), command_body("renew"))
             assert out.all_in.wait(WAIT) and conn.done.wait(WAIT)
             [(_, error, _)] = out.got["renew"]
@@ -266,7 +266,7 @@ def test_a_bug_in_the_writer_is_logged_and_kept_as_the_cause(
 
             monkeypatch.setattr(conn._transport, "send_texts", broken)
             out = Outcomes(2)
-            conn.submit_many(_renews(out, ["0", "1"]))
+            conn._submit_many(_renews(out, ["0", "1"]))
             assert out.all_in.wait(WAIT)
             for key in ("0", "1"):
                 [(_, error, _)] = out.got[key]

@@ -1022,7 +1022,7 @@ class Worker:
                     window.wait()
                 in_flight[0] += 1
             try:
-                conn.submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
+                conn._submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
             except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
                 answered(att)(None, exc)
         if then is not None:
@@ -1059,7 +1059,9 @@ class Worker:
             first.report = self._report_next
         first.sent_at = self._clock()
         try:
-            conn.submit("worker.capacity", first.report, first.answered, timeout=self._call_timeout)
+            conn._submit(
+                "worker.capacity", first.report, first.answered, timeout=self._call_timeout
+            )
         except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
             first.answered(None, exc)
 
@@ -1168,7 +1170,7 @@ class Worker:
     # ------------------------------------------------------------------ attempts
     #
     # An attempt is start -> handler -> finish. The fast path pipelines both requests: a pool
-    # thread sends one (``submit``) and goes back to the pool; the answer's callback, on the
+    # thread sends one (``_submit``) and goes back to the pool; the answer's callback, on the
     # connection's reader thread, moves the attempt on (queues its handler, or settles it). No
     # thread waits for an answer. Anything but a clean answer (an error answer, a lost
     # connection, no free request slot, no connection) continues on the blocking path on a pool
@@ -1244,7 +1246,7 @@ class Worker:
                 req.on_answer(value, error, gen, gate.release())
 
             try:
-                conn.submit(
+                conn._submit(
                     req.request_type,
                     req.body,
                     done,
@@ -1674,7 +1676,7 @@ class Worker:
         if requests:
             assert current is not None
             try:
-                current[0].submit_many(requests)
+                current[0]._submit_many(requests)
             except OrbitError as exc:  # nothing was sent
                 for request in requests:
                     request.on_done(None, exc)
