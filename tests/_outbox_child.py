@@ -4,6 +4,8 @@
 
 Handler ``work`` writes ``started-<pid>`` into DIR, then with MODE ``hang`` blocks forever (the
 test kills the process mid-handler) or with MODE ``return`` returns ``{"n": ..., "pid": ...}``.
+With MODE ``process``, ``work`` is ``_process_handlers.effect`` on the process executor (one
+child, ``cancel_grace`` 1 s). OUTBOX ``-`` runs without an outbox.
 """
 
 from __future__ import annotations
@@ -28,9 +30,17 @@ def main(url: str, queue_id: str, outbox: str, directory: str, mode: str) -> int
         Client(url, os.environ["ORBIT_TEST_TOKEN"]),
         queue_id=queue_id,
         capacity=2,
-        outbox=outbox,
+        outbox=None if outbox == "-" else outbox,
         reconnect_backoff=Backoff(initial=0.05, maximum=0.2),
+        process_pool=1,
+        cancel_grace=1.0,
     )
+    if mode == "process":
+        import _process_handlers  # beside this script: the child imports it by name too
+
+        worker.register("work", _process_handlers.effect, executor="process")
+        worker.run()
+        return 0
     never = threading.Event()
 
     @worker.handler("work")

@@ -7,6 +7,7 @@ A handler reports to the test through files named in its payload (another proces
 from __future__ import annotations
 
 import datetime as dt
+import fcntl
 import logging
 import os
 import signal
@@ -87,6 +88,32 @@ def dies(ctx: TaskContext, payload: dict[str, Any]) -> Any:
     if payload.get("signal"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(3)
+
+
+def effect(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """A side effect that must never run twice at once for a task.
+
+    Holds ``effect-<n>.lock`` (``flock``: the kernel drops it when the process dies) while it
+    runs; finding it held means another process is running the same task's effect, and is
+    recorded as ``overlap-<pid>``. Runs, honouring cancellation, until ``release`` exists in
+    DIR, then returns its pid.
+    """
+    directory = Path(payload["dir"])
+    fd = os.open(directory / f"effect-{payload['n']}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        (directory / f"overlap-{os.getpid()}").write_text("")
+        os.close(fd)
+        raise
+    try:
+        _started(payload)
+        while not (directory / "release").exists():
+            ctx.sleep(0.05)
+        (directory / f"effect-{os.getpid()}").write_text("")
+    finally:
+        os.close(fd)
+    return {"pid": os.getpid()}
 
 
 def pid(ctx: TaskContext, payload: Any) -> Any:

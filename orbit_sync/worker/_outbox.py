@@ -14,18 +14,17 @@ with the original receipt). So a task costs two small fsync'd transactions.
 
 Secrets (instance and lease secrets) live in the file, so it is created 0600 and refused when
 another user could read it or when it belongs to someone else; a file that is not an outbox, or
-is corrupt, is refused and never overwritten. One process at a time: the file is locked
-(``flock``) for as long as the outbox is open.
+is corrupt, is refused and never overwritten. One process at a time: the lock file beside it
+is locked for as long as the outbox is open (``_locks``: why a record lock, not ``flock``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import json
 import os
 import sqlite3
-import stat
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -34,6 +33,7 @@ import attrs
 
 from ..errors import OrbitError
 from ..models import AttemptRef, Capability, Finish, Outcome, Registration
+from ._locks import LockBusy, LockFile, lock_path, open_private
 
 __all__ = ["Outbox", "OutboxError", "Pending", "StoredInstance"]
 
@@ -72,6 +72,22 @@ class OutboxError(OrbitError):
     """The outbox file cannot be used (permissions, corruption, another process holds it)."""
 
 
+def _file_error(path: str, exc: BaseException) -> BaseException:
+    """The error to raise for a file of the outbox that cannot be opened as ours.
+
+    A missing directory stays ``FileNotFoundError`` (as for any file a program is given).
+    """
+    if isinstance(exc, ValueError):  # open_private's reason
+        return OutboxError(f"outbox {path} {exc}")
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
+        if exc.errno == errno.ELOOP:
+            return OutboxError(f"outbox {path} is a symbolic link; give the real path")
+        if exc.errno == errno.EISDIR:
+            return OutboxError(f"outbox {path} is a directory; give a file path")
+        return OutboxError(f"outbox {path} cannot be opened: {exc.strerror or exc}")
+    return exc
+
+
 @attrs.frozen
 class StoredInstance:
     """A worker run's identity, as stored (the secret is redacted in the repr)."""
@@ -98,44 +114,47 @@ class Outbox:
         fd = self._open_checked()
         try:
             # One process at a time: a second one would speak as the same instances.
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            self._locks = LockFile(lock_path(self.path))
+        except LockBusy:
             os.close(fd)
             raise OutboxError(f"outbox {self.path} is in use by another process") from None
-        self._lock_fd = fd
+        except BaseException as exc:
+            os.close(fd)
+            raise _file_error(lock_path(self.path), exc) from None
+        # SQLite opens the file by name: this descriptor only pinned the checks above.
+        os.close(fd)
+        self._closed = False
         try:
             self._db = self._connect()
         except BaseException:
-            os.close(fd)
+            self._locks.close()
             raise
+
+    @classmethod
+    def open(cls, path: str | os.PathLike[str], registration: Registration) -> Outbox:
+        """Open the outbox for a run and store the run's identity; on failure nothing is kept
+        open or locked, so a later try can succeed."""
+        outbox = cls(path)
+        try:
+            outbox.register(registration)
+        except BaseException:
+            outbox.close()
+            raise
+        return outbox
 
     # ------------------------------------------------------------------ opening
 
     def _open_checked(self) -> int:
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-            return fd
-        except FileExistsError:
-            pass
-        fd = os.open(self.path, os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
-        info = os.fstat(fd)
-        problem = None
-        if not stat.S_ISREG(info.st_mode):
-            problem = "is not a regular file"
-        elif info.st_uid != os.geteuid():
-            problem = "belongs to another user"
-        elif info.st_mode & 0o077:
-            problem = (
-                f"can be read or written by other users (mode {stat.S_IMODE(info.st_mode):o}); "
-                "it holds secrets: chmod 600 it"
-            )
-        if problem is not None:
-            os.close(fd)
-            raise OutboxError(f"outbox {self.path} {problem}")
-        return fd
+            return open_private(self.path)
+        except BaseException as exc:
+            raise _file_error(self.path, exc) from None
 
     def _connect(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise OutboxError(f"outbox {self.path} cannot be opened: {exc}") from exc
         try:
             (app_id,) = db.execute("PRAGMA application_id").fetchone()
             (version,) = db.execute("PRAGMA user_version").fetchone()
@@ -155,6 +174,9 @@ class Outbox:
             db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = FULL")
             db.execute("PRAGMA integrity_check").fetchone()
+        except sqlite3.OperationalError as exc:  # disk full, I/O error, locked by SQLite
+            db.close()
+            raise OutboxError(f"outbox {self.path} cannot be opened: {exc}") from exc
         except sqlite3.DatabaseError as exc:
             db.close()
             raise OutboxError(
@@ -172,11 +194,23 @@ class Outbox:
     def close(self) -> None:
         """Close the file and release the lock (safe twice)."""
         with self._lock:
-            if self._lock_fd < 0:
+            if self._closed:
                 return
+            self._closed = True
             self._db.close()
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+            self._locks.close()
+
+    @property
+    def lock_path(self) -> str:
+        """The lock file every handler process of this run holds its instance's lock in."""
+        return self._locks.path
+
+    def instance_lock(
+        self, instance_id: str, timeout: float
+    ) -> contextlib.AbstractContextManager[bool]:
+        """Hold *instance_id*'s lock (True) once none of its handler processes is left, waiting
+        up to *timeout* seconds; False while one still may run (see ``_locks``)."""
+        return self._locks.instance(instance_id, timeout)
 
     def __enter__(self) -> Outbox:
         return self
@@ -190,22 +224,29 @@ class Outbox:
     @contextlib.contextmanager
     def _tx(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
         with self._lock:
-            if self._lock_fd < 0:
+            if self._closed:
                 raise OutboxError("the outbox is closed")
-            if not durable:
-                # A delete that may be lost: the next replay re-sends the same message_id.
-                self._db.execute("PRAGMA synchronous = OFF")
-            self._db.execute("BEGIN IMMEDIATE")
             try:
-                yield self._db
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            else:
-                self._db.execute("COMMIT")
-            finally:
                 if not durable:
-                    self._db.execute("PRAGMA synchronous = FULL")
+                    # A delete that may be lost: the next replay re-sends the same message_id.
+                    self._db.execute("PRAGMA synchronous = OFF")
+                self._db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._db
+                except BaseException:
+                    if self._db.in_transaction:
+                        self._db.execute("ROLLBACK")
+                    raise
+                else:
+                    self._db.execute("COMMIT")
+                finally:
+                    if not durable:
+                        self._db.execute("PRAGMA synchronous = FULL")
+            except sqlite3.Error as exc:  # disk full, I/O error: the caller decides
+                if self._db.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        self._db.execute("ROLLBACK")
+                raise OutboxError(f"outbox {self.path}: {exc}") from exc
 
     # ------------------------------------------------------------------ this run
 

@@ -16,9 +16,18 @@ then SIGKILL) and the attempt ends ``UNKNOWN`` with ``HANDLER_TERMINATED``; a ch
 (segfault, OOM kill, ``os._exit``) is seen at once through its process sentinel and the attempt
 ends ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``. The pool replaces such a child on next use.
 
-Children are started with ``spawn`` (never ``fork``: the parent is threaded), lazily, and never
-receive the connection, the token (``ORBIT_TOKEN`` is removed from their environment) or any
-lease or instance secret: a job carries the ``Task`` (payload and ids) and the attempt id only.
+No orphan: a child never runs a handler once its worker process is gone. On Linux the kernel
+kills it when the parent dies (the parent-death signal, SIGKILL: a handler on a thread would have
+died with the process too); everywhere, the end of its pipe cancels the running context and the
+child exits after *cancel_grace* whatever the handler does. With an outbox, each child also holds
+its instance's lock in the outbox's lock file for as long as it lives (``_locks``), so a later
+process's replay reports an attempt ``WORKER_LOST`` only once no child of the dead worker is left.
+
+Children are started with ``spawn`` (never ``fork``: the parent is threaded), lazily, from one
+long-lived thread of the pool (the parent-death signal follows the thread that started a child,
+and pool threads retire when idle), and never receive the connection, the credentials
+(``ORBIT_TOKEN`` and ``ORBIT_TOKEN_FILE`` are removed from their environment) or any lease or
+instance secret: a job carries the ``Task`` (payload and ids) and the attempt id only.
 """
 
 from __future__ import annotations
@@ -30,7 +39,10 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import queue
+import signal
 import socket
+import sys
 import threading
 import time
 import traceback
@@ -39,6 +51,7 @@ from typing import Any
 
 from ..models import Task
 from ._context import TaskContext
+from ._locks import hold_instance_shared
 from ._outcomes import Fail, TaskCancelled, UnknownEffect
 
 __all__ = [
@@ -60,9 +73,13 @@ HANDLER_TERMINATED = "HANDLER_TERMINATED"
 HANDLER_IMPORT_ERROR = "HANDLER_IMPORT_ERROR"
 
 #: Environment variables a child must not inherit: credentials stay in the parent.
-_SECRET_ENV = ("ORBIT_TOKEN",)
+_SECRET_ENV = ("ORBIT_TOKEN", "ORBIT_TOKEN_FILE")
 #: After SIGTERM, how long a terminated child gets before SIGKILL.
 _KILL_AFTER = 1.0
+#: A child's exit status when its parent went away (it ran, or cut short, its last handler).
+ORPHAN_EXIT = 70
+#: prctl(2) option: the signal a process gets when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
 _env_lock = threading.Lock()
 
 
@@ -108,8 +125,9 @@ class _PipeLogHandler(logging.Handler):
 class _Child:
     """The loop of one child process: one job at a time, controlled by the parent."""
 
-    def __init__(self, conn: multiprocessing.connection.Connection) -> None:
+    def __init__(self, conn: multiprocessing.connection.Connection, cancel_grace: float) -> None:
         self._conn = conn
+        self._cancel_grace = cancel_grace
         self._send_lock = threading.Lock()
         self._jobs: list[tuple[Any, ...]] = []
         self._cond = threading.Condition()
@@ -145,7 +163,15 @@ class _Child:
                 elif kind == "deadline":
                     ctx._set_deadline(message[2])
         except (EOFError, OSError):
-            pass  # the parent went away: nothing is left to report to
+            # The parent went away: nobody keeps the lease any more. Cancel the handler and
+            # give it cancel_grace to stop, then leave whatever it does.
+            timer = threading.Timer(self._cancel_grace, os._exit, (ORPHAN_EXIT,))
+            timer.daemon = True
+            timer.start()
+            with self._cond:
+                ctx = self._ctx
+            if ctx is not None:
+                ctx._cancel("shutdown")
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -157,8 +183,14 @@ class _Child:
                     self._cond.wait()
                 if not self._jobs:
                     return
+                if self._closed:
+                    return  # a job queued before the parent went away is not started
                 _, job, fn_bytes, task, attempt_id, deadline = self._jobs.pop(0)
-            self.send(("done", job, *self._run(job, fn_bytes, task, attempt_id, deadline)))
+            outcome = self._run(job, fn_bytes, task, attempt_id, deadline)
+            try:
+                self.send(("done", job, *outcome))
+            except OSError:
+                return  # the parent went away
 
     def _run(
         self, job: int, fn_bytes: bytes, task: Task, attempt_id: str, deadline: float | None
@@ -201,11 +233,41 @@ def _type_name(obj: object) -> str:
     return f"{kind.__module__}.{kind.__qualname__}"
 
 
-def _child_main(conn: multiprocessing.connection.Connection, log_level: int) -> None:
-    """Entry point of a child process."""
+def _die_with_parent() -> None:
+    """Linux: have the kernel SIGKILL this process when the thread that started it ends."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes  # only here: a child on Linux
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        _LOG.warning("could not set the parent-death signal (errno %d)", ctypes.get_errno())
+
+
+def _child_main(
+    conn: multiprocessing.connection.Connection,
+    log_level: int,
+    parent: int,
+    cancel_grace: float,
+    guard: tuple[str, str] | None,
+) -> None:
+    """Entry point of a child process.
+
+    *parent* is the worker's pid; *guard* the outbox lock file and instance id, if any.
+    """
     for name in _SECRET_ENV:
         os.environ.pop(name, None)
-    child = _Child(conn)
+    _die_with_parent()
+    if guard is not None:
+        try:
+            # Held until this process ends (the descriptor stays open): see ``_locks``.
+            hold_instance_shared(*guard)
+        except OSError:
+            os._exit(ORPHAN_EXIT)  # a later process is replaying this instance: its worker is gone
+    if os.getppid() != parent:
+        # The parent died before the signal was armed (or the lock taken): run nothing.
+        os._exit(ORPHAN_EXIT)
+    child = _Child(conn, cancel_grace)
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
@@ -236,11 +298,13 @@ class _Process:
 
     _ids = itertools.count(1)
 
-    def __init__(self, mp: Any, log_level: int) -> None:
+    def __init__(
+        self, mp: Any, log_level: int, cancel_grace: float, guard: tuple[str, str] | None
+    ) -> None:
         self.conn, child_conn = mp.Pipe()
         self.proc = mp.Process(
             target=_child_main,
-            args=(child_conn, log_level),
+            args=(child_conn, log_level, os.getpid(), cancel_grace, guard),
             name=f"orbit-handler-{next(self._ids)}",
             daemon=True,
         )
@@ -357,6 +421,56 @@ def _relog(data: dict[str, Any]) -> None:
         logger.handle(logging.makeLogRecord(data))
 
 
+class _Spawner:
+    """The one thread that starts a pool's children, for as long as the pool is open.
+
+    On Linux a child's parent-death signal fires when the *thread* that started it ends, not
+    the process; a pool thread that retires when idle would take its children with it.
+    """
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread = threading.Thread(
+            target=self._main, name="orbit-process-spawner", daemon=True
+        )
+        self._thread.start()
+
+    def _main(self) -> None:
+        while (request := self._requests.get()) is not None:
+            request()
+
+    def call(self, make: Callable[[], _Process]) -> _Process:
+        """Run *make* on the spawner thread and return what it returned (or raise its error)."""
+        done = threading.Event()
+        box: list[Any] = []
+
+        def request() -> None:
+            try:
+                box.append(make())
+            except BaseException as exc:
+                box.append(exc)
+            done.set()
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the process pool is closed")
+            self._requests.put(request)  # before close()'s None: it will be served
+        done.wait()
+        result = box[0]
+        if isinstance(result, BaseException):
+            raise result
+        child: _Process = result
+        return child
+
+    def close(self) -> None:
+        """End the thread once the requests already made are served."""
+        with self._lock:
+            self._closed = True
+            self._requests.put(None)
+
+
 class ProcessPool:
     """Up to *size* child processes, started on first use and replaced when one dies."""
 
@@ -371,6 +485,13 @@ class ProcessPool:
         self._live = 0
         self._busy: set[_Process] = set()
         self._closed = False
+        self._guard: tuple[str, str] | None = None
+        self._spawner: _Spawner | None = None
+
+    def guard(self, lock_path: str, instance_id: str) -> None:
+        """Have every child started from now on hold *instance_id*'s lock in *lock_path*."""
+        with self._cond:
+            self._guard = (lock_path, instance_id)
 
     @property
     def started(self) -> int:
@@ -403,9 +524,13 @@ class ProcessPool:
                     self._live += 1
                     break
                 self._cond.wait()
+            if self._spawner is None:
+                self._spawner = _Spawner()
+            spawner, guard = self._spawner, self._guard
         try:
             # Started outside the lock: a spawn takes a while and must not hold up releases.
-            child = _Process(self._mp, logging.getLogger().getEffectiveLevel())
+            level = logging.getLogger().getEffectiveLevel()
+            child = spawner.call(lambda: _Process(self._mp, level, self._cancel_grace, guard))
         except BaseException:
             with self._cond:
                 self._live -= 1
@@ -439,6 +564,9 @@ class ProcessPool:
             busy = list(self._busy)
             self._live -= len(idle)
             self._cond.notify_all()
+            spawner, self._spawner = self._spawner, None
+        if spawner is not None:
+            spawner.close()
         # All at once, under one deadline: stop() has a time bound to keep.
         for child in idle:
             with contextlib.suppress(OSError):

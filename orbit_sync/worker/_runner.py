@@ -79,7 +79,7 @@ from ._hooks import (
     SessionEvent,
 )
 from ._link import Connection, Dialer, GaveUp, Link
-from ._outbox import Outbox
+from ._outbox import Outbox, OutboxError
 from ._outcomes import (
     HANDLER_ERROR,
     Verdict,
@@ -588,9 +588,15 @@ class Worker:
             ", ".join(f"{c.handler}@{c.handler_version}" for c in registration.capabilities),
         )
         if self._outbox_path is not None:
-            # Raises OutboxError (before anything is sent) for a file we must not use.
-            self._outbox = Outbox(self._outbox_path)
-            self._outbox.register(registration)
+            try:
+                # Raises OutboxError (before anything is sent) for a file we must not use.
+                self._outbox = Outbox.open(self._outbox_path, registration)
+            except BaseException:
+                with self._cond:
+                    self._started = False  # nothing ran: a later start() may try again
+                raise
+            if self._processes is not None:
+                self._processes.guard(self._outbox.lock_path, self._instance_id)
         self._watchdog_thread.start()
         targets = [
             (self._connection_main, "orbit-worker-connection"),
@@ -1545,7 +1551,7 @@ class Worker:
             return True
         try:
             self._outbox.launch(self._instance_id, att.ref, att.task.handler)
-        except Exception:
+        except OutboxError:
             # Without the record a kill would leave no trace of the run: do not run.
             att.ctx._log.exception("outbox unavailable: handler not run")
             return False
@@ -1556,7 +1562,7 @@ class Worker:
             return
         try:
             write(self._outbox)
-        except Exception:
+        except OutboxError:
             # The finish is still sent: a failing outbox must not hold up a result.
             att.ctx._log.exception("outbox write failed")
 
