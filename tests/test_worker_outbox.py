@@ -195,3 +195,28 @@ def test_result_of_killed_process_is_delivered_by_the_next(
     with Outbox(outbox) as box:
         counts = box.counts()
     assert counts["launched"] == counts["finishes"] == 0
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_forked_grandchild_does_not_keep_the_outbox(
+    server: MockOrbitServer, tmp_path: Path, stop: signal.Signals
+) -> None:
+    """A handler that forks a process which stays behind: once the worker is gone (killed or
+    stopped) the outbox opens again at once, while the grandchild still runs."""
+    outbox = tmp_path / "outbox.sqlite"
+    worker = _spawn(server, outbox, tmp_path, "fork")
+    grandchildren: list[int] = []
+    try:
+        task_id = server.enqueue("work", {"n": 1})
+        assert server.wait_for(task_id, DONE, timeout=20).state is TaskState.SUCCEEDED
+        grandchildren = [int(p.name.split("-")[1]) for p in tmp_path.glob("grandchild-*")]
+        assert len(grandchildren) == 1
+    finally:
+        worker.send_signal(stop)
+        worker.communicate(timeout=30)
+    try:
+        os.kill(grandchildren[0], 0)  # still there
+        Outbox(outbox).close()
+    finally:
+        for pid in grandchildren:
+            os.kill(pid, signal.SIGKILL)
