@@ -6,13 +6,16 @@ Handler ``work`` writes ``started-<pid>`` into DIR, then with MODE ``hang`` bloc
 test kills the process mid-handler) or with MODE ``return`` returns ``{"n": ..., "pid": ...}``.
 With MODE ``fork`` it first forks a grandchild that stays (``grandchild-<pid>`` in DIR) and
 returns. With MODE ``process``, ``work`` is ``_process_handlers.effect`` on the process executor
-(one child, ``cancel_grace`` 1 s). OUTBOX ``-`` runs without an outbox.
+(one child, ``cancel_grace`` 1 s). With MODE ``diskfull`` the handler makes every later file
+write of the process fail (as on a full disk) and returns. OUTBOX ``-`` runs without an outbox.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import resource
+import signal
 import sys
 import threading
 import time
@@ -60,6 +63,8 @@ def main(url: str, queue_id: str, outbox: str, directory: str, mode: str) -> int
         worker.register("work", _process_handlers.effect, executor="process")
         worker.run()
         return 0
+    if mode == "diskfull":
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails instead
     never = threading.Event()
 
     @worker.handler("work")
@@ -67,6 +72,9 @@ def main(url: str, queue_id: str, outbox: str, directory: str, mode: str) -> int
         Path(directory, f"started-{os.getpid()}").write_text("")
         if mode == "fork":
             _fork_grandchild(directory)
+        if mode == "diskfull":
+            # From here on no file of this process may grow: the disk is "full".
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1, resource.RLIM_INFINITY))
         if mode == "hang":
             never.wait()
         return {"n": payload["n"], "pid": os.getpid()}
