@@ -226,8 +226,7 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--admin-token",
         metavar="T",
-        help="the admin API token, on the command line (readable by every local user, as "
-        "--token)",
+        help="the admin API token, on the command line (readable by every local user, as --token)",
     )
 
 
