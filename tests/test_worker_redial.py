@@ -8,23 +8,13 @@ import threading
 from collections.abc import Iterator
 
 import pytest
+from test_admin_api import registration
 
 from orbit_sync.client import Client
 from orbit_sync.errors import CallTimeout, HTTPError, WorkerDisconnected, WorkerError
-from orbit_sync.models import Capability, Registration, new_id, new_secret
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Backoff
 from orbit_sync.worker._redial import CUT, REFUSED, RESET, RESET_GRACE, Redial, dial_failure
-
-
-def _registration(queue_id: str) -> Registration:
-    return Registration(
-        queue_id=queue_id,
-        capabilities=[Capability("resize", "1", "1")],
-        capacity=1,
-        instance_id=new_id(),
-        instance_secret=new_secret(),
-    )
 
 
 def _lost(stage: str | None) -> WorkerDisconnected:
@@ -46,7 +36,7 @@ def test_dial_failures_say_how_far_they_got(server: MockOrbitServer) -> None:
     client = Client(server.url, server.token)
     server.faults.close_before("worker.hello")
     with pytest.raises(WorkerDisconnected) as info:
-        client.dial_worker(_registration(server.queue_id), timeout=5)
+        client.dial_worker(registration(server.queue_id), timeout=5)
     assert info.value.dial_stage == "hello" and dial_failure(info.value) == CUT
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
@@ -61,20 +51,20 @@ def test_dial_failures_say_how_far_they_got(server: MockOrbitServer) -> None:
         thread.start()
         with pytest.raises(WorkerDisconnected) as info:
             Client(f"ws://127.0.0.1:{port}", server.token).dial_worker(
-                _registration(server.queue_id), timeout=5
+                registration(server.queue_id), timeout=5
             )
         thread.join(5)
     assert info.value.dial_stage == "upgrade" and dial_failure(info.value) == RESET
 
     with pytest.raises(WorkerDisconnected) as info:  # the listener is closed: refused
         Client(f"ws://127.0.0.1:{port}", server.token).dial_worker(
-            _registration(server.queue_id), timeout=5
+            registration(server.queue_id), timeout=5
         )
     assert info.value.dial_stage == "connect" and dial_failure(info.value) == REFUSED
 
     server.faults.refuse_connections(status=503)
     with pytest.raises(HTTPError) as http_info:
-        client.dial_worker(_registration(server.queue_id), timeout=5)
+        client.dial_worker(registration(server.queue_id), timeout=5)
     assert dial_failure(http_info.value) == REFUSED
 
 
