@@ -5,7 +5,8 @@
 
 Runs a few tasks, then prints what a Prometheus scrape of ``/metrics`` and a Kubernetes probe of
 ``/readyz`` would see. In a real deployment, call ``start_http_server(9100)`` (prometheus_client)
-and ``probe.serve(port=8080)`` once at startup and point the scraper and the probes at them.
+and ``probe.serve(port=8080, host="0.0.0.0")`` (a kubelet connects to the pod's address; the
+default is loopback) once at startup and point the scraper and the probes at them.
 """
 
 from __future__ import annotations

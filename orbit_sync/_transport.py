@@ -52,7 +52,7 @@ import ssl
 import struct
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import websocket
@@ -67,6 +67,7 @@ __all__ = [
     "Transport",
     "check_internals",
     "connect",
+    "dial_stage",
 ]
 
 #: The websocket-client versions this module was tested against: [low, high).
@@ -483,6 +484,18 @@ class Transport:
         self._ws.connected = False
 
 
+@contextlib.contextmanager
+def dial_stage(stage: str) -> Iterator[None]:
+    """Mark a ``WorkerDisconnected`` raised inside with how far the dial got (the reconnect
+    backoff tells a link that cut a dial from a server that refused it)."""
+    try:
+        yield
+    except WorkerDisconnected as exc:
+        if exc.dial_stage is None:
+            exc.dial_stage = stage
+        raise
+
+
 def _new_websocket() -> Any:
     check_internals()
     # Its frame machinery is never used: only connect() (the upgrade) and the answer's headers.
@@ -505,13 +518,16 @@ def connect(
     (bad upgrade answer or subprotocol), WorkerDisconnected (network or TLS failure) or
     CallTimeout (deadline).
     """
-    sock = _open_tcp(host, port, guard)
+    with dial_stage("connect"):
+        sock = _open_tcp(host, port, guard)
     try:
         if ssl_context is not None:
-            sock = _wrap_tls(sock, host, ssl_context, guard)
+            with dial_stage("tls"):
+                sock = _wrap_tls(sock, host, ssl_context, guard)
         ws = _new_websocket()
         sock.settimeout(guard.remaining())
-        _upgrade(ws, url, headers, subprotocol, sock, guard)
+        with dial_stage("upgrade"):
+            _upgrade(ws, url, headers, subprotocol, sock, guard)
         transport = Transport(ws, sock)
         if transport.subprotocol_header != subprotocol:
             raise WorkerProtocolError(f"the server did not select subprotocol {subprotocol}")

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from . import _cli_worker
 from ._version import __version__
+from .client import read_token_file
 
 if TYPE_CHECKING:
     from .testing import MockOrbitServer
@@ -48,8 +49,10 @@ be sourced or eval'd): ORBIT_URL, ORBIT_TOKEN (a worker token), ORBIT_QUEUE_ID, 
 ORBIT_ADMIN_TOKEN, then "# ready". The tokens are printed on purpose:
 this is your own throw-away test server, and the banner is how you learn its credentials. Do not
 run it where untrusted users can read its output or reach its port, and never reuse the tokens.
-Tokens given with --token/--admin-token (or the environment variables
-${TOKEN_ENV} and ${ADMIN_TOKEN_ENV}) are used as is; otherwise fresh random ones are made.
+Tokens given in files (--token-file, --admin-token-file), in the environment variables
+${TOKEN_ENV} and ${ADMIN_TOKEN_ENV}, or with --token/--admin-token are used as is; otherwise
+fresh random ones are made. A token on the command line is readable by every user of the
+machine (ps, /proc/PID/cmdline): prefer a file or the environment.
 """
 
 
@@ -203,17 +206,42 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
         help="server time moves only through POST /admin/v1/clock/advance",
     )
     parser.add_argument(
+        "--token-file",
+        metavar="PATH",
+        help=f"read the worker token to accept from this file (default: ${TOKEN_ENV}, else a "
+        "random one)",
+    )
+    parser.add_argument(
+        "--admin-token-file",
+        metavar="PATH",
+        help=f"read the admin API token from this file (default: ${ADMIN_TOKEN_ENV}, else a "
+        "random one)",
+    )
+    parser.add_argument(
         "--token",
-        default=os.environ.get(TOKEN_ENV),
         metavar="T",
-        help=f"the worker token to accept (default: ${TOKEN_ENV}, else a random one)",
+        help="the worker token, on the command line: every local user can read it (ps, "
+        "/proc/PID/cmdline); prefer --token-file or the environment",
     )
     parser.add_argument(
         "--admin-token",
-        default=os.environ.get(ADMIN_TOKEN_ENV),
         metavar="T",
-        help=f"the admin API token (default: ${ADMIN_TOKEN_ENV}, else a random one)",
+        help="the admin API token, on the command line (readable by every local user, as --token)",
     )
+
+
+def _given_token(
+    parser: argparse.ArgumentParser, value: str | None, path: str | None, option: str, env: str
+) -> str | None:
+    """The token from *option*, its file, or *env* (in that order); None for a random one."""
+    if value is not None and path is not None:
+        parser.error(f"give {option} or {option}-file, not both")
+    if path is not None:
+        try:
+            return read_token_file(path)
+        except ValueError as exc:
+            parser.error(str(exc))
+    return value if value is not None else os.environ.get(env)
 
 
 def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
@@ -284,6 +312,10 @@ def _run_mock_server(
         return 1
 
     out = sys.stdout if out is None else out
+    args.token = _given_token(parser, args.token, args.token_file, "--token", TOKEN_ENV)
+    args.admin_token = _given_token(
+        parser, args.admin_token, args.admin_token_file, "--admin-token", ADMIN_TOKEN_ENV
+    )
     try:
         api = AdminAPI(args.admin_token)
     except ValueError as exc:

@@ -286,10 +286,11 @@ def _handshake(
     transport: _transport.Transport, hello: str, hello_id: str, guard: _transport.DialGuard
 ) -> Welcome:
     """Send ``worker.hello`` and read its answer, under the dial's deadline."""
-    transport.set_timeout(guard.remaining())
-    transport.send_text(hello)  # WorkerDisconnected on a network failure; a bug stays itself
-    transport.set_timeout(guard.remaining())
-    raw = transport.recv_message()
+    with _transport.dial_stage("hello"):
+        transport.set_timeout(guard.remaining())
+        transport.send_text(hello)  # WorkerDisconnected on a network failure; a bug stays itself
+        transport.set_timeout(guard.remaining())
+        raw = transport.recv_message()
     try:
         return _codec.decode_welcome(raw, hello_id)
     except WorkerProtocolError:

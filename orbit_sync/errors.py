@@ -114,7 +114,14 @@ class WorkerClosed(OrbitError):
 
 
 class WorkerDisconnected(OrbitError):
-    """The transport broke. Reconcile (``resume``) before re-sending the same operation."""
+    """The transport broke. Reconcile (``resume``) before re-sending the same operation.
+
+    Raised by a dial, :attr:`dial_stage` says how far it got: ``"connect"`` (no TCP connection),
+    ``"tls"`` (connected, TLS handshake not done), ``"upgrade"`` (no answer to the WebSocket
+    upgrade yet), ``"hello"`` (the upgrade was accepted, no welcome yet). ``None`` otherwise.
+    """
+
+    dial_stage: str | None = None
 
 
 class WorkerBusy(OrbitError):

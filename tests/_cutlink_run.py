@@ -7,6 +7,12 @@ script, by ``make chaos`` (long runs)::
 Every run checks what must hold whatever the cuts hit: every task ends terminal, a handler runs
 at most once per attempt, and every SUCCEEDED task stores what its handler returned. The script
 prints, per seed, the throughput with cuts over the throughput of the same run without them.
+
+``--defaults`` runs the Worker with its default settings (reconnect backoff, dial and call
+timeouts); ``--task-max S`` makes each handler take a seeded 0-S seconds; ``--cut-for S`` stops
+the cuts after S seconds (then the link is calm until every task is terminal). The script then
+also prints the longest time without a finished task while the link was cutting and the time
+from the end of the cuts to the last task terminal.
 """
 
 from __future__ import annotations
@@ -14,9 +20,11 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import logging
 import os
+import random
 import sys
 import threading
 import time
@@ -53,6 +61,14 @@ class RunResult:
     #: Attempts whose lease ran out before they started: most are assignments a cut lost on the
     #: wire, which hold one of the worker's slots on the server until their lease expires.
     expired: int = 0
+    #: Seconds the link was cutting (the whole run without ``cut_for``).
+    cut_seconds: float = 0.0
+    #: Tasks terminal while the link was cutting.
+    done_while_cutting: int = 0
+    #: The longest time without a task ending terminal while the link was cutting (s).
+    longest_gap: float = 0.0
+    #: From the end of the cuts to the last task terminal (s); 0 when all ended during cuts.
+    settle_seconds: float = 0.0
 
     @property
     def throughput(self) -> float:
@@ -83,10 +99,25 @@ def run(
     lease: float = 2.0,
     time_limit: float = 120.0,
     backoff: Backoff | None = None,
+    defaults: bool = False,
+    task_max: float = 0.0,
+    cut_for: float | None = None,
 ) -> RunResult:
-    """Run *tasks* no-op tasks through a link with *rtt* and cuts every *mean_cut* s on average."""
+    """Run *tasks* tasks through a link with *rtt* and cuts every *mean_cut* s on average.
+
+    Handlers take a seeded 0-*task_max* s; *defaults* keeps the Worker's default backoff and
+    timeouts; the cuts stop after *cut_for* s when given.
+    """
     runs: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
+    durations = random.Random(seed)
+    tuned: dict[str, Any] = {}
+    if not defaults:
+        tuned = {
+            "reconnect_backoff": backoff or Backoff(initial=0.05, maximum=1.0),
+            "dial_timeout": 2.0,
+            "call_timeout": 2.0,
+        }
     with MockOrbitServer(
         assignment_rate=None, lease_duration=lease, session_window=3 * lease
     ) as server:
@@ -95,25 +126,25 @@ def run(
                 Client(link.url, server.token),
                 queue_id=server.queue_id,
                 capacity=capacity,
-                reconnect_backoff=backoff or Backoff(initial=0.05, maximum=1.0),
                 handle_signals=False,
                 drain_timeout=0,
                 cancel_grace=0,
                 flush_timeout=1.0,
-                dial_timeout=2.0,
-                call_timeout=2.0,
+                **tuned,
             )
 
             @worker.handler("noop")
             def noop(ctx: TaskContext, payload: Any) -> Any:
                 with lock:
                     runs[ctx.attempt_id] += 1
+                if payload["s"]:
+                    ctx.sleep(payload["s"])
                 return {"i": payload["i"]}
 
             ids = [
                 server.enqueue(
                     "noop",
-                    {"i": i},
+                    {"i": i, "s": round(durations.uniform(0, task_max), 3)},
                     max_attempts=100,
                     backoff_initial=0.05,
                     backoff_max=0.5,
@@ -122,6 +153,13 @@ def run(
                 for i in range(tasks)
             ]
             started = time.monotonic()
+            started_wall = time.time()
+            calm_at: float | None = None
+            if mean_cut is not None and cut_for is not None:
+                timer = threading.Timer(cut_for, link.calm)
+                timer.daemon = True
+                timer.start()
+                calm_at = cut_for
             worker.start()
             deadline = started + time_limit
             for task_id in ids:
@@ -132,6 +170,8 @@ def run(
                 except TimeoutError:
                     break
             seconds = time.monotonic() - started
+            if calm_at is not None:
+                timer.cancel()
             link.calm()
             report = worker.stop(drain=False)
             stats = worker.stats()
@@ -140,6 +180,18 @@ def run(
         server.check_invariants()
     states = collections.Counter(snaps[t].state.value for t in ids)
     attempts = [a for t in ids for a in snaps[t].attempts]
+    # When each task ended, in seconds from the start (the server runs on the real clock).
+    ends = sorted(
+        snaps[t].attempts[-1].finished_at.timestamp() - started_wall  # type: ignore[union-attr]
+        for t in ids
+        if snaps[t].state.value in TERMINAL and snaps[t].attempts
+    )
+    cut_end = seconds if mean_cut is None or calm_at is None else min(calm_at, seconds)
+    if mean_cut is None:
+        cut_end = 0.0
+    marks = [0.0, *[e for e in ends if e <= cut_end], cut_end]
+    gap = max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
+    settle = max(0.0, ends[-1] - cut_end) if ends and cut_end < seconds else 0.0
     wrong = [
         t
         for i, t in enumerate(ids)
@@ -158,6 +210,10 @@ def run(
         unreported=len(report.unreported),
         attempts=len(attempts),
         expired=sum(1 for a in attempts if a.state.value == "EXPIRED"),
+        cut_seconds=cut_end,
+        done_while_cutting=sum(1 for e in ends if e <= cut_end),
+        longest_gap=gap if mean_cut is not None else 0.0,
+        settle_seconds=settle,
     )
 
 
@@ -173,6 +229,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backoff-initial", type=float, default=0.05)
     parser.add_argument("--backoff-max", type=float, default=1.0)
     parser.add_argument("--time-limit", type=float, default=300.0)
+    parser.add_argument(
+        "--defaults", action="store_true", help="the Worker's default backoff and timeouts"
+    )
+    parser.add_argument("--task-max", type=float, default=0.0, help="handlers take 0-S s")
+    parser.add_argument("--cut-for", type=float, help="stop the cuts after S s")
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--verbose", action="store_true", help="show the worker's log lines")
     args = parser.parse_args(argv)
@@ -190,17 +251,24 @@ def main(argv: list[str] | None = None) -> int:
             "lease": args.lease,
             "backoff": Backoff(initial=args.backoff_initial, maximum=args.backoff_max),
             "time_limit": args.time_limit,
+            "defaults": args.defaults,
+            "task_max": args.task_max,
         }
         calm = run(mean_cut=None, **common)
-        cut = run(mean_cut=args.mean_cut, **common)
-        ratio = cut.throughput / calm.throughput if calm.throughput else 0.0
+        cut = run(mean_cut=args.mean_cut, cut_for=args.cut_for, **common)
+        # Throughput while the link was cutting, over the calm run's.
+        cutting = cut.done_while_cutting / cut.cut_seconds if cut.cut_seconds else 0.0
+        ratio = cutting / calm.throughput if calm.throughput else 0.0
         row = {
             "seed": seed,
             "tasks": args.tasks,
             "rtt_ms": round(args.rtt * 1000),
             "mean_cut_s": args.mean_cut,
             "calm_tasks_per_s": round(calm.throughput, 1),
-            "cut_tasks_per_s": round(cut.throughput, 1),
+            "cut_tasks_per_s": round(cutting, 1),
+            "cut_seconds": round(cut.cut_seconds, 1),
+            "longest_gap_s": round(cut.longest_gap, 1),
+            "settle_s": round(cut.settle_seconds, 1),
             "ratio": round(ratio, 3),
             "cuts": cut.cuts,
             "connections": cut.connections,
@@ -215,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
             f"seed {seed}: {args.tasks} tasks, rtt {row['rtt_ms']} ms, cut every "
             f"~{args.mean_cut} s ({cut.cuts} cuts, {cut.connections} connections): "
             f"{row['cut_tasks_per_s']} tasks/s vs {row['calm_tasks_per_s']} without cuts, "
-            f"ratio {row['ratio']}; {cut.attempts} attempts ({cut.expired} expired unstarted); "
+            f"ratio {row['ratio']}; longest {row['longest_gap_s']} s without a finish while "
+            f"cutting ({row['cut_seconds']} s), all terminal {row['settle_s']} s after the cuts "
+            f"stopped; {cut.attempts} attempts ({cut.expired} expired unstarted); "
             f"states {cut.states}"
             + (f"; VIOLATIONS {row['violations']}" if row["violations"] else ""),
             flush=True,

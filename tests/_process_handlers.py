@@ -38,6 +38,7 @@ def facts(ctx: TaskContext, payload: dict[str, Any]) -> Any:
     return {
         "pid": os.getpid(),
         "token_in_env": "ORBIT_TOKEN" in os.environ,
+        "token_file_in_env": "ORBIT_TOKEN_FILE" in os.environ,
         "remaining": ctx.remaining(),
         "attempt": ctx.attempt,
         "payload": payload["n"],

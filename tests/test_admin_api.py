@@ -20,6 +20,7 @@ from orbit_sync.client import Client
 from orbit_sync.models import Capability, CapacityReport, Registration, new_id, new_secret
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.testing._admin import AdminAPI, AdminClient, AdminError, admin_url
+from orbit_sync.testing._server import ADMIN_BODY_BUDGET, MAX_ADMIN_BODY
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 MARKER = "s3cr3t-marker-never-echoed"
@@ -237,6 +238,56 @@ def test_oversized_and_chunked_bodies_are_refused_before_reading(admin: Admin) -
         + b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n0\r\n\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 411 ") and b'"LENGTH_REQUIRED"' in answer
+
+
+def _head(token: str | None, length: int) -> bytes:
+    auth = "" if token is None else f"Authorization: Bearer {token}\r\n"
+    return (
+        f"POST /admin/v1/tasks HTTP/1.1\r\nHost: x\r\n{auth}"
+        f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+@pytest.mark.parametrize("token", [None, "wrong-token"], ids=["missing", "wrong"])
+def test_token_is_checked_before_any_body_byte(admin: Admin, token: str | None) -> None:
+    """A request without the admin token gets its 401 at once, on its head alone: its announced
+    body is never waited for (nor held)."""
+    with socket.create_connection(("127.0.0.1", admin.port), timeout=5) as sock:
+        sock.sendall(_head(token, 1024 * 1024))  # and no body: the answer must not wait for it
+        assert sock.recv(1024).startswith(b"HTTP/1.1 401 ")
+
+
+def test_unauthenticated_slow_bodies_do_not_hold_up_admin_calls(admin: Admin) -> None:
+    """As many unauthenticated requests as the admin limit, each announcing a large body it
+    never sends, leave authenticated calls answered."""
+    socks = [socket.create_connection(("127.0.0.1", admin.port), timeout=5) for _ in range(16)]
+    try:
+        for sock in socks:
+            sock.sendall(_head(None, 16 * 1024 * 1024 - 1))
+        for sock in socks:  # each refused at once
+            assert sock.recv(1024).startswith(b"HTTP/1.1 401 ")
+        assert admin.call("GET", "/server")[0] == 200
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_bodies_held_at_once_are_bounded(admin: Admin) -> None:
+    """Authenticated requests whose announced bodies together pass the budget: the one over it
+    is told to retry (503) before a byte of its body is read."""
+    held = [socket.create_connection(("127.0.0.1", admin.port), timeout=10) for _ in range(2)]
+    try:
+        for sock in held:
+            sock.sendall(_head(ADMIN_TOKEN, MAX_ADMIN_BODY))
+        assert ADMIN_BODY_BUDGET == 2 * MAX_ADMIN_BODY
+        admin.server.wait_until(lambda s: s.admin_body_bytes == ADMIN_BODY_BUDGET, timeout=10)
+        with socket.create_connection(("127.0.0.1", admin.port), timeout=5) as sock:
+            sock.sendall(_head(ADMIN_TOKEN, 10))
+            answer = sock.recv(1024)
+        assert answer.startswith(b"HTTP/1.1 503 ") and b"Retry-After: 1" in answer
+    finally:
+        for sock in held:
+            sock.close()
 
 
 def test_expect_100_continue_is_answered(admin: Admin) -> None:

@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from _cli_process import REFUSE_WEBSOCKETS, Proc, clean_env, command
@@ -100,6 +101,25 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
     assert proc.stop(signal.SIGINT) == 0
 
 
+def test_tokens_from_files_stay_off_the_command_line(procs: list[Proc], tmp_path: Path) -> None:
+    """--token-file and --admin-token-file: the tokens are used, and no process listing shows
+    them (/proc/PID/cmdline names only the files)."""
+    worker_file, admin_file = tmp_path / "worker", tmp_path / "admin"
+    worker_file.write_text(FIXED_TOKEN + "\n")
+    admin_file.write_text(FIXED_ADMIN + "\n")
+    argv = command("mock-server", "--port", "0", "--token-file", str(worker_file))
+    argv += ["--admin-token-file", str(admin_file)]
+    proc = Proc(argv, env=clean_env())
+    procs.append(proc)
+    banner = proc.banner()
+    assert (banner["ORBIT_TOKEN"], banner["ORBIT_ADMIN_TOKEN"]) == (FIXED_TOKEN, FIXED_ADMIN)
+    cmdline = Path(f"/proc/{proc.popen.pid}/cmdline").read_bytes()
+    assert FIXED_TOKEN.encode() not in cmdline and FIXED_ADMIN.encode() not in cmdline
+    admin = AdminClient(banner["ORBIT_ADMIN_URL"], FIXED_ADMIN)
+    run_one_task(banner["ORBIT_URL"], FIXED_TOKEN, banner["ORBIT_QUEUE_ID"], admin)
+    assert proc.stop(signal.SIGTERM) == 0
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -112,6 +132,8 @@ def test_python_m_testing_with_fixed_tokens_and_manual_clock(procs: list[Proc]) 
         (["--token", FIXED_TOKEN, "--admin-token", FIXED_TOKEN], "must differ"),
         (["--admin-token", f"{FIXED_ADMIN} x"], "admin token"),
         (["--token", f"{FIXED_TOKEN}\tx"], "worker token"),
+        (["--token", FIXED_TOKEN, "--token-file", "/dev/null"], "not both"),
+        (["--admin-token-file", "/nonexistent/admin"], "cannot read the token file"),
     ],
 )
 def test_usage_errors_exit_2_without_echoing_tokens(args: list[str], message: str) -> None:

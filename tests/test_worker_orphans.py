@@ -16,8 +16,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import _process_handlers as handlers
+import attrs
 import pytest
 from test_worker_outbox import _spawn
+from test_worker_units import _task as unit_task
 
 from orbit_sync.client import Client
 from orbit_sync.models import AttemptState, Outcome, Task, TaskState, new_id
@@ -94,19 +96,7 @@ def test_killed_worker_leaves_no_handler_running(
 
 
 def _task(payload: object) -> Task:
-    return Task(
-        task_id=new_id(),
-        queue_id=new_id(),
-        namespace_id=new_id(),
-        handler="h",
-        handler_version="1",
-        payload_version="1",
-        payload=payload,
-        state=TaskState.LEASED,
-        revision=1,
-        attempt=1,
-        max_attempts=3,
-    )
+    return attrs.evolve(unit_task(), payload=payload)
 
 
 @pytest.mark.parametrize(

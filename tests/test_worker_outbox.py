@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sqlite3
@@ -15,10 +16,12 @@ from typing import Any
 import pytest
 from _worker_helpers import make_worker, running
 
+from orbit_sync.client import Client
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import OutboxError, TaskContext
 from orbit_sync.worker._outbox import Outbox
+from orbit_sync.worker._replay import replay
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 CHILD = Path(__file__).with_name("_outbox_child.py")
@@ -195,3 +198,135 @@ def test_result_of_killed_process_is_delivered_by_the_next(
     with Outbox(outbox) as box:
         counts = box.counts()
     assert counts["launched"] == counts["finishes"] == 0
+
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["kill", "term"])
+def test_forked_grandchild_does_not_keep_the_outbox(
+    server: MockOrbitServer, tmp_path: Path, stop: signal.Signals
+) -> None:
+    """A handler that forks a process which stays behind: once the worker is gone (killed or
+    stopped) the outbox opens again at once, while the grandchild still runs."""
+    outbox = tmp_path / "outbox.sqlite"
+    worker = _spawn(server, outbox, tmp_path, "fork")
+    grandchildren: list[int] = []
+    try:
+        task_id = server.enqueue("work", {"n": 1})
+        assert server.wait_for(task_id, DONE, timeout=20).state is TaskState.SUCCEEDED
+        grandchildren = [int(p.name.split("-")[1]) for p in tmp_path.glob("grandchild-*")]
+        assert len(grandchildren) == 1
+    finally:
+        worker.send_signal(stop)
+        worker.communicate(timeout=30)
+    try:
+        os.kill(grandchildren[0], 0)  # still there
+        Outbox(outbox).close()
+    finally:
+        for pid in grandchildren:
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("kind", ["symlink", "dangling symlink", "directory"])
+def test_path_that_is_no_file_is_refused_clearly(tmp_path: Path, kind: str) -> None:
+    """A symlink (even to a good outbox), a dangling one or a directory: OutboxError, and
+    nothing is created beside it."""
+    path = tmp_path / "outbox.sqlite"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        target = tmp_path / "real.sqlite"
+        if kind == "symlink":
+            Outbox(target).close()
+        path.symlink_to(target)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(OutboxError, match=f"outbox {path} is a"):
+        Outbox(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+_FAILING_START = """
+import os, resource, signal, sqlite3, sys
+from orbit_sync.worker import OutboxError, Worker
+from orbit_sync.client import Client
+
+url, path, how = sys.argv[1:4]
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+worker = Worker(Client(url, "t"), queue_id="a" * 32, outbox=path, handle_signals=False)
+worker.register("work", lambda ctx, payload: None)
+fds = len(os.listdir("/proc/self/fd"))
+blocker = None
+if how == "full":  # no file of this process may grow
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))
+else:  # another connection holds SQLite's write lock past the busy timeout
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+try:
+    worker.start()
+except OutboxError as exc:
+    print("refused:", type(exc.__cause__).__name__, flush=True)
+resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+if blocker is not None:
+    blocker.execute("COMMIT")
+    blocker.close()
+print("descriptors kept:", len(os.listdir("/proc/self/fd")) - fds, flush=True)
+worker.start()  # the cause is gone: the same worker starts
+print("started again", flush=True)
+worker.stop(drain=False)
+"""
+
+
+@pytest.mark.parametrize("how", ["full", "locked"], ids=["disk full", "sqlite busy"])
+def test_failing_start_raises_outbox_error_and_releases_everything(
+    server: MockOrbitServer, tmp_path: Path, how: str
+) -> None:
+    """A start() whose outbox cannot be opened (full disk) or written (SQLite busy in
+    register): OutboxError from the sqlite3 error, no lock or descriptor kept, and a later
+    start() of the same worker succeeds."""
+    path = tmp_path / "outbox.sqlite"
+    if how == "locked":
+        Outbox(path).close()
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILING_START, server.url, str(path), how],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.splitlines() == [
+        "refused: OperationalError",
+        "descriptors kept: 0",
+        "started again",
+    ]
+
+
+def test_result_delivered_despite_a_full_disk_is_not_replayed_lost(
+    server: MockOrbitServer, tmp_path: Path
+) -> None:
+    """The disk fills while the handler runs: its finish cannot be recorded but is delivered
+    (SUCCEEDED). After a kill, the next process finds the launch record and the server says the
+    attempt is over: nothing is reported lost, no evidence contradicts the result."""
+    outbox = tmp_path / "outbox.sqlite"
+    first = _spawn(server, outbox, tmp_path, "diskfull")
+    try:
+        task_id = server.enqueue("work", {"n": 1})
+        assert server.wait_for(task_id, DONE, timeout=20).state is TaskState.SUCCEEDED
+    finally:
+        err = _kill(first)
+    assert "outbox write failed" in err
+    box = Outbox(outbox)
+    try:
+        assert box.counts()["launched"] == 1  # the launch record the full disk left behind
+        done = replay(
+            box,
+            Client(server.url, server.token),
+            exclude="",
+            log=logging.getLogger("tests.replay"),
+            dial_timeout=10,
+            call_timeout=10,
+        )
+        assert done is True
+        assert box.counts() == {"instances": 0, "launched": 0, "finishes": 0}
+    finally:
+        box.close()
+    snap = server.task(task_id)
+    assert snap.state is TaskState.SUCCEEDED and len(snap.attempts) == 1
+    assert snap.evidence == ()

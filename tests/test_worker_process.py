@@ -47,8 +47,10 @@ def _children() -> list[multiprocessing.process.BaseProcess]:
 def test_handler_runs_in_a_child_with_its_context_and_logs(
     server: MockOrbitServer, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The child runs the handler, sees its deadline, not the token; results encode; logs arrive."""
+    """The child runs the handler, sees its deadline, not the token nor where it is kept; results
+    encode; logs arrive."""
     monkeypatch.setenv("ORBIT_TOKEN", server.token)
+    monkeypatch.setenv("ORBIT_TOKEN_FILE", "/run/secrets/orbit-token")
     caplog.set_level(logging.INFO)
     worker = make_worker(server, process_pool=1)
     _register(worker, "facts")
@@ -60,7 +62,7 @@ def test_handler_runs_in_a_child_with_its_context_and_logs(
     result = snap.result
     assert result is not None
     assert result["pid"] != os.getpid()
-    assert result["token_in_env"] is False
+    assert result["token_in_env"] is False and result["token_file_in_env"] is False
     assert 0 < result["remaining"] <= 30
     assert (result["attempt"], result["payload"]) == (1, 5)
     # The parent's result converter applies, as on a thread.

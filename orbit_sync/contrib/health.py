@@ -6,7 +6,7 @@
 
     probe = HealthProbe()
     worker = Worker(client, queue_id=Q, listeners=[probe])
-    probe.serve(port=8080)                       # GET /livez, /readyz, /healthz (JSON)
+    probe.serve(port=8080, host="0.0.0.0")       # GET /livez, /readyz, /healthz (JSON)
     probe.write_heartbeat("/tmp/orbit-health.json")   # and/or a file for an exec probe
 
 - **ready** (``/readyz``): a session is established and the worker is not draining or stopped;
@@ -16,10 +16,11 @@
   are running, a lease was renewed within *stale_after* seconds (a wedged process renews
   nothing). Disconnected is still live: the worker is reconnecting on its own.
 
-Both answer ``200`` or ``503`` with the state as JSON: ``connected``, ``session_id``,
-``session_age_s``, ``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``,
-``reconnects``. The heartbeat file holds the same JSON, rewritten atomically every *interval*
-seconds; an exec probe checks it with::
+Both answer ``200`` or ``503`` with the state as JSON: ``connected``, ``session_age_s``,
+``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``, ``reconnects`` (no session id:
+anyone who can reach the port reads this). The HTTP server is bounded (``_probe_server``): one
+thread, a connection cap and a deadline per connection. The heartbeat file holds the same JSON,
+rewritten atomically every *interval* seconds; an exec probe checks it with::
 
     python -m orbit_sync.contrib.health /tmp/orbit-health.json --max-age 30
 
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.server
 import json
 import os
 import sys
@@ -50,6 +50,7 @@ from ..worker import (
     ShutdownReport,
     WorkerListener,
 )
+from ._probe_server import ProbeServer
 
 __all__ = ["FileHeartbeat", "HealthProbe", "HealthServer", "check_heartbeat"]
 
@@ -134,7 +135,6 @@ class HealthProbe(WorkerListener):
                 "live": live,
                 "ready": connected and not self._draining,
                 "connected": connected,
-                "session_id": self._session_id,
                 "session_age_s": None
                 if self._session_since is None
                 else round(now - self._session_since, 3),
@@ -145,66 +145,68 @@ class HealthProbe(WorkerListener):
                 "reconnects": self._reconnects,
             }
 
-    def serve(self, port: int = 8080, host: str = "0.0.0.0") -> HealthServer:
+    def serve(
+        self,
+        port: int = 8080,
+        host: str = "127.0.0.1",
+        *,
+        max_connections: int = 8,
+        timeout: float = 5.0,
+    ) -> HealthServer:
         """Serve ``/livez``, ``/readyz`` and ``/healthz`` on a daemon thread; ``port=0`` picks one.
 
-        The default host listens on every interface, as a Kubernetes probe (which connects to the
-        pod's address) needs; pass ``host="127.0.0.1"`` to keep it local.
+        The default host is loopback: only this machine (a sidecar, an exec probe with curl)
+        can ask. A Kubernetes ``httpGet`` probe connects to the pod's address: pass
+        ``host="0.0.0.0"`` (or ``"::"``) to listen on every interface. At most
+        *max_connections* are served at once (more are closed at once), each for at most
+        *timeout* seconds, all on one thread.
         """
-        return HealthServer(self, host, port)
+        return HealthServer(self, host, port, max_connections=max_connections, timeout=timeout)
 
     def write_heartbeat(self, path: str | os.PathLike[str], interval: float = 5.0) -> FileHeartbeat:
         """Rewrite *path* with :meth:`state` every *interval* seconds on a daemon thread."""
         return FileHeartbeat(self, path, interval)
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    probe: HealthProbe
+class HealthServer:
+    """A tiny HTTP server answering health probes; :meth:`close` stops it."""
 
-    def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0].rstrip("/")
-        state = self.probe.state()
+    def __init__(
+        self,
+        probe: HealthProbe,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = 8,
+        timeout: float = 5.0,
+    ) -> None:
+        self._probe = probe
+        self._server = ProbeServer(
+            self._answer, host, port, max_connections=max_connections, timeout=timeout
+        )
+        #: The address it listens on (host, port), and its port (useful with ``port=0``).
+        self.address: tuple[str, int] = self._server.address
+        self.port: int = self._server.port
+
+    def _answer(self, path: str) -> tuple[int, bytes]:
+        path = path.rstrip("/")
+        state = self._probe.state()
         if path in ("/livez", "/healthz"):
             ok = state["live"]
         elif path == "/readyz":
             ok = state["ready"]
         else:
-            self.send_error(404)
-            return
-        body = json.dumps(state).encode()
-        self.send_response(200 if ok else 503)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.send_header("Cache-Control", "no-store")
-        self.end_headers()
-        self.wfile.write(body)
+            return 404, b""
+        return (200 if ok else 503), json.dumps(state).encode()
 
-    def log_message(self, format: str, *args: Any) -> None:
-        pass  # a probe every few seconds would flood stderr
-
-
-class HealthServer:
-    """A tiny HTTP server answering health probes; :meth:`close` stops it."""
-
-    def __init__(self, probe: HealthProbe, host: str, port: int) -> None:
-        handler = type("HealthHandler", (_Handler,), {"probe": probe})
-        self._server = http.server.ThreadingHTTPServer((host, port), handler)
-        self._server.daemon_threads = True
-        #: The port it listens on (useful with ``port=0``).
-        self.port: int = self._server.server_address[1]
-        self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.2},
-            name="orbit-sync-health-http",
-            daemon=True,
-        )
-        self._thread.start()
+    @property
+    def open_connections(self) -> int:
+        """How many client connections are open now."""
+        return self._server.open_connections
 
     def close(self) -> None:
         """Stop serving and release the port."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(5.0)
+        self._server.close()
 
     def __enter__(self) -> HealthServer:
         return self

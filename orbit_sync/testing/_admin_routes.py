@@ -200,6 +200,14 @@ class AdminAPI:
     ) -> Response:
         return self.handle(server, connection, request)
 
+    def check_head(self, request: HttpRequest) -> Response | None:
+        """Before the server reads any body: the 401 answer when the token is missing or wrong."""
+        try:
+            self._authenticate(request)
+        except Problem as problem:
+            return _problem_response(problem)
+        return None
+
     # ------------------------------------------------------------------ dispatch
 
     def handle(
@@ -211,11 +219,7 @@ class AdminAPI:
             status, body = self._dispatch(server, request, path, query)
         except Problem as problem:
             _LOG.debug("admin %s %s -> %d", request.method, path, problem.status)
-            return json_response(
-                problem.status,
-                {"error": {"code": problem.code, "message": problem.message}},
-                problem.headers,
-            )
+            return _problem_response(problem)
         except Exception:
             # Logged with its traceback (no request data in it); the caller gets no details.
             _LOG.exception("admin %s %s failed", request.method, path)
@@ -612,6 +616,14 @@ class AdminAPI:
         except LookupError:
             raise Problem(409, "NO_SESSION", "no connected session to send to") from None
         return 200, {"sent": True}
+
+
+def _problem_response(problem: Problem) -> Response:
+    return json_response(
+        problem.status,
+        {"error": {"code": problem.code, "message": problem.message}},
+        problem.headers,
+    )
 
 
 def _params(request: HttpRequest, query: str) -> Params:

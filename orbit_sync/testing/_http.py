@@ -29,6 +29,7 @@ __all__ = [
     "AdminExchange",
     "HttpError",
     "HttpRequest",
+    "body_length",
     "json_response",
     "linger_close",
     "parse_head",
@@ -124,18 +125,14 @@ def parse_head(head: bytes) -> tuple[str, str, str, Headers]:
     return parts[0].decode("ascii"), parts[1].decode("ascii"), parts[2].decode("ascii"), headers
 
 
-def read_body(
-    sock: socket.socket, headers: Headers, surplus: bytes, deadline: float, limit: int
-) -> bytes:
-    """Read the request body that ``Content-Length`` announces (*surplus* already read).
-
-    Answers ``Expect: 100-continue`` (curl sends it for bodies over 1 KiB and would otherwise
-    wait a second). Refuses transfer codings (411) and bodies over *limit* (413) before reading."""
+def body_length(headers: Headers, limit: int) -> int:
+    """The body size ``Content-Length`` declares (0 without one), checked before any body byte
+    is read: transfer codings are refused (411), and bodies over *limit* (413)."""
     if "Transfer-Encoding" in headers:
         raise HttpError(411, "transfer codings are not supported: send Content-Length")
     values = set(headers.get_all("Content-Length"))
     if not values:
-        return b""
+        return 0
     if len(values) != 1:
         raise HttpError(400, "conflicting Content-Length values")
     (value,) = values
@@ -144,6 +141,16 @@ def read_body(
     length = int(value)
     if length > limit:
         raise HttpError(413, f"the request body is over {limit} bytes")
+    return length
+
+
+def read_body(
+    sock: socket.socket, headers: Headers, length: int, surplus: bytes, deadline: float
+) -> bytes:
+    """Read the *length* bytes of body (from :func:`body_length`; *surplus* already read).
+
+    Answers ``Expect: 100-continue`` (curl sends it for bodies over 1 KiB and would otherwise
+    wait a second)."""
     body = bytearray(surplus[:length])
     if len(body) < length and any(v.lower() == "100-continue" for v in headers.get_all("Expect")):
         _send(sock, b"HTTP/1.1 100 Continue\r\n\r\n", deadline)

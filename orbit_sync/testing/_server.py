@@ -37,7 +37,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from websockets.http11 import Request, Response
 from websockets.protocol import State
@@ -76,6 +76,9 @@ __all__ = ["AdminHandler", "MockOrbitServer"]
 
 #: ``admin_handler(server, connection, request)``: answers requests under ``/admin/``; ``None``
 #: means 404. *request* has ``method``, ``path`` (with the query), ``headers`` and ``body``.
+#: A handler may also have ``check_head(request)``, called with the head alone (empty body)
+#: before any byte of body is read: a response it returns is the answer, and the body is never
+#: read (so an unauthenticated caller costs no memory and no waiting for its body).
 AdminHandler = Callable[
     ["MockOrbitServer", _http.AdminExchange, _http.HttpRequest], "Response | None"
 ]
@@ -85,6 +88,8 @@ CONNECT_PATH = "/v1/worker/connect"
 MAX_ADMIN_BODY = 16 * 1024 * 1024
 #: How long an admin request may take to send its body, and to take its answer.
 ADMIN_IO_TIMEOUT = 10.0
+#: The admin bodies held in memory at once, all requests together (declared sizes).
+ADMIN_BODY_BUDGET = 2 * MAX_ADMIN_BODY
 
 _LOG = logging.getLogger("orbit_sync.testing.server")
 
@@ -197,6 +202,7 @@ class MockOrbitServer:
         self._read_idle = read_idle_timeout
         self._write_timeout = float(write_timeout)
         self._admin_handler = admin_handler
+        self._admin_body_bytes = 0
         lock = threading.RLock()
         self._cond = threading.Condition(lock)
         # The scheduler sleeps on its own condition (same lock) until the next due moment, and
@@ -318,6 +324,13 @@ class MockOrbitServer:
         """Admin requests being served now (bounded by ``max_admin_requests``)."""
         with self._cond:
             return self._admin_active
+
+    @property
+    def admin_body_bytes(self) -> int:
+        """Admin request body bytes announced by the requests being served now (at most twice
+        the largest body, all requests together: more are refused with 503 before reading)."""
+        with self._cond:
+            return self._admin_body_bytes
 
     @property
     def accepting(self) -> bool:
@@ -732,13 +745,45 @@ class MockOrbitServer:
     def _admin_response(
         self, sock: socket.socket, addr: Any, request: _http.HttpRequest, surplus: bytes
     ) -> Response:
+        if self._admin_handler is None:
+            return _admin_error(404, "this server has no admin API")
+        # The credentials and the declared size first: no byte of body is read before them.
+        check_head = getattr(self._admin_handler, "check_head", None)
+        early = None if check_head is None else check_head(request)
+        if early is not None:
+            return cast(Response, early)
+        try:
+            length = _http.body_length(request.headers, MAX_ADMIN_BODY)
+        except _http.HttpError as exc:
+            return _admin_error(exc.status, exc.message)
+        with self._cond:
+            fits = self._admin_body_bytes + length <= ADMIN_BODY_BUDGET
+            if fits:
+                self._admin_body_bytes += length
+                self._changed()
+        if not fits:
+            return _admin_error(
+                503, "too many admin request bodies at once; retry shortly", [("Retry-After", "1")]
+            )
+        try:
+            return self._admin_call(sock, addr, request, length, surplus)
+        finally:
+            with self._cond:
+                self._admin_body_bytes -= length
+                self._changed()
+
+    def _admin_call(
+        self,
+        sock: socket.socket,
+        addr: Any,
+        request: _http.HttpRequest,
+        length: int,
+        surplus: bytes,
+    ) -> Response:
+        assert self._admin_handler is not None
         try:
             body = _http.read_body(
-                sock,
-                request.headers,
-                surplus,
-                time.monotonic() + ADMIN_IO_TIMEOUT,
-                MAX_ADMIN_BODY,
+                sock, request.headers, length, surplus, time.monotonic() + ADMIN_IO_TIMEOUT
             )
         except _http.HttpError as exc:
             return _admin_error(exc.status, exc.message)
@@ -747,8 +792,6 @@ class MockOrbitServer:
         except OSError:
             return _admin_error(400, "the connection failed while reading the body")
         request = dataclasses.replace(request, body=body)
-        if self._admin_handler is None:
-            return _admin_error(404, "this server has no admin API")
         try:
             response = self._admin_handler(self, _http.AdminExchange(addr), request)
         except Exception:

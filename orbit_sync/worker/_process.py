@@ -565,8 +565,6 @@ class ProcessPool:
             self._live -= len(idle)
             self._cond.notify_all()
             spawner, self._spawner = self._spawner, None
-        if spawner is not None:
-            spawner.close()
         # All at once, under one deadline: stop() has a time bound to keep.
         for child in idle:
             with contextlib.suppress(OSError):
@@ -578,6 +576,9 @@ class ProcessPool:
             child.proc.join(max(0.0, deadline - time.monotonic()))
         for child in idle + busy:
             child.stop(kill=True)  # SIGKILL for any that lingered; closes the pipes
+        if spawner is not None:
+            # Last: its end would SIGKILL (parent-death signal) the children it started.
+            spawner.close()
 
 
 class ProcessHandler:

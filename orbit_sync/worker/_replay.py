@@ -10,9 +10,10 @@ grows), ``worker.resume``s each stored attempt, then sends:
 - for each attempt that was launched but never finished, and whose lease it could resume, a
   finish ``UNKNOWN`` with ``WORKER_LOST`` (recorded before it is sent, so a replay cut midway
   re-sends the same operation): the uncertain effect reaches the server now instead of at lease
-  expiry. An attempt whose resume is refused was already ended by the server (lease expiry, or a
-  finish the dead process delivered but could not record, e.g. on a full disk): reporting it
-  lost would only contradict what the server knows, so its record is dropped.
+  expiry. An attempt whose resume is refused, or answers an inactive lease, was already ended by
+  the server (lease expiry, or a finish the dead process delivered but could not record, e.g.
+  on a full disk): reporting it lost would only contradict what the server knows, so its
+  record is dropped.
 
 No attempt is reported lost while a handler process of the dead instance may still run it: the
 replay first takes the instance's lock, which every such process holds while it lives
@@ -118,19 +119,22 @@ def _deliver(
     complete = True
     try:
         # Every lease first (those still running become this session's), then the finishes.
-        refused: set[str] = set()
+        ended: set[str] = set()
         for item in pending:
             try:
-                conn.resume(item.ref, timeout=call_timeout)
+                lease = conn.resume(item.ref, timeout=call_timeout)
             except WorkerError as exc:
                 if is_transient(exc):
                     raise
-                # The lease is gone: a stored finish below becomes evidence.
-                refused.add(item.ref.attempt_id)
+                ended.add(item.ref.attempt_id)  # refused: the lease is gone
+                continue
+            if not lease.active:  # the attempt is over (finished or expired)
+                ended.add(item.ref.attempt_id)
+        # A stored finish is sent either way: after the lease it becomes evidence.
         for item in pending:
             finish, message_id = item.finish, item.message_id
             if finish is None or message_id is None:
-                if item.ref.attempt_id in refused:
+                if item.ref.attempt_id in ended:
                     log.info(
                         "outbox: attempt %s (task %s) was already ended by the server; its "
                         "launch record is dropped",

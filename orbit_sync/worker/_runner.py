@@ -90,6 +90,7 @@ from ._outcomes import (
 )
 from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
+from ._redial import Redial
 from ._replay import replay
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._watchdog import LeaseWatchdog, RenewDone, WatchdogThread
@@ -812,11 +813,11 @@ class Worker:
     # ------------------------------------------------------------------ connection thread
 
     def _connection_main(self) -> None:
-        failures = 0  # dials that failed since the last welcome
+        redial = Redial(self._backoff)
         first = True
         while not self._link.is_closed():
             if not first:
-                self._link.pause(self._backoff.delay(failures))
+                self._link.pause(redial.delay())
                 if self._link.is_closed():
                     break
             first = False
@@ -837,7 +838,7 @@ class Worker:
                     self._log.exception("worker cannot connect: unexpected error")
                     self._fail(exc)
                     return
-                failures += 1
+                redial.failed(exc)
                 # Where and why (errors never carry the token), not only the exception's type.
                 self._log.warning(
                     "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
@@ -846,7 +847,7 @@ class Worker:
             # A welcome arrived: the server is reachable and accepts us. Whatever ends this
             # session, the next reconnect starts again from the shortest delay, so a link that
             # keeps cutting sessions does not push the delay to its cap.
-            failures = 0
+            redial.welcomed()
             self._session(conn)
 
     def _dial(self) -> Connection:
