@@ -5,7 +5,8 @@ Exit statuses, for process supervisors (systemd ``RestartPreventExitStatus=``, K
 ====  ======================================================================================
 0     clean stop: a signal, and every handler returned within the drain
 1     the worker could not be loaded or failed unexpectedly (a bug: see the log)
-2     usage or configuration error: bad option, malformed target, unreadable token file
+2     usage or configuration error: bad option, malformed target or ``--url``, unreadable token
+      file, a missing, malformed or misspelled ``ORBIT_*`` setting
 3     forced stop: handlers were cancelled or abandoned (a second signal, or the drain timed
       out), or a finish could not be delivered; the server retries or reviews those tasks
 4     the server refused the credentials (HTTP 401/403, ``UNAUTHENTICATED``,
@@ -27,7 +28,13 @@ import sys
 import traceback
 from typing import Any
 
-from .client import Client, read_token_file
+from .client import (
+    Client,
+    SettingError,
+    check_base_url,
+    check_environment,
+    read_token_file,
+)
 from .errors import HTTPError, WorkerError, WorkerProtocolError
 from .models import ID_RE, MAX_CAPACITY
 
@@ -69,7 +76,8 @@ EPILOG = """\
 exit status:
   0  clean stop: every handler returned within the drain
   1  the worker could not be loaded, or failed unexpectedly
-  2  usage or configuration error (bad option, malformed target, unreadable token file)
+  2  usage or configuration error (bad option, malformed target or URL, unreadable token
+     file, ORBIT_* setting missing, malformed or misspelled)
   3  forced stop: handlers cancelled or abandoned, or a result not delivered
   4  the server refused the credentials (401/403, UNAUTHENTICATED, PERMISSION_DENIED)
   5  the server broke the protocol or refused the registration
@@ -143,16 +151,34 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     target: str = args.target
     module_name, sep, attribute = target.partition(":")
     if not sep or not module_name or not attribute:
-        parser.error("the worker target must look like module:attribute")
+        hint = (
+            f" (e.g. {target.rpartition('.')[0]}:{target.rpartition('.')[2]})"
+            if "." in target
+            else ""
+        )
+        parser.error(f"the worker target must look like module:attribute{hint}")
     token: str | None = None
     if args.token_file is not None:
         try:
             token = read_token_file(args.token_file)
         except ValueError as exc:
             parser.error(str(exc))
-    _export(args)
+    # Settings that are wrong whatever the module does: one line and exit 2, before it is
+    # imported (a module reading them at import would fail with a traceback).
+    try:
+        if args.url is not None:
+            check_base_url(args.url, "--url")
+        _export(args)
+        check_environment(os.environ)
+    except ValueError as exc:
+        _error(f"error: {exc}")
+        return EXIT_USAGE
 
-    worker = _load(target, module_name, attribute)
+    try:
+        worker = _load(target, module_name, attribute)
+    except SettingError as exc:  # raised by Client.from_env() in the module or its factory
+        _error(f"cannot load {target}: {exc}")
+        return EXIT_USAGE
     if worker is None:
         return EXIT_FAILED
     try:
@@ -235,6 +261,8 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         return None
     try:
         made = obj()
+    except SettingError:
+        raise
     except Exception:
         _error(f"{target}() raised an exception:")
         traceback.print_exc(file=sys.stderr)

@@ -124,6 +124,8 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
         help="logging level on standard error (default: WARNING)",
     )
     _cli_worker.add_arguments(worker)
+    # Its own usage errors print its own usage, not the top-level one.
+    worker.set_defaults(subparser=worker)
     return parser
 
 
@@ -253,7 +255,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     )
     if args.command == "mock-server":
         return _run_mock_server(args, parser)
-    return _cli_worker.run(args, parser)
+    return _cli_worker.run(args, args.subparser)
 
 
 def mock_server_main(argv: Sequence[str] | None = None) -> int:

@@ -15,6 +15,7 @@ certificate authorities come from the OpenSSL default paths, which the ``SSL_CER
 
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 import os
@@ -37,7 +38,16 @@ from .errors import (
 )
 from .models import Assignment, CancelNotice, Registration, Welcome, new_message_id
 
-__all__ = ["DIAL_TIMEOUT", "Client", "DialCut", "read_token_file"]
+__all__ = [
+    "DIAL_TIMEOUT",
+    "HANDLER_PROCESS_ENV",
+    "Client",
+    "DialCut",
+    "SettingError",
+    "check_base_url",
+    "check_environment",
+    "read_token_file",
+]
 
 log = logging.getLogger("orbit_sync.client")
 
@@ -47,6 +57,84 @@ CONNECT_PATH: Final = "/v1/worker/connect"
 
 # RFC 6750 b64token, plus the characters opaque tokens commonly use; never whitespace or controls.
 _TOKEN_RE = re.compile(r"[A-Za-z0-9\-._~+/=:!#$%&'*^`|]+")
+
+
+#: Set (to "1") in the environment of a process-executor child: see :meth:`Client.from_env`.
+HANDLER_PROCESS_ENV: Final = "ORBIT_HANDLER_PROCESS"
+#: The settings ``from_env`` reads, and others an ORBIT_* variable may legitimately be (so that
+#: they are never taken for a misspelling).
+_KNOWN_ENV: Final = frozenset(
+    (
+        "ORBIT_URL",
+        "ORBIT_TOKEN",
+        "ORBIT_TOKEN_FILE",
+        "ORBIT_QUEUE_ID",
+        "ORBIT_ADMIN_URL",
+        "ORBIT_ADMIN_TOKEN",
+        HANDLER_PROCESS_ENV,
+    )
+)
+
+
+class SettingError(ValueError):
+    """A missing or malformed ``ORBIT_*`` environment setting; the message names the variable,
+    never a token."""
+
+
+def check_base_url(base_url: str, what: str = "base_url") -> tuple[urllib.parse.SplitResult, int]:
+    """The parts and port of a server URL, ``ws://host[:port][/prefix]`` or ``wss://...``;
+    ``ValueError`` saying what is wrong with *what* (never echoing user info)."""
+    parts = urllib.parse.urlsplit(base_url)
+    if parts.scheme not in ("ws", "wss"):
+        raise ValueError(f"{what} must start with ws:// or wss://")
+    if "?" in base_url or "#" in base_url:
+        raise ValueError(f"{what} must not carry a query string or fragment")
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        raise ValueError(f"{what} must not carry credentials")
+    if not parts.hostname:
+        raise ValueError(f"{what} needs a host")
+    try:
+        port = parts.port or (443 if parts.scheme == "wss" else 80)
+    except ValueError:
+        raise ValueError(f"{what} has an invalid port") from None
+    return parts, port
+
+
+def check_environment(environ: Mapping[str, str]) -> None:
+    """Raise :class:`SettingError` for an ``ORBIT_*`` setting that is wrong whoever reads it: a
+    malformed ``ORBIT_URL``, both ``ORBIT_TOKEN`` and ``ORBIT_TOKEN_FILE``, or a setting that is
+    missing while a misspelling of it (``ORBIT_URI``) is set. Settings that are merely absent
+    pass: a program may configure its client without them."""
+    url = environ.get("ORBIT_URL", "")
+    if url:
+        try:
+            check_base_url(url, "ORBIT_URL")
+        except ValueError as exc:
+            raise SettingError(str(exc)) from None
+    if environ.get("ORBIT_TOKEN") and environ.get("ORBIT_TOKEN_FILE"):
+        raise SettingError("set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE")
+    if not environ.get("ORBIT_URL") and _misspelling(("ORBIT_URL",), environ):
+        raise SettingError(_not_set(("ORBIT_URL",), environ))
+    tokens = ("ORBIT_TOKEN", "ORBIT_TOKEN_FILE")
+    if not any(environ.get(name) for name in tokens) and _misspelling(tokens, environ):
+        raise SettingError(_not_set(tokens, environ))
+
+
+def _misspelling(names: tuple[str, ...], environ: Mapping[str, str]) -> str | None:
+    """A set variable whose name looks like a typo of one of *names*."""
+    candidates = [k for k in environ if k.startswith("ORB") and k not in _KNOWN_ENV]
+    for name in names:
+        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
+        if close:
+            return close[0]
+    return None
+
+
+def _not_set(names: tuple[str, ...], environ: Mapping[str, str]) -> str:
+    typo = _misspelling(names, environ)
+    hint = f" ({typo} is set: a misspelling?)" if typo else ""
+    either = f" (or {names[1]})" if len(names) > 1 else ""
+    return f"{names[0]}{either} is not set{hint}"
 
 
 class DialCut:
@@ -101,19 +189,7 @@ class Client:
         if not _TOKEN_RE.fullmatch(token):
             # Never echo it: it is a secret.
             raise ValueError("token must be a non-empty bearer token without spaces or controls")
-        parts = urllib.parse.urlsplit(base_url)
-        if parts.scheme not in ("ws", "wss"):
-            raise ValueError("base_url must start with ws:// or wss://")
-        if "?" in base_url or "#" in base_url:
-            raise ValueError("base_url must not carry a query string or fragment")
-        if parts.username is not None or parts.password is not None or "@" in parts.netloc:
-            raise ValueError("base_url must not carry credentials")
-        if not parts.hostname:
-            raise ValueError("base_url needs a host")
-        try:
-            port = parts.port or (443 if parts.scheme == "wss" else 80)
-        except ValueError:
-            raise ValueError("base_url has an invalid port") from None
+        parts, port = check_base_url(base_url)
         if parts.scheme == "ws" and ssl_context is not None:
             raise ValueError("ssl_context is only for wss:// URLs")
         if ssl_context is not None:
@@ -141,21 +217,28 @@ class Client:
         """A client for ``$ORBIT_URL`` with the token in ``$ORBIT_TOKEN`` (or in the file named
         by ``$ORBIT_TOKEN_FILE``, e.g. a mounted secret; set only one of the two).
 
-        *environ* defaults to ``os.environ``. A missing or bad setting raises ``ValueError``
-        naming the variable, never its token.
+        *environ* defaults to ``os.environ``. A missing or bad setting raises
+        :class:`SettingError` (a ``ValueError``) naming the variable, never its token, and the
+        variable's likely misspelling when one is set (``ORBIT_URI``).
         """
         env = os.environ if environ is None else environ
+        check_environment(env)
         url = env.get("ORBIT_URL", "")
         if not url:
-            raise ValueError("ORBIT_URL is not set")
+            raise SettingError(_not_set(("ORBIT_URL",), env))
         token = env.get("ORBIT_TOKEN", "")
         token_file = env.get("ORBIT_TOKEN_FILE", "")
-        if token and token_file:
-            raise ValueError("set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE")
         if token_file:
-            token = read_token_file(token_file)
+            try:
+                token = read_token_file(token_file)
+            except ValueError as exc:
+                raise SettingError(f"ORBIT_TOKEN_FILE: {exc}") from None
+        elif not token and env.get(HANDLER_PROCESS_ENV) == "1":
+            # A process-executor child imports the worker's module to find its handler, but
+            # never connects: it is given no token, and this one opens nothing.
+            token = "handler-process-has-no-token"
         elif not token:
-            raise ValueError("ORBIT_TOKEN (or ORBIT_TOKEN_FILE) is not set")
+            raise SettingError(_not_set(("ORBIT_TOKEN", "ORBIT_TOKEN_FILE"), env))
         return cls(url, token, ssl_context=ssl_context)
 
     @property

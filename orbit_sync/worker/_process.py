@@ -49,6 +49,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+from ..client import HANDLER_PROCESS_ENV
 from ..models import Task
 from ._context import TaskContext
 from ._locks import hold_instance_shared
@@ -61,6 +62,7 @@ __all__ = [
     "ProcessHandler",
     "ProcessPool",
     "check_process_handler",
+    "pickled_handler",
 ]
 
 _LOG = logging.getLogger("orbit_sync.worker")
@@ -84,14 +86,35 @@ _env_lock = threading.Lock()
 
 
 def check_process_handler(fn: Callable[..., Any]) -> None:
-    """Raise ``TypeError`` unless *fn* can be sent to a child process by reference."""
+    """Raise ``TypeError`` when *fn* can never be sent to a child process by reference.
+
+    Only what its name already tells (a lambda, a nested function) is refused here: whether the
+    module binds the name to *fn* is looked up by :func:`pickled_handler` when the worker starts,
+    since a ``@worker.handler`` decorator runs before its module binds the function's name.
+    """
+    qualname = getattr(fn, "__qualname__", None)
+    if isinstance(qualname, str) and isinstance(getattr(fn, "__module__", None), str):
+        if "<lambda>" in qualname or "<locals>" in qualname:
+            raise TypeError(
+                f"handler {qualname} cannot run in a process: it must be a module-level "
+                "function importable by its name (not a lambda, closure or nested function)"
+            )
+        return
+    pickled_handler(fn)  # not a function (e.g. a callable object): it pickles by value
+
+
+def pickled_handler(fn: Callable[..., Any]) -> bytes:
+    """*fn* pickled by reference (module and name), as a child loads it; ``TypeError`` naming
+    the handler when its module does not bind that name to it."""
     try:
-        pickle.dumps(fn)
+        return pickle.dumps(fn)
     except Exception as exc:
         name = getattr(fn, "__qualname__", repr(fn))
+        module = getattr(fn, "__module__", "?")
         raise TypeError(
-            f"handler {name} cannot run in a process: it must be a module-level function "
-            f"importable by its name (not a lambda, closure or nested function): {exc}"
+            f"handler {module}.{name} cannot run in a process: it must be a module-level "
+            f"function importable by its name (not a lambda, closure or nested function, nor "
+            f"replaced by another object under that name): {exc}"
         ) from None
 
 
@@ -312,10 +335,16 @@ class _Process:
             # spawn starts the child with this process's environment: lend it none of the
             # credentials for the moment of the start.
             saved = {k: os.environ.pop(k) for k in _SECRET_ENV if k in os.environ}
+            marker = os.environ.get(HANDLER_PROCESS_ENV)
+            os.environ[HANDLER_PROCESS_ENV] = "1"  # Client.from_env() then needs no token
             try:
                 self.proc.start()
             finally:
                 os.environ.update(saved)
+                if marker is None:
+                    del os.environ[HANDLER_PROCESS_ENV]
+                else:
+                    os.environ[HANDLER_PROCESS_ENV] = marker
         child_conn.close()
         self.healthy = True
         self._send_lock = threading.Lock()
@@ -587,13 +616,20 @@ class ProcessHandler:
     def __init__(self, fn: Callable[[TaskContext, Any], Any], pool: ProcessPool) -> None:
         check_process_handler(fn)
         self.fn = fn
-        self._fn_bytes = pickle.dumps(fn)
+        self._fn_bytes: bytes | None = None
         self._pool = pool
         self.__name__ = getattr(fn, "__name__", "handler")
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
+    def bind(self) -> bytes:
+        """Look the handler up by its name now (the worker does at start, before any task);
+        ``TypeError`` when the name does not lead back to it."""
+        if self._fn_bytes is None:
+            self._fn_bytes = pickled_handler(self.fn)
+        return self._fn_bytes
+
     def __call__(self, ctx: TaskContext, payload: Any) -> Any:
-        kind, data = self._pool.run(self._fn_bytes, ctx)
+        kind, data = self._pool.run(self.bind(), ctx)
         if kind == "value":
             return data
         if kind == "fail":

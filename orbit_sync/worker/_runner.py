@@ -500,7 +500,8 @@ class Worker:
         """Register *fn* as a handler (the non-decorator form of :meth:`handler`).
 
         Raises ``TypeError`` when *fn* cannot be called as ``fn(ctx, payload)``, or, with
-        ``executor="process"``, when it cannot be sent to a child process by reference.
+        ``executor="process"``, when it cannot be sent to a child process by reference (a lambda
+        or nested function; whether its module binds its name is checked by :meth:`start`).
         """
         if executor not in ("thread", "process"):
             raise ValueError('executor must be "thread" or "process"')
@@ -578,6 +579,9 @@ class Worker:
     def start(self) -> Worker:
         """Start in the background and return at once (see :meth:`wait_ready`, :meth:`stop`)."""
         registration = self.registration
+        for fn in self._handlers.values():
+            if isinstance(fn, ProcessHandler):
+                fn.bind()  # by now the handler's module has bound its name (decorator form)
         with self._cond:
             if self._started:
                 raise RuntimeError("a Worker can be started only once")
