@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orbit_sync import Client
-from orbit_sync.client import read_token_file
+from orbit_sync.client import SettingError, read_token_file
 
 TOKEN = "env-token-0123456789"
 
@@ -42,11 +42,15 @@ def test_token_from_a_file(tmp_path: Path) -> None:
         ({"ORBIT_URL": "http://h", "ORBIT_TOKEN": TOKEN}, "ws:// or wss://"),
         ({"ORBIT_URL": "ws://h", "ORBIT_TOKEN": f"{TOKEN} x"}, "bearer token"),
         ({"ORBIT_URL": "ws://h", "ORBIT_TOKEN_FILE": "/nonexistent"}, "/nonexistent"),
+        ({"ORBIT_URI": "ws://h", "ORBIT_TOKEN": TOKEN}, "(ORBIT_URI is set: a misspelling?)"),
+        ({"ORBIT_URL": "ws://h", "ORBIT_TOKN": TOKEN}, "(ORBIT_TOKN is set: a misspelling?)"),
+        ({"ORBIT_URL": "ws://", "ORBIT_TOKEN": TOKEN}, "ORBIT_URL needs a host"),
     ],
 )
 def test_missing_or_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
-    """Each missing or bad setting raises ValueError naming it, never repeating the token."""
-    with pytest.raises(ValueError) as info:
+    """Each missing or bad setting raises SettingError (a ValueError) naming it, and its likely
+    misspelling, never repeating the token."""
+    with pytest.raises(SettingError) as info:
         Client.from_env(env)
     assert message in str(info.value)
     assert TOKEN not in str(info.value)
