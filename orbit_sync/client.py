@@ -81,8 +81,14 @@ class SettingError(ValueError):
     never a token."""
 
 
-def check_base_url(base_url: str, what: str = "base_url") -> tuple[urllib.parse.SplitResult, int]:
-    """The parts and port of a server URL, ``ws://host[:port][/prefix]`` or ``wss://...``;
+def _check_token(token: str) -> None:
+    if not _TOKEN_RE.fullmatch(token):
+        # Never echo it: it is a secret.
+        raise ValueError("token must be a non-empty bearer token without spaces or controls")
+
+
+def check_base_url(base_url: str, what: str = "base_url") -> tuple[urllib.parse.SplitResult, str, int]:
+    """The parts, host and port of a server URL, ``ws://host[:port][/prefix]`` or ``wss://...``;
     ``ValueError`` saying what is wrong with *what* (never echoing user info)."""
     parts = urllib.parse.urlsplit(base_url)
     if parts.scheme not in ("ws", "wss"):
@@ -97,7 +103,7 @@ def check_base_url(base_url: str, what: str = "base_url") -> tuple[urllib.parse.
         port = parts.port or (443 if parts.scheme == "wss" else 80)
     except ValueError:
         raise ValueError(f"{what} has an invalid port") from None
-    return parts, port
+    return parts, parts.hostname, port
 
 
 def check_environment(environ: Mapping[str, str]) -> None:
@@ -186,10 +192,8 @@ class Client:
             raise TypeError("base_url must be a str")
         if not isinstance(token, str):
             raise TypeError("token must be a str")
-        if not _TOKEN_RE.fullmatch(token):
-            # Never echo it: it is a secret.
-            raise ValueError("token must be a non-empty bearer token without spaces or controls")
-        parts, port = check_base_url(base_url)
+        _check_token(token)
+        parts, host, port = check_base_url(base_url)
         if parts.scheme == "ws" and ssl_context is not None:
             raise ValueError("ssl_context is only for wss:// URLs")
         if ssl_context is not None:
@@ -202,7 +206,7 @@ class Client:
         self._url = urllib.parse.urlunsplit(
             (parts.scheme, parts.netloc, parts.path.rstrip("/") + CONNECT_PATH, "", "")
         )
-        self._host = parts.hostname
+        self._host = host
         self._port = port
         self._token = token
         self._ssl_context = ssl_context
@@ -239,6 +243,11 @@ class Client:
             token = "handler-process-has-no-token"
         elif not token:
             raise SettingError(_not_set(("ORBIT_TOKEN", "ORBIT_TOKEN_FILE"), env))
+        try:
+            _check_token(token)
+        except ValueError as exc:
+            name = "ORBIT_TOKEN_FILE" if token_file else "ORBIT_TOKEN"
+            raise SettingError(f"{name}: {exc}") from None
         return cls(url, token, ssl_context=ssl_context)
 
     @property
