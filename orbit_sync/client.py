@@ -87,7 +87,9 @@ def _check_token(token: str) -> None:
         raise ValueError("token must be a non-empty bearer token without spaces or controls")
 
 
-def check_base_url(base_url: str, what: str = "base_url") -> tuple[urllib.parse.SplitResult, str, int]:
+def check_base_url(
+    base_url: str, what: str = "base_url"
+) -> tuple[urllib.parse.SplitResult, str, int]:
     """The parts, host and port of a server URL, ``ws://host[:port][/prefix]`` or ``wss://...``;
     ``ValueError`` saying what is wrong with *what* (never echoing user info)."""
     parts = urllib.parse.urlsplit(base_url)

@@ -111,9 +111,7 @@ def test_decorator_form_under_the_cli(server: MockOrbitServer, tmp_path: Path) -
     """``orbit-sync worker decorated_cli:worker`` runs the decorated handler in a child and
     stops cleanly on SIGTERM."""
     (tmp_path / "decorated_cli.py").write_text(APP)
-    env = clean_env(
-        ORBIT_URL=server.url, ORBIT_TOKEN=server.token, ORBIT_QUEUE_ID=server.queue_id
-    )
+    env = clean_env(ORBIT_URL=server.url, ORBIT_TOKEN=server.token, ORBIT_QUEUE_ID=server.queue_id)
     proc = Proc(command("worker", "decorated_cli:worker"), env=env, cwd=tmp_path)
     try:
         proc.wait_stderr("handlers:")

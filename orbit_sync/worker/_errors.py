@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..errors import (
     AUTH_CODES,
     TRANSIENT_CODES,
@@ -16,7 +18,13 @@ from ..errors import (
     WorkerProtocolError,
 )
 
-__all__ = ["NotConnected", "is_fatal_dial_error", "is_link_failure", "is_transient"]
+__all__ = [
+    "EndpointCheck",
+    "NotConnected",
+    "is_fatal_dial_error",
+    "is_link_failure",
+    "is_transient",
+]
 
 
 class NotConnected(OrbitError):
@@ -58,3 +66,58 @@ def is_fatal_dial_error(exc: BaseException) -> bool:
     if isinstance(exc, WorkerError):
         return exc.code in AUTH_CODES
     return False
+
+
+#: Upgrade answers that say "no pulse.worker.v1 endpoint here" (wrong path, a plain web server,
+#: a redirect, a refused subprotocol), unlike 401/403 (credentials) and 408/429/5xx (busy).
+_BUSY_STATUSES = frozenset({408, 429})
+
+
+def _wrong_endpoint(exc: BaseException) -> int | None:
+    if not isinstance(exc, HTTPError):
+        return None
+    code = exc.status_code
+    if code in (401, 403) or code in _BUSY_STATUSES or code >= 500:
+        return None
+    return code
+
+
+class EndpointCheck:
+    """Gives up on a URL that has never been a ``pulse.worker.v1`` endpoint.
+
+    A 404 on the upgrade path can be transient (an ingress during a deploy), so one is retried
+    like any dial failure; but when every dial of a worker that never connected is answered that
+    way for *window* seconds (and at least *dials* times), the URL is wrong: :meth:`failed`
+    returns the error to stop on. Once the worker has connected, the URL is known good and such
+    answers are retried without end.
+    """
+
+    def __init__(self, clock: Callable[[], float], *, window: float = 60.0, dials: int = 3) -> None:
+        self._clock = clock
+        self._window = window
+        self._dials = dials
+        self._since: float | None = None
+        self._count = 0
+        self._connected = False
+
+    def connected(self) -> None:
+        """A welcome arrived: the URL is right."""
+        self._connected = True
+
+    def failed(self, exc: BaseException, server: str) -> HTTPError | None:
+        """Record a failed dial; the error to stop on, or None to retry."""
+        code = _wrong_endpoint(exc)
+        if code is None or self._connected:
+            self._since, self._count = None, 0
+            return None
+        now = self._clock()
+        if self._since is None:
+            self._since = now
+        self._count += 1
+        if self._count < self._dials or now - self._since < self._window:
+            return None
+        return HTTPError(
+            code,
+            f"{server} is not a pulse.worker.v1 endpoint: every dial for {now - self._since:.0f} s "
+            f"({self._count} dials) was answered HTTP {code}; check the URL and its path",
+        )

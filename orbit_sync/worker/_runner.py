@@ -68,7 +68,13 @@ from ._backoff import Backoff
 from ._clock import Wakeup, WorkerClock
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
-from ._errors import NotConnected, is_fatal_dial_error, is_link_failure, is_transient
+from ._errors import (
+    EndpointCheck,
+    NotConnected,
+    is_fatal_dial_error,
+    is_link_failure,
+    is_transient,
+)
 from ._hooks import (
     AttemptEvent,
     AttemptFinished,
@@ -428,6 +434,7 @@ class Worker:
         #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
         self._serve_wake = Wakeup(self._time)
         self._dial_cut = DialCut()
+        self._endpoint = EndpointCheck(self._clock)
 
         self._link = Link(self._time, slots=handler_slots)
         self._registration: Registration | None = None
@@ -834,7 +841,9 @@ class Worker:
                 # cannot help, so the worker stops and run() raises it.
                 # A server that never once spoke the protocol is the wrong server (or version).
                 wrong_server = isinstance(exc, WorkerProtocolError) and not self._ready.is_set()
-                if is_fatal_dial_error(exc) or wrong_server:
+                wrong_url = self._endpoint.failed(exc, self._server)
+                if is_fatal_dial_error(exc) or wrong_server or wrong_url:
+                    exc = wrong_url or exc
                     self._log.error("worker cannot connect to %s: %s", self._server, exc)
                     self._fail(exc)
                     return
@@ -852,6 +861,7 @@ class Worker:
             # session, the next reconnect starts again from the shortest delay, so a link that
             # keeps cutting sessions does not push the delay to its cap.
             redial.welcomed()
+            self._endpoint.connected()
             self._session(conn)
 
     def _dial(self) -> Connection:

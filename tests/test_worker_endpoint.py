@@ -1,0 +1,146 @@
+"""A URL that is not a ``pulse.worker.v1`` endpoint: retried for a bounded time, then the worker
+stops with an error that says so (``orbit-sync worker`` exits 5), against the real mock server."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from orbit_sync import Client
+from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
+from orbit_sync.errors import HTTPError
+from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import Backoff, FakeClock, Worker
+from orbit_sync.worker._errors import EndpointCheck
+
+URL = "ws://127.0.0.1:1"
+
+
+@pytest.fixture
+def server() -> Iterator[MockOrbitServer]:
+    """A mock server."""
+    with MockOrbitServer() as srv:
+        yield srv
+
+
+class _FailedDials(logging.Handler):
+    """Counts the worker's "cannot connect ...; retrying" lines (one per failed dial)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.ended = False
+        self._cond = threading.Condition()
+
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("cannot connect"):
+            with self._cond:
+                self.count += 1
+                self._cond.notify_all()
+
+    def wait(self, count: int) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count >= count or self.ended, timeout=10)
+
+
+def test_a_wrong_path_stops_the_worker_after_the_window(server: MockOrbitServer) -> None:
+    """Every dial answered 404 (a wrong path) for 60 s of the worker's clock: run() raises an
+    HTTPError that names the URL and the status, and the CLI maps it to exit 5."""
+    clock = FakeClock()
+    worker = Worker(
+        Client(server.url + "/not-orbit", server.token),
+        queue_id=server.queue_id,
+        clock=clock,
+        handle_signals=False,
+        reconnect_backoff=Backoff(initial=5.0, maximum=10.0),
+    )
+
+    @worker.handler("echo")
+    def echo(ctx: Any, payload: Any) -> Any:
+        return payload
+
+    raised: list[BaseException] = []
+    dials = _FailedDials()
+
+    def run() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            raised.append(exc)
+        finally:
+            dials.end()
+
+    logging.getLogger("orbit_sync.worker").addHandler(dials)
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        # After each failed dial the connection thread waits out its backoff on the fake clock:
+        # let that pass at once, until the worker gives up.
+        for seen in range(1, 30):
+            if not dials.wait(seen) or not thread.is_alive():
+                break
+            if clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=5):
+                clock.advance(10.0)
+    finally:
+        logging.getLogger("orbit_sync.worker").removeHandler(dials)
+        gave_up = not thread.is_alive()
+        worker.stop()
+        thread.join(15)
+    assert gave_up, "the worker kept retrying a URL that is not an endpoint"
+    (exc,) = raised
+    assert isinstance(exc, HTTPError) and exc.status_code == 404
+    assert f"{server.url}/not-orbit is not a pulse.worker.v1 endpoint" in str(exc)
+    assert "answered HTTP 404" in str(exc)
+    assert 3 <= dials.count <= 8  # 60 s of 10 s pauses, then it stopped
+    assert exit_status_for(exc) == EXIT_PROTOCOL
+
+
+def test_wrong_endpoint_answers_are_retried_within_the_window() -> None:
+    """Fewer than three dials, or less than the window: retry."""
+    now = [0.0]
+    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
+    assert check.failed(HTTPError(404), URL) is None
+    now[0] = 100.0
+    assert check.failed(HTTPError(404), URL) is None  # only the second dial
+    stop = check.failed(HTTPError(404), URL)
+    assert stop is not None and stop.status_code == 404
+
+
+@pytest.mark.parametrize("status", [401, 403, 408, 429, 500, 502, 503])
+def test_busy_and_credential_answers_are_not_wrong_endpoints(status: int) -> None:
+    """A busy server (408/429/5xx) is retried without end; credentials are judged elsewhere."""
+    now = [0.0]
+    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
+    for _ in range(10):
+        now[0] += 100.0
+        assert check.failed(HTTPError(status), URL) is None
+
+
+def test_a_url_that_once_connected_is_retried_without_end() -> None:
+    """After a welcome, a 404 (an ingress during a deploy) never stops the worker."""
+    now = [0.0]
+    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
+    check.connected()
+    for _ in range(10):
+        now[0] += 100.0
+        assert check.failed(HTTPError(404), URL) is None
+
+
+def test_another_failure_restarts_the_count() -> None:
+    """A network failure between 404s (the server restarting) starts the window again."""
+    now = [0.0]
+    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
+    check.failed(HTTPError(404), URL)
+    check.failed(HTTPError(404), URL)
+    now[0] = 100.0
+    check.failed(ConnectionRefusedError(), URL)
+    assert check.failed(HTTPError(404), URL) is None
