@@ -107,7 +107,8 @@ def _seconds(text: str) -> float:
     return value
 
 
-def _queue(text: str) -> str:
+def queue_id(text: str) -> str:
+    """An argparse type: a queue id (also ``mock-server --queue-id``'s)."""
     if not ID_RE.fullmatch(text):
         raise argparse.ArgumentTypeError("expected a queue id: 32 lowercase hex characters")
     return text
@@ -122,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         "--url", metavar="URL", help="the Orbit server, ws:// or wss:// (default: $ORBIT_URL)"
     )
     parser.add_argument(
-        "--queue", type=_queue, metavar="ID", help="the queue id (default: $ORBIT_QUEUE_ID)"
+        "--queue", type=queue_id, metavar="ID", help="the queue id (default: $ORBIT_QUEUE_ID)"
     )
     parser.add_argument(
         "--token-file",

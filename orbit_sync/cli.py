@@ -208,6 +208,13 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
         help="server time moves only through POST /admin/v1/clock/advance",
     )
     parser.add_argument(
+        "--queue-id",
+        type=_cli_worker.queue_id,
+        metavar="ID",
+        help="the queue's id, 32 lowercase hex characters (default: a random one); with the "
+        "same tokens, a restarted server keeps its workers connected",
+    )
+    parser.add_argument(
         "--token-file",
         metavar="PATH",
         help=f"read the worker token to accept from this file (default: ${TOKEN_ENV}, else a "
@@ -342,6 +349,7 @@ def _run_mock_server(
             event_log_size=args.event_log_size,
             max_receipts=args.max_receipts,
             exact_recovery=args.exact_recovery,
+            queue_id=args.queue_id,
         )
     except ValueError as exc:
         parser.error(str(exc))

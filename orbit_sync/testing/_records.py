@@ -90,7 +90,6 @@ MSG = {
     "LEASE_LOST": "attempt no longer grants execution authority",
     "IDEMPOTENCY_CONFLICT": "message_id was already used for a different operation",
     "UNAUTHENTICATED": "the token is not valid",
-    "PERMISSION_DENIED": "the token lacks a required scope",
     "RATE_LIMITED": "too many requests; retry later",
     "PAUSED": "the queue is paused",
 }

@@ -88,13 +88,7 @@ class Requests(Dispatch):
         scopes = self.token_scopes(token)
         if scopes is None:
             raise Reject("UNAUTHENTICATED", MSG["UNAUTHENTICATED"], close=True)
-        if (
-            SCOPE_CONSUME not in scopes
-            or queue_scope(reg.queue_id) not in scopes
-            or reg.queue_id not in self._queues
-        ):
-            # An unknown queue looks like a missing scope: no oracle for queue ids.
-            raise Reject("PERMISSION_DENIED", MSG["PERMISSION_DENIED"], close=True)
+        self._check_scopes(scopes, reg.queue_id)
         caps = frozenset(reg.capabilities)
         inst = self._instances.get(reg.instance_id)
         if inst is None:
@@ -243,8 +237,22 @@ class Requests(Dispatch):
         scopes = self.token_scopes(session.token)
         if scopes is None:
             raise Reject("UNAUTHENTICATED", MSG["UNAUTHENTICATED"], close=True)
-        if SCOPE_CONSUME not in scopes or queue_scope(session.registration.queue_id) not in scopes:
-            raise Reject("PERMISSION_DENIED", MSG["PERMISSION_DENIED"], close=True)
+        self._check_scopes(scopes, session.registration.queue_id)
+
+    def _check_scopes(self, scopes: frozenset[str], queue_id: str) -> None:
+        """PERMISSION_DENIED (PROTOCOL §11: missing consume or queue scope) saying which."""
+        if SCOPE_CONSUME not in scopes:
+            raise Reject(
+                "PERMISSION_DENIED", f"the token lacks the {SCOPE_CONSUME} scope", close=True
+            )
+        if queue_scope(queue_id) not in scopes or queue_id not in self._queues:
+            # An unknown queue reads as a missing scope (no oracle for queue ids); naming the
+            # queue the worker itself sent tells it nothing new.
+            raise Reject(
+                "PERMISSION_DENIED",
+                f"the token has no scope for queue {queue_id}, or this server has no such queue",
+                close=True,
+            )
 
     def _check_request_rate(self, session: Session) -> None:
         now = self.now_us()

@@ -142,8 +142,13 @@ class MockOrbitServer:
         max_pending_connections: int = 64,
         handshake_timeout: float = 3.0,
         max_admin_requests: int = 16,
+        queue_id: str | None = None,
     ) -> None:
-        """*write_timeout* is the write deadline (PROTOCOL §10): how long an answer may wait
+        """*queue_id* is the default queue's id (default: a fresh random one). A server
+        restarted on the same port with the same *queue_id* and worker token
+        (:meth:`add_token`) is one a connected worker simply reconnects to.
+
+        *write_timeout* is the write deadline (PROTOCOL §10): how long an answer may wait
         for room in a connection's full outbox before the client is dropped as a slow consumer.
 
         Bounded state: a request's ``message_id`` is remembered for *idempotency_window*
@@ -192,6 +197,7 @@ class MockOrbitServer:
             event_log_size=event_log_size,
             max_receipts=max_receipts,
             exact_recovery=exact_recovery,
+            queue_id=queue_id,
         )
         self._state.push_gate = self._push_gate
         self._max_connections = max_connections

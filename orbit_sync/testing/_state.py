@@ -31,7 +31,7 @@ from typing import Any
 
 from .. import _json
 from .._codec import unstructure
-from ..models import CancelNotice, Capability, TaskState, new_id
+from ..models import ID_RE, CancelNotice, Capability, TaskState, new_id
 from ._clock import Clock
 from ._inspect import Inspection
 from ._options import TOKEN_RE
@@ -110,8 +110,11 @@ class OrbitState(Requests, Inspection):
         event_log_size: int = DEFAULT_EVENT_LOG_SIZE,
         max_receipts: int = DEFAULT_MAX_RECEIPTS,
         exact_recovery: bool = False,
+        queue_id: str | None = None,
     ) -> None:
-        """*idempotency_window*: seconds a ``message_id`` is remembered (at most
+        """*queue_id*: the default queue's id (a fresh random one unless given: a server
+        restarted with the same id, and tokens, keeps its workers' registrations valid);
+        *idempotency_window*: seconds a ``message_id`` is remembered (at most
         *max_receipts* of them, the oldest forgotten first); *retention*: seconds
         an ended task, session or instance is kept (``None``: forever); *event_log_size*: how
         many events the log keeps; *exact_recovery*: recover an expired lease or an overdue
@@ -145,7 +148,7 @@ class OrbitState(Requests, Inspection):
             event_log_size=event_log_size,
             exact_recovery=bool(exact_recovery),
         )
-        self.default_queue = self.add_queue(max_concurrency=max_concurrency)
+        self.default_queue = self._new_queue(queue_id, max_concurrency, paused=False)
 
     # ------------------------------------------------------------------ operator API
 
@@ -176,8 +179,14 @@ class OrbitState(Requests, Inspection):
 
     def add_queue(self, *, max_concurrency: int | None = None, paused: bool = False) -> str:
         """Create a queue; returns its id."""
+        return self._new_queue(None, max_concurrency, paused=paused)
+
+    def _new_queue(self, queue_id: str | None, max_concurrency: int | None, *, paused: bool) -> str:
         check_concurrency(max_concurrency)
-        queue_id = new_id()
+        if queue_id is None:
+            queue_id = new_id()
+        elif type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
+            raise ValueError("queue_id must be 32 lowercase hex characters")
         self._queues[queue_id] = Queue(queue_id, max_concurrency, paused)
         self._event("queue.created", detail=queue_id)
         return queue_id
