@@ -40,6 +40,28 @@ def test_no_reference_to_material_users_lack(page: Path) -> None:
     assert not hits, f"{page.name} mentions {hits}"
 
 
+#: What only a clone of the source repository has: its tests, benchmarks and make targets.
+SOURCE_ONLY = re.compile(r"`tests/|`test_\w+\.py|benchmarks/|`make (?:test|bench|chaos|demo)`")
+SOURCE_REPOSITORY = "https://github.com/orbit-sync/orbit-sync"
+
+
+@pytest.mark.parametrize(
+    "page",
+    [ROOT / "examples" / "django_project" / "README.md", *PAGES[1:]],
+    ids=lambda p: p.relative_to(ROOT).as_posix(),
+)
+def test_pages_citing_source_only_material_say_where_it_is(page: Path) -> None:
+    """A page installed with the wheel that names a test, a benchmark or a make target (which a
+    wheel does not carry) links to the source repository where they are."""
+    text = page.read_text(encoding="utf-8")
+    cited = sorted({m.group(0) for m in SOURCE_ONLY.finditer(text)})
+    if cited:
+        assert SOURCE_REPOSITORY in text, f"{page.name} cites {cited} without the source repository"
+    assert not re.search(
+        r"`(?:orbit_sync/)?(?:\w+/)?_[a-z]\w*\.py`", text.replace("`tests/_", "")
+    ), f"{page.name} names a private module of the package"
+
+
 def test_protocol_sections_cited_by_the_code_exist() -> None:
     """Every ``PROTOCOL §N`` (or ``§N.M``) cited in the package's comments is a section (or an
     item) of docs/protocol.md."""
@@ -63,3 +85,13 @@ def test_protocol_sections_cited_by_the_code_exist() -> None:
         if sec not in sections or (item is not None and int(item) > sections[sec])
     ]
     assert not missing, f"cited but not in docs/protocol.md: {missing}"
+
+
+def test_readme_lists_each_docs_page_once() -> None:
+    """The README's documentation table has one row per page of docs/, none twice."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| \[(docs/[\w-]+\.md)\]", readme, re.MULTILINE)
+    assert sorted(rows) == sorted(set(rows)), (
+        f"listed twice: {sorted(r for r in set(rows) if rows.count(r) > 1)}"
+    )
+    assert set(rows) == {p.relative_to(ROOT).as_posix() for p in (ROOT / "docs").glob("*.md")}

@@ -141,8 +141,8 @@ def test_sdist_tests_run_from_it(dists: tuple[Path, Path], tmp_path: Path) -> No
 
 
 def test_wheel_carries_package_licence_docs_and_examples(dists: tuple[Path, Path]) -> None:
-    """The wheel holds every module, py.typed, the licence, and the docs and examples under
-    share/doc/orbit-sync; it installs no ``tests`` package."""
+    """The wheel holds every module, py.typed, the licence, and the docs and examples (the
+    Django project included) under share/doc/orbit-sync; it installs no ``tests`` package."""
     with zipfile.ZipFile(dists[1]) as zf:
         names = set(zf.namelist())
     modules = {p for p in _source_files("orbit_sync") if p.endswith((".py", "py.typed"))}
@@ -159,6 +159,8 @@ def test_wheel_carries_package_licence_docs_and_examples(dists: tuple[Path, Path
         "examples/test_user_handler.py",
         "examples/quickstart.py",
         *(p for p in _source_files("docs") if p.endswith(".md") and p.count("/") == 1),
+        # The runnable Django project docs/django.md points to, folder by folder.
+        *(p for p in _source_files("examples/django_project") if p.endswith((".py", ".md"))),
     ):
         assert required in data, required
     assert not any(n.startswith("tests/") for n in names)
