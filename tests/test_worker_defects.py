@@ -205,7 +205,8 @@ def test_reconciliation_cut_midway_is_completed_on_the_next_connection(
             )
         stats = worker.stats()
     assert stats.lease_losses == 0
-    assert stats.reconnects >= 2
+    # The session cut during its resumes was never established: one reconnect, not two.
+    assert stats.reconnects == 1
     assert all(probe.runs[task_id] == 1 for task_id in ids)
 
 

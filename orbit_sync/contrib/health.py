@@ -17,7 +17,8 @@
   nothing). Disconnected is still live: the worker is reconnecting on its own.
 
 Both answer ``200`` or ``503`` with the state as JSON: ``connected``, ``session_age_s``,
-``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``, ``reconnects`` (no session id:
+``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``, ``reconnects`` (sessions
+established after the first), ``dial_failures`` (connection attempts that failed) (no session id:
 anyone who can reach the port reads this). The HTTP server is bounded (``_probe_server``): one
 thread, a connection cap and a deadline per connection. The heartbeat file holds the same JSON,
 rewritten atomically every *interval* seconds; an exec probe checks it with::
@@ -73,6 +74,7 @@ class HealthProbe(WorkerListener):
         self._draining = False
         self._stopped = False
         self._reconnects = 0
+        self._dial_failures = 0
 
     # ------------------------------------------------------------------ events
 
@@ -81,12 +83,17 @@ class HealthProbe(WorkerListener):
         with self._lock:
             self._session_id = event.session_id
             self._session_since = self._clock()
+            self._reconnects += event.reconnect
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """The session is down (the worker reconnects)."""
         with self._lock:
             self._session_id = self._session_since = None
-            self._reconnects += 1
+
+    def dial_failed(self, event: DisconnectEvent) -> None:
+        """A connection attempt failed (the worker retries)."""
+        with self._lock:
+            self._dial_failures += 1
 
     def attempt_started(self, event: AttemptEvent) -> None:
         """A handler is running."""
@@ -143,6 +150,7 @@ class HealthProbe(WorkerListener):
                 "draining": self._draining,
                 "stopped": self._stopped,
                 "reconnects": self._reconnects,
+                "dial_failures": self._dial_failures,
             }
 
     def serve(

@@ -20,6 +20,7 @@ metric (default namespace ``orbit``)           type       labels
 ``orbit_lease_renewal_lag_seconds``            histogram  - (how late renewals were sent)
 ``orbit_lease_losses_total``                   counter    ``reason``
 ``orbit_reconnects_total``                     counter    -
+``orbit_dial_failures_total``                  counter    -
 ``orbit_connected``                            gauge      - (1 while a session is up)
 =============================================  =========  ====================================
 
@@ -102,7 +103,13 @@ class PrometheusListener(WorkerListener):
             "lease_losses", "Leases lost while running.", ["reason"], namespace=ns, registry=reg
         )
         self.reconnects = Counter(
-            "reconnects", "Sessions lost and re-established.", namespace=ns, registry=reg
+            "reconnects",
+            "Sessions established after the first one.",
+            namespace=ns,
+            registry=reg,
+        )
+        self.dial_failures = Counter(
+            "dial_failures", "Connection attempts that failed.", namespace=ns, registry=reg
         )
         self.connected_gauge = Gauge(
             "connected", "1 while a session is established.", namespace=ns, registry=reg
@@ -139,11 +146,16 @@ class PrometheusListener(WorkerListener):
     def connected(self, event: SessionEvent) -> None:
         """A session is up."""
         self.connected_gauge.set(1)
+        if event.reconnect:
+            self.reconnects.inc()
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """The session is down; the worker reconnects."""
         self.connected_gauge.set(0)
-        self.reconnects.inc()
+
+    def dial_failed(self, event: DisconnectEvent) -> None:
+        """Count the failed connection attempt."""
+        self.dial_failures.inc()
 
     def stopped(self, report: ShutdownReport) -> None:
         """The worker is gone."""

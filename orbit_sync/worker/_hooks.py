@@ -15,6 +15,7 @@ event                  thread                        when
 ``lease_lost``         the watchdog / connection     the handler's context was cancelled for it
 ``connected``          the connection thread         a session is established (``reconnect``)
 ``disconnected``       the connection thread         a session ended; the worker reconnects
+``dial_failed``        the connection thread         a connection attempt failed; it retries
 ``draining``           the caller of ``request_stop``  the worker stops taking work
 ``stopped``            the supervisor thread         shutdown finished, with its report
 =====================  ============================  =========================================
@@ -60,6 +61,7 @@ EVENTS = (
     "lease_lost",
     "connected",
     "disconnected",
+    "dial_failed",
     "draining",
     "stopped",
 )
@@ -125,8 +127,9 @@ class SessionEvent:
 
 @attrs.frozen
 class DisconnectEvent:
-    """A session ended and the worker will reconnect (``disconnected``): ``reason`` is the
-    error's type name (never its text)."""
+    """A session ended and the worker will reconnect (``disconnected``), or a connection attempt
+    failed and the worker will retry (``dial_failed``): ``reason`` is the error's type name
+    (never its text)."""
 
     reason: str
 
@@ -176,6 +179,9 @@ class WorkerListener:
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """A session ended unexpectedly; the worker is reconnecting."""
+
+    def dial_failed(self, event: DisconnectEvent) -> None:
+        """A connection attempt failed (refused, timed out, HTTP error); the worker retries."""
 
     def draining(self, event: DrainEvent) -> None:
         """The worker was asked to stop and takes no new work."""

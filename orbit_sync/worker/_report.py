@@ -15,6 +15,9 @@ class WorkerStats:
     the outcome the worker reported; ``evidence_only`` counts those of them the server kept only
     as evidence (the lease was already gone). ``renew_lag_*`` is how late the lease watchdog woke
     up compared with its schedule (CPU-bound handlers delay it; see the README).
+    ``reconnects`` counts sessions established after the first one; ``dial_failures`` counts
+    connection attempts that failed (a worker that cannot reach its server shows 0 reconnects
+    and a growing ``dial_failures``).
     """
 
     connected: bool
@@ -32,6 +35,7 @@ class WorkerStats:
     lease_losses: int
     reconnects: int
     skipped_assignments: int
+    dial_failures: int = 0
 
 
 @attrs.frozen

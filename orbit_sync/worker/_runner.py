@@ -814,6 +814,7 @@ class Worker:
             renew_lag_max=wd.lag_max,
             lease_losses=wd.lease_losses + counts["resume_losses"],
             reconnects=counts["reconnects"],
+            dial_failures=counts["dial_failures"],
             skipped_assignments=counts["skipped"],
         )
 
@@ -852,6 +853,10 @@ class Worker:
                     self._fail(exc)
                     return
                 redial.failed(exc)
+                with self._cond:
+                    self._counts["dial_failures"] += 1
+                if self._hooks:
+                    self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
                 # Where and why (errors never carry the token), not only the exception's type.
                 self._log.warning(
                     "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
@@ -910,8 +915,12 @@ class Worker:
             self._first_capacity(conn, first)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
+            with self._cond:
+                # A reconnect is a session established after an earlier one, not a dial.
+                again = self._counts["sessions"] > 0
+                self._counts["sessions"] += 1
+                self._counts["reconnects"] += again
             if self._hooks:
-                again = self._counts["reconnects"] > 0
                 self._hooks.emit("connected", SessionEvent(conn.session_id, again))
             self._serve(conn)
         except Exception as exc:  # any failure of this connection means: reconnect
@@ -934,11 +943,8 @@ class Worker:
                 self._link.retract(gen)
             conn.close()
             watcher.join()
-        if not self._link.is_closed():
-            with self._cond:
-                self._counts["reconnects"] += 1
-            if self._hooks:
-                self._hooks.emit("disconnected", DisconnectEvent(reason))
+        if not self._link.is_closed() and self._hooks:
+            self._hooks.emit("disconnected", DisconnectEvent(reason))
 
     def _watch_connection(self, conn: Connection) -> None:
         # The connection thread sleeps on _serve_wake; this turns "the connection ended" into it.
