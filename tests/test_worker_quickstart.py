@@ -21,5 +21,12 @@ def test_quickstart_runs_clean() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "per outcome: CANCELLED 1, SUCCEEDED 11" in proc.stdout
     assert re.search(r"reconnects=[1-9]", proc.stdout)
+    # The retried attempts are told apart from failed tasks, and the drop is announced as part
+    # of the tour before the worker's warning about it.
+    assert "worker, per attempt: succeeded=11 failed=2 (first attempts the server retried)" in (
+        proc.stdout
+    )
+    announced = proc.stderr.find("demo: cutting the worker's connection on purpose")
+    assert 0 <= announced < proc.stderr.find("connection to ws://"), proc.stderr
     assert proc.stdout.rstrip().endswith("OK")
     assert elapsed < 15.0
