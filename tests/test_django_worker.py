@@ -160,6 +160,20 @@ def test_settings_are_checked(django_project: None, monkeypatch: pytest.MonkeyPa
         build_worker()
 
 
+def test_manage_py_reports_a_misspelled_setting_as_a_command_error(
+    django_project: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``manage.py orbit_worker`` with a typo in ORBIT_SYNC: a CommandError with exit status 2,
+    as for a missing URL, not an ImproperlyConfigured traceback."""
+    from django.conf import settings
+    from django.core.management import CommandError, call_command
+
+    monkeypatch.setattr(settings, "ORBIT_SYNC", {"CAPACTY": 2})
+    with pytest.raises(CommandError, match=r"unknown ORBIT_SYNC setting.*CAPACTY") as info:
+        call_command("orbit_worker")
+    assert info.value.returncode == 2
+
+
 def test_handler_declarations_are_checked() -> None:
     """@handler without parentheses, a bad name, and a second function under one name raise."""
     from orbit_sync.contrib.django import HandlerRegistry

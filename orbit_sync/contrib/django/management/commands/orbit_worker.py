@@ -39,8 +39,9 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
                 token = read_token_file(options["token_file"])
             except ValueError as exc:
                 raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
-        discover_handlers()
         try:
+            # Both read settings.ORBIT_SYNC: a misspelled key is configuration, like a missing URL.
+            discover_handlers()
             worker = build_worker(
                 url=options["url"],
                 token=token,
