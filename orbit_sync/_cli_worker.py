@@ -325,9 +325,14 @@ def _banner(worker: Any, target: str) -> None:
     registration = worker.registration
     client = options["client"]
     server = getattr(client, "base_url", None) or type(client).__name__
+    in_process = _process_handlers(worker)
     handlers = ", ".join(
-        f"{c.handler} ({c.handler_version}/{c.payload_version})" for c in registration.capabilities
+        f"{c.handler} ({c.handler_version}/{c.payload_version}"
+        f"{', process' if (c.handler, c.handler_version, c.payload_version) in in_process else ''})"
+        for c in registration.capabilities
     )
+    outbox = options.get("outbox")
+    listeners = ", ".join(type(x).__name__ for x in worker._hooks.listeners)
     lines = [
         f"orbit-sync {_version()} worker {target} (pid {os.getpid()},"
         f" Python {platform.python_version()})",
@@ -335,9 +340,18 @@ def _banner(worker: Any, target: str) -> None:
         f"  queue:     {registration.queue_id}",
         f"  capacity:  {registration.capacity}, drain timeout {options['drain_timeout']:g} s",
         f"  handlers:  {handlers}",
+        f"  outbox:    {os.fspath(outbox) if outbox is not None else 'none'}",
+        f"  listeners: {listeners or 'none'}",
         "SIGTERM or Ctrl-C drains; a second signal stops at once.",
     ]
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _process_handlers(worker: Any) -> set[tuple[str, str, str]]:
+    """The (name, version, payload version) of the handlers that run in a child process."""
+    from .worker._process import ProcessHandler
+
+    return {key for key, fn in worker._handlers.items() if isinstance(fn, ProcessHandler)}
 
 
 def _version() -> str:

@@ -107,6 +107,32 @@ def test_nested_and_lambda_handlers_still_raise_at_registration(server: MockOrbi
         worker.register("lam", lambda ctx, payload: {}, executor="process")
 
 
+def test_banner_names_process_handlers_outbox_and_listeners(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The startup banner lists each handler's executor, the outbox path and the listeners."""
+    from _process_handlers import pid
+
+    from orbit_sync._cli_worker import _banner
+    from orbit_sync.contrib.health import HealthProbe
+
+    outbox = tmp_path / "outbox.db"
+    worker = Worker(
+        Client("ws://127.0.0.1:1", "token-0123456789"),
+        queue_id="0" * 32,
+        outbox=outbox,
+        listeners=[HealthProbe()],
+    )
+    worker.register("pid", pid, executor="process")
+    worker.register("echo", lambda ctx, payload: payload)
+    _banner(worker, "app:worker")
+    err = capsys.readouterr().err
+    assert "handlers:  pid (1/1, process), echo (1/1)" in err
+    assert f"outbox:    {outbox}" in err
+    assert "listeners: HealthProbe" in err
+    assert "token-0123456789" not in err
+
+
 def test_decorator_form_under_the_cli(server: MockOrbitServer, tmp_path: Path) -> None:
     """``orbit-sync worker decorated_cli:worker`` runs the decorated handler in a child and
     stops cleanly on SIGTERM."""
@@ -114,7 +140,11 @@ def test_decorator_form_under_the_cli(server: MockOrbitServer, tmp_path: Path) -
     env = clean_env(ORBIT_URL=server.url, ORBIT_TOKEN=server.token, ORBIT_QUEUE_ID=server.queue_id)
     proc = Proc(command("worker", "decorated_cli:worker"), env=env, cwd=tmp_path)
     try:
-        proc.wait_stderr("handlers:")
+        # The banner says which handlers run in a process, and that there is no outbox or
+        # listener.
+        assert "handlers:  render (1/1, process)" in proc.wait_stderr("handlers:")
+        assert "outbox:    none" in proc.wait_stderr("outbox:")
+        assert "listeners: none" in proc.wait_stderr("listeners:")
         task_id = server.enqueue("render", {})
         snap = server.wait_for(task_id, {TaskState.SUCCEEDED, TaskState.FAILED}, timeout=30)
         assert snap.state is TaskState.SUCCEEDED, (snap, proc.stderr)
