@@ -35,13 +35,32 @@ def server() -> Iterator[MockOrbitServer]:
         srv.check_invariants()
 
 
+_OPEN_IN_ANOTHER_PROCESS = """
+import sys
+from orbit_sync.worker import OutboxError
+from orbit_sync.worker._outbox import Outbox
+try:
+    Outbox(sys.argv[1])
+except OutboxError as exc:
+    print(exc)
+"""
+
+
 def test_outbox_file_is_private_locked_and_checked(tmp_path: Path) -> None:
     """Created 0600; one process at a time; readable by others, corrupt or foreign: refused."""
     path = tmp_path / "outbox.sqlite"
     box = Outbox(path)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
-    with pytest.raises(OutboxError, match="in use by another process"):
+    # A second Worker of this process is told so; another process is told it is another one.
+    with pytest.raises(OutboxError, match="already open in this process"):
         Outbox(path)
+    other = subprocess.run(
+        [sys.executable, "-c", _OPEN_IN_ANOTHER_PROCESS, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert other.stdout.strip() == f"outbox {path} is in use by another process", other.stderr
     box.close()
     box.close()  # safe twice
     Outbox(path).close()

@@ -15,7 +15,7 @@ import attrs
 import pytest
 from _worker_helpers import has_event, make_worker, running
 
-from orbit_sync import _codec
+from orbit_sync import _codec, _json
 from orbit_sync.models import AttemptRef, Outcome, TaskState, new_secret
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Fail, HandlerEnvironment, TaskContext, result_converter
@@ -134,8 +134,64 @@ def test_strict_limits_still_hold_after_conversion() -> None:
     assert info.value.code == "RESULT_TOO_LARGE"
     with pytest.raises(ResultProblem, match="other than null"):
         ResultEncoder().encode(_NoneEnum.NOTHING)
-    with pytest.raises(ResultProblem, match="strict JSON"):
-        ResultEncoder().encode({"n": 10**400})
+    with pytest.raises(ResultProblem) as info:
+        ResultEncoder().encode({"n": [1, 10**400]})
+    # Named by key path like every other encoding error.
+    assert info.value.message.startswith("$.n[1]: int is out of range")
+    assert info.value.path == "$.n[1]" and info.value.type_name == "int"
+
+
+BIG = 2**53  # the first integer a double cannot tell from its neighbour (2**53 + 1 rounds to it)
+
+
+@pytest.mark.parametrize(
+    ("mode", "sent"),
+    [
+        ("number", '{"ids":[9007199254740991,9007199254740992],"n":-9007199254740993}'),
+        ("string", '{"ids":[9007199254740991,"9007199254740992"],"n":"-9007199254740993"}'),
+    ],
+)
+def test_large_ints_are_numbers_unless_asked_for_text(mode: str, sent: str) -> None:
+    """Integers beyond 2**53 - 1 are JSON numbers by default; large_ints="string" sends their
+    exact decimal text (as for Decimal), and leaves smaller ones alone."""
+    encoder = ResultEncoder(result_converter(large_ints=mode))
+    value, text, _ = encoder.encode_with_text({"ids": [BIG - 1, BIG], "n": -BIG - 1})
+    assert text == sent
+    assert _json.loads(text) == value
+
+
+def test_large_ints_string_mode_sends_what_no_double_can_hold() -> None:
+    """10**400 is refused as a number but travels as text with large_ints="string"."""
+    encoder = ResultEncoder(result_converter(large_ints="string"))
+    assert encoder.encode({"n": 10**400}) == {"n": "1" + "0" * 400}
+
+
+def test_large_ints_refuse_names_the_first_one() -> None:
+    """large_ints="refuse": RESULT_NOT_JSON naming the first integer beyond 2**53 - 1."""
+    encoder = ResultEncoder(result_converter(large_ints="refuse"))
+    assert encoder.encode({"n": BIG - 1}) == {"n": BIG - 1}
+    with pytest.raises(ResultProblem) as info:
+        encoder.encode({"a": [1, BIG, BIG + 5], "b": {"c": BIG * 2}})
+    assert info.value.path == "$.a[1]"
+    assert "beyond 2**53 - 1" in info.value.message
+    assert str(BIG) not in info.value.message  # a value, never its content
+    with pytest.raises(ValueError, match="large_ints"):
+        result_converter(large_ints="bigint")
+
+
+def test_worker_sends_large_ints_as_text_when_asked(server: MockOrbitServer) -> None:
+    """Through the real server: the recorded result holds the exact digits as a string."""
+    worker = make_worker(server, result_converter=result_converter(large_ints="string"))
+
+    @worker.handler("count")
+    def count(ctx: TaskContext, payload: Any) -> Any:
+        return {"total": 2**64 + 1, "small": 7}
+
+    task_id = server.enqueue("count", {})
+    with running(worker):
+        snap = server.wait_for(task_id, DONE)
+    assert snap.state is TaskState.SUCCEEDED
+    assert snap.result == {"total": "18446744073709551617", "small": 7}
 
 
 def test_user_converter_extends_the_defaults() -> None:

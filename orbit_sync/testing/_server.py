@@ -473,7 +473,7 @@ class MockOrbitServer:
             raise ValueError("limit must be an int >= 1")
         if type(after) is not int or after < 0:
             raise ValueError("after must be an int >= 0")
-        wanted = None if states is None else frozenset(TaskState(s) for s in states)
+        wanted = None if states is None else _task_states(states)
         with self._cond:
             return self._state.task_page(
                 states=wanted, queue_id=queue_id, handler=handler, after=after, limit=limit
@@ -506,7 +506,7 @@ class MockOrbitServer:
         self, task_id: str, states: Iterable[TaskState | str], timeout: float = 10.0
     ) -> TaskSnapshot:
         """Block until the task is in one of *states*; raise TimeoutError after *timeout*."""
-        wanted = frozenset(TaskState(s) for s in ([states] if isinstance(states, str) else states))
+        wanted = _task_states([states] if isinstance(states, str) else states)
         if not wanted:
             raise ValueError("states must name at least one TaskState")
         snap: TaskSnapshot | None = None
@@ -1120,3 +1120,17 @@ def _bearer(request: Request) -> str | None:
     if scheme.lower() != "bearer" or not token:
         return None
     return token
+
+
+def _task_states(states: Iterable[TaskState | str]) -> frozenset[TaskState]:
+    """*states* as TaskStates; ``ValueError`` naming a wrong one and listing the valid ones."""
+    wanted = set()
+    for state in states:
+        try:
+            wanted.add(TaskState(state))
+        except ValueError:
+            raise ValueError(
+                f"{state!r} is not a task state; expected one of "
+                + ", ".join(s.value for s in TaskState)
+            ) from None
+    return frozenset(wanted)

@@ -16,6 +16,9 @@ value                      encoded as
 ``Enum``                   its value (encoded in turn)
 attrs class, dataclass     an object of its fields (encoded in turn)
 ``set`` / ``frozenset``    a list, sorted when its items can be sorted
+``int`` beyond 2**53 - 1   a JSON number (rounded by readers that use doubles); with
+                           ``result_converter(large_ints="string")`` its decimal text, with
+                           ``large_ints="refuse"`` ``RESULT_NOT_JSON``
 =========================  ==================================================================
 
 The strict rules of the protocol still hold after conversion: no NaN or infinity (nor a
@@ -57,15 +60,36 @@ def _decimal(value: decimal.Decimal) -> str:
     return str(value)
 
 
-def result_converter() -> cattrs.Converter:
+#: The largest integer every JSON reader keeps exactly: readers that hold numbers as doubles
+#: (JavaScript, many JSON libraries) round integers beyond it.
+MAX_SAFE_INTEGER = 2**53 - 1
+LARGE_INTS = ("number", "string", "refuse")
+
+
+class _ResultConverter(cattrs.Converter):
+    """A cattrs converter that also says how integers beyond 2**53 are sent."""
+
+    def __init__(self, large_ints: str) -> None:
+        super().__init__()
+        self.large_ints = large_ints
+
+
+def result_converter(*, large_ints: str = "number") -> cattrs.Converter:
     """A new converter with the worker's default hooks (see the module table).
+
+    *large_ints* says what happens to an integer beyond 2**53 - 1 in a result: ``"number"``
+    (default) sends it as a JSON number, which readers that use doubles round; ``"string"``
+    sends its exact decimal text, as for ``Decimal``; ``"refuse"`` makes the result
+    ``RESULT_NOT_JSON`` with its key path.
 
     Extend it with ``register_unstructure_hook`` and pass it as ``Worker(result_converter=...)``::
 
         converter = result_converter()
         converter.register_unstructure_hook(Money, lambda m: {"amount": str(m.amount), ...})
     """
-    converter = cattrs.Converter()
+    if large_ints not in LARGE_INTS:
+        raise ValueError(f"large_ints must be one of {', '.join(map(repr, LARGE_INTS))}")
+    converter = _ResultConverter(large_ints)
     # cattrs dispatches on the most specific class, so datetime (a date subclass) keeps its own.
     converter.register_unstructure_hook(_dt.datetime, _dt.datetime.isoformat)
     converter.register_unstructure_hook(_dt.date, _dt.date.isoformat)
@@ -101,6 +125,12 @@ class _Unencodable(TypeError):
     pass
 
 
+_LARGE_INT_WHY = (
+    "is beyond 2**53 - 1, which JSON readers using doubles round (refused by "
+    "result_converter(large_ints='refuse'))"
+)
+
+
 def type_name(value: object) -> str:
     """``value``'s type as ``module.Qualname`` (just ``Qualname`` for builtins)."""
     kind = type(value)
@@ -123,6 +153,7 @@ class ResultEncoder:
             raise TypeError("result_converter must be a cattrs converter (cattrs.Converter)")
         self.converter = converter if converter is not None else result_converter()
         self._unstructure: Callable[[Any], Any] = self.converter.unstructure
+        self._large_ints: str = getattr(self.converter, "large_ints", "number")
 
     def _convert(self, value: Any) -> Any:
         """One conversion step for a value the JSON encoder does not know."""
@@ -151,8 +182,10 @@ class ResultEncoder:
                 separators=(",", ":"),
                 default=self._convert,
             )
+            if self._large_ints != "number":
+                text = self._large(text)
             size = len(text.encode("utf-8"))
-        except (TypeError, ValueError, RecursionError, UnicodeEncodeError):
+        except (TypeError, ValueError, RecursionError, UnicodeEncodeError, FrameError):
             raise self._locate(value) from None
         if size > _json.MAX_RESULT_BYTES:
             raise ResultProblem(
@@ -170,6 +203,31 @@ class ResultEncoder:
         if snapshot is None:
             raise ResultProblem(RESULT_NOT_JSON, "result must be JSON other than null", path="$")
         return snapshot, text, size
+
+    def _large(self, text: str) -> str:
+        """*text* with its integers beyond 2**53 - 1 as decimal strings (``large_ints="string"``),
+        or ``ResultProblem`` naming the first one (``"refuse"``)."""
+        # Python's own parser (unbounded integers), refusing duplicate keys as the strict one does.
+        doc = json.loads(text, object_pairs_hook=_json._pairs)
+        root = [doc]
+        changed = False
+        stack: list[tuple[Any, Any, str]] = [(root, 0, "$")]
+        while stack:
+            holder, key, path = stack.pop()
+            item = holder[key]
+            if isinstance(item, dict):
+                # Reversed onto the stack: the first offending value in document order is named.
+                stack.extend((item, k, _key_path(path, k)) for k in reversed(item))
+            elif isinstance(item, list):
+                stack.extend((item, i, f"{path}[{i}]") for i in reversed(range(len(item))))
+            elif type(item) is int and abs(item) > MAX_SAFE_INTEGER:
+                if self._large_ints == "refuse":
+                    self._bad(path, item, _LARGE_INT_WHY)
+                holder[key] = str(item)
+                changed = True
+        if not changed:
+            return text
+        return json.dumps(root[0], ensure_ascii=False, separators=(",", ":"))
 
     # ------------------------------------------------------------------ the slow path
 
@@ -195,6 +253,19 @@ class ResultEncoder:
         if isinstance(value, float):
             if not math.isfinite(value):
                 self._bad(path, value, "is not finite (JSON has no NaN or infinity)")
+            return
+        if type(value) is int and abs(value) > MAX_SAFE_INTEGER:
+            if self._large_ints == "refuse":
+                self._bad(path, value, _LARGE_INT_WHY)
+            try:
+                float(value)
+            except OverflowError:
+                self._bad(
+                    path,
+                    value,
+                    "is out of range (a JSON number must be a finite double; "
+                    "result_converter(large_ints='string') sends it as text)",
+                )
             return
         if isinstance(value, _PLAIN):
             return

@@ -45,6 +45,10 @@ class LockBusy(Exception):
     """Another process holds the lock."""
 
 
+class HeldHere(LockBusy):
+    """This process holds the lock already (another outbox of this process has the file)."""
+
+
 def lock_path(outbox_path: str) -> str:
     """The lock file of the outbox at *outbox_path*."""
     return outbox_path + "-lock"
@@ -97,12 +101,12 @@ class LockFile:
                 info = os.lstat(path)
                 if (info.st_dev, info.st_ino) in _open_files:
                     # Opening it again and closing that would drop this process's locks.
-                    raise LockBusy
+                    raise HeldHere
             fd = open_private(path)
             info = os.fstat(fd)
             key = (info.st_dev, info.st_ino)
             if key in _open_files:  # replaced by the same file under our feet
-                raise LockBusy
+                raise HeldHere
             try:
                 fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
             except OSError:

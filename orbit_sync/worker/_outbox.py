@@ -33,7 +33,7 @@ import attrs
 
 from ..errors import OrbitError
 from ..models import AttemptRef, Capability, Finish, Outcome, Registration
-from ._locks import LockBusy, LockFile, lock_path, open_private
+from ._locks import HeldHere, LockBusy, LockFile, lock_path, open_private
 
 __all__ = ["Outbox", "OutboxError", "Pending", "StoredInstance"]
 
@@ -115,6 +115,12 @@ class Outbox:
         try:
             # One process at a time: a second one would speak as the same instances.
             self._locks = LockFile(lock_path(self.path))
+        except HeldHere:
+            os.close(fd)
+            raise OutboxError(
+                f"outbox {self.path} is already open in this process (by another Worker): "
+                "give each Worker its own outbox file"
+            ) from None
         except LockBusy:
             os.close(fd)
             raise OutboxError(f"outbox {self.path} is in use by another process") from None
