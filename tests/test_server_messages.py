@@ -8,7 +8,7 @@ from orbit_sync.testing import MockOrbitServer
 
 
 def test_an_unknown_task_state_lists_the_valid_ones() -> None:
-    """``wait_for``/``task_page`` with a state that does not exist say which ones do, before waiting."""
+    """``wait_for``/``task_page`` given a state that does not exist name the valid ones."""
     with MockOrbitServer() as server:
         task_id = server.enqueue("echo", {})
         expected = (
