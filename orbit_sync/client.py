@@ -225,7 +225,9 @@ class Client:
 
         *environ* defaults to ``os.environ``. A missing or bad setting raises
         :class:`SettingError` (a ``ValueError``) naming the variable, never its token, and the
-        variable's likely misspelling when one is set (``ORBIT_URI``).
+        variable's likely misspelling when one is set (``ORBIT_URI``). In a process-executor
+        child (which is given no token and never connects) the missing token is not an error,
+        so a module-level ``Worker(Client.from_env(), ...)`` imports there.
         """
         env = os.environ if environ is None else environ
         check_environment(env)
