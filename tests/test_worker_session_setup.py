@@ -163,4 +163,5 @@ def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again(
     assert finishes[ATTEMPT_ID]["outcome"] == "SUCCEEDED"
     assert handlers.reasons[ATTEMPT_ID] is None, "the lease held: never cancelled"
     assert handlers.runs == {ATTEMPT_ID: 1}
-    assert worker.stats().reconnects >= 2
+    # The session cut during its resumes was never established: one reconnect, not two.
+    assert worker.stats().reconnects == 1
