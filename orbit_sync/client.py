@@ -36,7 +36,7 @@ from .errors import (
     WorkerError,
     WorkerProtocolError,
 )
-from .models import Assignment, CancelNotice, Registration, Welcome, new_message_id
+from .models import ID_RE, Assignment, CancelNotice, Registration, Welcome, new_message_id
 
 __all__ = [
     "DIAL_TIMEOUT",
@@ -110,9 +110,9 @@ def check_base_url(
 
 def check_environment(environ: Mapping[str, str]) -> None:
     """Raise :class:`SettingError` for an ``ORBIT_*`` setting that is wrong whoever reads it: a
-    malformed ``ORBIT_URL``, both ``ORBIT_TOKEN`` and ``ORBIT_TOKEN_FILE``, or a setting that is
-    missing while a misspelling of it (``ORBIT_URI``) is set. Settings that are merely absent
-    pass: a program may configure its client without them."""
+    malformed ``ORBIT_URL`` or ``ORBIT_QUEUE_ID``, both ``ORBIT_TOKEN`` and ``ORBIT_TOKEN_FILE``,
+    or a setting that is missing while a misspelling of it (``ORBIT_URI``) is set. Settings that
+    are merely absent pass: a program may configure its client without them."""
     url = environ.get("ORBIT_URL", "")
     if url:
         try:
@@ -121,8 +121,12 @@ def check_environment(environ: Mapping[str, str]) -> None:
             raise SettingError(str(exc)) from None
     if environ.get("ORBIT_TOKEN") and environ.get("ORBIT_TOKEN_FILE"):
         raise SettingError("set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE")
-    if not environ.get("ORBIT_URL") and _misspelling(("ORBIT_URL",), environ):
-        raise SettingError(_not_set(("ORBIT_URL",), environ))
+    queue_id = environ.get("ORBIT_QUEUE_ID", "")
+    if queue_id and not ID_RE.fullmatch(queue_id):
+        raise SettingError("ORBIT_QUEUE_ID must be 32 lowercase hex characters")
+    for name in ("ORBIT_URL", "ORBIT_QUEUE_ID"):
+        if not environ.get(name) and _misspelling((name,), environ):
+            raise SettingError(_not_set((name,), environ))
     tokens = ("ORBIT_TOKEN", "ORBIT_TOKEN_FILE")
     if not any(environ.get(name) for name in tokens) and _misspelling(tokens, environ):
         raise SettingError(_not_set(tokens, environ))

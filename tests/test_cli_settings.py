@@ -53,6 +53,16 @@ def _run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[
             {"ORBIT_URL": "ws://h", "ORBIT_TOKEN": "t0ken", "ORBIT_TOKEN_FILE": "/dev/null"},
             "set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE",
         ),
+        (
+            [],
+            {"ORBIT_URL": "ws://h", "ORBIT_TOKEN": "t0ken", "ORBIT_QUEUE_ID": "q1"},
+            "ORBIT_QUEUE_ID must be 32 lowercase hex characters",
+        ),
+        (
+            [],
+            {"ORBIT_URL": "ws://h", "ORBIT_TOKEN": "t0ken", "ORBIT_QUEUEID": "0" * 32},
+            "ORBIT_QUEUE_ID is not set (ORBIT_QUEUEID is set: a misspelling?)",
+        ),
     ],
 )
 def test_bad_settings_fail_before_the_module_is_imported(
