@@ -13,7 +13,6 @@ from _cli_process import Proc, command
 
 from orbit_sync import Client
 from orbit_sync.errors import WorkerError
-from orbit_sync.models import Capability, Registration, new_id, new_secret
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.testing._admin import AdminClient
 from orbit_sync.worker import Backoff, Worker
@@ -84,15 +83,11 @@ def test_an_unknown_queue_is_named_in_the_refusal() -> None:
     other = "f" * 32
     with MockOrbitServer(queue_id=QUEUE) as server:
         assert server.queue_id == QUEUE
-        registration = Registration(
-            queue_id=other,
-            capabilities=[Capability("echo", "1", "1")],
-            capacity=1,
-            instance_id=new_id(),
-            instance_secret=new_secret(),
-        )
+        client = Client(server.url, server.token)
+        worker = Worker(client, queue_id=other, handle_signals=False)
+        worker.register("echo", lambda ctx, payload: payload)
         with pytest.raises(WorkerError) as info:
-            Client(server.url, server.token).dial_worker(registration)
+            client.dial_worker(worker.registration)
     assert info.value.code == "PERMISSION_DENIED"
     assert f"no scope for queue {other}, or this server has no such queue" in str(info.value)
 
