@@ -15,7 +15,6 @@ certificate authorities come from the OpenSSL default paths, which the ``SSL_CER
 
 from __future__ import annotations
 
-import difflib
 import logging
 import math
 import os
@@ -71,6 +70,8 @@ _KNOWN_ENV: Final = frozenset(
         "ORBIT_QUEUE_ID",
         "ORBIT_ADMIN_URL",
         "ORBIT_ADMIN_TOKEN",
+        "ORBIT_MOCK_TOKEN",
+        "ORBIT_MOCK_ADMIN_TOKEN",
         HANDLER_PROCESS_ENV,
     )
 )
@@ -133,13 +134,25 @@ def check_environment(environ: Mapping[str, str]) -> None:
 
 
 def _misspelling(names: tuple[str, ...], environ: Mapping[str, str]) -> str | None:
-    """A set variable whose name looks like a typo of one of *names*."""
-    candidates = [k for k in environ if k.startswith("ORB") and k not in _KNOWN_ENV]
+    """A set variable whose name is a typo of one of *names*: at most two letters off (so
+    ``ORBIT_URI`` is one, and another program's ``ORBIT_MOCK_TOKEN`` is not)."""
     for name in names:
-        close = difflib.get_close_matches(name, candidates, n=1, cutoff=0.8)
-        if close:
-            return close[0]
+        for key in environ:
+            if key != name and key not in _KNOWN_ENV and _edits(key.upper(), name) <= 2:
+                return key
     return None
+
+
+def _edits(a: str, b: str) -> int:
+    """The Levenshtein distance between *a* and *b* (insertions, deletions, substitutions)."""
+    if abs(len(a) - len(b)) > 2:
+        return 3  # more than we ever accept: skip the table
+    row = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, cb in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (ca != cb))
+    return row[-1]
 
 
 def _not_set(names: tuple[str, ...], environ: Mapping[str, str]) -> str:
@@ -240,15 +253,16 @@ class Client:
             raise SettingError(_not_set(("ORBIT_URL",), env))
         token = env.get("ORBIT_TOKEN", "")
         token_file = env.get("ORBIT_TOKEN_FILE", "")
-        if token_file:
+        if env.get(HANDLER_PROCESS_ENV) == "1":
+            # A process-executor child imports the worker's module to find its handler, but
+            # never connects: it gets no token (nor reads the token file), and this one opens
+            # nothing.
+            token, token_file = "handler-process-has-no-token", ""
+        elif token_file:
             try:
                 token = read_token_file(token_file)
             except ValueError as exc:
                 raise SettingError(f"ORBIT_TOKEN_FILE: {exc}") from None
-        elif not token and env.get(HANDLER_PROCESS_ENV) == "1":
-            # A process-executor child imports the worker's module to find its handler, but
-            # never connects: it is given no token, and this one opens nothing.
-            token = "handler-process-has-no-token"
         elif not token:
             raise SettingError(_not_set(("ORBIT_TOKEN", "ORBIT_TOKEN_FILE"), env))
         try:

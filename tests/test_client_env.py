@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from orbit_sync import Client
-from orbit_sync.client import SettingError, read_token_file
+from orbit_sync.client import HANDLER_PROCESS_ENV, SettingError, read_token_file
 
 TOKEN = "env-token-0123456789"
 
@@ -73,3 +73,23 @@ def test_defaults_to_os_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ORBIT_TOKEN", TOKEN)
     monkeypatch.delenv("ORBIT_TOKEN_FILE", raising=False)
     assert Client.from_env().base_url == "ws://127.0.0.1:1"
+
+
+def test_other_orbit_variables_are_not_taken_for_misspellings() -> None:
+    """Only a name at most two letters off is a misspelling: the mock server's ORBIT_MOCK_TOKEN
+    or an ORBIT_TEST_TOKEN beside a missing ORBIT_TOKEN is just a missing setting."""
+    for other in ("ORBIT_MOCK_TOKEN", "ORBIT_TEST_TOKEN", "ORBIT_ADMIN_TOKEN"):
+        with pytest.raises(SettingError) as info:
+            Client.from_env({"ORBIT_URL": "ws://h", other: TOKEN})
+        assert str(info.value) == "ORBIT_TOKEN (or ORBIT_TOKEN_FILE) is not set"
+
+
+def test_a_handler_process_gets_a_client_without_the_token() -> None:
+    """In a process-executor child (marked in its environment) from_env neither needs nor reads
+    a token: the module that builds the Worker imports, and no secret enters the child."""
+    client = Client.from_env(
+        {"ORBIT_URL": "ws://h", "ORBIT_TOKEN_FILE": "/nonexistent", HANDLER_PROCESS_ENV: "1"}
+    )
+    assert client.base_url == "ws://h"
+    with pytest.raises(SettingError, match="ORBIT_TOKEN"):
+        Client.from_env({"ORBIT_URL": "ws://h", HANDLER_PROCESS_ENV: "0"})
