@@ -10,9 +10,11 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
 * the **reader** decodes every server frame, completes the call it answers (waking a blocked
   caller or running a pipelined request's callback), queues pushes (or hands them to the
   ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment queue closes
-  the connection with ``WorkerBackpressure``). On a connection without push callbacks a caller
-  blocked on an answer or on a queue reads and handles the frames itself while it waits, when no
-  other thread is reading (:mod:`orbit_sync._readturn`): its answer then costs no thread hand-off;
+  the connection with ``WorkerBackpressure``). It is the only thread that reads the socket:
+  callers wait on their own slot (a pooled lock) until their deadline, so an interrupted or
+  timed-out caller abandons its slot and never leaves a frame half read. Code running on the
+  reader (a completion or push callback) must not block: a request or a queue wait made from it
+  raises ``RuntimeError`` at once, and ``close()`` from it does not wait for the reader;
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send), and a caller
@@ -46,7 +48,6 @@ from ._protocol import (
     check_message_id,
     check_wait,
 )
-from ._readturn import ReadTurn, Step, Take
 from ._transport import Transport
 from .errors import (
     FrameError,
@@ -170,22 +171,12 @@ class WorkerConnection:
         self._assignments: queue.Queue[Any] = queue.Queue(ASSIGNMENT_BUFFER)
         self._cancels: queue.Queue[Any] = queue.Queue(CANCEL_BUFFER)
         self._done = threading.Event()
-        # Without push callbacks no user code runs when a frame arrives, so a blocked caller may
-        # read the socket itself (orbit_sync._readturn): no hand-off from the reader thread.
-        self._turn: ReadTurn | None = None
-        if on_cancel is None and on_assignment is None:
-            self._turn = ReadTurn(
-                lambda: transport.buffered() or transport.wait_readable(0),
-                lambda: self._core.err is not None,
-            )
         tag = welcome.session_id[:8]
         self._deadlines = threading.Thread(
             target=self._watch, name=f"orbit-sync-deadlines-{tag}", daemon=True
         )
         self._reader = threading.Thread(
-            target=self._read_loop if self._turn is None else self._shared_read_loop,
-            name=f"orbit-sync-reader-{tag}",
-            daemon=True,
+            target=self._read_loop, name=f"orbit-sync-reader-{tag}", daemon=True
         )
         self._deadlines.start()
         self._reader.start()  # last: it may fail the connection at once
@@ -278,31 +269,18 @@ class WorkerConnection:
         return item
 
     def _take(self, source: queue.Queue[Any], timeout: float | None, what: str) -> object:
-        wait = timeout
         err = self.err
         if err is not None:
             raise err.with_message_id(None)
-        turn = self._turn
-        took = Take.NO
-        if turn is not None and timeout != 0 and source.empty():
-            # Nothing queued: read for it on this thread if nobody else reads.
-            deadline = None if timeout is None else time.monotonic() + timeout
-            took = turn.take(deadline)
-            if took is Take.TAKEN:
-                self._lead(lambda: not source.empty(), deadline)
-                if deadline is not None:
-                    timeout = max(0.0, deadline - time.monotonic())
+        if timeout != 0:
+            self._refuse_on_reader(f"waiting for the next {what}")
         try:
             item = source.get(timeout=timeout) if timeout != 0 else source.get_nowait()
         except queue.Empty:
             err = self.err
             if err is not None:
                 raise err.with_message_id(None) from None
-            raise TimeoutError(f"no {what} within {wait:g} s") from None
-        finally:
-            if took is Take.FOLLOW:
-                assert turn is not None
-                turn.unfollow()
+            raise TimeoutError(f"no {what} within {timeout:g} s") from None
         if item is _CLOSED:
             _wake(source)  # pass the wake-up on to the next waiting reader
         err = self.err
@@ -382,11 +360,10 @@ class WorkerConnection:
         Returns its ``message_id``. ``on_done(value, error)`` is then called exactly once: with
         the answer (a lease in it carries its local ``deadline``), with the server's error, or
         with the connection's error once it ends (a timeout included). It runs on the reader
-        thread (or, on a connection without push callbacks, on a thread blocked in a request
-        method of this connection while it reads), the deadline thread or the thread that ended
-        the connection, never under the
-        connection's lock: it must not block, and it must not take a lock held by a thread that
-        calls ``_submit``. Errors raised here mean nothing was sent and ``on_done`` is not called.
+        thread, the deadline thread or the thread that ended the connection, never under the
+        connection's lock: it must not block (a request made from it raises at once), and it
+        must not take a lock held by a thread that calls ``_submit``. Errors raised here mean
+        nothing was sent and ``on_done`` is not called.
         """
         self._check_request(request_type, body)
         call = self._send(request_type, body, message_id, timeout, on_done)
@@ -436,14 +413,9 @@ class WorkerConnection:
                 ids.append(mid)
             if opened and min(c.deadline for c in opened) < self._wake_at:
                 self._timer.notify()
-        if texts:
-            try:
-                self._transport.send_texts(texts)
-            except Exception as exc:
-                # As in _send: the failure completes every call of the batch with its error.
-                self._send_failed(exc)
-            else:
-                log.debug("sent %d requests in one write", len(texts))
+        # A failure completes every call of the batch with its error.
+        if texts and self._write(self._transport.send_texts, texts):
+            log.debug("sent %d requests in one write", len(texts))
         for r, err in refused:  # never sent: each is told why
             _run_done(r.on_done, None, err, r.request_type)
         return ids
@@ -459,18 +431,16 @@ class WorkerConnection:
     def _call(
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
     ) -> Any:
-        if threading.current_thread() is self._reader:
-            # From on_cancel or on_assignment: the answer could only be read by this very thread.
-            raise RuntimeError(
-                "requests cannot be made from the on_cancel or on_assignment callback"
-            )
+        self._refuse_on_reader(f"a {request_type} request")
         waiter = _take_waiter()
         try:
             call = self._send(request_type, body, message_id, timeout, waiter.done)
         except BaseException:
             _WAITERS.append(waiter)  # never released: still ready for the next call
             raise
-        if not self._await_answer(waiter, call):
+        # An interruption (Ctrl-C) here leaves the call in flight with this waiter: its answer
+        # (or the connection's end) releases a lock nobody waits for, and the waiter is dropped.
+        if not waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic())):
             # Normally the deadline thread ends the connection first; if it did not, do it here.
             with self._lock:
                 late = self._core.calls.get(call.message_id) is call
@@ -485,6 +455,14 @@ class WorkerConnection:
             raise error
         return value
 
+    def _refuse_on_reader(self, what: str) -> None:
+        """Fail at once for a blocking wait on the reader thread: only it could end the wait."""
+        if threading.current_thread() is self._reader:
+            raise RuntimeError(
+                f"{what} cannot wait on the connection's reader thread (a callback of this "
+                "connection: on_assignment, on_cancel or a completion); make it from another thread"
+            )
+
     def _send(
         self,
         request_type: str,
@@ -497,15 +475,25 @@ class WorkerConnection:
             call, text = self._core.open(request_type, body, message_id, timeout, on_done)
             if call.deadline < self._wake_at:
                 self._timer.notify()
-        try:
-            self._transport.send_text(text)
-        except Exception as exc:
-            # Failed first: a reply to a half-sent frame is then ignored, not mistaken for a
-            # protocol violation; the failure completes this call with its error.
-            self._send_failed(exc)
-        else:
+        if self._write(self._transport.send_text, text):
             log.debug("sent %s message_id=%s", request_type, call.message_id)
         return call
+
+    def _write(self, send: Callable[[T], None], data: T) -> bool:
+        """``send(data)``; False once a failed write ended the connection."""
+        try:
+            send(data)
+        except Exception as exc:
+            # Failed first: a reply to a half-sent frame is then ignored, not mistaken for a
+            # protocol violation; the failure completes the calls in flight with its error.
+            self._send_failed(exc)
+            return False
+        except BaseException:
+            # Interrupted (Ctrl-C) inside the write: part of a frame may be on the wire, so
+            # nothing more can be sent on this stream.
+            self._fail(WorkerDisconnected("interrupted while sending; the connection is closed"))
+            raise
+        return True
 
     # ------------------------------------------------------------------ failure
 
@@ -537,8 +525,6 @@ class WorkerConnection:
         else:
             close_code = 1000
         self._transport.abort(close_code)
-        if self._turn is not None:
-            self._turn.wake()
         _wake(self._assignments)
         _wake(self._cancels)
 
@@ -563,41 +549,6 @@ class WorkerConnection:
                     break
         self._fail(err)
 
-    def _await_answer(self, waiter: _Waiter, call: Call) -> bool:
-        """Wait for *waiter* until the call's deadline, reading the socket on this thread when
-        the read turn is ours; True once the waiter's lock is taken (answered)."""
-        turn = self._turn
-        took = Take.NO if turn is None else turn.take(call.deadline)
-        if took is Take.TAKEN and self._lead(lambda: waiter.lock.acquire(blocking=False), None):
-            return True
-        try:
-            return waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic()))
-        finally:
-            if took is Take.FOLLOW:
-                assert turn is not None
-                turn.unfollow()
-
-    def _lead(self, ready: Callable[[], bool], deadline: float | None) -> bool:
-        """Holding the read turn: read and handle frames until ``ready()`` (True), the
-        *deadline* passes with nothing to read or the connection ends (False). Gives the turn
-        back."""
-        assert self._turn is not None
-        transport = self._transport
-        try:
-            while not ready():
-                if (
-                    deadline is not None
-                    and not transport.buffered()
-                    and not transport.wait_readable(max(0.0, deadline - time.monotonic()))
-                ):
-                    return False
-                if not self._read_one():
-                    return ready()
-            return True
-        finally:
-            # Calls still in flight have no reader now: the reader thread takes over at once.
-            self._turn.release(bool(self._core.calls))
-
     def _read_one(self) -> bool:
         """Read and handle one server message; False once the connection has ended."""
         try:
@@ -616,29 +567,6 @@ class WorkerConnection:
             while self._read_one():
                 pass
         finally:
-            self._reader_exit()
-
-    def _shared_read_loop(self) -> None:
-        """The reader of a connection whose blocked callers read for themselves: it reads
-        whenever no caller holds the read turn, one message at a time."""
-        turn = self._turn
-        assert turn is not None
-        try:
-            while True:
-                step = turn.reader_next()
-                if step is Step.EXIT:
-                    return
-                if step is Step.WAIT:
-                    self._transport.wait_readable()  # without the turn: a caller may take it
-                    continue
-                try:
-                    alive = self._read_one()
-                finally:
-                    turn.reader_done()
-                if not alive:
-                    return
-        finally:
-            turn.close()  # closing the transport under a reading caller would not be safe
             self._reader_exit()
 
     def _reader_exit(self) -> None:
