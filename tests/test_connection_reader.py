@@ -1,0 +1,331 @@
+"""One reader thread per connection, on real sockets: only it reads, callers wait on their slot.
+
+The scripted server writes raw bytes, so several frames can share one TCP segment and a frame can
+stop halfway. Idle gaps before a call are the scenario itself (they let every thread of the
+connection go back to sleep), not a wait for a condition.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from _scripted import (
+    LEASE_SECRET,
+    WAIT,
+    Peer,
+    ScriptedServer,
+    assignment_body,
+    cancel_body,
+    command_body,
+    frame,
+    open_pair,
+    orbit_threads,
+    raw_frame,
+)
+
+from orbit_sync.connection import ASSIGNMENT_BUFFER, WorkerConnection
+from orbit_sync.errors import (
+    CallTimeout,
+    OrbitError,
+    WorkerBackpressure,
+    WorkerClosed,
+    WorkerDisconnected,
+    WorkerError,
+    WorkerProtocolError,
+)
+from orbit_sync.models import AttemptRef, CommandResult
+
+REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
+TEXT = 0x1
+CLOSE = 0x8
+
+#: The connection's timers in the gap tests, so that one gap can outlast all of them.
+CALL_BOUND = 0.5
+READ_IDLE = 0.6
+
+
+def _text(value: dict[str, Any]) -> bytes:
+    """One unmasked text frame carrying *value*."""
+    return raw_frame(TEXT, json.dumps(value).encode())
+
+
+def _ack(request: dict[str, Any], operation: str = "renew") -> bytes:
+    return _text(frame("ack", reply_to=request["message_id"], body=command_body(operation)))
+
+
+def _idle(conn: WorkerConnection, peer: Peer, gap: float) -> None:
+    """No request in flight for *gap* seconds. A gap longer than the read-idle bound is kept
+    alive by an assignment every 0.2 s, taken at once, and ends with 0.1 s of silence: the
+    reader is back to waiting on the socket when the next call comes."""
+    end = time.monotonic() + gap
+    while end - time.monotonic() > 0.3:
+        time.sleep(0.2)  # the gap itself, not a wait for a condition
+        peer.send_raw(_text(frame("task.assign", body=assignment_body())))
+        assert conn.next_assignment(timeout=WAIT).attempt_id == "2" * 32
+    time.sleep(max(0.0, end - time.monotonic()))
+
+
+def _run(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run *fn* on a daemon thread; the dict gets 'result' or 'error'."""
+    out: dict[str, Any] = {}
+
+    def body() -> None:
+        try:
+            out["result"] = fn()
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=body, name="test-caller", daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[WorkerConnection, Peer]]:
+    """A connection without push callbacks (every push is queued) and its scripted peer."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server, max_call_timeout=CALL_BOUND, read_idle_timeout=READ_IDLE)
+        try:
+            yield conn, peer
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("callers", [2, 8])
+@pytest.mark.parametrize(
+    ("gap", "rounds"),
+    [(0.002, 10), (0.05, 10), (0.7, 2)],
+    ids=["gap-shorter-than-every-timer", "gap-50ms", "gap-longer-than-every-timer"],
+)
+def test_callers_after_an_idle_gap_all_get_their_answers_from_one_segment(
+    pair: tuple[WorkerConnection, Peer], callers: int, gap: float, rounds: int
+) -> None:
+    """After an idle gap, concurrent callers whose answers arrive in one TCP segment are all
+    answered, round after round, and nothing is left unread."""
+    conn, peer = pair
+    for _ in range(rounds):
+        _idle(conn, peer, gap)
+        runs = [_run(lambda: conn.renew(REF)) for _ in range(callers)]
+        requests = [peer.recv() for _ in range(callers)]
+        peer.send_raw(b"".join(_ack(r) for r in requests))
+        for thread, out in runs:
+            thread.join(WAIT)
+            assert isinstance(out.get("result"), CommandResult), out
+    assert conn.err is None
+
+
+def _nine_assignments() -> bytes:
+    ids = [f"{i + 1:032x}" for i in range(ASSIGNMENT_BUFFER + 1)]
+    return b"".join(_text(frame("task.assign", body=assignment_body(attempt_id=i))) for i in ids)
+
+
+#: A push that must end the connection once the reader handles it, and the error it ends with.
+PUSHES: dict[str, tuple[Callable[[], bytes], type[OrbitError]]] = {
+    # One more assignment than the buffer holds: WorkerBackpressure.
+    "assignment": (_nine_assignments, WorkerBackpressure),
+    # The registration did not ask for cancel notices: a protocol violation.
+    "cancel": (lambda: _text(frame("task.cancel", body=cancel_body())), WorkerProtocolError),
+    # An error with no reply_to ends the session.
+    "error": (
+        lambda: _text(frame("error", error=("STALE_SESSION", "session replaced"))),
+        WorkerError,
+    ),
+    "close": (lambda: raw_frame(CLOSE, (1001).to_bytes(2, "big")), WorkerDisconnected),
+}
+
+
+@pytest.mark.parametrize("push", sorted(PUSHES))
+def test_a_push_sharing_a_segment_with_an_answer_is_handled_without_another_call(
+    push: str,
+) -> None:
+    """An answer followed by a push in the same segment: the caller gets its answer and the
+    push takes effect at once, with no further call to carry it (on five connections, since
+    the push ends each one)."""
+    build, error = PUSHES[push]
+    with ScriptedServer() as server:
+        for _ in range(5):
+            conn, peer = open_pair(server)
+            try:
+                _idle(conn, peer, 0.05)  # the reader is back to waiting on the socket
+                thread, out = _run(functools.partial(conn.renew, REF))
+                peer.send_raw(_ack(peer.recv()) + build())
+                thread.join(WAIT)
+                assert isinstance(out.get("result"), CommandResult), out
+                assert conn.done.wait(WAIT), "the push was left unread"
+                assert isinstance(conn.err, error)
+            finally:
+                conn.close()
+
+
+def test_a_completion_that_closes_the_connection_ends_it_without_a_deadlock(
+    pair: tuple[WorkerConnection, Peer],
+) -> None:
+    """A pipelined request's completion that calls close() (on the reader) ends the
+    connection: a caller blocked meanwhile gets WorkerClosed and no thread hangs."""
+    conn, peer = pair
+    closed = threading.Event()
+
+    def on_done(value: Any, error: OrbitError | None) -> None:
+        conn.close()
+        closed.set()
+
+    _idle(conn, peer, 0.05)
+    conn._submit("task.renew", REF, on_done)
+    pipelined = peer.recv()
+    thread, out = _run(lambda: conn.renew(REF))
+    blocked = peer.recv()
+    peer.send_raw(_ack(pipelined))
+    assert closed.wait(WAIT), "close() from the completion did not return"
+    thread.join(WAIT)
+    assert not thread.is_alive()
+    assert isinstance(out.get("error"), WorkerClosed)
+    assert out["error"].message_id == blocked["message_id"]
+    assert conn.done.wait(WAIT)
+    conn.close()  # from the test thread: joins the reader, which has exited
+    assert orbit_threads() == []
+
+
+def test_a_blocking_call_from_a_completion_fails_at_once(
+    pair: tuple[WorkerConnection, Peer],
+) -> None:
+    """A request made from a completion (the reader thread) raises RuntimeError at once
+    instead of waiting out its bound; the connection stays open."""
+    conn, peer = pair
+    seen: dict[str, BaseException] = {}
+    ran = threading.Event()
+
+    def on_done(value: Any, error: OrbitError | None) -> None:
+        for name, call in (
+            ("renew", lambda: conn.renew(REF, timeout=CALL_BOUND)),
+            ("next_assignment", lambda: conn.next_assignment(timeout=CALL_BOUND)),
+        ):
+            try:
+                call()
+            except BaseException as exc:
+                seen[name] = exc
+        ran.set()
+
+    conn._submit("task.renew", REF, on_done)
+    thread, out = _run(lambda: conn.renew(REF))
+    first, second = peer.recv(), peer.recv()
+    peer.send_raw(_ack(first) + _ack(second))
+    assert ran.wait(WAIT)
+    thread.join(WAIT)
+    for name in ("renew", "next_assignment"):
+        assert isinstance(seen[name], RuntimeError), seen
+        assert "reader thread" in str(seen[name])
+    assert isinstance(out.get("result"), CommandResult), out
+    assert conn.err is None
+
+
+def _half(data: bytes) -> tuple[bytes, bytes]:
+    cut = len(data) // 2
+    return data[:cut], data[cut:]
+
+
+def test_a_server_stalling_mid_frame_times_out_the_waiting_call(
+    pair: tuple[WorkerConnection, Peer],
+) -> None:
+    """Half an answer, then silence: the caller gets CallTimeout (its bound), the connection
+    closes, and the caller's thread is not left reading."""
+    conn, peer = pair
+    thread, out = _run(lambda: conn.renew(REF, timeout=0.2))
+    head, _ = _half(_ack(peer.recv()))
+    peer.send_raw(head)
+    thread.join(WAIT)
+    assert not thread.is_alive()
+    assert isinstance(out.get("error"), CallTimeout), out
+    assert conn.done.wait(WAIT)
+
+
+def test_a_server_stalling_mid_frame_does_not_hold_a_queue_wait_past_its_timeout(
+    pair: tuple[WorkerConnection, Peer],
+) -> None:
+    """Half an assignment, then silence: next_assignment(timeout) returns TimeoutError at its
+    timeout with the connection open, and the assignment arrives once the rest is sent."""
+    conn, peer = pair
+    head, tail = _half(_text(frame("task.assign", body=assignment_body())))
+    _idle(conn, peer, 0.05)
+    thread, out = _run(lambda: conn.next_assignment(timeout=0.3))
+    time.sleep(0.05)  # the scenario: the half frame comes while the caller already waits
+    peer.send_raw(head)
+    thread.join(WAIT)
+    assert not thread.is_alive(), "the wait outlived its timeout"
+    error = out.get("error")
+    assert isinstance(error, TimeoutError) and not isinstance(error, OrbitError), out
+    assert conn.err is None
+    peer.send_raw(tail)
+    assert conn.next_assignment(timeout=WAIT).attempt_id == "2" * 32
+
+
+@pytest.fixture
+def interruptible() -> Iterator[Callable[[], None]]:
+    """A function that sends SIGINT to this (the main) thread, as Ctrl-C would."""
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals reach the main thread only")
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    main = threading.main_thread().ident
+    assert main is not None
+    try:
+        yield lambda: signal.pthread_kill(main, signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def test_ctrl_c_in_a_waiting_request_abandons_only_its_slot(
+    pair: tuple[WorkerConnection, Peer], interruptible: Callable[[], None]
+) -> None:
+    """KeyboardInterrupt while a request waits and half its answer is on the wire: the rest
+    still arrives in frame, the connection stays open and the next request is answered."""
+    conn, peer = pair
+    parts: list[bytes] = []
+
+    def server() -> None:
+        parts.extend(_half(_ack(peer.recv())))
+        peer.send_raw(parts[0])
+        interruptible()
+
+    helper = threading.Thread(target=server, daemon=True)
+    with pytest.raises(KeyboardInterrupt):
+        helper.start()
+        conn.renew(REF, timeout=WAIT)
+    helper.join(WAIT)
+    peer.send_raw(parts[1])
+    thread, out = _run(lambda: conn.renew(REF))
+    peer.send_raw(_ack(peer.recv()))
+    thread.join(WAIT)
+    assert isinstance(out.get("result"), CommandResult), out
+    assert conn.err is None
+
+
+def test_ctrl_c_in_next_assignment_leaves_the_stream_in_frame(
+    pair: tuple[WorkerConnection, Peer], interruptible: Callable[[], None]
+) -> None:
+    """KeyboardInterrupt in next_assignment while half an assignment is on the wire: the
+    assignment is delivered whole afterwards and the connection stays open."""
+    conn, peer = pair
+    head, tail = _half(_text(frame("task.assign", body=assignment_body())))
+
+    def server() -> None:
+        # The scenario: half a frame comes while the caller waits, then Ctrl-C.
+        time.sleep(0.05)
+        peer.send_raw(head)
+        time.sleep(0.05)
+        interruptible()
+
+    _idle(conn, peer, 0.05)
+    helper = threading.Thread(target=server, daemon=True)
+    with pytest.raises(KeyboardInterrupt):
+        helper.start()
+        conn.next_assignment(timeout=WAIT)
+    helper.join(WAIT)
+    peer.send_raw(tail)
+    assert conn.next_assignment(timeout=WAIT).attempt_id == "2" * 32
+    assert conn.err is None
