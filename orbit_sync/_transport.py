@@ -47,13 +47,14 @@ import contextlib
 import math
 import os
 import select
+import signal
 import socket
 import ssl
 import struct
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import websocket
 
@@ -171,6 +172,25 @@ class DialGuard:
         self._timer.join()
 
 
+#: Signals whose handlers may raise in the middle of a write (POSIX can hold them back).
+_SIGNALS: Final = signal.valid_signals() if hasattr(signal, "pthread_sigmask") else None
+
+
+def _sendall(sock: socket.socket, data: bytes) -> None:
+    """``sendall``, with signals held on the main thread (the only one where Python runs their
+    handlers) until it returns: a handler that raises, as Ctrl-C's KeyboardInterrupt does, then
+    raises after the write, never in the middle of a frame, which would leave the stream
+    unusable. A write stuck that way is still ended by the connection's call bound."""
+    if _SIGNALS is None or threading.current_thread() is not threading.main_thread():
+        sock.sendall(data)
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    try:
+        sock.sendall(data)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
 def _shutdown(sock: socket.socket) -> None:
     # socket.socket.shutdown, not SSLSocket.shutdown: the latter drops the SSL object while
     # another thread may be inside it; the plain call only wakes that thread with EOF.
@@ -273,7 +293,7 @@ class Transport:
                     data = self._frame(opcode, payloads[0])
                 else:
                     data = b"".join([self._frame(opcode, payload) for payload in payloads])
-                self._sock.sendall(data)
+                _sendall(self._sock, data)
         except (OSError, ValueError, AttributeError) as exc:
             # Network failures only (ValueError/AttributeError: the socket was torn down under
             # the writer); anything else is a bug and propagates as itself.

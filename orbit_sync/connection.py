@@ -432,14 +432,11 @@ class WorkerConnection:
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
     ) -> Any:
         self._refuse_on_reader(f"a {request_type} request")
+        # The waiter goes back to the pool only after a completed wait: after an exception (a
+        # wrong argument, or Ctrl-C while the call may be in flight) it is dropped, so a late
+        # answer releases a lock nobody uses again.
         waiter = _take_waiter()
-        try:
-            call = self._send(request_type, body, message_id, timeout, waiter.done)
-        except BaseException:
-            _WAITERS.append(waiter)  # never released: still ready for the next call
-            raise
-        # An interruption (Ctrl-C) here leaves the call in flight with this waiter: its answer
-        # (or the connection's end) releases a lock nobody waits for, and the waiter is dropped.
+        call = self._send(request_type, body, message_id, timeout, waiter.done)
         if not waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic())):
             # Normally the deadline thread ends the connection first; if it did not, do it here.
             with self._lock:
@@ -488,11 +485,6 @@ class WorkerConnection:
             # protocol violation; the failure completes the calls in flight with its error.
             self._send_failed(exc)
             return False
-        except BaseException:
-            # Interrupted (Ctrl-C) inside the write: part of a frame may be on the wire, so
-            # nothing more can be sent on this stream.
-            self._fail(WorkerDisconnected("interrupted while sending; the connection is closed"))
-            raise
         return True
 
     # ------------------------------------------------------------------ failure
