@@ -11,22 +11,28 @@ receiving them (PROTOCOL §6, §10, §11):
 * fatal error codes (the answer is delivered, then the connection ends);
 * lease deadline math (each answered lease is anchored at the moment its request was sent).
 
-It is not thread-safe by itself: :class:`orbit_sync.connection.WorkerConnection`, the threaded
-shell, serializes every mutating call under one lock, moves bytes, and runs completion callbacks
-outside that lock. Decoding (:meth:`ClientProtocol.decode`) only reads the call table and runs
-outside the lock.
+Like a sans-I/O protocol, it answers each input (a request to open, a decoded frame, the time)
+with *events* the shell acts on: :class:`Answered` (complete a call), :class:`Pushed` (run a push
+callback), :class:`Queued` (wake a thread waiting for a push) and :class:`Ended` (tear the socket
+down, release the calls). It is not thread-safe by itself:
+:class:`orbit_sync.connection.WorkerConnection`, the threaded shell, serializes every mutating
+call under one lock, moves bytes, wakes threads and runs callbacks outside that lock. Decoding
+(:meth:`ClientProtocol.decode`) only reads the call table and runs outside the lock.
 """
 
 from __future__ import annotations
 
+import collections
 import math
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Final, NamedTuple, Union
 
 from . import _codec
 from .errors import (
     CallTimeout,
+    FrameError,
     OrbitError,
+    WorkerBackpressure,
     WorkerBusy,
     WorkerDisconnected,
     WorkerError,
@@ -35,14 +41,22 @@ from .errors import (
 from .models import ID_RE, MAX_CAPACITY, CommandResult, Lease, anchor_lease, new_message_id
 
 __all__ = [
+    "ASSIGNMENT",
     "ASSIGNMENT_BUFFER",
     "CALL_TIMEOUT",
+    "CANCEL",
     "CANCEL_BUFFER",
     "MAX_IN_FLIGHT",
     "READ_IDLE_TIMEOUT",
+    "Answered",
     "Call",
     "ClientProtocol",
     "Done",
+    "Ended",
+    "Event",
+    "Pushed",
+    "Queued",
+    "Submission",
     "check_message_id",
     "check_wait",
 ]
@@ -59,6 +73,11 @@ CANCEL_BUFFER: Final = MAX_CAPACITY
 CALL_TIMEOUT: Final = 10.0
 #: Default and maximum read-idle bound (§10).
 READ_IDLE_TIMEOUT: Final = 60.0
+
+#: The two kinds of push, and how many unread ones of each are buffered without a callback.
+ASSIGNMENT: Final = "assignment"
+CANCEL: Final = "cancel notice"
+_BUFFERS: Final = {ASSIGNMENT: ASSIGNMENT_BUFFER, CANCEL: CANCEL_BUFFER}
 
 #: ``on_done(value, error)``: called exactly once per sent request, with the answer's value
 #: (``error`` is ``None``) or with the error that ended the call (bound to its ``message_id``).
@@ -109,6 +128,48 @@ class Call:
         self.on_done = on_done
 
 
+class Submission(NamedTuple):
+    """One request of a batch (:meth:`ClientProtocol.open_batch`)."""
+
+    request_type: str
+    body: Any
+    on_done: Done
+    message_id: str | None = None
+    timeout: float | None = None
+
+
+class Answered(NamedTuple):
+    """An answer arrived: complete *call* with ``(value, error)``."""
+
+    call: Call
+    value: Any
+    error: WorkerError | None
+
+
+class Pushed(NamedTuple):
+    """A push of a *kind* that has a callback: hand *item* to it."""
+
+    kind: str
+    item: Any
+
+
+class Queued(NamedTuple):
+    """A push of a *kind* without a callback was buffered: wake one thread waiting for it."""
+
+    kind: str
+
+
+class Ended(NamedTuple):
+    """The session ended with *error*: tear down, and release each of *calls* with the error
+    bound to its own ``message_id``."""
+
+    error: OrbitError
+    calls: list[Call]
+
+
+Event = Union[Answered, Pushed, Queued, Ended]  # noqa: UP007 (a runtime alias)
+
+
 class ClientProtocol:
     """The rules of one worker session, driven by frames and an injected clock."""
 
@@ -120,6 +181,7 @@ class ClientProtocol:
         lease_clock: Callable[[], float] | None = None,
         max_call_timeout: float = CALL_TIMEOUT,
         read_idle_timeout: float = READ_IDLE_TIMEOUT,
+        callbacks: Collection[str] = (),
     ) -> None:
         self.ctx = ctx
         self.clock = clock
@@ -129,6 +191,10 @@ class ClientProtocol:
         self.calls: dict[str, Call] = {}
         #: Why the session ended (the first error wins); ``None`` while it is open.
         self.err: OrbitError | None = None
+        #: Unread pushes of each kind that has no callback (*callbacks* names those that do).
+        self.unread: dict[str, collections.deque[Any]] = {
+            kind: collections.deque() for kind in _BUFFERS if kind not in callbacks
+        }
 
     # ------------------------------------------------------------------ requests
 
@@ -171,6 +237,48 @@ class ClientProtocol:
         calls[mid] = call
         return call, text
 
+    def open_batch(
+        self, requests: Sequence[Submission]
+    ) -> tuple[list[str], list[str | None], list[tuple[Submission, OrbitError]]]:
+        """Open every request of a batch: ``(texts to send in order, the message_id of each
+        request or None, the refused requests with their error)``.
+
+        Wrong arguments (a bad or repeated ``message_id`` or timeout, a body that cannot be
+        encoded) raise for the whole batch before any slot is kept. A request the session
+        cannot take (it has ended, or too many are in flight) is refused, not sent.
+        """
+        ids = []
+        for r in requests:
+            self.bound(r.timeout)  # raises for a bad timeout
+            ids.append(new_message_id() if r.message_id is None else check_message_id(r.message_id))
+        if len(set(ids)) != len(ids):
+            raise ValueError("a message_id is repeated in the batch")
+        if any(mid in self.calls for mid in ids):
+            raise ValueError("message_id is already in flight on this connection")
+        opened: list[Call] = []
+        texts: list[str] = []
+        sent: list[str | None] = []
+        refused: list[tuple[Submission, OrbitError]] = []
+        for r, mid in zip(requests, ids, strict=True):
+            try:
+                call, text = self.open(r.request_type, r.body, mid, r.timeout, r.on_done)
+            except FrameError:
+                for c in opened:  # a body that cannot be encoded: give every slot back
+                    del self.calls[c.message_id]
+                raise
+            except OrbitError as exc:  # ended, or too many in flight: not sent
+                refused.append((r, exc))
+                sent.append(None)
+                continue
+            opened.append(call)
+            texts.append(text)
+            sent.append(mid)
+        return texts, sent, refused
+
+    def pending(self, call: Call) -> bool:
+        """True while *call* waits for its answer."""
+        return self.calls.get(call.message_id) is call
+
     def request_type(self, message_id: str) -> str | None:
         """The type of the request in flight under *message_id* (read-only: safe unlocked)."""
         call = self.calls.get(message_id)
@@ -212,24 +320,62 @@ class ClientProtocol:
         """True when the session is dead after this answer (PROTOCOL §11)."""
         return error is not None and error.fatal
 
-    # ------------------------------------------------------------------ failure and deadlines
-
-    def fail(self, err: OrbitError) -> list[Call]:
-        """End the session with *err* (the first error wins) and hand back every call in flight,
-        each to be released with the error bound to its own ``message_id``."""
+    def route(self, event: _codec.ServerEvent) -> list[Event]:
+        """What one decoded server frame does (nothing once the session has ended)."""
         if self.err is not None:
             return []
+        if isinstance(event, _codec.Reply):
+            try:
+                call, value, error = self.answer(event)
+            except WorkerProtocolError as exc:
+                return self._end(exc)
+            if self.is_fatal(error):
+                assert error is not None
+                # Delivered to its caller first, then the session ends (§11).
+                return [Answered(call, value, error), *self._end(error)]
+            return [Answered(call, value, error)]
+        if isinstance(event, _codec.AssignPush):
+            return self._push(ASSIGNMENT, event.assignment)
+        if isinstance(event, _codec.CancelPush):
+            return self._push(CANCEL, event.notice)
+        return self._end(event.error)  # the server ended the session
+
+    def _push(self, kind: str, item: Any) -> list[Event]:
+        unread = self.unread.get(kind)
+        if unread is None:
+            return [Pushed(kind, item)]
+        limit = _BUFFERS[kind]
+        if len(unread) >= limit:
+            # The reader never blocks: a consumer that fell behind loses the session (§10).
+            return self._end(
+                WorkerBackpressure(
+                    f"more than {limit} {kind}s left unread; the connection is closed"
+                )
+            )
+        unread.append(item)
+        return [Queued(kind)]
+
+    def take(self, kind: str) -> Any:
+        """The oldest unread push of *kind*, or ``None``."""
+        unread = self.unread[kind]
+        return unread.popleft() if unread else None
+
+    # ------------------------------------------------------------------ failure and deadlines
+
+    def fail(self, err: OrbitError) -> list[Event]:
+        """End the session with *err*: ``[Ended]``, or nothing when it had already ended (the
+        first error wins)."""
+        if self.err is not None:
+            return []
+        return self._end(err)
+
+    def _end(self, err: OrbitError) -> list[Event]:
         self.err = err
         calls = list(self.calls.values())
         self.calls.clear()
-        return calls
-
-    def forget(self, call: Call) -> bool:
-        """Drop *call* without an answer (its frame was never sent); True if it was in flight."""
-        if self.calls.get(call.message_id) is call:
-            del self.calls[call.message_id]
-            return True
-        return False
+        for unread in self.unread.values():
+            unread.clear()  # a reservation on a dead session grants nothing
+        return [Ended(err, calls)]
 
     def next_deadline(self, last_rx: float) -> tuple[float, Call | None]:
         """The next moment something is due: the earliest call deadline or the read-idle one."""
@@ -240,14 +386,26 @@ class ClientProtocol:
                 due, late = call.deadline, call
         return due, late
 
-    def expired(self, last_rx: float) -> OrbitError | None:
-        """The error that ends the session if a deadline has passed now, else ``None``."""
+    def expire(self, last_rx: float) -> list[Event]:
+        """``[Ended]`` if a deadline has passed now (a call's bound, or the read-idle bound
+        counted from *last_rx*), else nothing."""
+        if self.err is not None:
+            return []
         due, late = self.next_deadline(last_rx)
         if self.clock() < due:
-            return None
+            return []
         if late is not None:
-            return self.timeout_error(late)
-        return WorkerDisconnected(f"nothing received from the Orbit server for {self.idle:g} s")
+            return self._end(self.timeout_error(late))
+        return self._end(
+            WorkerDisconnected(f"nothing received from the Orbit server for {self.idle:g} s")
+        )
+
+    def give_up(self, call: Call) -> list[Event]:
+        """A caller's own wait for *call* passed its bound: ``[Ended]`` with its timeout if the
+        call is still unanswered (the deadline thread may have ended the session first)."""
+        if not self.pending(call):
+            return []
+        return self._end(self.timeout_error(call))
 
     @staticmethod
     def timeout_error(call: Call) -> CallTimeout:

@@ -26,33 +26,36 @@ with that error bound to the call's own ``message_id``, and sets ``done`` once t
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 from . import _codec
 from ._protocol import (
+    ASSIGNMENT,
     ASSIGNMENT_BUFFER,
     CALL_TIMEOUT,
+    CANCEL,
     CANCEL_BUFFER,
     MAX_IN_FLIGHT,
     READ_IDLE_TIMEOUT,
+    Answered,
     Call,
     ClientProtocol,
     Done,
-    check_message_id,
+    Ended,
+    Event,
+    Pushed,
+    Queued,
     check_wait,
 )
+from ._protocol import Submission as Submission  # the Worker's batches
 from ._transport import Transport
 from .errors import (
-    FrameError,
     OrbitError,
-    WorkerBackpressure,
     WorkerClosed,
     WorkerDisconnected,
     WorkerProtocolError,
@@ -67,7 +70,6 @@ from .models import (
     Lease,
     Registration,
     Welcome,
-    new_message_id,
 )
 
 __all__ = [
@@ -81,18 +83,7 @@ __all__ = [
 
 log = logging.getLogger("orbit_sync.connection")
 
-_CLOSED: Final = object()  # wakes queue readers when the connection fails
 T = TypeVar("T")
-
-
-class Submission(NamedTuple):
-    """One request of :meth:`WorkerConnection._submit_many` (the arguments of ``_submit``)."""
-
-    request_type: str
-    body: Any
-    on_done: Done
-    message_id: str | None = None
-    timeout: float | None = None
 
 
 class _Waiter:
@@ -154,6 +145,11 @@ class WorkerConnection:
         self._transport = transport
         self._welcome = welcome
         self._registration = registration
+        self._callbacks: dict[str, Callable[[Any], None]] = {}
+        if on_assignment is not None:
+            self._callbacks[ASSIGNMENT] = on_assignment
+        if on_cancel is not None:
+            self._callbacks[CANCEL] = on_cancel
         # Deadlines are waited for in real time; *clock* only anchors the leases it returns.
         self._core = ClientProtocol(
             _codec.SessionContext(welcome.session_id, welcome.epoch, registration),
@@ -161,15 +157,14 @@ class WorkerConnection:
             lease_clock=clock,
             max_call_timeout=max_call_timeout,
             read_idle_timeout=read_idle_timeout,
+            callbacks=self._callbacks,
         )
-        self._on_cancel = on_cancel
-        self._on_assignment = on_assignment
         self._lock = threading.Lock()
         # The deadline thread sleeps on this; it is woken only for a call due before that.
         self._timer = threading.Condition(self._lock)
         self._wake_at = math.inf
-        self._assignments: queue.Queue[Any] = queue.Queue(ASSIGNMENT_BUFFER)
-        self._cancels: queue.Queue[Any] = queue.Queue(CANCEL_BUFFER)
+        # Threads waiting for a push of each kind that has no callback.
+        self._arrived = {kind: threading.Condition(self._lock) for kind in self._core.unread}
         self._done = threading.Event()
         tag = welcome.session_id[:8]
         self._deadlines = threading.Thread(
@@ -246,9 +241,9 @@ class WorkerConnection:
         (PROTOCOL §10): a consumer that cannot keep up with bursts of up to its capacity should
         pass ``on_assignment`` instead.
         """
-        if self._on_assignment is not None:
+        if ASSIGNMENT in self._callbacks:
             raise RuntimeError("assignments go to the on_assignment callback of this connection")
-        item = self._take(self._assignments, check_wait(timeout), "assignment")
+        item = self._take(ASSIGNMENT, check_wait(timeout))
         assert isinstance(item, Assignment)
         return item
 
@@ -262,32 +257,31 @@ class WorkerConnection:
         """
         if not self._registration.cancellation_notifications:
             raise RuntimeError("the registration did not ask for cancellation notifications")
-        if self._on_cancel is not None:
+        if CANCEL in self._callbacks:
             raise RuntimeError("cancel notices go to the on_cancel callback of this connection")
-        item = self._take(self._cancels, check_wait(timeout), "cancel notice")
+        item = self._take(CANCEL, check_wait(timeout))
         assert isinstance(item, CancelNotice)
         return item
 
-    def _take(self, source: queue.Queue[Any], timeout: float | None, what: str) -> object:
-        err = self.err
-        if err is not None:
-            raise err.with_message_id(None)
+    def _take(self, kind: str, timeout: float | None) -> object:
+        """The next unread push of *kind*, waiting at most *timeout* seconds (None: no bound)."""
         if timeout != 0:
-            self._refuse_on_reader(f"waiting for the next {what}")
-        try:
-            item = source.get(timeout=timeout) if timeout != 0 else source.get_nowait()
-        except queue.Empty:
-            err = self.err
-            if err is not None:
-                raise err.with_message_id(None) from None
-            raise TimeoutError(f"no {what} within {timeout:g} s") from None
-        if item is _CLOSED:
-            _wake(source)  # pass the wake-up on to the next waiting reader
-        err = self.err
-        if err is not None:
-            # A reservation on a dead session grants nothing; the server reclaims it.
-            raise err.with_message_id(None)
-        return item
+            self._refuse_on_reader(f"waiting for the next {kind}")
+        core = self._core
+        arrived = self._arrived[kind]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                if core.err is not None:
+                    # A reservation on a dead session grants nothing; the server reclaims it.
+                    raise core.err.with_message_id(None)
+                item = core.take(kind)
+                if item is not None:
+                    return item
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"no {kind} within {timeout:g} s")
+                arrived.wait(left)
 
     # ------------------------------------------------------------------ requests
 
@@ -380,44 +374,19 @@ class WorkerConnection:
         ``on_done`` gets that error once the others are written, and its place in the returned
         list is ``None`` instead of its ``message_id``.
         """
-        batch: list[tuple[Submission, str]] = []
         for request in requests:
             if not isinstance(request, Submission):
                 raise TypeError("requests must be Submission tuples")
             self._check_request(request.request_type, request.body)
-            self._core.bound(request.timeout)  # raises for a bad timeout
-            mid = request.message_id
-            batch.append((request, new_message_id() if mid is None else check_message_id(mid)))
-        if len({mid for _, mid in batch}) != len(batch):
-            raise ValueError("a message_id is repeated in the batch")
-        opened: list[Call] = []
-        texts: list[str] = []
-        refused: list[tuple[Submission, OrbitError]] = []
-        ids: list[str | None] = []
         with self._lock:
-            if any(mid in self._core.calls for _, mid in batch):
-                raise ValueError("message_id is already in flight on this connection")
-            for r, mid in batch:
-                try:
-                    call, text = self._core.open(r.request_type, r.body, mid, r.timeout, r.on_done)
-                except FrameError:
-                    for c in opened:  # a body that cannot be encoded: give every slot back
-                        del self._core.calls[c.message_id]
-                    raise
-                except OrbitError as exc:  # ended, or too many in flight: not sent
-                    refused.append((r, exc))
-                    ids.append(None)
-                    continue
-                opened.append(call)
-                texts.append(text)
-                ids.append(mid)
-            if opened and min(c.deadline for c in opened) < self._wake_at:
-                self._timer.notify()
+            texts, ids, refused = self._core.open_batch(requests)
+            if texts:
+                self._timer.notify()  # new deadlines: the thread computes the next one
         # A failure completes every call of the batch with its error.
         if texts and self._write(self._transport.send_texts, texts):
             log.debug("sent %d requests in one write", len(texts))
-        for r, err in refused:  # never sent: each is told why
-            _run_done(r.on_done, None, err, r.request_type)
+        for request, err in refused:  # never sent: each is told why
+            _run_done(request.on_done, None, err, request.request_type)
         return ids
 
     def _check_request(self, request_type: str, body: Any) -> None:
@@ -440,10 +409,8 @@ class WorkerConnection:
         if not waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic())):
             # Normally the deadline thread ends the connection first; if it did not, do it here.
             with self._lock:
-                late = self._core.calls.get(call.message_id) is call
-                err = self._core.timeout_error(call) if late else None
-            if err is not None:
-                self._fail(err)
+                events = self._core.give_up(call)
+            self._handle(events)
             waiter.lock.acquire()  # completed (by the answer or the failure) just now
         value, error = waiter.value, waiter.error
         waiter.value = waiter.error = None
@@ -470,11 +437,15 @@ class WorkerConnection:
     ) -> Call:
         with self._lock:
             call, text = self._core.open(request_type, body, message_id, timeout, on_done)
-            if call.deadline < self._wake_at:
-                self._timer.notify()
+            self._arm(call.deadline)
         if self._write(self._transport.send_text, text):
             log.debug("sent %s message_id=%s", request_type, call.message_id)
         return call
+
+    def _arm(self, deadline: float) -> None:
+        """Wake the deadline thread if *deadline* comes before what it sleeps until (locked)."""
+        if deadline < self._wake_at:
+            self._timer.notify()
 
     def _write(self, send: Callable[[T], None], data: T) -> bool:
         """``send(data)``; False once a failed write ended the connection."""
@@ -496,17 +467,11 @@ class WorkerConnection:
             log.error("unexpected error while sending; closing the connection", exc_info=exc)
         self._fail(_caused(WorkerDisconnected("connection lost while sending"), exc))
 
-    def _fail(self, err: OrbitError) -> bool:
-        """Record *err* as the connection's error (first one wins), tear down, release calls."""
+    def _fail(self, err: OrbitError) -> None:
+        """End the connection with *err* unless it has already ended (the first error wins)."""
         with self._lock:
-            calls = self._core.fail(err)
-            if self._core.err is not err:
-                return False
-            self._timer.notify()
-        self._teardown(err)
-        for call in calls:
-            _complete(call, None, err.with_message_id(call.message_id))
-        return True
+            events = self._core.fail(err)
+        self._handle(events)
 
     def _teardown(self, err: OrbitError) -> None:
         log.debug("connection %s ended: %s: %s", self.session_id, type(err).__name__, err)
@@ -517,18 +482,14 @@ class WorkerConnection:
         else:
             close_code = 1000
         self._transport.abort(close_code)
-        _wake(self._assignments)
-        _wake(self._cancels)
 
     # ------------------------------------------------------------------ threads
 
     def _watch(self) -> None:
-        """Deadline thread: read-idle and per-call bounds, on the monotonic clock."""
+        """Deadline thread: read-idle and per-call bounds, on the protocol's clock."""
         core = self._core
         with self._lock:
-            while True:
-                if core.err is not None:
-                    return
+            while core.err is None:
                 due, _ = core.next_deadline(self._transport.last_rx)
                 now = core.clock()
                 if now < due:
@@ -536,10 +497,11 @@ class WorkerConnection:
                     self._timer.wait(due - now)
                     self._wake_at = math.inf
                     continue
-                err = core.expired(self._transport.last_rx)
-                if err is not None:
-                    break
-        self._fail(err)
+                events = core.expire(self._transport.last_rx)
+                break
+            else:
+                return
+        self._handle(events)
 
     def _read_one(self) -> bool:
         """Read and handle one server message; False once the connection has ended."""
@@ -573,66 +535,46 @@ class WorkerConnection:
         if core.err is not None:
             return False
         try:
-            event = core.decode(raw)
-            if isinstance(event, _codec.Reply):
-                with self._lock:
-                    if self._core.err is not None:  # ended while this frame was decoded
-                        return False
-                    call, value, error = core.answer(event)
+            event = core.decode(raw)  # unlocked: it only reads the call table
         except WorkerProtocolError as exc:
             self._fail(exc)
             return False
-        if isinstance(event, _codec.Reply):
-            _complete(call, value, error)
-            if error is not None:
-                log.debug("error %s answering message_id=%s", error.code, call.message_id)
-                if core.is_fatal(error):
-                    # Delivered to its caller first (above), then the connection ends (§11).
-                    self._fail(error)
-                    return False
-            return True
-        if isinstance(event, _codec.AssignPush):
-            a = event.assignment
-            log.debug("assignment task_id=%s attempt_id=%s", a.task.task_id, a.attempt_id)
-            # Unstarted, a dropped reservation returns to the queue when its lease expires.
-            return self._push(
-                a, self._on_assignment, "on_assignment", "assignment", self._assignments
-            )
-        if isinstance(event, _codec.CancelPush):
-            return self._cancel(event.notice)
-        log.debug("server ended the session: %s", event.error.code)
-        self._fail(event.error)
-        return False
+        with self._lock:
+            events = core.route(event)
+            if events and type(events[0]) is Queued:
+                self._arrived[events[0].kind].notify()
+        return self._handle(events)
 
-    def _cancel(self, notice: CancelNotice) -> bool:
-        log.debug("cancel requested task_id=%s attempt_id=%s", notice.task_id, notice.attempt_id)
-        return self._push(notice, self._on_cancel, "on_cancel", "cancel notice", self._cancels)
+    def _handle(self, events: list[Event]) -> bool:
+        """Act on the protocol's events, outside the lock; False once the connection ended."""
+        for event in events:
+            if type(event) is Answered:
+                call = event.call
+                _run_done(call.on_done, event.value, event.error, call.request_type)
+                if event.error is not None:
+                    log.debug("error %s answering message_id=%s", event.error.code, call.message_id)
+            elif type(event) is Pushed:
+                try:
+                    self._callbacks[event.kind](event.item)
+                except Exception:
+                    # Unstarted, a dropped reservation returns to the queue when its lease expires.
+                    name = "on_assignment" if event.kind == ASSIGNMENT else "on_cancel"
+                    log.exception("%s callback raised; the %s is dropped", name, event.kind)
+            elif type(event) is Ended:
+                self._ended(event)
+            elif type(event) is Queued:
+                log.debug("%s queued", event.kind)
+        return self._core.err is None  # a callback may have closed the connection
 
-    def _push(
-        self,
-        item: Any,
-        callback: Callable[[Any], None] | None,
-        name: str,
-        what: str,
-        source: queue.Queue[Any],
-    ) -> bool:
-        """Hand a push to its callback, or queue it; False once the connection has ended."""
-        if callback is not None:
-            try:
-                callback(item)
-            except Exception:
-                log.exception("%s callback raised; the %s is dropped", name, what)
-            return self._core.err is None  # the callback may have closed the connection
-        try:
-            source.put_nowait(item)
-        except queue.Full:
-            self._fail(
-                WorkerBackpressure(
-                    f"more than {source.maxsize} {what}s left unread; the connection is closed"
-                )
-            )
-            return False
-        return True
+    def _ended(self, event: Ended) -> None:
+        err = event.error
+        with self._lock:
+            self._timer.notify()
+            for arrived in self._arrived.values():
+                arrived.notify_all()
+        self._teardown(err)
+        for call in event.calls:
+            _run_done(call.on_done, None, err.with_message_id(call.message_id), call.request_type)
 
 
 def _caused(err: OrbitError, cause: BaseException) -> OrbitError:
@@ -641,19 +583,9 @@ def _caused(err: OrbitError, cause: BaseException) -> OrbitError:
     return err
 
 
-def _wake(source: queue.Queue[Any]) -> None:
-    # A full queue has no blocked reader, so a failed put wakes nobody who needs it.
-    with contextlib.suppress(queue.Full):
-        source.put_nowait(_CLOSED)
-
-
 def _check_ref(ref: object) -> None:
     if not isinstance(ref, AttemptRef):
         raise TypeError("ref must be an AttemptRef (assignment.attempt)")
-
-
-def _complete(call: Call, value: Any, error: OrbitError | None) -> None:
-    _run_done(call.on_done, value, error, call.request_type)
 
 
 def _run_done(on_done: Done, value: Any, error: OrbitError | None, request_type: str) -> None:

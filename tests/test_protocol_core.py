@@ -9,6 +9,7 @@ import pytest
 from _scripted import (
     LEASE_SECRET,
     SESSION_ID,
+    assignment_body,
     command_body,
     frame,
     lease_body,
@@ -18,14 +19,21 @@ from _scripted import (
 
 from orbit_sync import _codec
 from orbit_sync._protocol import (
+    ASSIGNMENT,
+    ASSIGNMENT_BUFFER,
     CALL_TIMEOUT,
     MAX_IN_FLIGHT,
     READ_IDLE_TIMEOUT,
+    Answered,
     ClientProtocol,
+    Ended,
+    Pushed,
+    Queued,
 )
 from orbit_sync.errors import (
     CallTimeout,
     OrbitError,
+    WorkerBackpressure,
     WorkerBusy,
     WorkerClosed,
     WorkerDisconnected,
@@ -165,8 +173,9 @@ def test_fail_hands_back_every_call_once_and_refuses_new_ones() -> None:
     """The first error wins; every call in flight is returned once; nothing more can be sent."""
     core = _core(Clock())
     calls = {core.open("task.renew", REF, None, None, _ignore)[0] for _ in range(3)}
-    released = core.fail(WorkerClosed("closed"))
-    assert set(released) == calls and not core.calls
+    [ended] = core.fail(WorkerClosed("closed"))
+    assert isinstance(ended, Ended) and isinstance(ended.error, WorkerClosed)
+    assert set(ended.calls) == calls and not core.calls
     assert core.fail(WorkerDisconnected("later")) == []
     assert isinstance(core.err, WorkerClosed)
     with pytest.raises(WorkerClosed) as info:
@@ -182,10 +191,12 @@ def test_call_deadline_comes_before_the_read_idle_one() -> None:
     core.open("task.renew", REF, None, 5.0, _ignore)
     assert core.next_deadline(last_rx=100.0) == (103.0, slow)
     clock.now = 102.9
-    assert core.expired(last_rx=100.0) is None
+    assert core.expire(last_rx=100.0) == []
     clock.now = 103.0
-    err = core.expired(last_rx=100.0)
-    assert isinstance(err, CallTimeout) and err.message_id == slow.message_id
+    [ended] = core.expire(last_rx=100.0)
+    assert isinstance(ended, Ended) and isinstance(ended.error, CallTimeout)
+    assert ended.error.message_id == slow.message_id and len(ended.calls) == 2
+    assert core.expire(last_rx=100.0) == []  # ended once
 
 
 def test_read_idle_deadline_without_calls() -> None:
@@ -194,16 +205,70 @@ def test_read_idle_deadline_without_calls() -> None:
     core = _core(clock)
     assert core.next_deadline(last_rx=90.0) == (90.0 + READ_IDLE_TIMEOUT, None)
     clock.now = 90.0 + READ_IDLE_TIMEOUT
-    assert isinstance(core.expired(last_rx=90.0), WorkerDisconnected)
-    assert core.expired(last_rx=clock.now) is None
+    assert core.expire(last_rx=clock.now) == []
+    [ended] = core.expire(last_rx=90.0)
+    assert isinstance(ended, Ended) and isinstance(ended.error, WorkerDisconnected)
 
 
-def test_forget_gives_a_slot_back_once() -> None:
-    """A call whose frame was never sent is dropped from the table without an answer."""
+def test_a_caller_giving_up_ends_the_session_only_while_its_call_is_unanswered() -> None:
+    """give_up: CallTimeout for an unanswered call; nothing once it was answered."""
+    core = _core(Clock())
+    answered, _ = core.open("task.renew", REF, None, None, _ignore)
+    _answer(core, answered.message_id, body=command_body("renew"))
+    assert core.give_up(answered) == []
+    late, _ = core.open("task.renew", REF, None, None, _ignore)
+    [ended] = core.give_up(late)
+    assert isinstance(ended.error, CallTimeout) and ended.calls == [late]
+
+
+def _route(core: ClientProtocol, value: dict[str, Any]) -> list[Any]:
+    return core.route(core.decode(json.dumps(value)))
+
+
+def test_routing_answers_and_fatal_errors_as_events() -> None:
+    """An answer is Answered; a fatal error answer is Answered, then Ended with that error."""
     core = _core(Clock())
     call, _ = core.open("task.renew", REF, None, None, _ignore)
-    assert core.forget(call) and not core.forget(call)
-    assert not core.calls
+    [answered] = _route(core, frame("ack", reply_to=call.message_id, body=command_body("renew")))
+    assert isinstance(answered, Answered) and answered.call is call
+    assert isinstance(answered.value, CommandResult) and answered.error is None
+    other, _ = core.open("task.renew", REF, None, None, _ignore)
+    fatal, _ = core.open("task.renew", REF, None, None, _ignore)
+    error = frame("error", reply_to=fatal.message_id, error=("STALE_SESSION", "replaced"))
+    first, ended = _route(core, error)
+    assert isinstance(first, Answered) and first.call is fatal
+    assert isinstance(ended, Ended) and ended.error is first.error and ended.calls == [other]
+    assert _route(core, frame("task.assign", body=assignment_body())) == []  # ended: nothing
+
+
+def test_pushes_are_queued_up_to_the_buffer_then_end_the_session() -> None:
+    """Without a callback, assignments are Queued up to ASSIGNMENT_BUFFER and taken in order;
+    one more is Ended with WorkerBackpressure and drops what was unread."""
+    core = _core(Clock())
+    ids = [f"{i + 1:032x}" for i in range(ASSIGNMENT_BUFFER + 1)]
+    for attempt_id in ids[:-1]:
+        assert _route(core, frame("task.assign", body=assignment_body(attempt_id=attempt_id))) == [
+            Queued(ASSIGNMENT)
+        ]
+    assert core.take(ASSIGNMENT).attempt_id == ids[0]
+    assert _route(core, frame("task.assign", body=assignment_body(attempt_id=ids[-1]))) == [
+        Queued(ASSIGNMENT)
+    ]
+    [ended] = _route(core, frame("task.assign", body=assignment_body(attempt_id="f" * 32)))
+    assert isinstance(ended, Ended) and isinstance(ended.error, WorkerBackpressure)
+    assert core.take(ASSIGNMENT) is None
+
+
+def test_a_push_with_a_callback_is_handed_over_unbounded() -> None:
+    """With an assignment callback, every assignment is Pushed (never buffered, never ended)."""
+    ctx = _codec.SessionContext(SESSION_ID, 1, registration())
+    core = ClientProtocol(ctx, clock=Clock(), callbacks={ASSIGNMENT})
+    for i in range(ASSIGNMENT_BUFFER + 2):
+        [pushed] = _route(
+            core, frame("task.assign", body=assignment_body(attempt_id=f"{i + 1:032x}"))
+        )
+        assert isinstance(pushed, Pushed) and pushed.kind == ASSIGNMENT
+    assert core.err is None
 
 
 def _finish() -> Any:
