@@ -28,6 +28,7 @@ import sys
 import traceback
 from typing import Any
 
+from ._seconds import parse_seconds
 from .client import (
     Client,
     SettingError,
@@ -98,13 +99,7 @@ def _capacity(text: str) -> int:
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a number of seconds") from None
-    if not 0 <= value < float("inf"):  # also refuses NaN
-        raise argparse.ArgumentTypeError("expected a number of seconds >= 0")
-    return value
+    return parse_seconds(text)
 
 
 def queue_id(text: str) -> str:

@@ -23,11 +23,11 @@ call under one lock, moves bytes, wakes threads and runs callbacks outside that 
 from __future__ import annotations
 
 import collections
-import math
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final, NamedTuple, Union
 
 from . import _codec
+from ._seconds import seconds
 from .errors import (
     CallTimeout,
     FrameError,
@@ -57,8 +57,8 @@ __all__ = [
     "Pushed",
     "Queued",
     "Submission",
+    "call_timeout",
     "check_message_id",
-    "check_wait",
 ]
 
 #: In-flight control requests per connection; one more raises WorkerBusy before encoding (§10).
@@ -91,17 +91,10 @@ def check_message_id(message_id: object) -> str:
     return message_id
 
 
-def check_wait(timeout: object, name: str = "timeout") -> float | None:
-    """A wait in seconds: ``None`` (or infinity) waits without a bound; negatives and NaN raise."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float):
-        raise TypeError(f"{name} must be a number of seconds or None")
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"{name} must be >= 0")
-    if math.isinf(timeout):
-        return None  # wait without a bound (threading rejects an infinite timeout)
-    return float(timeout)
+def call_timeout(value: object, name: str = "timeout", cap: float = CALL_TIMEOUT) -> float:
+    """The bound of a call: seconds > 0, at most *cap* (the protocol's, or a connection's own
+    tighter maximum); ``None`` or infinity mean the cap."""
+    return cap if value is None else seconds(value, name, positive=True, cap=cap)
 
 
 class Call:
@@ -200,12 +193,7 @@ class ClientProtocol:
 
     def bound(self, timeout: float | None) -> float:
         """The bound of one call: *timeout* capped at the connection's maximum."""
-        wait = check_wait(timeout)
-        if wait is None:
-            return self.max_call
-        if wait <= 0:
-            raise ValueError("timeout must be > 0")
-        return min(wait, self.max_call)
+        return call_timeout(timeout, cap=self.max_call)
 
     def open(
         self,

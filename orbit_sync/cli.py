@@ -24,6 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import _cli_worker
+from ._seconds import parse_seconds
 from ._version import __version__
 from .client import read_token_file
 
@@ -60,13 +61,7 @@ _LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("expected a number") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError("expected a number > 0")
-    return value
+    return parse_seconds(text, positive=True)
 
 
 def _seconds_or_none(text: str) -> float | None:

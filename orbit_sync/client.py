@@ -16,7 +16,6 @@ certificate authorities come from the OpenSSL default paths, which the ``SSL_CER
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import ssl
@@ -27,6 +26,8 @@ from collections.abc import Callable, Mapping
 from typing import Final
 
 from . import _codec, _transport
+from ._protocol import call_timeout
+from ._seconds import seconds
 from .connection import CALL_TIMEOUT, READ_IDLE_TIMEOUT, WorkerConnection
 from .errors import (
     CallTimeout,
@@ -321,9 +322,9 @@ class Client:
         """
         if not isinstance(registration, Registration):
             raise TypeError("registration must be a Registration")
-        bound = _seconds(timeout, "timeout", DIAL_TIMEOUT)
-        max_call = _seconds(max_call_timeout, "max_call_timeout", CALL_TIMEOUT)
-        idle = _seconds(read_idle_timeout, "read_idle_timeout", READ_IDLE_TIMEOUT)
+        bound = seconds(timeout, "timeout", positive=True, cap=DIAL_TIMEOUT)
+        max_call = call_timeout(max_call_timeout, "max_call_timeout")
+        idle = seconds(read_idle_timeout, "read_idle_timeout", positive=True, cap=READ_IDLE_TIMEOUT)
         if on_cancel is not None:
             if not callable(on_cancel):
                 raise TypeError("on_cancel must be callable")
@@ -437,11 +438,3 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     if not token or not _TOKEN_RE.fullmatch(token):
         raise ValueError(f"the token file {os.fspath(path)} does not hold one bearer token")
     return token
-
-
-def _seconds(value: object, name: str, cap: float) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number of seconds")
-    if math.isnan(value) or value <= 0:
-        raise ValueError(f"{name} must be > 0")
-    return min(float(value), cap)

@@ -50,9 +50,9 @@ from ._protocol import (
     Event,
     Pushed,
     Queued,
-    check_wait,
 )
 from ._protocol import Submission as Submission  # the Worker's batches
+from ._seconds import wait_seconds
 from ._transport import Transport
 from .errors import (
     OrbitError,
@@ -243,7 +243,7 @@ class WorkerConnection:
         """
         if ASSIGNMENT in self._callbacks:
             raise RuntimeError("assignments go to the on_assignment callback of this connection")
-        item = self._take(ASSIGNMENT, check_wait(timeout))
+        item = self._take(ASSIGNMENT, wait_seconds(timeout))
         assert isinstance(item, Assignment)
         return item
 
@@ -259,7 +259,7 @@ class WorkerConnection:
             raise RuntimeError("the registration did not ask for cancellation notifications")
         if CANCEL in self._callbacks:
             raise RuntimeError("cancel notices go to the on_cancel callback of this connection")
-        item = self._take(CANCEL, check_wait(timeout))
+        item = self._take(CANCEL, wait_seconds(timeout))
         assert isinstance(item, CancelNotice)
         return item
 

@@ -25,7 +25,8 @@ from _scripted import (
 )
 
 from orbit_sync import _codec
-from orbit_sync.client import DIAL_TIMEOUT, Client, _seconds
+from orbit_sync._seconds import seconds
+from orbit_sync.client import DIAL_TIMEOUT, Client
 from orbit_sync.errors import (
     CallTimeout,
     HTTPError,
@@ -260,8 +261,8 @@ def test_dial_times_out_when_welcome_never_comes() -> None:
 def test_dial_timeout_is_capped_at_eight_seconds() -> None:
     """A longer dial timeout is clamped to the protocol's 8 s; shorter ones are kept."""
     assert DIAL_TIMEOUT == 8.0
-    assert _seconds(30.0, "timeout", DIAL_TIMEOUT) == 8.0
-    assert _seconds(0.25, "timeout", DIAL_TIMEOUT) == 0.25
+    assert seconds(30.0, "timeout", positive=True, cap=DIAL_TIMEOUT) == 8.0
+    assert seconds(0.25, "timeout", positive=True, cap=DIAL_TIMEOUT) == 0.25
 
 
 def test_server_closing_before_welcome_is_a_disconnect() -> None:

@@ -45,6 +45,7 @@ from websockets.server import ServerProtocol
 
 from .._codec import SUBPROTOCOL, ClientFrame, InvalidClientFrame, decode_client_frame, encode_frame
 from .._json import MAX_FRAME_BYTES
+from .._protocol import READ_IDLE_TIMEOUT
 from ..models import TaskState, new_message_id
 from . import _http
 from ._clock import Clock, ManualClock, SystemClock
@@ -131,7 +132,7 @@ class MockOrbitServer:
         max_concurrency: int | None = None,
         max_connections: int = 128,
         hello_timeout: float = 5.0,
-        read_idle_timeout: float = 60.0,
+        read_idle_timeout: float = READ_IDLE_TIMEOUT,
         write_timeout: float = 5.0,
         admin_handler: AdminHandler | None = None,
         idempotency_window: float = DEFAULT_IDEMPOTENCY_WINDOW,

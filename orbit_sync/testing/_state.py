@@ -31,7 +31,15 @@ from typing import Any
 
 from .. import _json
 from .._codec import unstructure
-from ..models import ID_RE, CancelNotice, Capability, TaskState, new_id
+from ..models import (
+    ID_RE,
+    MAX_LEASE_WINDOW,
+    MAX_SESSION_WINDOW,
+    CancelNotice,
+    Capability,
+    TaskState,
+    new_id,
+)
 from ._clock import Clock
 from ._inspect import Inspection
 from ._options import TOKEN_RE
@@ -119,10 +127,10 @@ class OrbitState(Requests, Inspection):
         an ended task, session or instance is kept (``None``: forever); *event_log_size*: how
         many events the log keeps; *exact_recovery*: recover an expired lease or an overdue
         WAITING task at its own moment instead of on PROTOCOL §8's 2 s scan."""
-        if not 1.0 <= lease_duration <= 120.0:
-            raise ValueError("lease_duration must be between 1 and 120 seconds")
-        if not 0.0 < session_window <= 300.0:
-            raise ValueError("session_window must be in (0, 300] seconds")
+        if not 1.0 <= lease_duration <= MAX_LEASE_WINDOW:
+            raise ValueError(f"lease_duration must be between 1 and {MAX_LEASE_WINDOW} seconds")
+        if not 0.0 < session_window <= MAX_SESSION_WINDOW:
+            raise ValueError(f"session_window must be in (0, {MAX_SESSION_WINDOW}] seconds")
         if assignment_rate is not None and not assignment_rate > 0:
             raise ValueError("assignment_rate must be > 0 (or None for no limit)")
         if request_rate is not None and not request_rate > 0:

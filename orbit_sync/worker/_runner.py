@@ -27,7 +27,6 @@ import contextlib
 import enum
 import inspect
 import logging
-import math
 import os
 import signal
 import threading
@@ -40,7 +39,9 @@ from typing import Any, TypeVar
 
 import cattrs
 
-from .._protocol import CALL_TIMEOUT, MAX_IN_FLIGHT
+from .._protocol import MAX_IN_FLIGHT
+from .._protocol import call_timeout as call_timeout_bound
+from .._seconds import seconds
 from ..client import Client, DialCut
 from ..connection import Submission
 from ..errors import OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
@@ -258,14 +259,7 @@ def _check_handler_signature(fn: object) -> None:
 
 
 def _check_seconds(name: str, value: float, *, positive: bool = False) -> float:
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        raise TypeError(f"{name} must be a number of seconds")
-    # NaN compares false with everything: a NaN bound would make every wait loop spin.
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number of seconds")
-    if value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'}")
-    return float(value)
+    return seconds(value, name, positive=positive)
 
 
 #: Every Worker of this process, so a forked child can give each a new identity.
@@ -371,9 +365,7 @@ class Worker:
         self._flush_timeout = _check_seconds("flush_timeout", flush_timeout)
         self._dial_timeout = _check_seconds("dial_timeout", dial_timeout, positive=True)
         # Past this a request's connection is closed and the operation re-sent on the next one.
-        self._call_timeout = min(
-            CALL_TIMEOUT, _check_seconds("call_timeout", call_timeout, positive=True)
-        )
+        self._call_timeout = call_timeout_bound(call_timeout, "call_timeout")
         self._backoff = reconnect_backoff or Backoff()
         if max_in_flight is None:
             max_in_flight = MAX_IN_FLIGHT
