@@ -25,7 +25,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from orbit_sync.worker import AttemptEvent, HandlerEnvironment, TaskContext, WorkerListener
+from orbit_sync.testing import HandlerEnvironment
+from orbit_sync.worker import AttemptEvent, TaskContext, WorkerListener
 from orbit_sync.worker._encoding import ResultEncoder
 from orbit_sync.worker._hooks import Hooks
 

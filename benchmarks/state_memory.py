@@ -37,7 +37,8 @@ from orbit_sync.models import (
     new_message_id,
     new_secret,
 )
-from orbit_sync.testing import SCOPE_CONNECT, SCOPE_CONSUME, ManualClock, OrbitState, queue_scope
+from orbit_sync.testing import ManualClock
+from orbit_sync.testing._state import SCOPE_CONNECT, SCOPE_CONSUME, OrbitState, queue_scope
 
 STEP = 0.05  # seconds of server time per request
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from ._deprecated import moved
 from ._version import __version__
 from .client import Client
 from .connection import WorkerConnection
@@ -41,8 +44,6 @@ from .worker import (
     AttemptInfo,
     Backoff,
     Fail,
-    HandlerEnvironment,
-    OutboxError,
     ShutdownReport,
     TaskCancelled,
     TaskContext,
@@ -50,6 +51,7 @@ from .worker import (
     Worker,
     WorkerStats,
 )
+from .worker._outbox import OutboxError
 
 __all__ = [
     "Assignment",
@@ -68,7 +70,6 @@ __all__ = [
     "Finish",
     "FrameError",
     "HTTPError",
-    "HandlerEnvironment",
     "Lease",
     "Operation",
     "OrbitError",
@@ -95,3 +96,13 @@ __all__ = [
     "__version__",
     "new_message_id",
 ]
+
+#: Names that moved, and their new home; the old path warns until the next release.
+_MOVED = {"HandlerEnvironment": "orbit_sync.testing"}
+
+
+def __getattr__(name: str) -> Any:
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved(__name__, name, new)

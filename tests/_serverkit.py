@@ -17,8 +17,17 @@ from orbit_sync.models import (
     new_message_id,
     new_secret,
 )
-from orbit_sync.testing import SCOPE_CONNECT, SCOPE_CONSUME, ManualClock, OrbitState, queue_scope
-from orbit_sync.testing._state import Action, CloseSession, Handled, Push
+from orbit_sync.testing import ManualClock
+from orbit_sync.testing._state import (
+    SCOPE_CONNECT,
+    SCOPE_CONSUME,
+    Action,
+    CloseSession,
+    Handled,
+    OrbitState,
+    Push,
+    queue_scope,
+)
 
 CAP = Capability("resize", "1", "1")
 

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
+import warnings
+
+import pytest
+
 import orbit_sync
 
 
@@ -21,3 +26,59 @@ def test_error_tree() -> None:
         if isinstance(obj, type) and issubclass(obj, Exception):
             assert issubclass(obj, orbit_sync.OrbitError), name
     assert issubclass(orbit_sync.CallTimeout, TimeoutError)
+
+
+@pytest.mark.parametrize("package", ["orbit_sync.worker", "orbit_sync.testing"])
+def test_subpackage_all_sorted_and_resolvable(package: str) -> None:
+    """Each subpackage's ``__all__`` is sorted and unique, and every name resolves."""
+    module = importlib.import_module(package)
+    names = module.__all__
+    assert names == sorted(names)
+    assert len(set(names)) == len(names)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a public name never resolves through a deprecation
+        for name in names:
+            assert getattr(module, name) is not None, name
+
+
+#: (package, name, where it lives now): old paths that resolve with a DeprecationWarning.
+MOVED = [
+    ("orbit_sync", "HandlerEnvironment", "orbit_sync.testing"),
+    ("orbit_sync.worker", "HandlerEnvironment", "orbit_sync.testing"),
+    ("orbit_sync.worker", "FakeClock", "orbit_sync.testing"),
+    ("orbit_sync.worker", "OutboxError", "orbit_sync"),
+    ("orbit_sync.testing", "OrbitState", "orbit_sync.testing._state"),
+    ("orbit_sync.testing", "InvariantError", "orbit_sync.testing._state"),
+    ("orbit_sync.testing", "SCOPE_CONNECT", "orbit_sync.testing._state"),
+    ("orbit_sync.testing", "SCOPE_CONSUME", "orbit_sync.testing._state"),
+    ("orbit_sync.testing", "queue_scope", "orbit_sync.testing._state"),
+]
+
+
+@pytest.mark.parametrize(("package", "name", "home"), MOVED)
+def test_an_old_import_path_warns_and_gives_the_same_object(
+    package: str, name: str, home: str
+) -> None:
+    """A name that left a package's ``__all__`` still resolves there, with a DeprecationWarning
+    naming its new home, to the very object of the new home."""
+    module = importlib.import_module(package)
+    assert name not in module.__all__
+    with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
+        old = getattr(module, name)
+    assert old is getattr(importlib.import_module(home), name)
+
+
+def test_outbox_error_is_exported_once() -> None:
+    """OutboxError is public at the top, with the other errors, and in no subpackage."""
+    exporters = [
+        package
+        for package in ("orbit_sync", "orbit_sync.worker", "orbit_sync.testing")
+        if "OutboxError" in importlib.import_module(package).__all__
+    ]
+    assert exporters == ["orbit_sync"]
+
+
+def test_pipelined_requests_are_not_public() -> None:
+    """The Worker's pipelined path is internal: no public submit or submit_many."""
+    assert not hasattr(orbit_sync.WorkerConnection, "submit")
+    assert not hasattr(orbit_sync.WorkerConnection, "submit_many")

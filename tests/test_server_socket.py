@@ -24,7 +24,8 @@ from websockets.exceptions import InvalidStatus
 
 from orbit_sync._codec import parse_time
 from orbit_sync.models import CapacityReport, Lease, TaskState, new_message_id
-from orbit_sync.testing import SCOPE_CONNECT, ManualClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.testing._state import SCOPE_CONNECT
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
 

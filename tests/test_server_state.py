@@ -21,8 +21,8 @@ from orbit_sync.models import (
     TaskState,
     new_secret,
 )
-from orbit_sync.testing import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, queue_scope
 from orbit_sync.testing._records import format_us, to_datetime
+from orbit_sync.testing._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, queue_scope
 
 # --------------------------------------------------------------------------- sessions
 

@@ -11,16 +11,9 @@ from _serverkit import CAP, Kit, Proc, body, code
 
 from orbit_sync._codec import parse_time
 from orbit_sync.models import Capability, TaskState, new_message_id
-from orbit_sync.testing import (
-    SCOPE_CONNECT,
-    SCOPE_CONSUME,
-    AdminAPI,
-    AdminClient,
-    ManualClock,
-    MockOrbitServer,
-    queue_scope,
-)
+from orbit_sync.testing import AdminAPI, AdminClient, ManualClock, MockOrbitServer
 from orbit_sync.testing._records import to_datetime
+from orbit_sync.testing._state import SCOPE_CONNECT, SCOPE_CONSUME, queue_scope
 
 
 def test_enqueue_many_creates_in_order_and_dispatches_once() -> None:

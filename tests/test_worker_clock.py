@@ -10,8 +10,8 @@ from _scripted import WAIT
 from _worker_helpers import Probe, make_worker, running
 
 from orbit_sync.models import TaskState
-from orbit_sync.testing import ManualClock, MockOrbitServer
-from orbit_sync.worker import FakeClock, TaskContext, WorkerClock
+from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.worker import TaskContext, WorkerClock
 from orbit_sync.worker._clock import Wakeup
 from orbit_sync.worker._pool import IDLE_TIMEOUT, DaemonPool
 

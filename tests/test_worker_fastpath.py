@@ -10,8 +10,8 @@ import pytest
 from _worker_helpers import Probe, events, has_event, make_worker, running
 
 from orbit_sync.models import TaskState
-from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import AttemptFinished, FakeClock, TaskContext, Worker, WorkerListener
+from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.worker import AttemptFinished, TaskContext, Worker, WorkerListener
 
 WAIT = 10.0
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}

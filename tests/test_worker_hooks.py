@@ -183,7 +183,7 @@ def test_events_reach_every_listener_and_a_broken_one_breaks_nothing(
 
 
 def _run(hooks: Hooks, handler: Callable[[TaskContext, Any], Any]) -> Any:
-    from orbit_sync.worker import HandlerEnvironment
+    from orbit_sync.testing import HandlerEnvironment
 
     env = HandlerEnvironment()
     box: list[Any] = []
@@ -242,7 +242,7 @@ def test_middleware_cannot_change_the_handlers_exception(middleware: type[Worker
 
 
 def _ctx() -> TaskContext:
-    from orbit_sync.worker import HandlerEnvironment
+    from orbit_sync.testing import HandlerEnvironment
 
     env = HandlerEnvironment()
     env.run(lambda ctx, payload: None, {})

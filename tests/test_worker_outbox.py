@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 from _worker_helpers import make_worker, running
 
+from orbit_sync import OutboxError
 from orbit_sync.client import Client
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import OutboxError, TaskContext
+from orbit_sync.worker import TaskContext
 from orbit_sync.worker._outbox import Outbox
 from orbit_sync.worker._replay import replay
 

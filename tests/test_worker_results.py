@@ -17,8 +17,8 @@ from _worker_helpers import has_event, make_worker, running
 
 from orbit_sync import _codec, _json
 from orbit_sync.models import AttemptRef, Outcome, TaskState, new_secret
-from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import Fail, HandlerEnvironment, TaskContext, result_converter
+from orbit_sync.testing import HandlerEnvironment, MockOrbitServer
+from orbit_sync.worker import Fail, TaskContext, result_converter
 from orbit_sync.worker._encoding import ResultEncoder, ResultProblem
 from orbit_sync.worker._outcomes import Verdict, outcome_of
 

@@ -15,8 +15,8 @@ from _worker_helpers import Probe, make_worker, running
 from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
+from orbit_sync.testing import FakeClock as WorkerFakeClock
 from orbit_sync.testing import ManualClock, MockOrbitServer
-from orbit_sync.worker import FakeClock as WorkerFakeClock
 from orbit_sync.worker import LeaseEvent, WorkerListener
 from orbit_sync.worker._context import TaskContext
 from orbit_sync.worker._watchdog import (

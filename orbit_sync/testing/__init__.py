@@ -12,7 +12,9 @@ with a Python API to enqueue tasks, inspect them, move server time and inject fa
         server.advance(32)                    # expire a lease without waiting
         snap = server.wait_for(task_id, {"SUCCEEDED", "NEEDS_REVIEW"})
 
-The state machine behind it (:class:`OrbitState`) is plain Python with an injectable clock.
+Also here for tests of code that uses the worker: :class:`HandlerEnvironment` (run a handler
+without a server) and :class:`FakeClock` (the worker's time, moved by hand or following a
+``ManualClock``).
 """
 
 from __future__ import annotations
@@ -20,7 +22,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .._deprecated import moved
+
 if TYPE_CHECKING:
+    from ..worker._clock import FakeClock
+    from ..worker._environment import HandlerEnvironment
     from ._admin import AdminAPI
     from ._admin_client import AdminClient, AdminError
     from ._clock import Clock, ManualClock, SystemClock
@@ -37,7 +43,6 @@ if TYPE_CHECKING:
         TaskPolicy,
         TaskSnapshot,
     )
-    from ._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, OrbitState, queue_scope
 
 # Imported on first use (PEP 562): the pytest plugin lives in this package and is loaded by every
 # pytest run of a project that installed orbit-sync, even without the ``testing`` extra; the mock
@@ -53,25 +58,22 @@ _EXPORTS: dict[str, str] = {
     "EventLog": "._snapshots",
     "EventRecord": "._snapshots",
     "EvidenceSnapshot": "._snapshots",
+    "FakeClock": "..worker._clock",
     "Fault": "._faults",
     "Faults": "._faults",
-    "InvariantError": "._state",
+    "HandlerEnvironment": "..worker._environment",
     "ManualClock": "._clock",
     "MockOrbitServer": "._server",
-    "OrbitState": "._state",
     "RetrySafety": "._snapshots",
-    "SCOPE_CONNECT": "._state",
-    "SCOPE_CONSUME": "._state",
     "SessionSnapshot": "._snapshots",
     "SystemClock": "._clock",
     "TaskPolicy": "._snapshots",
     "TaskSnapshot": "._snapshots",
-    "queue_scope": "._state",
 }
+#: The server state machine's internals: no longer public, reachable for one more release.
+_MOVED = ("InvariantError", "OrbitState", "SCOPE_CONNECT", "SCOPE_CONSUME", "queue_scope")
 
 __all__ = [
-    "SCOPE_CONNECT",
-    "SCOPE_CONSUME",
     "AdminAPI",
     "AdminClient",
     "AdminError",
@@ -82,22 +84,23 @@ __all__ = [
     "EventLog",
     "EventRecord",
     "EvidenceSnapshot",
+    "FakeClock",
     "Fault",
     "Faults",
-    "InvariantError",
+    "HandlerEnvironment",
     "ManualClock",
     "MockOrbitServer",
-    "OrbitState",
     "RetrySafety",
     "SessionSnapshot",
     "SystemClock",
     "TaskPolicy",
     "TaskSnapshot",
-    "queue_scope",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        return moved(__name__, name, f"{__name__}._state")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -7,11 +7,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from .._deprecated import moved
 from ._backoff import Backoff
-from ._clock import FakeClock, WorkerClock
+from ._clock import WorkerClock
 from ._context import TaskContext
 from ._encoding import result_converter
-from ._environment import HandlerEnvironment
 from ._hooks import (
     AttemptEvent,
     AttemptFinished,
@@ -21,7 +23,6 @@ from ._hooks import (
     SessionEvent,
     WorkerListener,
 )
-from ._outbox import OutboxError
 from ._outcomes import Fail, TaskCancelled, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
@@ -34,11 +35,8 @@ __all__ = [
     "DisconnectEvent",
     "DrainEvent",
     "Fail",
-    "FakeClock",
     "Handler",
-    "HandlerEnvironment",
     "LeaseEvent",
-    "OutboxError",
     "SessionEvent",
     "ShutdownReport",
     "TaskCancelled",
@@ -51,3 +49,17 @@ __all__ = [
     "WorkerStats",
     "result_converter",
 ]
+
+#: Names that moved, and their new home; the old path warns until the next release.
+_MOVED = {
+    "FakeClock": "orbit_sync.testing",
+    "HandlerEnvironment": "orbit_sync.testing",
+    "OutboxError": "orbit_sync",
+}
+
+
+def __getattr__(name: str) -> Any:
+    new = _MOVED.get(name)
+    if new is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return moved(__name__, name, new)

@@ -325,7 +325,7 @@ class Worker:
 
     *clock* (a :class:`~orbit_sync.worker.WorkerClock`) is the worker's time: lease deadlines,
     renewals, heartbeats, retry delays, the shutdown phases and idle handler threads run on it.
-    Tests pass a :class:`~orbit_sync.worker.FakeClock` to let those windows pass without sleeping.
+    Tests pass a :class:`~orbit_sync.testing.FakeClock` to let those windows pass without sleeping.
     """
 
     def __init__(
