@@ -497,8 +497,10 @@ class WorkerConnection:
                     self._timer.wait(due - now)
                     self._wake_at = math.inf
                     continue
+                # Data may have arrived since: then nothing has expired and the wait goes on.
                 events = core.expire(self._transport.last_rx)
-                break
+                if events:
+                    break
             else:
                 return
         self._handle(events)

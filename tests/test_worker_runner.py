@@ -12,10 +12,9 @@ import pytest
 from _worker_helpers import Probe, events, has_event, make_worker, running
 
 from orbit_sync.models import SECRET_RE, AttemptState, Outcome, TaskState
-from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
 from orbit_sync.worker import (
     Fail,
-    FakeClock,
     LeaseEvent,
     TaskContext,
     UnknownEffect,

@@ -11,10 +11,10 @@ import time
 import pytest
 
 from orbit_sync.models import Outcome, Task, TaskState, new_id
+from orbit_sync.testing import HandlerEnvironment
 from orbit_sync.worker import (
     Backoff,
     Fail,
-    HandlerEnvironment,
     TaskCancelled,
     TaskContext,
     UnknownEffect,
