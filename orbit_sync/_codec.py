@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as _dt
 import enum
 import functools
+import re
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -570,6 +571,76 @@ ACK_BODIES: dict[str, type[Any]] = {
 }
 
 
+# The usual answer to start/renew/finish, byte for byte in the field order PROTOCOL §6 lists,
+# compact, every string free of escapes. A frame that matches is valid JSON with no duplicate key
+# and a well-formed envelope, so one match replaces the strict parse and the envelope checks;
+# the body still goes through the one body decoder. Anything else (another order, whitespace,
+# escapes, an error) takes the general path, which is also what names a fault.
+_PLAIN_STRING = r'"([^"\\\x00-\x1f\x7f-\U0010ffff]{1,64})"'  # nothing to unescape
+_SHAPE_PARTS = {
+    "S": _PLAIN_STRING,
+    "H": r'"([0-9a-f]{32})"',
+    "B": r"(true|false)",
+    "?": r'(?:,"cancel_requested_at":' + _PLAIN_STRING + ")?",
+}
+_ACK_SHAPE = re.compile(
+    "".join(
+        _SHAPE_PARTS.get(c, re.escape(c))
+        for c in (
+            '{"protocol_version":"1","type":"ack","message_id":H,"reply_to":H,"session_id":H,'
+            '"body":{"receipt":{"operation":S,"task_state":S,"attempt_state":S,'
+            '"task_revision":S,"lease_until":S,"disposition":S},"lease":{"active":B,"state":S,'
+            '"lease_until":S,"server_time":S?},"deduplicated":B}}'
+        )
+    )
+)
+
+
+def _command_ack(
+    raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
+) -> Reply | None:
+    """The Reply of an ack of the usual shape (see ``_ACK_SHAPE``), else None."""
+    try:
+        text = raw.decode("utf-8") if type(raw) is bytes else raw
+    except UnicodeDecodeError:
+        return None
+    m = _ACK_SHAPE.fullmatch(text)  # type: ignore[arg-type]
+    if m is None:
+        return None
+    (_, reply_to, session_id, op, task_state, attempt_state, revision, receipt_until,
+     disposition, active, state, until, now, cancel, dedup) = m.groups()  # fmt: skip
+    request = pending(reply_to)
+    if session_id != ctx.session_id or request is None or ACK_BODIES[request] is not CommandResult:
+        return None
+    lease: dict[str, Any] = {
+        "active": active == "true",
+        "state": state,
+        "lease_until": until,
+        "server_time": now,
+    }
+    if cancel is not None:
+        lease["cancel_requested_at"] = cancel
+    body = {
+        "receipt": {
+            "operation": op,
+            "task_state": task_state,
+            "attempt_state": attempt_state,
+            "task_revision": revision,
+            "lease_until": receipt_until,
+            "disposition": disposition,
+        },
+        "lease": lease,
+        "deduplicated": dedup == "true",
+    }
+    try:
+        value = _bodies.command_result(body)
+    except Exception:
+        return None  # the general path names the fault
+    if value.receipt.operation.value != request.removeprefix("task."):
+        return None
+    return Reply(reply_to, value=value)
+
+
 def decode_server_frame(
     raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
 ) -> ServerEvent:
@@ -578,6 +649,14 @@ def decode_server_frame(
     *pending* maps a ``message_id`` in flight to its request type (``None`` when unknown).
     Raises WorkerProtocolError on anything a conforming server cannot send.
     """
+    reply = _command_ack(raw, ctx, pending)
+    return reply if reply is not None else _decode_frame(raw, ctx, pending)
+
+
+def _decode_frame(
+    raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
+) -> ServerEvent:
+    """The general path of :func:`decode_server_frame`: any frame, every fault named."""
     frame = _parse_envelope(raw)
     kind = frame["type"]
     reply_to = frame.get("reply_to")
