@@ -329,3 +329,36 @@ def test_ctrl_c_in_next_assignment_leaves_the_stream_in_frame(
     peer.send_raw(tail)
     assert conn.next_assignment(timeout=WAIT).attempt_id == "2" * 32
     assert conn.err is None
+
+
+def test_ctrl_c_during_a_stuck_write_never_leaves_half_a_frame_on_an_open_connection(
+    interruptible: Callable[[], None],
+) -> None:
+    """Ctrl-C while the main thread is blocked writing a large frame: the write is not cut
+    short; the call bound ends the connection, then KeyboardInterrupt is raised. An open
+    connection with half a frame on the wire would corrupt every later request."""
+    import socket
+
+    from _scripted import TOKEN, StallingServer, registration
+
+    from orbit_sync.client import Client
+    from orbit_sync.models import Finish, Outcome
+
+    with StallingServer() as server:
+        conn = Client(server.url, TOKEN).dial_worker(registration())
+        try:
+            # White box: a small send buffer and the server's tiny receive window make this
+            # 250 KiB write block.
+            conn._transport._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            timer = threading.Timer(0.2, interruptible)  # the scenario: Ctrl-C mid-write
+            timer.start()
+            try:
+                with pytest.raises(KeyboardInterrupt):
+                    conn.finish(Finish(REF, Outcome.SUCCEEDED, "x" * (250 * 1024)), timeout=1.0)
+            finally:
+                timer.join(WAIT)
+            # Raised only once the write had ended the connection, never while it was open.
+            assert isinstance(conn.err, CallTimeout), "open with half a frame written"
+            assert conn.done.wait(WAIT)
+        finally:
+            conn.close()
