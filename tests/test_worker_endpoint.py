@@ -13,8 +13,8 @@ import pytest
 from orbit_sync import Client
 from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
 from orbit_sync.errors import HTTPError
-from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import Backoff, FakeClock, Worker
+from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.worker import Backoff, Worker
 from orbit_sync.worker._errors import EndpointCheck
 
 URL = "ws://127.0.0.1:1"
