@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint typecheck pytest demo bench chaos clean
+.PHONY: test lint typecheck pytest demo bench chaos supervisor-chaos clean
 
 $(STAMP): setup.cfg pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ bench:
 CHAOS_ARGS ?= --tasks 1000 --rtt 0.09 --mean-cut 0.3 --seeds 1,2,3
 chaos: $(STAMP)
 	$(BIN)/python tests/_cutlink_run.py $(CHAOS_ARGS)
+
+# orbit-sync worker --processes 2 recycling every 50 tasks while a random child is SIGKILLed every
+# 1-3 s (1,000 tasks), then a handler leaking 1 MB per task under --max-memory-per-child 100
+# (2,000 tasks); each prints its figures and fails on any lost, repeated or unbounded thing.
+supervisor-chaos: $(STAMP)
+	$(BIN)/python tests/_supervisor_chaos.py chaos --tasks 1000 --processes 2 --recycle 50
+	$(BIN)/python tests/_supervisor_chaos.py leak --tasks 2000 --limit 100
 
 clean:
 	rm -rf $(VENV) .venv-3.* build *.egg-info .mypy_cache .ruff_cache .pytest_cache

@@ -7,6 +7,10 @@ answers commands until stdin closes:
   (the bulk method when the server has one), answers ``{"seconds": s, "bulk": bool}``.
 - ``{"op": "list"}``: snapshots of every task through the Python API (``server.tasks()``),
   answers ``{"seconds": s, "count": n}``.
+- ``{"op": "sessions", "n": N, "timeout": s}``: waits until N sessions are connected, answers
+  ``{"ok": bool}``.
+- ``{"op": "done", "timeout": s}``: waits until every task SUCCEEDED, answers ``{"ok": bool}``
+  (it waits on the first task not done yet, again until there is none: no polling).
 
 Tokens travel only over the pipe to the harness; nothing here prints them elsewhere.
 """
@@ -64,6 +68,33 @@ def enqueue(server: Any, n: int, handler: str) -> tuple[float, bool]:
     return time.perf_counter() - start, False
 
 
+def _connected(n: int) -> Any:
+    return lambda server: sum(s.connected for s in server.sessions()) >= n
+
+
+def _wait(server: Any, predicate: Any, timeout: float) -> bool:
+    try:
+        server.wait_until(predicate, timeout)
+    except TimeoutError:
+        return False
+    return True
+
+
+def _all_succeeded(server: Any, timeout: float) -> bool:
+    from orbit_sync.models import TaskState
+
+    pending = [s for s in TaskState if s is not TaskState.SUCCEEDED]
+    end = time.monotonic() + timeout
+    while True:
+        page, _ = server.task_page(states=pending, limit=1)
+        if not page:
+            return True
+        try:
+            server.wait_for(page[0].task_id, {"SUCCEEDED"}, max(0.0, end - time.monotonic()))
+        except TimeoutError:
+            return False
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--lease-duration", type=float, default=30.0)
@@ -98,6 +129,10 @@ def main() -> int:
                 start = time.perf_counter()
                 count = len(server.tasks())
                 emit({"seconds": time.perf_counter() - start, "count": count})
+            elif command["op"] == "sessions":
+                emit({"ok": _wait(server, _connected(int(command["n"])), command["timeout"])})
+            elif command["op"] == "done":
+                emit({"ok": _all_succeeded(server, float(command["timeout"]))})
             else:
                 emit({"error": f"unknown op {command['op']!r}"})
     return 0

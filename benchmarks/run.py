@@ -24,7 +24,10 @@ Sections:
   ``Event.wait`` thread in the same process (the floor); lease losses;
 - idle: RSS and threads of ``Worker(capacity=256)`` before and after a burst;
 - mock server: its CPU per task against the worker's with 1,000 and 100,000 tasks waiting
-  (flatness), enqueue through the admin API, RSS after 10^5 and 10^6 requests.
+  (flatness), enqueue through the admin API, RSS after 10^5 and 10^6 requests;
+- processes: ``orbit-sync worker --processes 2`` against ``--processes 1`` (tasks/s and CPU per
+  task, no-op and CPU-bound handlers) and the idle RSS of each child
+  (:mod:`benchmarks.processes`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ import contextlib
 
 from benchmarks import _server_proc, mockserver, roundtrip
 from benchmarks._common import HERE, ROOT, Child, percentile
+from benchmarks.processes import bench_processes
 from orbit_sync import _codec
 from orbit_sync.models import (
     AttemptRef,
@@ -706,6 +710,7 @@ SECTIONS: dict[str, Section] = {
     "server-cpu": bench_server_cpu,
     "admin": bench_admin,
     "memory": bench_memory,
+    "processes": bench_processes,
 }
 
 

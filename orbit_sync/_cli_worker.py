@@ -47,7 +47,9 @@ __all__ = [
     "EXIT_PROTOCOL",
     "EXIT_USAGE",
     "add_arguments",
+    "report_error",
     "run",
+    "serve",
 ]
 
 EXIT_OK = 0
@@ -134,15 +136,30 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         metavar="S",
         help="seconds running handlers get after the first signal (default: module's, 30)",
     )
+    from ._supervisor import _cli as supervisor_cli  # imports this module: not at the top
+
+    supervisor_cli.add_arguments(parser)
 
 
-def _error(message: str) -> None:
-    print(f"orbit-sync: {message}", file=sys.stderr)
+#: The last line :func:`report_error` printed: a supervised child tells its supervisor.
+_last_error: list[str] = []
+
+
+def last_error() -> str | None:
+    """The last line :func:`report_error` printed (what a supervisor repeats about a child)."""
+    return _last_error[0] if _last_error else None
+
+
+def report_error(message: str) -> None:
+    """One ``orbit-sync: ...`` line on standard error."""
+    _last_error[:] = [message]
+    print(f"orbit-sync: {message}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Run the ``worker`` subcommand; returns the exit status."""
-    from .worker import Worker
+    from ._supervisor import ChildLink
+    from ._supervisor import _cli as supervisor_cli
 
     target: str = args.target
     module_name, sep, attribute = target.partition(":")
@@ -167,13 +184,36 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _export(args)
         check_environment(os.environ)
     except ValueError as exc:
-        _error(f"error: {exc}")
+        report_error(f"error: {exc}")
         return EXIT_USAGE
+    if supervisor_cli.requested(args):
+        # The supervisor imports nothing of the application: each child does, afresh.
+        level = getattr(args, "log_level", "WARNING")
+        command = [sys.executable, "-m", "orbit_sync", "--log-level", level, "worker", target]
+        return supervisor_cli.supervise(
+            args, [*command, *supervisor_cli.child_arguments(args)], target
+        )
+    link = ChildLink.from_environ()
+    status = _run(args, parser, target, token, link)
+    if link is not None:
+        link.exit(status, last_error())
+    return status
 
+
+def _run(
+    args: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    target: str,
+    token: str | None,
+    link: Any,
+) -> int:
+    from .worker import Worker
+
+    module_name, _, attribute = target.partition(":")
     try:
         worker = _load(target, module_name, attribute)
     except SettingError as exc:  # raised by Client.from_env() in the module or its factory
-        _error(f"cannot load {target}: {exc}")
+        report_error(f"cannot load {target}: {exc}")
         return EXIT_USAGE
     if worker is None:
         return EXIT_FAILED
@@ -182,24 +222,33 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     assert isinstance(worker, Worker)
-    return serve(worker, target)
+    return serve(worker, target, link)
 
 
-def serve(worker: Any, label: str) -> int:
-    """Print the banner, run *worker* until it stops, report; return the exit status."""
+def serve(worker: Any, label: str, link: Any = None) -> int:
+    """Print the banner, run *worker* until it stops, report; return the exit status.
+
+    *link* (a supervised child's :class:`~orbit_sync._supervisor.ChildLink`) reports the
+    worker's health to the supervisor and applies the recycling limits.
+    """
+    if link is not None:
+        link.attach(worker)
+        if link.stop_requested:
+            report_error("asked to stop before the worker started: not starting")
+            return EXIT_OK
     _banner(worker, label)
     try:
         report = worker.run()
     except Exception as exc:
         # The worker's errors never carry secrets (errors.py); show the type and message.
         status = exit_status_for(exc)
-        _error(f"worker stopped on {type(exc).__name__}: {exc} (exit {status})")
+        report_error(f"worker stopped on {type(exc).__name__}: {exc} (exit {status})")
         if status == EXIT_FAILED:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         return status
     forced = bool(not report.drained or report.abandoned or report.unreported)
     status = EXIT_FORCED if forced else EXIT_OK
-    _error(
+    report_error(
         f"worker stopped (drained={report.drained}, cancelled={len(report.cancelled)},"
         f" abandoned={len(report.abandoned)}, unreported={len(report.unreported)}; exit {status})"
     )
@@ -241,15 +290,15 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         for part in attribute.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as exc:
-        _error(f"cannot load {target}: {exc}")
+        report_error(f"cannot load {target}: {exc}")
         return None
     if isinstance(obj, Worker):
         return obj
     if not callable(obj):
-        _error(f"{target} is a {type(obj).__name__}, not an orbit_sync.worker.Worker")
+        report_error(f"{target} is a {type(obj).__name__}, not an orbit_sync.worker.Worker")
         return None
     if _needs_arguments(obj):
-        _error(
+        report_error(
             f"{target} is a function that takes arguments (a handler?), not a Worker or a "
             "factory: point at the Worker the handler is registered on, or at a function "
             "without arguments that returns one"
@@ -260,11 +309,13 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
     except SettingError:
         raise
     except Exception:
-        _error(f"{target}() raised an exception:")
+        report_error(f"{target}() raised an exception:")
         traceback.print_exc(file=sys.stderr)
         return None
     if not isinstance(made, Worker):
-        _error(f"{target}() returned a {type(made).__name__}, not an orbit_sync.worker.Worker")
+        report_error(
+            f"{target}() returned a {type(made).__name__}, not an orbit_sync.worker.Worker"
+        )
         return None
     return made
 

@@ -120,3 +120,19 @@ def effect(ctx: TaskContext, payload: dict[str, Any]) -> Any:
 def pid(ctx: TaskContext, payload: Any) -> Any:
     """Just the child's pid."""
     return {"pid": os.getpid()}
+
+
+#: What ``hog`` keeps: memory that stays with the child process.
+HELD: list[bytes] = []
+
+
+def hog(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Keep *mb* megabytes (touched) in this process; report the pid."""
+    HELD.append(os.urandom(payload["mb"] * 1024 * 1024))
+    return {"pid": os.getpid()}
+
+
+def allocate(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Allocate *mb* megabytes for the attempt only; report the pid."""
+    block = bytearray(payload["mb"] * 1024 * 1024)
+    return {"pid": os.getpid(), "size": len(block)}

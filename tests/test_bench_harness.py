@@ -42,7 +42,7 @@ def test_quick_run_reports_every_section(tmp_path: Path) -> None:
     assert results["machine"]["cores"] >= 1
     for section in ("calls", "worker", "dispatch", "lateness", "idle", "server_cpu"):
         assert section in results, section
-    for section in ("admin_enqueue", "server_memory"):
+    for section in ("admin_enqueue", "server_memory", "processes"):
         assert section in results, section
     assert results["lateness"]["n"] > 0 and results["lateness"]["floor_n"] > 0
     assert results["dispatch"]["n"] > 0

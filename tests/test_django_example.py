@@ -108,3 +108,27 @@ def test_configuration_errors_are_one_message(database: Path) -> None:
     done = run_in_project(argv, project_env(None, database))
     assert done.returncode == 1
     assert "set DJANGO_SETTINGS_MODULE" in done.stderr
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_manage_py_orbit_worker_runs_several_processes(
+    orbit_server: MockOrbitServer, database: Path, procs: list[Proc]
+) -> None:
+    """--processes 2: manage.py is run again for each child (its own Django setup and database
+    connection, its own session); SIGTERM drains both and the supervisor exits 0."""
+    argv = [sys.executable, "manage.py", "orbit_worker", "--processes", "2", "--capacity", "1"]
+    proc = Proc(argv, env=project_env(orbit_server, database), cwd=PROJECT)
+    procs.append(proc)
+    orbit_server.wait_until(lambda s: sum(x.connected for x in s.sessions()) == 2, 30)
+    ids = [
+        orbit_server.enqueue("invoice.charge", {"number": f"P-{n}", "amount": "1.00"})
+        for n in range(4)
+    ]
+    snaps = [orbit_server.wait_for(i, {"SUCCEEDED", "FAILED"}, timeout=20) for i in ids]
+    assert {s.state.value for s in snaps} == {"SUCCEEDED"}, proc.stderr
+    assert len({s.capacity for s in orbit_server.sessions()}) == 1
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0, proc.stderr
+    assert "running 2 worker processes of manage.py orbit_worker" in proc.stderr
+    assert proc.stderr.count("worker manage.py orbit_worker (pid") == 2
+    assert "capacity:  1, drain timeout 30 s" in proc.stderr
+    assert paid(database) == [(f"P-{n}", 1) for n in range(4)]

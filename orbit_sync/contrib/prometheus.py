@@ -79,8 +79,15 @@ class PrometheusListener(WorkerListener):
             namespace=ns,
             registry=reg,
         )
+        # livesum: in prometheus_client's multiprocess mode (orbit-sync worker --metrics-port)
+        # the gauges add up over live processes; a single process is unaffected.
         self.in_flight = Gauge(
-            "attempts_in_flight", "Handlers running now.", ["handler"], namespace=ns, registry=reg
+            "attempts_in_flight",
+            "Handlers running now.",
+            ["handler"],
+            namespace=ns,
+            registry=reg,
+            multiprocess_mode="livesum",
         )
         self.undelivered = Counter(
             "finishes_undelivered",
@@ -112,7 +119,11 @@ class PrometheusListener(WorkerListener):
             "dial_failures", "Connection attempts that failed.", namespace=ns, registry=reg
         )
         self.connected_gauge = Gauge(
-            "connected", "1 while a session is established.", namespace=ns, registry=reg
+            "connected",
+            "1 while a session is established.",
+            namespace=ns,
+            registry=reg,
+            multiprocess_mode="livesum",
         )
 
     def attempt_received(self, event: AttemptEvent) -> None:

@@ -54,6 +54,7 @@ from ..models import Task
 from ._context import TaskContext
 from ._locks import hold_instance_shared
 from ._outcomes import Fail, TaskCancelled, UnknownEffect
+from ._process_limits import ChildLimits
 
 __all__ = [
     "HANDLER_IMPORT_ERROR",
@@ -503,11 +504,14 @@ class _Spawner:
 class ProcessPool:
     """Up to *size* child processes, started on first use and replaced when one dies."""
 
-    def __init__(self, size: int, *, cancel_grace: float) -> None:
+    def __init__(
+        self, size: int, *, cancel_grace: float, limits: ChildLimits | None = None
+    ) -> None:
         if type(size) is not int or size < 1:
             raise ValueError("process_pool must be a positive int")
         self.size = size
         self._cancel_grace = cancel_grace
+        self._limits = limits or ChildLimits()  # recycling between attempts (_process_limits)
         self._mp = multiprocessing.get_context("spawn")
         self._cond = threading.Condition()
         self._idle: list[_Process] = []
@@ -571,6 +575,11 @@ class ProcessPool:
 
     def _release(self, child: _Process) -> None:
         keep = child.healthy and child.proc.is_alive()
+        if keep and self._limits and self._limits.after_job(child.proc.pid) is not None:
+            child.stop(kill=False)  # between attempts: the next one starts a new child
+            keep = False
+        elif not keep:
+            self._limits.forget(child.proc.pid)
         if not keep:
             child.stop(kill=True)
         with self._cond:

@@ -97,6 +97,7 @@ from ._outcomes import (
 )
 from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
+from ._process_limits import ChildLimits, MemoryLimited
 from ._redial import Redial
 from ._replay import replay
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
@@ -311,7 +312,9 @@ class Worker:
     Handlers registered with ``executor="process"`` run in child processes (spawned lazily, at
     most *process_pool* of them, default one per CPU), so CPU-bound work neither holds the GIL
     against lease renewals nor shares the process with the connection: see
-    ``docs/process-executor.md``.
+    ``docs/process-executor.md``. A child is replaced between attempts after
+    *process_max_tasks_per_child* attempts, or when its RSS exceeds
+    *process_max_memory_per_child* MB after one.
 
     With *outbox* (a file path), launches and finishes are committed to a durable SQLite
     outbox, so a process killed with ``kill -9`` loses no result: the next worker started with
@@ -349,6 +352,8 @@ class Worker:
         listeners: Iterable[object] = (),
         clock: WorkerClock | None = None,
         process_pool: int | None = None,
+        process_max_tasks_per_child: int | None = None,
+        process_max_memory_per_child: int | None = None,
         outbox: str | os.PathLike[str] | None = None,
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
@@ -447,6 +452,9 @@ class Worker:
         if process_pool is not None and (type(process_pool) is not int or process_pool < 1):
             raise ValueError("process_pool must be a positive int (child processes)")
         self._process_pool_size = process_pool
+        self._process_limits = ChildLimits(
+            max_tasks=process_max_tasks_per_child, max_memory_mb=process_max_memory_per_child
+        )
         self._processes: ProcessPool | None = None
         # Opened by start(), not here: a process-executor child imports the module that builds
         # this Worker, and must not contend for the parent's outbox lock.
@@ -465,12 +473,16 @@ class Worker:
         version: str | int = "1",
         payload_version: str | int = "1",
         executor: str = "thread",
+        memory_limit: int | None = None,
+        memory_limit_retryable: bool = False,
     ) -> Callable[[H], H]:
         """Register the decorated function for (*name*, *version*, *payload_version*).
 
         The function is called as ``fn(ctx, payload)`` on a pool thread, or, with
         ``executor="process"``, in a child process of the worker's process pool (see
-        *process_pool*). Use it with a name, ``@worker.handler("resize")``: the bare
+        *process_pool*); there *memory_limit* (MB) bounds what one attempt may allocate: past
+        it the attempt ends ``FAILED`` with ``HANDLER_MEMORY_LIMIT``, retryable when
+        *memory_limit_retryable*. Use it with a name, ``@worker.handler("resize")``: the bare
         ``@worker.handler`` raises ``TypeError``.
         """
         if callable(name) and not isinstance(name, str):
@@ -481,7 +493,13 @@ class Worker:
 
         def register(fn: H) -> H:
             self.register(
-                name, fn, version=version, payload_version=payload_version, executor=executor
+                name,
+                fn,
+                version=version,
+                payload_version=payload_version,
+                executor=executor,
+                memory_limit=memory_limit,
+                memory_limit_retryable=memory_limit_retryable,
             )
             return fn
 
@@ -495,6 +513,8 @@ class Worker:
         version: str | int = "1",
         payload_version: str | int = "1",
         executor: str = "thread",
+        memory_limit: int | None = None,
+        memory_limit_retryable: bool = False,
     ) -> None:
         """Register *fn* as a handler (the non-decorator form of :meth:`handler`).
 
@@ -505,6 +525,10 @@ class Worker:
         if executor not in ("thread", "process"):
             raise ValueError('executor must be "thread" or "process"')
         _check_handler_signature(fn)
+        if memory_limit is not None:
+            if executor != "process":
+                raise ValueError('memory_limit needs executor="process"')
+            fn = MemoryLimited(fn, memory_limit, retryable=memory_limit_retryable)
         if executor == "process":
             check_process_handler(fn)
         cap = Capability(name, version, payload_version)  # validates the names
@@ -519,7 +543,9 @@ class Worker:
             if executor == "process":
                 if self._processes is None:
                     size = self._process_pool_size or os.cpu_count() or 1
-                    self._processes = ProcessPool(size, cancel_grace=self._cancel_grace)
+                    self._processes = ProcessPool(
+                        size, cancel_grace=self._cancel_grace, limits=self._process_limits
+                    )
                 fn = ProcessHandler(fn, self._processes)
             self._handlers[key] = fn
             self._task_logs.setdefault(cap.handler, task_logger(cap.handler))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Any
 
@@ -10,6 +11,8 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from orbit_sync import _cli_worker
+from orbit_sync._supervisor import ChildLink
+from orbit_sync._supervisor import _cli as supervisor_cli
 from orbit_sync.client import read_token_file
 from orbit_sync.contrib.django._worker import build_worker, discover_handlers
 
@@ -39,6 +42,16 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
                 token = read_token_file(options["token_file"])
             except ValueError as exc:
                 raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
+        if supervisor_cli.requested(options):
+            status = supervisor_cli.supervise(
+                options,
+                [*_command_prefix(), *_child_arguments(options)],
+                "manage.py orbit_worker",
+            )
+            if status:
+                sys.exit(status)
+            return
+        link = ChildLink.from_environ()
         try:
             # Both read settings.ORBIT_SYNC: a misspelled key is configuration, like a missing URL.
             discover_handlers()
@@ -52,9 +65,31 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
         except (ImproperlyConfigured, ValueError) as exc:
             # Configuration, not a bug: the message, not a traceback (and never the token).
             raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
-        status = _cli_worker.serve(worker, "manage.py orbit_worker")
+        status = _cli_worker.serve(worker, "manage.py orbit_worker", link)
+        if link is not None:
+            link.exit(status, _cli_worker.last_error())
         if status:
             sys.exit(status)
+
+
+def _command_prefix() -> list[str]:
+    """How a child runs this command again: the same manage.py (or django-admin) script, else
+    ``python -m django`` (which finds the settings in $DJANGO_SETTINGS_MODULE, inherited)."""
+    script = sys.argv[0]
+    if os.path.isfile(script) and os.path.basename(script) != "__main__.py":
+        return [sys.executable, os.path.abspath(script), "orbit_worker"]
+    return [sys.executable, "-m", "django", "orbit_worker"]
+
+
+def _child_arguments(options: dict[str, Any]) -> list[str]:
+    argv = supervisor_cli.child_arguments(options)
+    if options.get("log_level"):
+        argv += ["--log-level", options["log_level"]]
+    if options.get("settings"):
+        argv += ["--settings", options["settings"]]
+    if options.get("pythonpath"):
+        argv += ["--pythonpath", options["pythonpath"]]
+    return argv
 
 
 def _log_to_stderr(level: str) -> None:

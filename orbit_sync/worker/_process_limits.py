@@ -1,0 +1,132 @@
+"""Limits of the process executor: recycling the pool's children, and a memory budget per attempt.
+
+Recycling (``Worker(process_pool=N, process_max_tasks_per_child=K,
+process_max_memory_per_child=MB)``): after each attempt the pool counts the child's jobs and
+reads its RSS (Linux: ``/proc/PID/statm``); past a limit the child is asked to exit between
+attempts, and the next attempt starts a new one. No attempt is cut short.
+
+A memory budget (``@worker.handler(..., executor="process", memory_limit=MB)``): while the
+handler runs, its process may not grow its address space by more than *MB* (``RLIMIT_AS``, Linux
+only). An allocation past it raises ``MemoryError`` inside the handler, which ends the attempt
+``FAILED`` with :data:`HANDLER_MEMORY_LIMIT`, retryable when the handler says so
+(``memory_limit_retryable``); the worker and its other attempts carry on. The budget counts
+address space, not resident pages: memory reserved and never touched counts, and so does the
+stack of each thread the handler starts (8 MB by default). A process the kernel kills anyway (the
+OOM killer) still ends its attempt ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._context import TaskContext
+from ._memory import rss_bytes
+from ._outcomes import Fail
+
+__all__ = ["HANDLER_MEMORY_LIMIT", "ChildLimits", "MemoryLimited"]
+
+#: The attempt's handler went over its ``memory_limit``.
+HANDLER_MEMORY_LIMIT = "HANDLER_MEMORY_LIMIT"
+_MB = 1024 * 1024
+_LOG = logging.getLogger("orbit_sync.worker")
+
+
+def _limit(name: str, value: int | None) -> int | None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ValueError(f"{name} must be a positive int")
+    return value
+
+
+class ChildLimits:
+    """When a child of the pool has done enough: *max_tasks* jobs, or more than *max_memory_mb*
+    of RSS after a job."""
+
+    def __init__(
+        self,
+        *,
+        max_tasks: int | None = None,
+        max_memory_mb: int | None = None,
+        rss: Callable[[int], int | None] = rss_bytes,
+    ) -> None:
+        self._max_tasks = _limit("process_max_tasks_per_child", max_tasks)
+        self._max_memory_mb = _limit("process_max_memory_per_child", max_memory_mb)
+        self._rss = rss
+        self._lock = threading.Lock()
+        self._jobs: dict[int, int] = {}
+
+    def __bool__(self) -> bool:
+        return self._max_tasks is not None or self._max_memory_mb is not None
+
+    def after_job(self, pid: int) -> str | None:
+        """Count a job of child *pid*; why it should now be replaced (None: keep it)."""
+        with self._lock:
+            jobs = self._jobs[pid] = self._jobs.get(pid, 0) + 1
+        reason = None
+        if self._max_tasks is not None and jobs >= self._max_tasks:
+            reason = f"{jobs} tasks (process_max_tasks_per_child={self._max_tasks})"
+        elif self._max_memory_mb is not None:
+            rss = self._rss(pid)
+            if rss is not None and rss > self._max_memory_mb * _MB:
+                reason = (
+                    f"RSS {rss / _MB:.0f} MB (process_max_memory_per_child={self._max_memory_mb})"
+                )
+        if reason is not None:
+            with self._lock:
+                del self._jobs[pid]
+            _LOG.info("replacing handler process %d after %s", pid, reason)
+        return reason
+
+    def forget(self, pid: int) -> None:
+        """Child *pid* is gone."""
+        with self._lock:
+            self._jobs.pop(pid, None)
+
+
+class MemoryLimited:
+    """*fn* run under a memory budget of *limit_mb* (see the module docstring); pickled by
+    reference to *fn*, so it runs in the child like *fn* itself."""
+
+    def __init__(
+        self, fn: Callable[[TaskContext, Any], Any], limit_mb: int, *, retryable: bool
+    ) -> None:
+        if type(limit_mb) is not int or limit_mb < 1:
+            raise ValueError("memory_limit must be a positive int (MB)")
+        if not sys.platform.startswith("linux"):
+            raise ValueError("memory_limit needs Linux (RLIMIT_AS)")
+        self.fn = fn
+        self.limit_mb = limit_mb
+        self.retryable = bool(retryable)
+        self.__name__ = getattr(fn, "__name__", "handler")
+        self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
+
+    def __call__(self, ctx: TaskContext, payload: Any) -> Any:
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        budget = _address_space() + self.limit_mb * _MB
+        if hard != resource.RLIM_INFINITY:
+            budget = min(budget, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (budget, hard))
+        try:
+            return self.fn(ctx, payload)
+        except MemoryError:
+            pass  # the Fail is built below, once the budget is lifted and the frames are gone
+        finally:
+            resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        raise Fail(
+            HANDLER_MEMORY_LIMIT,
+            f"the handler went over its memory_limit of {self.limit_mb} MB",
+            retryable=self.retryable,
+        )
+
+    def __repr__(self) -> str:
+        return f"<MemoryLimited {self.__qualname__} {self.limit_mb} MB>"
+
+
+def _address_space() -> int:
+    """This process's address space now (VmSize), in bytes."""
+    with open("/proc/self/statm", "rb") as statm:
+        return int(statm.read().split()[0]) * resource.getpagesize()

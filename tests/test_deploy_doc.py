@@ -1,0 +1,145 @@
+"""docs/deploy.md states signals, timeouts, exit statuses, probe paths and ports: each value it
+states is the one the code uses."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from orbit_sync import _cli_worker, cli
+from orbit_sync._supervisor import _cli as supervisor_cli
+from orbit_sync._supervisor import _observe, _policy, _supervisor, _wire
+from orbit_sync.worker import Worker, _runner
+
+PAGE = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
+DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(Worker).parameters.items()
+    if name in ("drain_timeout", "cancel_grace", "flush_timeout")
+}
+BOUND = sum(DEFAULTS.values()) + _supervisor.STOP_MARGIN
+
+
+def find(pattern: str) -> re.Match[str]:
+    """The page's text matching *pattern* (whitespace-insensitive); fails if absent."""
+    match = re.search(pattern.replace(" ", r"\s+"), PAGE)
+    assert match, f"docs/deploy.md no longer says {pattern!r}"
+    return match
+
+
+def test_worker_defaults_and_the_stop_bound() -> None:
+    """The three defaults, the margin, the bound's arithmetic and the orphan bound."""
+    for name, value in DEFAULTS.items():
+        assert float(find(rf"`{name}` \(default `(\d+)` s\)").group(1)) == value
+    assert float(find(r"flush_timeout \+ (\d+)` seconds after").group(1)) == (
+        _supervisor.STOP_MARGIN
+    )
+    a, b, c, d, total = map(float, find(r"(\d+) \+ (\d+) \+ (\d+) \+ (\d+) = (\d+) s").groups())
+    assert (a, b, c) == (
+        DEFAULTS["drain_timeout"],
+        DEFAULTS["cancel_grace"],
+        DEFAULTS["flush_timeout"],
+    )
+    assert d == _supervisor.STOP_MARGIN and total == BOUND
+    allowance, orphan = map(
+        float, find(r"flush_timeout \+ ([\d.]+)` seconds \(([\d.]+) s").groups()
+    )
+    assert allowance == _runner._CLOSE_ALLOWANCE
+    assert orphan == sum(DEFAULTS.values()) + _runner._CLOSE_ALLOWANCE
+    drain, needed = map(float, find(r"--drain-timeout (\d+)` needs at least (\d+)").groups())
+    assert needed == drain + DEFAULTS["cancel_grace"] + DEFAULTS["flush_timeout"] + d
+
+
+def test_process_manager_timeouts_exceed_the_bound() -> None:
+    """Kubernetes, systemd and supervisord are given more than the supervisor's stop bound."""
+    for pattern in (
+        r"terminationGracePeriodSeconds: (\d+)\n",
+        r"TimeoutStopSec=(\d+)\n",
+        r"stopwaitsecs=(\d+)\n",
+    ):
+        assert float(find(pattern).group(1)) > BOUND
+    assert find(r"kills \(SIGKILL\) any process still running")  # what happens at the bound
+
+
+def test_signals_are_the_ones_handled() -> None:
+    """KillSignal and stopsignal name a signal the supervisor drains on."""
+    names = {s.name for s in _supervisor._STOP_SIGNALS}
+    assert names == {"SIGTERM", "SIGINT"} and "first SIGTERM or SIGINT" in PAGE
+    assert find(r"KillSignal=(\w+)").group(1) in names
+    assert "SIG" + find(r"stopsignal=(\w+)").group(1) in names
+
+
+def test_exit_statuses_and_their_order() -> None:
+    """The status table names every status of the command, and the stated order is the code's."""
+    rows = dict(re.findall(r"^\| (\d) \| (.+) \|$", PAGE, re.M))
+    codes = {
+        _cli_worker.EXIT_OK: "clean stop",
+        _cli_worker.EXIT_FAILED: "failed",
+        _cli_worker.EXIT_USAGE: "configuration error",
+        _cli_worker.EXIT_FORCED: "forced stop",
+        _cli_worker.EXIT_AUTH: "credentials",
+        _cli_worker.EXIT_PROTOCOL: "protocol",
+    }
+    assert {int(k) for k in rows} == set(codes)
+    for code, word in codes.items():
+        assert word in rows[str(code)]
+    order = [int(x) for x in find(r"(\d( < \d){5})").group(1).split(" < ")]
+    assert tuple(order) == _policy.SEVERITY
+    fatal = {int(x) for x in find(r"Statuses (\d), (\d) and (\d) \(").groups()}
+    assert fatal == _policy.FATAL_AT_START
+    assert {int(x) for x in find(r"RestartPreventExitStatus=([\d ]+)\n").group(1).split()} == fatal
+    assert {int(x) for x in find(r"exitcodes=([\d,]+)\n").group(1).split(",")} == fatal | {0}
+
+
+def test_restart_and_report_timings() -> None:
+    """Restart delays, the give-up count, the report interval and the staleness bound."""
+    backoff = _policy.RESTART_BACKOFF
+    assert float(find(r"at most ([\d.]+) s\. Its running").group(1)) == backoff.cap(0)
+    lo1, hi1, lo2, hi2 = map(
+        float, find(r"\(([\d.]+)-([\d.]+) s, then ([\d.]+)-([\d.]+) s").groups()
+    )
+    assert (lo1, hi1, lo2, hi2) == (
+        backoff.cap(1) / 2,
+        backoff.cap(1),
+        backoff.cap(2) / 2,
+        backoff.cap(2),
+    )
+    assert int(find(r"After (\d+) such deaths in a row").group(1)) == _policy.START_FAILURES
+    assert float(find(r"supervisor every ([\d.]+) s").group(1)) == _wire.STATE_INTERVAL
+    assert float(find(r"has not reported for (\d+) s").group(1)) == _observe.STALE_REPORT
+    low, high = map(int, find(r"one supervisor \((\d+)-(\d+)\)").groups())
+    assert (low, high) == (1, supervisor_cli.MAX_PROCESSES)
+
+
+def test_options_exist_and_ports_match_the_probes() -> None:
+    """Every option the page names is accepted; the manifest's ports are the probes' ports."""
+    (subcommands,) = (a for a in cli._parser()._actions if a.choices and "worker" in a.choices)
+    known = subcommands.choices["worker"]._option_string_actions
+    # Every option on the page but the benchmark's (`benchmarks/run.py --only=...`).
+    named = set(re.findall(r"(?<!run\.py )(--[a-z][a-z-]+)", PAGE))
+    assert named - {"--drain-timeout"} and named <= set(known), named - set(known)
+    health = find(r"--health-port=(\d+)").group(1)
+    assert re.findall(r"port: (\d+)\}", PAGE) == [health, health]
+    assert find(r'prometheus.io/port: "(\d+)"').group(1) == find(r"--metrics-port=(\d+)").group(1)
+    assert find(r"--http-host=([\d.]+)\n").group(1) == "0.0.0.0"  # reachable by the kubelet
+
+
+def test_probe_paths_are_served() -> None:
+    """Every path the page sends a probe to is answered (200 or 503, never 404)."""
+    paths = set(re.findall(r"(/(?:livez|readyz|healthz|[a-z]+z))\b", PAGE))
+    assert paths == {"/livez", "/readyz", "/healthz"}
+    health = _observe.HostHealth(1)
+    server = health.serve(port=0, host="127.0.0.1")
+    try:
+        for path in sorted(paths):
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{server.port}{path}") as r:
+                    status = r.status
+            except urllib.error.HTTPError as exc:
+                status = exc.code
+            assert status in (200, 503), path
+    finally:
+        server.close()

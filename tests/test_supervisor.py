@@ -1,0 +1,338 @@
+"""``orbit-sync worker --processes N``: a supervisor of real worker processes against an
+in-process mock server, driven with real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from _cli_process import Proc, clean_env, command, procs  # noqa: F401  (fixture)
+from _supervisor_chaos import children_of, wait_gone
+
+from orbit_sync.testing import MockOrbitServer
+
+APP = Path(__file__).with_name("_supervised_app.py")
+pytestmark = pytest.mark.slow  # real processes: a second or more each
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A directory holding the worker module."""
+    shutil.copy(APP, tmp_path / "app.py")
+    return tmp_path
+
+
+def env_for(server: MockOrbitServer, **extra: str) -> dict[str, str]:
+    """What the module reads to reach *server*."""
+    return clean_env(
+        ORBIT_URL=server.url, ORBIT_TOKEN=server.token, ORBIT_QUEUE_ID=server.queue_id, **extra
+    )
+
+
+def serving(server: MockOrbitServer, n: int, timeout: float = 30.0) -> list[str]:
+    """Wait until *n* sessions are connected and not draining; their instance ids."""
+    server.wait_until(lambda s: len(_serving(s)) == n, timeout)
+    return _serving(server)
+
+
+def _serving(server: MockOrbitServer) -> list[str]:
+    return [s.instance_id for s in server.sessions() if s.connected and not s.draining]
+
+
+def get(url: str) -> tuple[int, dict[str, object]]:
+    """GET *url*: status and JSON body."""
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def probe(url: str, status: int, timeout: float = 10.0) -> dict[str, object]:
+    """GET *url* every 0.1 s until it answers *status*; its JSON body."""
+    stop = threading.Event()
+    deadline = time.monotonic() + timeout
+    while True:
+        got, body = get(url)
+        if got == status:
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} still answers {got}: {body}")
+        stop.wait(0.1)
+
+
+def port_line(proc: Proc, what: str) -> int:
+    """The port the supervisor said it serves *what* on."""
+    line = proc.wait_stderr(f"{what} of every worker process on port")
+    return int(line.rsplit(" ", 1)[1])
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_two_processes_share_the_queue_and_sigterm_drains_both(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+) -> None:
+    """Two children with their own instance ids run tasks; one SIGTERM drains both; exit 0."""
+    proc = Proc(
+        command("worker", "app:make", "--processes", "2", "--health-port", "0"),
+        env=env_for(orbit_server),
+        cwd=project,
+    )
+    procs.append(proc)
+    health = port_line(proc, "health")
+    assert len(set(serving(orbit_server, 2))) == 2
+    # Children report every half second: probe the way Kubernetes does, a few times.
+    state = probe(f"http://127.0.0.1:{health}/readyz", 200)
+    assert state["ready"] and len(state["processes"]) == 2  # type: ignore[arg-type]
+    ids = [orbit_server.enqueue("echo", {"n": n}) for n in range(20)]
+    for task_id in ids:
+        assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=15)
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0
+    assert "SIGTERM received: draining 2 worker processes" in proc.stderr
+    assert proc.stderr.count("worker stopped (drained=True") == 2
+    assert "supervisor stopped (2 processes started, 0 recycled, 0 restarted; exit 0)" in (
+        proc.stderr
+    )
+    assert orbit_server.token not in proc.stderr + proc.stdout
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_second_signal_stops_every_child_at_once_and_exits_3(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+) -> None:
+    """A second SIGINT is forwarded: running handlers are cancelled, the worst status (3) wins."""
+    argv = command("worker", "app:make", "--processes", "2", "--drain-timeout", "60")
+    proc = Proc(argv, env=env_for(orbit_server), cwd=project)
+    procs.append(proc)
+    serving(orbit_server, 2)
+    task_id = orbit_server.enqueue("slow", {"n": 1}, max_attempts=1)
+    assert proc.line().startswith("started ")
+    proc.popen.send_signal(signal.SIGINT)
+    proc.wait_stderr("SIGINT received: draining 2 worker processes")
+    orbit_server.wait_until(lambda s: all(x.draining for x in s.sessions() if x.connected), 10)
+    proc.popen.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 3, proc.stderr
+    assert "SIGINT received again: stopping worker processes now" in proc.stderr
+    assert "worker stopped (drained=False, cancelled=1" in proc.stderr
+    snap = orbit_server.wait_for(task_id, {"FAILED", "NEEDS_REVIEW"}, timeout=10)
+    assert snap.error_code == "WORKER_SHUTDOWN"
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_a_killed_child_is_restarted_and_work_goes_on(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+) -> None:
+    """SIGKILL of a running child: the supervisor restarts it; the queue is served again."""
+    argv = command("worker", "app:make", "--processes", "2", "--health-port", "0")
+    proc = Proc(argv, env=env_for(orbit_server), cwd=project)
+    procs.append(proc)
+    probe(f"http://127.0.0.1:{port_line(proc, 'health')}/readyz", 200)  # both seen ready
+    (victim, *_) = sorted(children_of(proc.popen.pid))
+    os.kill(victim, signal.SIGKILL)
+    proc.wait_stderr(f"worker process {victim} exited with status 1 unexpectedly; restarting")
+    orbit_server.wait_until(lambda s: len(children_of(proc.popen.pid) - {victim}) == 2, 15)
+    serving(orbit_server, 2)
+    ids = [orbit_server.enqueue("echo", {"n": n}) for n in range(6)]
+    for task_id in ids:
+        assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=15)
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0
+    assert "1 restarted; exit 0" in proc.stderr
+
+
+def test_a_refused_token_stops_the_supervisor_with_status_4(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+) -> None:
+    """A child that exits 4 (credentials) before it was ready is not restarted: the supervisor
+    stops the others and exits 4 with the child's message."""
+    env = {**env_for(orbit_server), "ORBIT_TOKEN": "wrong-token-0123456789"}
+    proc = Proc(command("worker", "app:make", "--processes", "2"), env=env, cwd=project)
+    procs.append(proc)
+    assert proc.wait(30) == 4
+    assert re.search(
+        r"worker process \d+ exited with status 4 before it was ready: worker stopped on"
+        r" \w+: .*; not restarting it: stopping",
+        proc.stderr,
+    )
+    assert "wrong-token-0123456789" not in proc.stderr
+
+
+def test_a_child_that_cannot_load_the_app_is_retried_then_given_up(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+) -> None:
+    """An import error (status 1) is retried with backoff, then the supervisor stops with 1."""
+    env = env_for(orbit_server, APP_IMPORT_ERROR="1")
+    proc = Proc(command("worker", "app:make", "--processes", "1"), env=env, cwd=project)
+    procs.append(proc)
+    assert proc.wait(30) == 1
+    assert proc.stderr.count("exited with status 1 before it was ready: cannot load app:make") == 3
+    assert proc.stderr.count("; restarting it in") == 2
+    assert "not restarting it: stopping" in proc.stderr
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_children_drain_and_exit_when_the_supervisor_is_killed(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the supervisor: each child drains (its running handler finishes) and exits."""
+    proc = Proc(
+        command("worker", "app:make", "--processes", "2"), env=env_for(orbit_server), cwd=project
+    )
+    procs.append(proc)
+    serving(orbit_server, 2)
+    children = children_of(proc.popen.pid)
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    task_id = orbit_server.enqueue("gate", {"n": 1, "fifo": str(fifo)})
+    assert proc.line().startswith("started ")
+    proc.popen.kill()
+    proc.popen.wait(10)  # not proc.wait(): the children still hold its output pipes
+    # Each child drains: the busy one says so, and its handler still finishes.
+    proc.wait_stderr("SIGTERM received: draining 1 task")
+    assert proc.stderr.count("the supervisor is gone: draining") == 2
+    release(fifo, "released", proc)
+    assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=15).result["line"] == "released"
+    orbit_server.wait_until(lambda s: not any(x.connected for x in s.sessions()), 20)
+    for pid in children:
+        assert wait_gone(pid, 15), f"worker process {pid} outlived its supervisor"
+
+
+def release(fifo: Path, line: str, proc: Proc) -> None:
+    """Write *line* to the gate handler blocked on *fifo* (which must be waiting on it)."""
+    try:
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError as exc:  # ENXIO: nobody reads it: the gated handler is gone
+        raise AssertionError(f"the gated handler is not running ({exc}): {proc.stderr}") from None
+    with os.fdopen(fd, "w") as out:
+        out.write(line + "\n")
+
+
+@pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0)
+def test_recycling_starts_the_replacement_before_the_old_child_exits(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Past --max-tasks-per-child the child drains (a running task finishes) while its
+    replacement is already serving: no capacity gap."""
+    argv = command("worker", "app:make", "--processes", "1", "--max-tasks-per-child", "3")
+    proc = Proc(argv, env=env_for(orbit_server, APP_CAPACITY="4"), cwd=project)
+    procs.append(proc)
+    (first,) = serving(orbit_server, 1)
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    gated = orbit_server.enqueue("gate", {"n": 0, "fifo": str(fifo)})
+    assert proc.line().startswith("started ")
+    for n in range(3):
+        orbit_server.wait_for(orbit_server.enqueue("echo", {"n": n}), {"SUCCEEDED"}, 15)
+    # The old child is draining (its gate still runs) and a new one serves the queue.
+    orbit_server.wait_until(lambda s: _serving(s) not in ([], [first]), 30)
+    old = [s for s in orbit_server.sessions() if s.instance_id == first and s.connected]
+    assert old and old[0].draining
+    after = orbit_server.enqueue("echo", {"n": 99})
+    assert orbit_server.wait_for(after, {"SUCCEEDED"}, 15)
+    release(fifo, "done", proc)
+    assert orbit_server.wait_for(gated, {"SUCCEEDED"}, 15).result["line"] == "done"
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0
+    assert "recycling this worker process after 3 tasks (--max-tasks-per-child 3)" in proc.stderr
+    assert "1 recycled" in proc.stderr
+
+
+# A recycled child skips assignments already on their way when it drained: they return to the
+# queue when their lease expires, so short leases keep the test short.
+@pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0)
+def test_metrics_of_every_child_are_summed_on_one_port(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+) -> None:
+    """--metrics-port: one scrape counts the tasks of both children and of recycled ones."""
+    argv = ["worker", "app:make", "--processes", "2", "--metrics-port", "0"]
+    argv += ["--max-tasks-per-child", "4"]
+    proc = Proc(command(*argv), env=env_for(orbit_server), cwd=project)
+    procs.append(proc)
+    port = port_line(proc, "metrics")
+    serving(orbit_server, 2)
+    ids = [orbit_server.enqueue("echo", {"n": n}) for n in range(20)]
+    try:
+        pids = {orbit_server.wait_for(t, {"SUCCEEDED"}, 15).result["pid"] for t in ids}
+    except TimeoutError:
+        raise AssertionError(proc.stderr) from None
+    assert len(pids) >= 3  # a child runs at most 4 + 2 in flight: some were recycled
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    match = re.search(
+        r'^orbit_attempts_total\{handler="echo",outcome="SUCCEEDED"\} (\S+)$', text, re.M
+    )
+    assert match and float(match.group(1)) == 20.0, text
+    # Gauges count live processes only: two connected once recycling settles (scraped a few
+    # times, as Prometheus does).
+    stop = threading.Event()
+    for _ in range(100):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+            text = response.read().decode()
+        if re.search(r"^orbit_connected 2\.0$", text, re.M):
+            break
+        stop.wait(0.1)
+    else:
+        raise AssertionError(text)
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0
+
+
+def test_supervisor_options_are_checked_before_anything_starts(project: Path) -> None:
+    """A bad --processes or --max-memory-per-child is a usage error (2)."""
+    for bad in (["--processes", "0"], ["--max-memory-per-child", "x"], ["--health-port", "-1"]):
+        argv = command("worker", "app:make", *bad)
+        proc = Proc(argv, env=clean_env(), cwd=project)
+        assert proc.wait(15) == 2
+        assert "error: argument" in proc.stderr
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_sigterm_to_every_process_of_the_unit_still_drains(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """systemd's default KillMode signals the supervisor and every child at once: each child
+    counts one stop (the supervisor asks over a pipe, not with a second signal), so a running
+    handler still finishes and the exit is 0."""
+    proc = Proc(
+        command("worker", "app:make", "--processes", "2"), env=env_for(orbit_server), cwd=project
+    )
+    procs.append(proc)
+    serving(orbit_server, 2)
+    fifo = tmp_path / "gate"
+    os.mkfifo(fifo)
+    task_id = orbit_server.enqueue("gate", {"n": 1, "fifo": str(fifo)})
+    assert proc.line().startswith("started ")
+    for pid in (proc.popen.pid, *children_of(proc.popen.pid)):
+        os.kill(pid, signal.SIGTERM)
+    proc.wait_stderr("SIGTERM received: draining 1 task")
+    proc.wait_stderr("SIGTERM received: draining 2 worker processes")
+    release(fifo, "finished", proc)
+    assert proc.wait(30) == 0, proc.stderr
+    assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).result["line"] == "finished"
+    assert "stopping now" not in proc.stderr and "received again" not in proc.stderr

@@ -1,0 +1,264 @@
+"""The supervisor's parts on their own: exit-status ranking, restart decisions, the host's health
+from its children's reports (fake clock), the recycling limits (fake RSS), the message pipe."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+from collections.abc import Iterator
+
+import pytest
+
+from orbit_sync._cli_worker import (
+    EXIT_AUTH,
+    EXIT_FAILED,
+    EXIT_FORCED,
+    EXIT_OK,
+    EXIT_PROTOCOL,
+    EXIT_USAGE,
+)
+from orbit_sync._supervisor._child import ChildLink, RecycleLimits
+from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth
+from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, worst
+from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
+from orbit_sync.models import Outcome
+from orbit_sync.worker import AttemptFinished
+
+
+def test_worst_status_prefers_the_ones_restarting_cannot_fix() -> None:
+    """0 < 3 < 1 < 5 < 4 < 2; nothing is 0; an unknown status counts as a failure."""
+    assert worst([]) == EXIT_OK
+    assert worst([EXIT_OK, EXIT_FORCED]) == EXIT_FORCED
+    assert worst([EXIT_FORCED, EXIT_FAILED, EXIT_OK]) == EXIT_FAILED
+    assert worst([EXIT_FAILED, EXIT_PROTOCOL]) == EXIT_PROTOCOL
+    assert worst([EXIT_PROTOCOL, EXIT_AUTH]) == EXIT_AUTH
+    assert worst([EXIT_AUTH, EXIT_USAGE, EXIT_OK]) == EXIT_USAGE
+    assert worst([EXIT_FORCED, 77]) == 77
+
+
+def test_signal_deaths_map_to_statuses() -> None:
+    """Our SIGKILL is a forced stop; SIGTERM while stopping is clean; any other death is 1."""
+    assert status_of(0, killed=False, stopping=False) == EXIT_OK
+    assert status_of(4, killed=False, stopping=True) == EXIT_AUTH
+    assert status_of(-signal.SIGKILL, killed=True, stopping=True) == EXIT_FORCED
+    assert status_of(-signal.SIGTERM, killed=False, stopping=True) == EXIT_OK
+    assert status_of(-signal.SIGTERM, killed=False, stopping=False) == EXIT_FAILED
+    assert status_of(-signal.SIGKILL, killed=False, stopping=False) == EXIT_FAILED
+
+
+def test_a_child_that_was_ready_is_restarted_quickly_every_time() -> None:
+    """Deaths after ready never give up and wait at most half a second."""
+    restarts = Restarts(rng=random.Random(1))
+    for _ in range(10):
+        delay = restarts.after_exit(EXIT_FAILED, was_ready=True)
+        assert delay is not None and 0 <= delay <= 0.5
+
+
+def test_start_failures_back_off_then_give_up() -> None:
+    """Deaths before ready back off exponentially; the START_FAILURES-th gives up; a ready
+    child in between resets the count."""
+    restarts = Restarts(rng=random.Random(2))
+    delays = [restarts.after_exit(EXIT_FAILED, was_ready=False) for _ in range(START_FAILURES)]
+    assert delays[-1] is None
+    first, second = delays[0], delays[1]
+    assert first is not None and second is not None and 0.5 <= first <= 1.0 <= second <= 2.0
+    restarts = Restarts()
+    assert restarts.after_exit(EXIT_FAILED, was_ready=False) is not None
+    assert restarts.after_exit(EXIT_FAILED, was_ready=True) is not None
+    assert restarts.after_exit(EXIT_FAILED, was_ready=False) is not None
+
+
+@pytest.mark.parametrize("status", [EXIT_USAGE, EXIT_AUTH, EXIT_PROTOCOL])
+def test_statuses_that_restarting_cannot_fix_give_up_at_once(status: int) -> None:
+    """Usage, credentials and protocol errors before ready stop the supervisor the first time."""
+    assert Restarts().after_exit(status, was_ready=False) is None
+
+
+class Clock:
+    """A hand-moved monotonic clock."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+READY = {"live": True, "ready": True, "connected": True, "in_flight": 2, "reconnects": 1}
+
+
+def test_host_is_ready_only_when_every_slot_is() -> None:
+    """Two slots: starting, one ready, both ready; a replacement starting makes it unready."""
+    clock = Clock()
+    health = HostHealth(2, clock=clock)
+    assert health.state()["ready"] is False and health.state()["live"] is True
+    health.child_started(0, 10)
+    health.child_started(1, 11)
+    health.child_reported(0, 10, READY)
+    assert health.state()["ready"] is False
+    health.child_reported(1, 11, READY)
+    state = health.state()
+    assert state["ready"] is True and state["in_flight"] == 4 and state["reconnects"] == 2
+    health.child_gone(1, 11)  # recycled: its replacement starts
+    health.child_started(1, 12)
+    health.child_reported(1, 11, READY)  # the old child's late report does not count
+    assert health.state()["ready"] is False
+    health.child_reported(1, 12, READY)
+    assert health.state()["ready"] is True
+    health.stopping()
+    assert health.state()["ready"] is False and health.state()["live"] is True
+    health.stopped()
+    assert health.state()["live"] is False
+
+
+def test_a_silent_or_unlive_child_makes_the_host_unlive() -> None:
+    """A child's own live=false, or no report for STALE_REPORT seconds, is not live."""
+    clock = Clock()
+    health = HostHealth(1, clock=clock)
+    health.child_started(0, 10)
+    health.child_reported(0, 10, READY)
+    clock.now += STALE_REPORT
+    assert health.state()["live"] is True
+    clock.now += 0.1
+    assert health.state()["live"] is False
+    health.child_reported(0, 10, {**READY, "live": False})
+    assert health.state()["live"] is False
+    health.child_reported(0, 10, READY)
+    assert health.state()["live"] is True
+
+
+def finished() -> AttemptFinished:
+    """An attempt-finished event (its fields do not matter to the limits)."""
+    return AttemptFinished(
+        attempt_id="a" * 32,
+        task_id="b" * 32,
+        handler="h",
+        attempt=1,
+        outcome=Outcome.SUCCEEDED,
+        error_code=None,
+        duration=0.01,
+        delivered=True,
+        ran=True,
+    )
+
+
+def test_task_limit_fires_once_at_the_kth_attempt() -> None:
+    """--max-tasks-per-child 3: the third attempt triggers, later ones do not again."""
+    reasons: list[str] = []
+    limits = RecycleLimits(max_tasks=3, max_memory_mb=None, on_limit=reasons.append)
+    for _ in range(2):
+        limits.attempt_finished(finished())
+    assert reasons == []
+    for _ in range(3):
+        limits.attempt_finished(finished())
+    assert reasons == ["3 tasks (--max-tasks-per-child 3)"]
+
+
+def test_memory_limit_is_checked_after_each_attempt() -> None:
+    """--max-memory-per-child 100: RSS of exactly 100 MB passes, one byte more recycles."""
+    rss = [100 * 1024 * 1024]
+    reasons: list[str] = []
+    limits = RecycleLimits(
+        max_tasks=None, max_memory_mb=100, on_limit=reasons.append, rss=lambda: rss[0]
+    )
+    limits.attempt_finished(finished())
+    assert reasons == []
+    rss[0] += 1
+    limits.attempt_finished(finished())
+    assert reasons == ["RSS 100 MB (--max-memory-per-child 100)"]
+
+
+def test_messages_survive_arbitrary_splits_and_garbage_is_dropped() -> None:
+    """The reader reassembles lines split across reads and skips what is not a message."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    reader = LineReader(r)
+    try:
+        line = encode("state", state=READY)
+        os.write(w, b"not json\n" + line[:7])
+        assert reader.read() == []
+        os.write(w, line[7:] + b'["no kind"]\n' + encode("exit", status=4, message="x"))
+        assert [m["kind"] for m in reader.read()] == ["state", "exit"]
+        assert reader.read() == [] and not reader.eof
+        os.close(w)
+        assert reader.read() == [] and reader.eof
+    finally:
+        os.close(r)
+
+
+def test_child_settings_round_trip_and_refuse_garbage() -> None:
+    """What the supervisor puts in the environment is what the child reads back."""
+    settings = ChildSettings(status_fd=5, control_fd=6, supervisor_pid=1, slot=0, max_tasks=3)
+    assert ChildSettings.from_env(settings.to_env()) == settings
+    with pytest.raises(ValueError, match="malformed"):
+        ChildSettings.from_env('{"status_fd": 1}')
+
+
+class FakeWorker:
+    """What ChildLink needs of a Worker; records its stop requests."""
+
+    def __init__(self) -> None:
+        self.stops: list[bool] = []
+        self.stopped = threading.Event()
+        self.listeners: list[object] = []
+        self.options = {"drain_timeout": 30.0, "cancel_grace": 5.0, "flush_timeout": 10.0}
+
+    def add_listener(self, listener: object) -> None:
+        self.listeners.append(listener)
+
+    def request_stop(self, *, drain: bool = True) -> None:
+        self.stops.append(drain)
+        self.stopped.set()
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[ChildLink, int, int]]:
+    """A ChildLink on real pipes: (link, the supervisor's end of control, of status)."""
+    status_r, status_w = os.pipe()
+    control_r, control_w = os.pipe()
+    settings = ChildSettings(
+        status_fd=status_w, control_fd=control_r, supervisor_pid=os.getpid(), slot=0
+    )
+    child = ChildLink(settings)
+    yield child, control_w, status_r
+    child.exit(0, None)
+    for fd in (status_r, status_w, control_r):
+        os.close(fd)  # control_w: each test closes it (the supervisor's end going away)
+
+
+def test_a_stop_asked_before_the_worker_runs_is_applied_once_it_is_attached(
+    link: tuple[ChildLink, int, int],
+) -> None:
+    """STOP_NOW, then the supervisor's end, arrive while the application loads: attach()
+    applies the stop at its first report; the end of the pipe does not soften it."""
+    child, control_w, status_r = link
+    os.write(control_w, STOP_NOW)
+    os.close(control_w)
+    child._watch_control()  # returns at the end of the pipe
+    worker = FakeWorker()
+    assert child.stop_requested and worker.stops == []
+    child.attach(worker)
+    assert worker.stopped.wait(5) and worker.stops[0] is False
+    kinds = [m["kind"] for m in LineReader(status_r).read()]
+    assert kinds[0] == "hello"
+
+
+def test_stop_now_is_never_softened_and_the_end_of_the_pipe_drains(
+    link: tuple[ChildLink, int, int],
+) -> None:
+    """STOP_NOW after DRAIN escalates; a later DRAIN or the pipe's end changes nothing."""
+    child, control_w, _ = link
+    worker = FakeWorker()
+    child._worker = worker
+    child._request(True, "test")
+    child._request(True, "test")
+    child._request(False, "test")
+    child._request(True, "test")
+    assert worker.stops == [True, False]
+    fresh = ChildLink(child.settings)
+    fresh._worker = FakeWorker()
+    os.close(control_w)  # the supervisor is gone
+    fresh._watch_control()
+    assert fresh._worker.stops == [True]
