@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from _cli_process import Proc, clean_env, command, procs  # noqa: F401  (fixture)
+from _cli_process import Proc, clean_env, command
 from _supervisor_chaos import children_of, wait_gone
 
 from orbit_sync.testing import MockOrbitServer
@@ -32,10 +32,22 @@ def project(tmp_path: Path) -> Path:
 
 
 def env_for(server: MockOrbitServer, **extra: str) -> dict[str, str]:
-    """What the module reads to reach *server*."""
-    return clean_env(
-        ORBIT_URL=server.url, ORBIT_TOKEN=server.token, ORBIT_QUEUE_ID=server.queue_id, **extra
-    )
+    """What the module reads to reach *server* (*extra* may replace any of it)."""
+    orbit = {
+        "ORBIT_URL": server.url,
+        "ORBIT_TOKEN": server.token,
+        "ORBIT_QUEUE_ID": server.queue_id,
+    }
+    return clean_env(**{**orbit, **extra})
+
+
+def start(
+    procs: list[Proc], server: MockOrbitServer, project: Path, *args: str, **env: str
+) -> Proc:
+    """``orbit-sync worker app:make *args`` for *server*, stopped at teardown if still running."""
+    proc = Proc(command("worker", "app:make", *args), env=env_for(server, **env), cwd=project)
+    procs.append(proc)
+    return proc
 
 
 def serving(server: MockOrbitServer, n: int, timeout: float = 30.0) -> list[str]:
@@ -80,15 +92,10 @@ def port_line(proc: Proc, what: str) -> int:
 def test_two_processes_share_the_queue_and_sigterm_drains_both(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
 ) -> None:
     """Two children with their own instance ids run tasks; one SIGTERM drains both; exit 0."""
-    proc = Proc(
-        command("worker", "app:make", "--processes", "2", "--health-port", "0"),
-        env=env_for(orbit_server),
-        cwd=project,
-    )
-    procs.append(proc)
+    proc = start(procs, orbit_server, project, "--processes", "2", "--health-port", "0")
     health = port_line(proc, "health")
     assert len(set(serving(orbit_server, 2))) == 2
     # Children report every half second: probe the way Kubernetes does, a few times.
@@ -110,12 +117,10 @@ def test_two_processes_share_the_queue_and_sigterm_drains_both(
 def test_second_signal_stops_every_child_at_once_and_exits_3(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
 ) -> None:
     """A second SIGINT is forwarded: running handlers are cancelled, the worst status (3) wins."""
-    argv = command("worker", "app:make", "--processes", "2", "--drain-timeout", "60")
-    proc = Proc(argv, env=env_for(orbit_server), cwd=project)
-    procs.append(proc)
+    proc = start(procs, orbit_server, project, "--processes", "2", "--drain-timeout", "60")
     serving(orbit_server, 2)
     task_id = orbit_server.enqueue("slow", {"n": 1}, max_attempts=1)
     assert proc.line().startswith("started ")
@@ -134,12 +139,10 @@ def test_second_signal_stops_every_child_at_once_and_exits_3(
 def test_a_killed_child_is_restarted_and_work_goes_on(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
 ) -> None:
     """SIGKILL of a running child: the supervisor restarts it; the queue is served again."""
-    argv = command("worker", "app:make", "--processes", "2", "--health-port", "0")
-    proc = Proc(argv, env=env_for(orbit_server), cwd=project)
-    procs.append(proc)
+    proc = start(procs, orbit_server, project, "--processes", "2", "--health-port", "0")
     probe(f"http://127.0.0.1:{port_line(proc, 'health')}/readyz", 200)  # both seen ready
     (victim, *_) = sorted(children_of(proc.popen.pid))
     os.kill(victim, signal.SIGKILL)
@@ -156,13 +159,13 @@ def test_a_killed_child_is_restarted_and_work_goes_on(
 def test_a_refused_token_stops_the_supervisor_with_status_4(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
 ) -> None:
     """A child that exits 4 (credentials) before it was ready is not restarted: the supervisor
     stops the others and exits 4 with the child's message."""
-    env = {**env_for(orbit_server), "ORBIT_TOKEN": "wrong-token-0123456789"}
-    proc = Proc(command("worker", "app:make", "--processes", "2"), env=env, cwd=project)
-    procs.append(proc)
+    proc = start(
+        procs, orbit_server, project, "--processes", "2", ORBIT_TOKEN="wrong-token-0123456789"
+    )
     assert proc.wait(30) == 4
     assert re.search(
         r"worker process \d+ exited with status 4 before it was ready: worker stopped on"
@@ -175,12 +178,10 @@ def test_a_refused_token_stops_the_supervisor_with_status_4(
 def test_a_child_that_cannot_load_the_app_is_retried_then_given_up(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
 ) -> None:
     """An import error (status 1) is retried with backoff, then the supervisor stops with 1."""
-    env = env_for(orbit_server, APP_IMPORT_ERROR="1")
-    proc = Proc(command("worker", "app:make", "--processes", "1"), env=env, cwd=project)
-    procs.append(proc)
+    proc = start(procs, orbit_server, project, "--processes", "1", APP_IMPORT_ERROR="1")
     assert proc.wait(30) == 1
     assert proc.stderr.count("exited with status 1 before it was ready: cannot load app:make") == 3
     assert proc.stderr.count("; restarting it in") == 2
@@ -191,14 +192,11 @@ def test_a_child_that_cannot_load_the_app_is_retried_then_given_up(
 def test_children_drain_and_exit_when_the_supervisor_is_killed(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
     tmp_path: Path,
 ) -> None:
     """SIGKILL of the supervisor: each child drains (its running handler finishes) and exits."""
-    proc = Proc(
-        command("worker", "app:make", "--processes", "2"), env=env_for(orbit_server), cwd=project
-    )
-    procs.append(proc)
+    proc = start(procs, orbit_server, project, "--processes", "2")
     serving(orbit_server, 2)
     children = children_of(proc.popen.pid)
     fifo = tmp_path / "gate"
@@ -232,14 +230,21 @@ def release(fifo: Path, line: str, proc: Proc) -> None:
 def test_recycling_starts_the_replacement_before_the_old_child_exits(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
     tmp_path: Path,
 ) -> None:
     """Past --max-tasks-per-child the child drains (a running task finishes) while its
     replacement is already serving: no capacity gap."""
-    argv = command("worker", "app:make", "--processes", "1", "--max-tasks-per-child", "3")
-    proc = Proc(argv, env=env_for(orbit_server, APP_CAPACITY="4"), cwd=project)
-    procs.append(proc)
+    proc = start(
+        procs,
+        orbit_server,
+        project,
+        "--processes",
+        "1",
+        "--max-tasks-per-child",
+        "3",
+        APP_CAPACITY="4",
+    )
     (first,) = serving(orbit_server, 1)
     fifo = tmp_path / "gate"
     os.mkfifo(fifo)
@@ -266,13 +271,11 @@ def test_recycling_starts_the_replacement_before_the_old_child_exits(
 def test_metrics_of_every_child_are_summed_on_one_port(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
 ) -> None:
     """--metrics-port: one scrape counts the tasks of both children and of recycled ones."""
-    argv = ["worker", "app:make", "--processes", "2", "--metrics-port", "0"]
-    argv += ["--max-tasks-per-child", "4"]
-    proc = Proc(command(*argv), env=env_for(orbit_server), cwd=project)
-    procs.append(proc)
+    argv = ["--processes", "2", "--metrics-port", "0", "--max-tasks-per-child", "4"]
+    proc = start(procs, orbit_server, project, *argv)
     port = port_line(proc, "metrics")
     serving(orbit_server, 2)
     ids = [orbit_server.enqueue("echo", {"n": n}) for n in range(20)]
@@ -314,16 +317,13 @@ def test_supervisor_options_are_checked_before_anything_starts(project: Path) ->
 def test_sigterm_to_every_process_of_the_unit_still_drains(
     orbit_server: MockOrbitServer,
     project: Path,
-    procs: list[Proc],  # noqa: F811
+    procs: list[Proc],
     tmp_path: Path,
 ) -> None:
     """systemd's default KillMode signals the supervisor and every child at once: each child
     counts one stop (the supervisor asks over a pipe, not with a second signal), so a running
     handler still finishes and the exit is 0."""
-    proc = Proc(
-        command("worker", "app:make", "--processes", "2"), env=env_for(orbit_server), cwd=project
-    )
-    procs.append(proc)
+    proc = start(procs, orbit_server, project, "--processes", "2")
     serving(orbit_server, 2)
     fifo = tmp_path / "gate"
     os.mkfifo(fifo)

@@ -17,12 +17,13 @@ from orbit_sync.worker._process_limits import HANDLER_MEMORY_LIMIT, ChildLimits
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 
 
+pytestmark = pytest.mark.orbit_server(assignment_rate=None)
+
+
 @pytest.fixture
-def server() -> Any:
-    """A mock server without an assignment rate limit."""
-    with MockOrbitServer(assignment_rate=None) as srv:
-        yield srv
-        srv.check_invariants()
+def server(orbit_server: MockOrbitServer) -> MockOrbitServer:
+    """The plugin's mock server, without an assignment rate limit."""
+    return orbit_server
 
 
 def pids(server: MockOrbitServer, handler: str, payloads: list[dict[str, Any]]) -> list[int]:
