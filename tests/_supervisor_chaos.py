@@ -208,7 +208,7 @@ def chaos(
         "states": dict(states),
         "kills": len(kills),
         "recycled": stderr.count("recycling this worker process"),
-        "restarted": stderr.count("unexpectedly; restarting"),
+        "restarted": stderr.count("; restarting it in"),
         "attempts": sum(len(s.attempts) for s in snaps.values()),
         "status": status,
     }

@@ -146,7 +146,7 @@ def test_a_killed_child_is_restarted_and_work_goes_on(
     probe(f"http://127.0.0.1:{port_line(proc, 'health')}/readyz", 200)  # both seen ready
     (victim, *_) = sorted(children_of(proc.popen.pid))
     os.kill(victim, signal.SIGKILL)
-    proc.wait_stderr(f"worker process {victim} exited with status 1 unexpectedly; restarting")
+    proc.wait_stderr(f"worker process {victim} was killed by SIGKILL unexpectedly; restarting")
     orbit_server.wait_until(lambda s: len(children_of(proc.popen.pid) - {victim}) == 2, 15)
     serving(orbit_server, 2)
     ids = [orbit_server.enqueue("echo", {"n": n}) for n in range(6)]

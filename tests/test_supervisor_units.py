@@ -70,6 +70,22 @@ def test_start_failures_back_off_then_give_up() -> None:
     assert restarts.after_exit(EXIT_FAILED, was_ready=False) is not None
 
 
+def test_kills_while_starting_back_off_but_never_give_up() -> None:
+    """SIGKILL or SIGTERM before ready (the OOM killer, an operator): backoff grows, but only
+    the slot's own start failures count toward giving up; a ready child resets both."""
+    restarts = Restarts(rng=random.Random(3))
+    for _ in range(START_FAILURES * 2):
+        kill = restarts.after_exit(EXIT_FAILED, was_ready=False, returncode=-signal.SIGKILL)
+        assert kill is not None
+    assert restarts.starts == START_FAILURES * 2 and restarts.failures == 0
+    for _ in range(START_FAILURES - 1):
+        assert restarts.after_exit(EXIT_FAILED, was_ready=False, returncode=1) is not None
+    restarts.ready()  # a child of the slot became ready: the count starts again
+    for _ in range(START_FAILURES - 1):
+        assert restarts.after_exit(EXIT_FAILED, was_ready=False, returncode=1) is not None
+    assert restarts.after_exit(EXIT_FAILED, was_ready=False, returncode=-signal.SIGSEGV) is None
+
+
 @pytest.mark.parametrize("status", [EXIT_USAGE, EXIT_AUTH, EXIT_PROTOCOL])
 def test_statuses_that_restarting_cannot_fix_give_up_at_once(status: int) -> None:
     """Usage, credentials and protocol errors before ready stop the supervisor the first time."""

@@ -5,9 +5,11 @@ dead child is restarted, and when the supervisor gives up instead.
   delay (:data:`RESTART_BACKOFF` attempt 0: up to half a second): the host gets its capacity back
   at once, and a fleet of children killed together does not restart in step.
 - A child that dies before it was ready is restarted with exponential backoff (1, 2, 4 s ...);
-  after :data:`START_FAILURES` such deaths in a row the supervisor stops with that child's
-  status. A status that says restarting cannot help (usage, credentials, protocol: 2, 4, 5)
-  stops it at once.
+  after :data:`START_FAILURES` such deaths in a row (no child of the slot ready in between) the
+  supervisor stops with that child's status. A status that says restarting cannot help (usage,
+  credentials, protocol: 2, 4, 5) stops it at once. A child killed from outside while it starts
+  (SIGKILL: the OOM killer, an operator; SIGTERM) is restarted with the same backoff but is no
+  evidence that starting fails: it does not count toward giving up.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ SEVERITY = (EXIT_OK, EXIT_FORCED, EXIT_FAILED, EXIT_PROTOCOL, EXIT_AUTH, EXIT_US
 FATAL_AT_START = frozenset({EXIT_USAGE, EXIT_AUTH, EXIT_PROTOCOL})
 #: Deaths before ready, in a row, after which the supervisor stops.
 START_FAILURES = 3
+#: Raw return codes of a child killed from outside (not by its own doing).
+_KILLED_FROM_OUTSIDE = frozenset({-signal.SIGKILL, -signal.SIGTERM})
 #: Delay before restart n: attempt 0 after a child that was ready, 1, 2, ... after start failures.
 RESTART_BACKOFF = Backoff(initial=0.5, maximum=16.0)
 
@@ -59,16 +63,25 @@ def status_of(returncode: int, *, killed: bool, stopping: bool) -> int:
 class Restarts:
     """One slot's restart bookkeeping."""
 
-    failures: int = 0  # deaths before ready, in a row
+    failures: int = 0  # deaths before ready, in a row (kills from outside excepted)
+    starts: int = 0  # deaths before ready in a row, kills included: the backoff's attempt
     rng: random.Random = attrs.field(factory=random.Random)
 
-    def after_exit(self, status: int, *, was_ready: bool) -> float | None:
+    def ready(self) -> None:
+        """A child of the slot reported ready: starting works."""
+        self.failures = self.starts = 0
+
+    def after_exit(
+        self, status: int, *, was_ready: bool, returncode: int | None = None
+    ) -> float | None:
         """The delay before the next child of this slot, or None: give up (stop the supervisor
-        with *status*)."""
+        with *status*). *returncode* is the raw one (negative: the signal that ended it)."""
         if was_ready:
-            self.failures = 0
+            self.ready()
             return RESTART_BACKOFF.delay(0, self.rng)
-        self.failures += 1
-        if status in FATAL_AT_START or self.failures >= START_FAILURES:
-            return None
-        return RESTART_BACKOFF.delay(self.failures, self.rng)
+        self.starts += 1
+        if returncode not in _KILLED_FROM_OUTSIDE:
+            self.failures += 1
+            if status in FATAL_AT_START or self.failures >= START_FAILURES:
+                return None
+        return RESTART_BACKOFF.delay(self.starts, self.rng)

@@ -269,6 +269,7 @@ class Supervisor:
             state = message["state"]
             if state.get("ready") and not child.ready:
                 child.ready = True
+                self._restarts[child.slot].ready()
             if not child.retiring:
                 self.health.child_reported(child.slot, child.pid, state)
         elif kind == "recycle":
@@ -315,19 +316,18 @@ class Supervisor:
             return
         how = "before it was ready" if not child.ready else "unexpectedly"
         why = f": {child.message}" if child.message else ""
-        delay = self._restarts[child.slot].after_exit(status, was_ready=child.ready)
+        ended = f"exited with status {status}"
+        if returncode < 0:
+            ended = f"was killed by {_signal_name(-returncode)}"
+        delay = self._restarts[child.slot].after_exit(
+            status, was_ready=child.ready, returncode=returncode
+        )
         if delay is None:
-            self._say(
-                f"worker process {child.pid} exited with status {status} {how}{why}; not"
-                " restarting it: stopping"
-            )
+            self._say(f"worker process {child.pid} {ended} {how}{why}; not restarting it: stopping")
             self._fatal = status
             self._stop_all()
             return
-        self._say(
-            f"worker process {child.pid} exited with status {status} {how}{why}; restarting"
-            f" it in {delay:.1f} s"
-        )
+        self._say(f"worker process {child.pid} {ended} {how}{why}; restarting it in {delay:.1f} s")
         self.restarted += 1
         self._restart_at[child.slot] = self._clock() + delay
 
@@ -398,6 +398,13 @@ class Supervisor:
             f" {o.label}{recycle}; SIGTERM or Ctrl-C drains them all, a second signal stops"
             " them at once"
         )
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def _ignore(signum: int, frame: Any) -> None:
