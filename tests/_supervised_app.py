@@ -45,9 +45,10 @@ def make() -> Worker:
 
     @worker.handler("gate")
     def gate(ctx, payload):
-        # Blocks until the test writes to the FIFO named in the payload.
-        print("started", os.getpid(), payload["n"], flush=True)
-        with open(payload["fifo"]) as fifo:
+        # Blocks until the test writes to the FIFO named in the payload. Opened read-write,
+        # which never waits for a writer: once "started" is out, the test's write finds a reader.
+        with os.fdopen(os.open(payload["fifo"], os.O_RDWR)) as fifo:
+            print("started", os.getpid(), payload["n"], flush=True)
             return {"line": fifo.readline().strip(), "pid": os.getpid()}
 
     @worker.handler("slow")
