@@ -14,7 +14,7 @@ def noop(ctx: Any, payload: Any) -> None:
 
 
 def spin(ctx: Any, payload: Any) -> None:
-    """About 5 ms of pure-Python CPU: work that one process cannot spread over two cores."""
+    """A few milliseconds of pure-Python CPU: work one process cannot spread over two cores."""
     total = 0
     for i in range(60_000):
         total += i * i

@@ -1,7 +1,7 @@
 """The ``processes`` section of ``make bench``: ``orbit-sync worker --processes 2`` against
 ``--processes 1`` in the same run, the mock server in its own process.
 
-For each handler (``noop``: the worker's own cost per task; ``spin``: about 5 ms of Python CPU,
+For each handler (``noop``: the worker's own cost per task; ``spin``: a few ms of Python CPU,
 the work a second process is for) and each process count, a fresh server holds the tasks; the
 supervisor starts, its children connect, then the tasks are enqueued and drained. Figures: tasks
 per second (from the enqueue to the last SUCCEEDED), CPU per task of the supervisor and its
