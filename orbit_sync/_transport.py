@@ -507,8 +507,9 @@ class Transport:
 
 @contextlib.contextmanager
 def dial_stage(stage: str) -> Iterator[None]:
-    """Mark a ``WorkerDisconnected`` raised inside with how far the dial got (the reconnect
-    backoff tells a link that cut a dial from a server that refused it)."""
+    """Mark a ``WorkerDisconnected`` raised inside (a lost connection: every one raised there
+    is) with the stage of the dial it broke (the reconnect backoff tells a link that cut a dial
+    from a server that refused it)."""
     try:
         yield
     except WorkerDisconnected as exc:
@@ -539,12 +540,10 @@ def connect(
     (bad upgrade answer or subprotocol), WorkerDisconnected (network or TLS failure) or
     CallTimeout (deadline).
     """
-    with dial_stage("connect"):
-        sock = _open_tcp(host, port, guard)
+    sock = _open_tcp(host, port, guard)
     try:
         if ssl_context is not None:
-            with dial_stage("tls"):
-                sock = _wrap_tls(sock, host, ssl_context, guard)
+            sock = _wrap_tls(sock, host, ssl_context, guard)
         ws = _new_websocket()
         sock.settimeout(guard.remaining())
         with dial_stage("upgrade"):
@@ -583,7 +582,10 @@ def _wrap_tls(
         tls.close()
         if guard.fired or isinstance(exc, TimeoutError):
             raise CallTimeout("dial did not complete in time") from None
-        raise WorkerDisconnected("TLS handshake failed") from None
+        failed = WorkerDisconnected("TLS handshake failed")
+        if isinstance(exc, ConnectionError | ssl.SSLEOFError):
+            failed.dial_stage = "tls"  # reset or closed mid-handshake, not a TLS refusal
+        raise failed from None
     return tls
 
 

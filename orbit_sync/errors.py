@@ -116,9 +116,10 @@ class WorkerClosed(OrbitError):
 class WorkerDisconnected(OrbitError):
     """The transport broke. Reconcile (``resume``) before re-sending the same operation.
 
-    Raised by a dial, :attr:`dial_stage` says how far it got: ``"connect"`` (no TCP connection),
-    ``"tls"`` (connected, TLS handshake not done), ``"upgrade"`` (no answer to the WebSocket
-    upgrade yet), ``"hello"`` (the upgrade was accepted, no welcome yet). ``None`` otherwise.
+    When a dial's connection was lost (reset or closed), :attr:`dial_stage` says in which stage:
+    ``"tls"`` (mid TLS handshake), ``"upgrade"`` (the WebSocket upgrade not answered yet) or
+    ``"hello"`` (the upgrade accepted, no welcome yet). ``None`` for a dial that failed otherwise
+    (no TCP connection, a certificate or TLS alert refused) and outside a dial.
     """
 
     dial_stage: str | None = None

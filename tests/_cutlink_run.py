@@ -67,6 +67,8 @@ class RunResult:
     done_while_cutting: int = 0
     #: The longest time without a task ending terminal while the link was cutting (s).
     longest_gap: float = 0.0
+    #: When that longest time began (s from the start).
+    gap_at: float = 0.0
     #: From the end of the cuts to the last task terminal (s); 0 when all ended during cuts.
     settle_seconds: float = 0.0
 
@@ -190,7 +192,7 @@ def run(
     if mean_cut is None:
         cut_end = 0.0
     marks = [0.0, *[e for e in ends if e <= cut_end], cut_end]
-    gap = max((b - a for a, b in itertools.pairwise(marks)), default=0.0)
+    gap, gap_at = max(((b - a, a) for a, b in itertools.pairwise(marks)), default=(0.0, 0.0))
     settle = max(0.0, ends[-1] - cut_end) if ends and cut_end < seconds else 0.0
     wrong = [
         t
@@ -213,6 +215,7 @@ def run(
         cut_seconds=cut_end,
         done_while_cutting=sum(1 for e in ends if e <= cut_end),
         longest_gap=gap if mean_cut is not None else 0.0,
+        gap_at=gap_at,
         settle_seconds=settle,
     )
 

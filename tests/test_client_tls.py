@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 import ssl
+import struct
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -76,7 +78,29 @@ def test_untrusted_certificate_is_refused(tls_server: ScriptedServer) -> None:
     with pytest.raises(WorkerDisconnected) as caught:
         Client(tls_server.url, TOKEN).dial_worker(registration(), timeout=WAIT)
     assert "certificate" in str(caught.value)
+    assert caught.value.dial_stage is None  # refused, not lost: the reconnects back off
     assert tls_server.requests == []
+
+
+def test_reset_mid_handshake_is_a_lost_connection(trusting: ssl.SSLContext) -> None:
+    """A peer that resets during the TLS handshake: a lost connection in stage "tls"."""
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def reset_one() -> None:
+            conn, _ = listener.accept()
+            conn.recv(4096)  # the ClientHello, never answered
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()  # RST
+
+        thread = threading.Thread(target=reset_one, daemon=True)
+        thread.start()
+        with pytest.raises(WorkerDisconnected) as caught:
+            Client(f"wss://localhost:{port}", TOKEN, ssl_context=trusting).dial_worker(
+                registration(), timeout=WAIT
+            )
+        thread.join(WAIT)
+    assert caught.value.dial_stage == "tls"
 
 
 def test_host_name_mismatch_is_refused(ca: trustme.CA, trusting: ssl.SSLContext) -> None:

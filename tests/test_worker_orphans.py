@@ -25,7 +25,8 @@ from orbit_sync.client import Client
 from orbit_sync.models import AttemptState, Outcome, Task, TaskState, new_id
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker._outbox import Outbox
-from orbit_sync.worker._process import ORPHAN_EXIT, _Process
+from orbit_sync.worker._process import _Process
+from orbit_sync.worker._process_child import ORPHAN_EXIT
 from orbit_sync.worker._replay import replay
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd (Linux)")

@@ -32,7 +32,7 @@ def server() -> Iterator[MockOrbitServer]:
 
 def test_dial_failures_say_how_far_they_got(server: MockOrbitServer) -> None:
     """Lost after the upgrade was accepted: "hello" (a cut); reset before the upgrade was
-    answered: "upgrade"; no TCP connection: "connect"; an HTTP refusal stays an HTTPError."""
+    answered: "upgrade"; no TCP connection: no stage (refused); an HTTP refusal stays itself."""
     client = Client(server.url, server.token)
     server.faults.close_before("worker.hello")
     with pytest.raises(WorkerDisconnected) as info:
@@ -60,7 +60,7 @@ def test_dial_failures_say_how_far_they_got(server: MockOrbitServer) -> None:
         Client(f"ws://127.0.0.1:{port}", server.token).dial_worker(
             registration(server.queue_id), timeout=5
         )
-    assert info.value.dial_stage == "connect" and dial_failure(info.value) == REFUSED
+    assert info.value.dial_stage is None and dial_failure(info.value) == REFUSED
 
     server.faults.refuse_connections(status=503)
     with pytest.raises(HTTPError) as http_info:
@@ -75,7 +75,7 @@ def test_refusals_back_off_exponentially() -> None:
         HTTPError(503),
         WorkerError("UNAVAILABLE", "busy"),
         CallTimeout("slow"),
-        _lost("connect"),
+        _lost(None),
     ]
     for n, exc in enumerate(failures, 1):
         assert redial.failed(exc) == REFUSED

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import selectors
 import socket
 import threading
@@ -26,6 +27,8 @@ import time
 from collections.abc import Callable
 
 __all__ = ["ProbeServer"]
+
+_LOG = logging.getLogger("orbit_sync.contrib.health")
 
 #: The largest request head read; a probe's is a few hundred bytes.
 _MAX_REQUEST = 8192
@@ -205,6 +208,9 @@ class ProbeServer:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
+            self._drop(conn)
+        except Exception:  # a bug in the answer must not end the server: this one is dropped
+            _LOG.exception("health probe answer failed")
             self._drop(conn)
 
     def _respond(self, request: bytes) -> bytes:

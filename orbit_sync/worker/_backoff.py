@@ -22,11 +22,13 @@ class Backoff:
     a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap) for
     ``n >= 1``, and in ``[0, initial]`` ("full jitter") for ``n == 0``.
 
-    The worker asks for attempt 0 only after a session that was welcomed (the server was up and
-    took it), and for 1, 2, ... after dials that failed in a row. Full jitter on that first
-    reconnect halves the mean wait on a link that keeps cutting healthy sessions, and, when a
-    server restart cuts a whole fleet at once, spreads the fleet's first dials over twice the
-    window of equal jitter (half the peak rate); dials that then fail back off exponentially.
+    The worker asks for attempt 0 after a session that was welcomed (the server was up and
+    took it) and after a dial the link cut once the server had accepted it, and for 1, 2, ...
+    after dials the server (or a proxy) refused in a row (``_redial`` tells them apart). Full
+    jitter on that first reconnect halves the mean wait on a link that keeps cutting healthy
+    sessions, and, when a server restart cuts a whole fleet at once, spreads the fleet's first
+    dials over twice the window of equal jitter (half the peak rate); dials that then fail back
+    off exponentially.
     """
 
     initial: float = attrs.field(default=0.2, validator=_positive)

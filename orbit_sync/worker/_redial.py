@@ -14,10 +14,10 @@ Three kinds of failed dial call for different waits:
 - **reset**: connected, then reset or closed before the upgrade was answered. A link that cuts
   looks like this, and so does an overloaded proxy that drops what it cannot serve. The two differ
   in how they repeat: a flaky link lets most dials through, so consecutive resets are short runs
-  (with ~45 % of dials cut, four in a row happen about once in 25 chains), while an overloaded
-  proxy resets every dial. So the first :data:`RESET_GRACE` resets in a row get the shortest wait,
-  and the ones after grow exponentially like refusals. A cut in between (the path reached the
-  server) ends the run.
+  (even if 45 % of dials were reset, four in a row would start at one dial in 25), while an
+  overloaded proxy resets every dial. So the first :data:`RESET_GRACE` resets in a row get the
+  shortest wait, and the ones after grow exponentially like refusals. A cut in between (the path
+  reached the server) ends the run.
 
 A welcome starts everything over.
 """
