@@ -931,13 +931,14 @@ class Worker:
             first = self._reconcile(conn)
             gen = self._link.publish(conn)
             self._first_capacity(conn, first)
-            self._ready.set()
-            self._log.info("session %s established", conn.session_id)
             with self._cond:
-                # A reconnect is a session established after an earlier one, not a dial.
+                # A reconnect is a session established after an earlier one, not a dial. Counted
+                # before ready is set, so a caller that waited for ready reads the new count.
                 again = self._counts["sessions"] > 0
                 self._counts["sessions"] += 1
                 self._counts["reconnects"] += again
+            self._ready.set()
+            self._log.info("session %s established", conn.session_id)
             if self._hooks:
                 self._hooks.emit("connected", SessionEvent(conn.session_id, again))
             self._serve(conn)
