@@ -41,6 +41,7 @@ from ._outcomes import Verdict, abandoned, not_run, outbox_unavailable, worker_e
 
 __all__ = [
     "BUSY_DELAY",
+    "SETTLED",
     "AttemptMachine",
     "AwaitConnection",
     "BreakConnection",

@@ -24,7 +24,6 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
-import enum
 import inspect
 import logging
 import os
@@ -44,17 +43,15 @@ from .._protocol import call_timeout as call_timeout_bound
 from .._seconds import seconds
 from ..client import Client, DialCut
 from ..connection import Submission
-from ..errors import OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
+from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
 from ..models import (
     ID_RE,
     MAX_CAPACITY,
     Assignment,
     AttemptRef,
-    AttemptState,
     CancelNotice,
     Capability,
     CapacityReport,
-    CommandResult,
     Disposition,
     Finish,
     Lease,
@@ -64,6 +61,28 @@ from ..models import (
     new_id,
     new_message_id,
     new_secret,
+)
+from ._attempt import (
+    BUSY_DELAY,
+    SETTLED,
+    Action,
+    AttemptMachine,
+    AwaitConnection,
+    BreakConnection,
+    CancelContext,
+    LeaseLost,
+    NotStarted,
+    Phase,
+    RecordFinish,
+    RefreshLease,
+    Release,
+    Reported,
+    Request,
+    RetryAfter,
+    RunHandler,
+    Send,
+    TrackLease,
+    UntrackLease,
 )
 from ._backoff import Backoff
 from ._clock import Wakeup, WorkerClock
@@ -90,9 +109,7 @@ from ._outbox import Outbox, OutboxError
 from ._outcomes import (
     HANDLER_ERROR,
     Verdict,
-    abandoned,
     not_run,
-    outbox_unavailable,
     outcome_of,
 )
 from ._pool import DaemonPool
@@ -112,8 +129,6 @@ H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
-_BUSY_DELAY = 0.05
 #: After the last shutdown phase: how long the worker's own threads get to exit once everything
 #: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
 #: one).
@@ -122,44 +137,27 @@ _CLOSE_ALLOWANCE = 0.5
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
 _RESERVED_SLOTS = 8
+#: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
+#: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
+_SESSION_BUG_LIMIT = 2
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
 _SEEN_LIMIT = 65_536
 
 
-class _Phase(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    SETTLED = "settled"
-
-
 class _Attempt:
-    """One assignment as the worker tracks it, from ``start`` until its finish is settled."""
+    """One assignment as the worker tracks it: its context, its handler, and its state machine
+    (:class:`._attempt.AttemptMachine`), which is read and changed only under ``lock``."""
 
-    __slots__ = (
-        "abandoned",
-        "ctx",
-        "handler",
-        "handler_done",
-        "lock",
-        "phase",
-        "ref",
-        "start_id",
-        "task",
-    )
+    __slots__ = ("ctx", "handler", "lock", "machine", "ref", "task")
 
-    def __init__(self, assignment: Assignment, ctx: TaskContext, handler: Handler) -> None:
+    def __init__(
+        self, assignment: Assignment, ctx: TaskContext, handler: Handler, retry_delay: float
+    ) -> None:
         self.task = assignment.task
         self.ref: AttemptRef = assignment.attempt
         self.ctx = ctx
         self.handler = handler
-        #: The start's message_id, kept for re-sending after a reconnect.
-        self.start_id = new_message_id()
-        self.phase = _Phase.STARTING
-        #: Shutdown gave up on the handler and finished it UNKNOWN: its late result is dropped.
-        self.abandoned = False
-        #: The pool thread is done with this attempt (an abandoned one may never be).
-        self.handler_done = False
+        self.machine = AttemptMachine(self.ref, new_id=new_message_id, retry_delay=retry_delay)
         self.lock = threading.Lock()
 
     @property
@@ -170,29 +168,9 @@ class _Attempt:
     def info(self) -> AttemptInfo:
         return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
 
-
-class _Request:
-    """A start or finish on its way: what to send, whose answer goes to *on_answer*
-    ``(value, error, generation, successor)``, and the blocking *fallback* step that sends it
-    when it cannot be pipelined."""
-
-    __slots__ = ("att", "body", "fallback", "message_id", "on_answer", "request_type")
-
-    def __init__(
-        self,
-        att: _Attempt,
-        request_type: str,
-        body: Any,
-        message_id: str,
-        on_answer: Callable[[Any, OrbitError | None, int, Callable[[], None] | None], None],
-        fallback: Callable[[], bool],
-    ) -> None:
-        self.att = att
-        self.request_type = request_type
-        self.body = body
-        self.message_id = message_id
-        self.on_answer = on_answer
-        self.fallback = fallback
+    def phase(self) -> Phase:
+        with self.lock:
+            return self.machine.phase
 
 
 class _FirstReport:
@@ -209,6 +187,11 @@ class _FirstReport:
         # Runs on the connection's reader (or deadline) thread: it only records and wakes.
         self.value, self.error = value, error
         self.event.set()
+
+
+def _writes(actions: list[Action]) -> bool:
+    """Do *actions* write the outbox or call listeners (never on a connection's reader)?"""
+    return any(isinstance(a, RecordFinish | Reported) for a in actions)
 
 
 def _event(att: _Attempt) -> AttemptEvent:
@@ -229,11 +212,6 @@ def _finished(att: _Attempt, verdict: Verdict, delivered: bool) -> AttemptFinish
         ran=verdict.ran,
         delivered=delivered,
     )
-
-
-def _handed_back() -> bool:
-    """A step with nothing left to do: the worker is done with the attempt."""
-    return False
 
 
 def _lease_event(att: _Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
@@ -463,6 +441,8 @@ class Worker:
         self._outbox_path = outbox
         self._outbox: Outbox | None = None
         self._threads: list[threading.Thread] = []
+        #: Sessions in a row ended by an unexpected error (connection thread only).
+        self._session_bugs = 0
 
     # ------------------------------------------------------------------ registration
 
@@ -930,6 +910,7 @@ class Worker:
             # requests may use the connection once the resumes are answered.
             first = self._reconcile(conn)
             gen = self._link.publish(conn)
+            self._resend_due()  # requests kept for a newer connection go out first
             self._first_capacity(conn, first)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
@@ -941,21 +922,32 @@ class Worker:
             if self._hooks:
                 self._hooks.emit("connected", SessionEvent(conn.session_id, again))
             self._serve(conn)
-        except Exception as exc:  # any failure of this connection means: reconnect
+            self._session_bugs = 0
+        except OrbitError as exc:  # the connection failed: reconnect
             reason = type(exc).__name__
+            self._session_bugs = 0
             if not self._link.is_closed():
                 if is_fatal_dial_error(exc):
                     self._log.error("worker rejected by the server: %s", exc)
                     self._fail(exc)
-                elif isinstance(exc, OrbitError):
+                else:
                     self._log.warning(
                         "connection to %s lost (%s: %s); reconnecting",
                         self._server,
                         type(exc).__name__,
                         exc,
                     )
-                else:
-                    self._log.exception("connection failed unexpectedly; reconnecting")
+        except Exception as exc:  # a bug of ours: loud, and fatal if it happens again
+            reason = type(exc).__name__
+            self._session_bugs += 1
+            if self._session_bugs >= _SESSION_BUG_LIMIT:
+                self._log.exception(
+                    "worker error in the session loop, %d sessions in a row; stopping",
+                    self._session_bugs,
+                )
+                self._fail(exc)
+            else:
+                self._log.exception("worker error in the session loop; reconnecting once")
         finally:
             if gen is not None:
                 self._link.retract(gen)
@@ -997,7 +989,7 @@ class Worker:
 
     def _retry_pause(self, error: OrbitError) -> None:
         """Wait before re-sending after a transient error (longer for our own busy gate)."""
-        self._link.pause(_BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
+        self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
 
     def _reconcile(self, conn: Connection) -> _FirstReport:
         """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
@@ -1011,7 +1003,8 @@ class Worker:
         retried on this same connection; a link failure raises (reconnect).
         """
         with self._cond:
-            todo = [a for a in self._attempts.values() if a.phase is not _Phase.SETTLED]
+            live = list(self._attempts.values())
+        todo = [a for a in live if a.phase() not in SETTLED]
         pending = set(self._watchdog.pending_renewals())
         first = _FirstReport()
         then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
@@ -1062,9 +1055,8 @@ class Worker:
 
         for att in atts:
             with window:
-                # Every request sent completes (answer, failure or deadline): these waits end.
                 while in_flight[0] >= MAX_IN_FLIGHT - 1:
-                    window.wait()
+                    self._await_answers(window)
                 in_flight[0] += 1
             try:
                 conn._submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
@@ -1074,29 +1066,38 @@ class Worker:
             then()
         with window:
             while in_flight[0]:
-                window.wait()
+                self._await_answers(window)
         return answers
+
+    def _await_answers(self, cond: threading.Condition) -> None:
+        """Wait (holding *cond*) for a request of the connection thread to complete. Each
+        completes by its own call timeout (answer, failure or deadline, on the connection's
+        real-time timer); past that and the close allowance, the connection is broken."""
+        if not cond.wait(self._call_timeout + _CLOSE_ALLOWANCE):
+            raise CallTimeout("a request of the connection thread was never completed")
 
     def _after_resume(self, att: _Attempt, lease: Lease | None, *, renew_now: bool) -> None:
         ctx = att.ctx
         with att.lock:
-            if att.phase is not _Phase.RUNNING or ctx.cancelled.is_set():
-                return  # starting/finishing threads re-send their own request; nothing to renew
-            if lease is not None and lease.cancel_requested:
-                self._watchdog.untrack(att.id)
-                ctx._cancel("cancel_requested")
-                return
-            if lease is not None and lease.may_run(self._clock) and lease.deadline is not None:
-                self._watchdog.refresh(att.id, lease.deadline, renew_now=renew_now)
-                return
-            self._watchdog.untrack(att.id)
-            reason = "lease_expired" if ctx.remaining() <= 0 else "session_replaced"
-            if ctx._cancel(reason):
-                with self._cond:
-                    self._counts["resume_losses"] += 1
-                ctx._log.warning("lease did not survive the reconnect (%s)", reason)
-                if self._hooks:
-                    self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
+            actions = att.machine.resumed(
+                lease,
+                now=self._clock(),
+                remaining=ctx.remaining(),
+                cancelled=ctx.cancelled.is_set(),
+            )
+            for action in actions:
+                if isinstance(action, RefreshLease):
+                    self._watchdog.refresh(att.id, action.deadline, renew_now=renew_now)
+            rest = self._lease_actions(att, [a for a in actions if not isinstance(a, RefreshLease)])
+        self._perform(att, rest)
+
+    def _resume_lost(self, att: _Attempt, reason: str) -> None:
+        """The lease did not survive the reconnect: count it, say so, tell the listeners."""
+        with self._cond:
+            self._counts["resume_losses"] += 1
+        att.ctx._log.warning("lease did not survive the reconnect (%s)", reason)
+        if self._hooks:
+            self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
     def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
         """Send the session's first report without waiting; its answer lands in *first*."""
@@ -1113,7 +1114,9 @@ class Worker:
     def _first_capacity(self, conn: Connection, first: _FirstReport) -> None:
         """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
         answer is retried in place, like any later report."""
-        first.event.wait()  # every request sent completes (answer, failure or deadline)
+        # Completed by its own call timeout at the latest (see _await_answers).
+        if not first.event.wait(self._call_timeout + _CLOSE_ALLOWANCE):
+            raise CallTimeout("the first capacity report was never completed")
         error = first.error
         if error is None:
             # The connection checked the ack's body: a capacity ack carries a Welcome.
@@ -1143,20 +1146,22 @@ class Worker:
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
 
     def _serve(self, conn: Connection) -> None:
-        # Assignments are dispatched by the connection's reader (on_assignment); this thread only
-        # keeps the session alive and reports capacity changes until the connection ends. It
-        # sleeps until the next heartbeat unless woken (new report, connection ended, shutdown).
+        # Assignments are dispatched by the connection's reader (on_assignment); this thread
+        # keeps the session alive, reports capacity changes and re-sends the kept starts and
+        # finishes until the connection ends. It sleeps until the next heartbeat or re-send
+        # unless woken (new report, a request kept, connection ended, shutdown).
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.done.is_set():
                 break
+            next_resend = self._resend_due()
             with self._capacity_lock:
                 changed = self._report_next is not self._report_sent
                 next_heartbeat = self._next_heartbeat
             if changed or self._clock() >= next_heartbeat:
                 self._send_capacity(conn)
                 continue
-            self._serve_wake.wait(next_heartbeat - self._clock())
+            self._serve_wake.wait(min(next_heartbeat, next_resend) - self._clock())
         err = conn.err
         if err is not None and not self._link.is_closed():
             raise err
@@ -1203,221 +1208,228 @@ class Worker:
                 logger=self._task_logs[task.handler],
                 worker_logger=self._log,
             )
-            att = _Attempt(assignment, ctx, handler)
+            att = _Attempt(assignment, ctx, handler, self._retry_delay)
             self._attempts[att.id] = att
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
         if self._hooks:
             self._hooks.emit("attempt_received", _event(att))
-        self._pool.submit(lambda: self._run_attempt(att))
+        self._step(att, AttemptMachine.begin)
 
     # ------------------------------------------------------------------ attempts
     #
-    # An attempt is start -> handler -> finish. The fast path pipelines both requests: a pool
-    # thread sends one (``_submit``) and goes back to the pool; the answer's callback, on the
-    # connection's reader thread, moves the attempt on (queues its handler, or settles it). No
-    # thread waits for an answer. Anything but a clean answer (an error answer, a lost
-    # connection, no free request slot, no connection) continues on the blocking path on a pool
-    # thread, which waits for a newer connection and re-sends with the same message_id.
-    #
-    # Each step below returns True when it handed the attempt on to a request's answer, False
-    # when the worker is done with it (then :meth:`_release` settles it).
+    # An attempt is start -> handler -> finish, decided by its state machine (._attempt); the
+    # methods below only perform what it returns. One request path: every start and finish is
+    # pipelined (_send); a request whose connection fails is kept by the link and re-sent with
+    # its message_id by the connection thread once a newer connection is published; a transient
+    # error answer is kept for its retry delay the same way. No thread waits for an answer.
+    # Answers are handled on the connection's reader thread without blocking; the handler runs
+    # on a pool thread, which also sends its finish: one hand-off per attempt. An outbox write
+    # or a listener (user code) never runs on the reader thread.
 
-    def _run_attempt(self, att: _Attempt) -> None:
-        """The pool job of a new assignment: send its start."""
-        self._step(att, partial(self._send_start, att))
-
-    def _step(
-        self, att: _Attempt, body: Callable[[], bool], first: Callable[[], None] | None = None
-    ) -> None:
-        """Run one step of *att* on this (pool) thread; release the attempt unless it was handed
-        on. *first*: another attempt's request, given the request slot that *att*'s answer
-        freed, sent before (it never blocks, never raises)."""
-        if first is not None:
-            first()
-        handed_on = False
+    def _step(self, att: _Attempt, event: Callable[[AttemptMachine], list[Action]]) -> None:
+        """Feed *event* to the attempt's machine and perform the actions it returns. An
+        unexpected error (a bug of ours) finishes the attempt UNKNOWN instead of dropping it."""
         try:
-            handed_on = body()
-        except Exception:  # a bug here must not lose the slot silently
-            att.ctx._log.exception("worker error while running the attempt")
-        finally:
-            if not handed_on:
-                self._release(att)
+            with att.lock:
+                actions = self._lease_actions(att, event(att.machine))
+            self._perform(att, actions)
+        except Exception:
+            att.ctx._log.exception("worker error while processing the attempt; finishing UNKNOWN")
+            self._crashed(att)
+        self._notify()
 
-    def _handoff(
-        self, att: _Attempt, body: Callable[[], bool], first: Callable[[], None] | None = None
-    ) -> None:
-        """From an answer's callback: run the next step of *att* on a pool thread."""
-        self._run_on_pool(partial(self._step, att, body, first))
+    def _crashed(self, att: _Attempt) -> None:
+        try:
+            with att.lock:
+                actions = self._lease_actions(att, att.machine.crashed())
+            self._perform(att, actions)
+        except Exception:
+            # Twice in a row: nothing more can be sent for it; never leave it counted as live.
+            att.ctx._log.exception("worker error while finishing the attempt UNKNOWN")
+            with self._cond:
+                self._unreported.append(att.info)
+            self._settle(att)
 
-    def _run_on_pool(self, job: Callable[[], None]) -> None:
+    def _lease_actions(self, att: _Attempt, actions: list[Action]) -> list[Action]:
+        """Perform the lease and context actions now, under the attempt's lock (shutdown's
+        abandon step must never see a lease tracked after its untrack); return the rest."""
+        rest: list[Action] = []
+        for action in actions:
+            if isinstance(action, TrackLease):
+                self._watchdog.track(att.id, att.ctx, action.deadline)
+            elif isinstance(action, UntrackLease):
+                self._watchdog.untrack(att.id)
+            elif isinstance(action, CancelContext):
+                att.ctx._cancel(action.reason)
+            else:
+                rest.append(action)
+        return rest
+
+    def _perform(self, att: _Attempt, actions: list[Action]) -> None:
+        """Perform *actions* in order on this thread, except what must not run on a connection's
+        reader: the handler (a pool job), outbox writes and listeners (the rest goes to a pool
+        thread when there are any)."""
+        if self._slow and not self._pool.owns_current_thread() and _writes(actions):
+            self._offload(partial(self._perform_now, att, actions))
+            return
+        self._perform_now(att, actions)
+
+    def _perform_now(self, att: _Attempt, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(att, action.request)
+            elif isinstance(action, RunHandler):
+                self._run_handler_on_pool(att)
+            elif isinstance(action, RecordFinish):
+                self._record_finish(att, action.request)
+            elif isinstance(action, BreakConnection):
+                self._link.broken(action.gen)
+            elif isinstance(action, AwaitConnection | RetryAfter):
+                self._keep(att, action)
+            elif isinstance(action, Reported):
+                self._reported(att, action)
+            elif isinstance(action, NotStarted):
+                self._not_started(att, action)
+            elif isinstance(action, LeaseLost):
+                self._resume_lost(att, action.reason)
+            elif isinstance(action, Release):
+                self._settle(att)
+            else:  # RefreshLease comes only from _after_resume, which performs it itself
+                raise AssertionError(f"unexpected attempt action {action!r}")
+
+    @property
+    def _slow(self) -> bool:
+        """Are there outbox writes or listeners (kept off the connection's reader thread)?"""
+        return self._outbox is not None or bool(self._hooks)
+
+    def _offload(self, job: Callable[[], None]) -> None:
+        """Run *job* on a pool thread; once the pool is shut down (a late answer at the very end
+        of shutdown), here."""
         try:
             self._pool.submit(job)
-        except RuntimeError:  # a late answer after the pool shut down: a thread of its own
-            threading.Thread(target=job, name="orbit-finish", daemon=True).start()
+        except RuntimeError:
+            job()
 
-    def _release(self, att: _Attempt) -> None:
-        """The worker is done with *att*: settle it, unless shutdown abandoned it (then it is
-        settled by its UNKNOWN finish and only counted here as no longer running)."""
-        with att.lock:
-            abandoned_ = att.abandoned
-            att.handler_done = True
-        if not abandoned_:
-            self._settle(att)
-        else:
-            self._notify()  # shutdown counts the abandoned handlers still running
-
-    def _pipeline(self, req: _Request) -> bool:
-        """Send a start or finish without waiting for its answer (a pool step): True when it
-        was handed on (sent, or queued for the next free request slot: the handlers' share of
-        max_in_flight), else the result of its blocking fallback, run here."""
+    def _send(self, att: _Attempt, request: Request) -> None:
+        """Send *request* within the handlers' share of the connection's request budget (or
+        queue it for the next free slot); never blocks."""
         try:
-            if not self._link.gate.acquire_or_queue(partial(self._send_queued, req)):
-                return True  # a freed slot sends it; this thread goes back to the pool
+            if not self._link.gate.acquire_or_queue(partial(self._transmit, att, request)):
+                return  # a freed slot sends it
         except GaveUp:
-            return req.fallback()  # the worker stopped: the blocking path gives up
-        return self._transmit(req, inline=True)
+            self._step(att, lambda m: m.gave_up(request))
+            return
+        self._transmit(att, request)
 
-    def _transmit(self, req: _Request, *, inline: bool) -> bool:
-        """Send *req*, whose request slot is taken, on the current connection. True: sent, or
-        (not *inline*) its fallback was handed to the pool; else its fallback's result."""
+    def _transmit(self, att: _Attempt, request: Request) -> None:
+        """Send *request*, whose request slot is taken, on the current connection."""
         current = self._link.current()
-        if current is not None:
-            conn, gen = current
-            gate = self._link.gate
-
-            def done(value: Any, error: OrbitError | None) -> None:
-                req.on_answer(value, error, gen, gate.release())
-
-            try:
-                conn._submit(
-                    req.request_type,
-                    req.body,
-                    done,
-                    message_id=req.message_id,
-                    timeout=self._call_timeout,
-                )
-                return True
-            except OrbitError:  # nothing was sent: the connection ended, or it is busy
-                pass
-            except BaseException:
-                self._free_slot()
-                raise
-        self._free_slot()
-        if inline:
-            return req.fallback()
-        self._handoff(req.att, req.fallback)
-        return True
-
-    def _send_queued(self, req: _Request) -> None:
-        """A queued request, now holding a slot (run on a pool thread, maybe inside another
-        attempt's step): it must not block, so its fallback goes to the pool."""
+        if current is None:
+            self._free_slot()
+            self._step(att, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
+            return
+        conn, gen = current
         try:
-            self._transmit(req, inline=False)
-        except Exception:
-            req.att.ctx._log.exception("worker error while sending %s", req.request_type)
-            self._release(req.att)
+            conn._submit(
+                request.request_type,
+                request.body,
+                partial(self._answered, att, request, gen),
+                message_id=request.message_id,
+                timeout=self._call_timeout,
+            )
+        except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
+            refused = exc
+            self._free_slot()
+            self._step(att, lambda m: m.failed(request, refused, gen=gen))
+        except BaseException:
+            self._free_slot()
+            raise
 
     def _free_slot(self) -> None:
-        """Give a request slot back; a queued request that gets it is sent from a pool thread."""
+        """Give a request slot back; a request queued for one is sent now, from this thread."""
         successor = self._link.gate.release()
         if successor is not None:
-            self._run_on_pool(successor)
+            successor()
 
-    def _send_start(self, att: _Attempt) -> bool:
-        return self._pipeline(
-            _Request(
-                att,
-                "task.start",
-                att.ref,
-                att.start_id,
-                partial(self._start_answered, att),
-                partial(self._start_blocking, att, None),
-            )
-        )
-
-    def _start_answered(
-        self,
-        att: _Attempt,
-        result: Any,
-        error: OrbitError | None,
-        gen: int,
-        successor: Callable[[], None] | None,
+    def _answered(
+        self, att: _Attempt, request: Request, gen: int, value: Any, error: OrbitError | None
     ) -> None:
-        # On the reader thread: it must never block or make a request. The next step (and the
-        # request that got the freed slot, if any) runs on a pool thread.
-        body: Callable[[], bool] = partial(self._start_blocking, att, (error, gen))
-        if error is None:
-            try:
-                may_run = self._admit(att, result)
-                body = partial(self._after_start, att, result, may_run)
-            except Exception:
-                att.ctx._log.exception("worker error while starting the attempt")
-                body = _handed_back
-        self._handoff(att, body, successor)
-
-    def _start_blocking(self, att: _Attempt, failed: tuple[OrbitError | None, int] | None) -> bool:
-        """Send (or, after *failed*, re-send) the start until it is answered, then go on."""
-        ctx = att.ctx
-        try:
-            result = self._call(
-                lambda c: c.start(att.ref, message_id=att.start_id, timeout=self._call_timeout),
-                failed=failed,
+        # On the reader thread (or the thread that ended the connection): never blocks.
+        self._free_slot()
+        if error is not None:
+            self._step(att, lambda m: m.failed(request, error, gen=gen))
+        elif request.request_type == "task.start":
+            ctx = att.ctx
+            self._step(
+                att,
+                lambda m: m.start_answered(
+                    request,
+                    value,
+                    now=self._clock(),
+                    cancel_reason=ctx.cancel_reason,
+                    cancel_requested=ctx.cancel_requested,
+                ),
             )
-        except GaveUp:
-            ctx._log.warning("not started: the worker stopped before start was answered")
-            return False
-        except OrbitError as exc:
-            ctx._log.warning("start refused (%s); handler not run", getattr(exc, "code", exc))
-            return False
-        return self._after_start(att, result, self._admit(att, result))
-
-    def _admit(self, att: _Attempt, result: CommandResult) -> bool:
-        """Decide from the start's answer whether the handler may run; if so, the attempt is
-        running and its lease renewed from now on. Never blocks (runs on the reader thread)."""
-        ctx = att.ctx
-        lease = result.lease
-        if lease.cancel_requested:
-            ctx._cancel("cancel_requested")
-        with att.lock:
-            may_run = lease.may_run(self._clock) and not ctx.cancelled.is_set()
-            if may_run and lease.deadline is not None:
-                att.phase = _Phase.RUNNING
-                self._watchdog.track(att.id, ctx, lease.deadline)
-        self._notify()
-        return may_run
-
-    def _after_start(self, att: _Attempt, result: CommandResult, may_run: bool) -> bool:
-        """Run the handler (if *may_run*), then send its finish."""
-        ctx = att.ctx
-        if not may_run:
-            lease, receipt = result.lease, result.receipt
-            started = (
-                receipt.disposition is Disposition.APPLIED
-                and receipt.attempt_state is AttemptState.RUNNING
-            )
-            if not started:
-                ctx._log.info("not started (lease %s, active=%s)", lease.state, lease.active)
-                return False
-            reason = ctx.cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
-            verdict = not_run(cancel_requested=ctx.cancel_requested, reason=reason)
-            ctx._log.info("started but not run (%s): finishing %s", reason, verdict.outcome)
-        elif not self._record_launch(att):
-            self._watchdog.untrack(att.id)
-            verdict = outbox_unavailable()
         else:
-            verdict = self._execute(att)
-            self._watchdog.untrack(att.id)
+            self._step(att, lambda m: m.finish_answered(request, value))
+
+    def _keep(self, att: _Attempt, action: AwaitConnection | RetryAfter) -> None:
+        """Keep the attempt's request for the connection thread to re-send (same message_id)."""
         with att.lock:
-            if att.abandoned:
-                ctx._log.warning(
-                    "handler returned after shutdown finished it UNKNOWN; its result is dropped"
-                )
-                return False
-            att.phase = _Phase.FINISHING
-        self._notify()
-        return self._send_finish(att, verdict)
+            request = att.machine.request
+        if request is None:
+            return
+        if isinstance(action, RetryAfter):
+            self._log.info(
+                "request answered %s; retrying",
+                getattr(action.error, "code", type(action.error).__name__),
+            )
+            newer_than, delay = 0, action.delay
+        else:
+            newer_than, delay = action.gen, 0.0
+        job = partial(self._step, att, lambda m: m.resend(request))
+        if self._link.keep(job, newer_than=newer_than, delay=delay):
+            self._serve_wake.set()
+        else:
+            self._step(att, lambda m: m.gave_up(request))
+
+    def _resend_due(self) -> float:
+        """Re-send the kept requests whose connection and time have come (connection thread);
+        return when the next one is due."""
+        jobs, next_at = self._link.take_due()
+        for job in jobs:
+            job()
+        return next_at
+
+    def _run_handler_on_pool(self, att: _Attempt) -> None:
+        try:
+            self._pool.submit(partial(self._run_handler, att))
+        except RuntimeError:  # the pool shut down under a late start answer: do not run it
+            stop = not_run(cancel_requested=False, reason="shutdown")
+            self._step(att, lambda m: m.handler_returned(stop))
+
+    def _run_handler(self, att: _Attempt) -> None:
+        """The attempt's one pool job: record the launch, run the handler, send its finish."""
+        try:
+            launched = self._record_launch(att)
+            verdict = self._execute(att) if launched else None
+        except Exception:
+            att.ctx._log.exception("worker error while running the attempt; finishing UNKNOWN")
+            self._crashed(att)
+            self._notify()
+            return
+        if verdict is None:
+            self._step(att, lambda m: m.launch_refused())
+            return
+        self._step(att, lambda m: m.handler_returned(verdict))
+        with att.lock:
+            dropped = att.machine.abandoned
+        if dropped:
+            att.ctx._log.warning(
+                "handler returned after shutdown finished it UNKNOWN; its result is dropped"
+            )
 
     def _execute(self, att: _Attempt) -> Verdict:
         ctx = att.ctx
@@ -1461,126 +1473,57 @@ class Worker:
             ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
         return verdict
 
-    def _send_finish(self, att: _Attempt, verdict: Verdict) -> bool:
-        finish, message_id = self._prepare_finish(att, verdict)
-        return self._pipeline(
-            _Request(
-                att,
-                "task.finish",
-                finish,
-                message_id,
-                partial(self._finish_answered, att, verdict, finish, message_id),
-                partial(self._finish_blocking, att, verdict, finish, message_id, None),
-            )
-        )
-
-    def _finish_answered(
-        self,
-        att: _Attempt,
-        verdict: Verdict,
-        finish: Finish,
-        message_id: str,
-        result: Any,
-        error: OrbitError | None,
-        gen: int,
-        successor: Callable[[], None] | None,
-    ) -> None:
-        # On the reader thread: it must never block or make a request, nor run user code.
-        if error is not None:
-            failed = (error, gen)
-            body = partial(self._finish_blocking, att, verdict, finish, message_id, failed)
-            self._handoff(att, body, successor)
-        elif self._outbox is not None or self._hooks:
-            # An SQLite write and the listeners (user code) run on a pool thread.
-            self._handoff(att, partial(self._finish_accepted, att, verdict, result), successor)
-        else:
-            if successor is not None:
-                self._run_on_pool(successor)
-            try:
-                self._accepted(att, verdict, result)
-            except Exception:
-                att.ctx._log.exception("worker error while finishing the attempt")
-            self._release(att)
-
-    def _finish(self, att: _Attempt, verdict: Verdict) -> None:
-        """Send *verdict*'s finish until it is answered or the worker stops (blocking)."""
-        finish, message_id = self._prepare_finish(att, verdict)
-        self._finish_blocking(att, verdict, finish, message_id, None)
-
-    def _prepare_finish(self, att: _Attempt, verdict: Verdict) -> tuple[Finish, str]:
-        """The finish and its message_id, committed to the outbox before it is sent."""
-        finish = verdict.finish(att.ref)
-        message_id = new_message_id()
+    def _record_finish(self, att: _Attempt, request: Request) -> None:
+        """Commit the finish to the outbox before it is sent."""
+        finish = request.body
+        assert isinstance(finish, Finish)
         self._outbox_write(
-            att, lambda o: o.record_finish(self._instance_id, att.task.handler, finish, message_id)
+            att,
+            lambda o: o.record_finish(
+                self._instance_id, att.task.handler, finish, request.message_id
+            ),
         )
-        return finish, message_id
 
-    def _finish_accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> bool:
-        self._accepted(att, verdict, result)
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, True))
-        return False
-
-    def _finish_blocking(
-        self,
-        att: _Attempt,
-        verdict: Verdict,
-        finish: Finish,
-        message_id: str,
-        failed: tuple[OrbitError | None, int] | None,
-    ) -> bool:
-        """Send (or, after *failed*, re-send) the finish until it is answered; tell the
-        listeners. False: the worker is done with the attempt."""
-        delivered = self._deliver(att, verdict, finish, message_id, failed)
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, delivered))
-        return False
-
-    def _deliver(
-        self, att: _Attempt, verdict: Verdict, finish: Finish, message_id: str, failed: Any
-    ) -> bool:
-        """Send the finish until it is answered (*failed*: see :meth:`_call`); True when the
-        server accepted it."""
-        try:
-            result = self._call(
-                lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout),
-                failed=failed,
+    def _reported(self, att: _Attempt, reported: Reported) -> None:
+        """The finish's fate: close its outbox entry (unless undelivered), count, log, tell."""
+        verdict, result, ctx = reported.verdict, reported.result, att.ctx
+        if result is not None:
+            self._outbox_write(att, lambda o: o.done(att.id))
+            evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
+            with self._cond:
+                self._counts[verdict.outcome.value] += 1
+                if evidence:
+                    self._counts["evidence_only"] += 1
+            ctx._log.info(
+                "handler %s finished %s%s%s%s",
+                att.task.handler,
+                verdict.outcome,
+                "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
+                " (kept as evidence only)" if evidence else "",
+                " (deduplicated)" if result.deduplicated else "",
             )
-        except GaveUp:
+        elif reported.error is not None:
+            with self._cond:
+                self._counts["finish_rejected"] += 1
+            code = getattr(reported.error, "code", reported.error)
+            ctx._log.error("finish %s refused (%s)", verdict.outcome, code)
+            self._outbox_write(att, lambda o: o.done(att.id))
+        else:
             with self._cond:
                 self._unreported.append(att.info)
-            att.ctx._log.error(
+            ctx._log.error(
                 "finish %s not delivered: the worker stopped%s",
                 verdict.outcome,
                 "; kept in the outbox for the next start" if self._outbox else "",
             )
-            return False
-        except OrbitError as exc:
-            with self._cond:
-                self._counts["finish_rejected"] += 1
-            att.ctx._log.error("finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc))
-            self._outbox_write(att, lambda o: o.done(att.id))
-            return False
-        self._accepted(att, verdict, result)
-        return True
+        if self._hooks:
+            self._hooks.emit("attempt_finished", _finished(att, verdict, reported.delivered))
 
-    def _accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> None:
-        """The server accepted the finish: close its outbox entry, count and log it."""
-        self._outbox_write(att, lambda o: o.done(att.id))
-        evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
-        with self._cond:
-            self._counts[verdict.outcome.value] += 1
-            if evidence:
-                self._counts["evidence_only"] += 1
-        att.ctx._log.info(
-            "handler %s finished %s%s%s%s",
-            att.task.handler,
-            verdict.outcome,
-            "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
-            " (kept as evidence only)" if evidence else "",
-            " (deduplicated)" if result.deduplicated else "",
-        )
+    def _not_started(self, att: _Attempt, not_started: NotStarted) -> None:
+        if not_started.error is None:
+            att.ctx._log.info("%s", not_started.why)
+        else:
+            att.ctx._log.warning("%s", not_started.why)
 
     # ------------------------------------------------------------------ durable outbox
 
@@ -1628,8 +1571,7 @@ class Worker:
             self._link.pause(self._backoff.delay(failures))
 
     def _settle(self, att: _Attempt) -> None:
-        with att.lock:
-            att.phase = _Phase.SETTLED
+        """The worker is done with *att* (its machine reached a settled phase)."""
         with self._cond:
             self._attempts.pop(att.id, None)
             if self._stop_requested:
@@ -1641,44 +1583,6 @@ class Worker:
         if self._stop_requested:
             with self._cond:
                 self._cond.notify_all()
-
-    def _call(
-        self, fn: Callable[[Connection], T], *, failed: tuple[OrbitError | None, int] | None = None
-    ) -> T:
-        """Send one operation until it is answered, re-sending it (same ``message_id``, bound
-        in *fn*) on each newer connection after a connection failure. *failed*: the error its
-        earlier, pipelined sending got, and on which connection: handled first, as if this
-        loop had sent it."""
-        newer_than = 0
-        while True:
-            if failed is None:
-                conn, gen = self._link.wait(newer_than=newer_than)
-                try:
-                    return self._gated(partial(fn, conn))
-                except OrbitError as exc:
-                    error = exc
-            else:
-                (failed_error, gen), failed = failed, None
-                if failed_error is None:  # nothing to handle: send as usual
-                    continue
-                error = failed_error
-            if is_link_failure(error):
-                newer_than = gen
-                self._link.broken(gen)
-                continue
-            if is_transient(error):
-                self._retry_pause(error)
-                continue
-            raise error
-
-    def _gated(self, fn: Callable[[], T]) -> T:
-        """Run one handler-side request (start/finish) within the handlers' share of the
-        connection's request budget (the rest stays free for renewals and reports)."""
-        self._link.gate.acquire()  # raises GaveUp once the link is closed
-        try:
-            return fn()
-        finally:
-            self._free_slot()
 
     def _on_renewed(self, attempt_id: str, lag: float) -> None:
         if self._hooks:
@@ -1747,7 +1651,8 @@ class Worker:
             if self._error is None:
                 self._error = exc
         self.request_stop(drain=False)
-        self._link.close()
+        for job in self._link.close():
+            job()  # a kept request: it finds the link closed and gives up (unreported)
         self._serve_wake.set()
 
     def _wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
@@ -1783,9 +1688,13 @@ class Worker:
             len(report.unreported),
         )
 
-    def _live(self, *phases: _Phase) -> list[_Attempt]:
+    def _live(self) -> list[_Attempt]:
         with self._cond:
-            return [a for a in self._attempts.values() if a.phase in phases]
+            return list(self._attempts.values())
+
+    def _any_running(self) -> bool:
+        # Under the worker's condition (a _wait_until predicate); attempt locks come after it.
+        return any(a.phase() is Phase.RUNNING for a in self._attempts.values())
 
     def _shutdown(self) -> ShutdownReport:
         # A plan over the clock: each phase ends at its deadline, or as soon as what it waits
@@ -1803,29 +1712,26 @@ class Worker:
 
         # 2. Cancel what is still running, and give it a grace period to return.
         cancelled: list[_Attempt] = []
-        for att in self._live(_Phase.STARTING, _Phase.RUNNING):
-            att.ctx._cancel("shutdown")
-            if att.phase is _Phase.RUNNING:
+        for att in self._live():
+            with att.lock:
+                running = att.machine.phase is Phase.RUNNING
+                self._lease_actions(att, att.machine.shutdown_cancel())
+            if running:
                 cancelled.append(att)
-        self._wait_until(
-            lambda: not any(a.phase is _Phase.RUNNING for a in self._attempts.values()),
-            self._clock() + self._cancel_grace,
-        )
+        self._wait_until(lambda: not self._any_running(), self._clock() + self._cancel_grace)
 
         # 3. Abandon handlers that ignore cancellation: their effect is uncertain (UNKNOWN).
+        #    Their finish is sent from here (it never blocks); the handler's thread is left to
+        #    the pool's shutdown, which counts it as stuck.
         gave_up: list[_Attempt] = []
-        for att in self._live(_Phase.RUNNING):
+        for att in self._live():
             with att.lock:
-                if att.phase is not _Phase.RUNNING:
-                    continue
-                att.abandoned = True
-                att.phase = _Phase.FINISHING
-            self._watchdog.untrack(att.id)
+                actions = self._lease_actions(att, att.machine.abandon())
+            if not actions:
+                continue
             att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
             gave_up.append(att)
-            threading.Thread(
-                target=self._finish_abandoned, args=(att,), name="orbit-finish", daemon=True
-            ).start()
+            self._perform(att, actions)
 
         # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
         self._wait_until(lambda: not self._attempts, self._clock() + self._flush_timeout)
@@ -1834,15 +1740,18 @@ class Worker:
         #    woken by that, wind down within the close allowance.
         close_end = self._clock() + _CLOSE_ALLOWANCE
         current = self._link.current()
-        self._link.close()
+        for job in self._link.close():
+            job()  # a kept request: it finds the link closed and gives up (unreported)
         self._dial_cut.cut()
         self._serve_wake.set()
         if current is not None:
             current[0].close()
         self._wait_until(lambda: not self._attempts, close_end)
         self._watchdog_thread.stop(timeout=max(0.0, close_end - self._clock()))
-        with self._cond:
-            stuck = sum(1 for a in gave_up if not a.handler_done)
+        stuck = 0
+        for att in gave_up:
+            with att.lock:
+                stuck += not att.machine.handler_done
         self._pool.shutdown(close_end, stuck=stuck)
         if self._processes is not None:
             self._processes.close()
@@ -1856,14 +1765,8 @@ class Worker:
             error = self._error
         return ShutdownReport(
             drained=drained,
-            cancelled=tuple(a.info for a in cancelled if not a.abandoned),
+            cancelled=tuple(a.info for a in cancelled if a not in gave_up),
             abandoned=tuple(a.info for a in gave_up),
             unreported=unreported,
             error=error,
         )
-
-    def _finish_abandoned(self, att: _Attempt) -> None:
-        try:
-            self._finish(att, abandoned())
-        finally:
-            self._settle(att)
