@@ -39,14 +39,10 @@ from typing import Any, TypeVar
 import cattrs
 
 from .._protocol import MAX_IN_FLIGHT
-from .._protocol import call_timeout as call_timeout_bound
-from .._seconds import seconds
 from ..client import Client, DialCut
 from ..connection import Submission
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
 from ..models import (
-    ID_RE,
-    MAX_CAPACITY,
     Assignment,
     AttemptRef,
     CancelNotice,
@@ -105,6 +101,7 @@ from ._hooks import (
     SessionEvent,
 )
 from ._link import Connection, Dialer, GaveUp, Link
+from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox, OutboxError
 from ._outcomes import (
     HANDLER_ERROR,
@@ -135,8 +132,6 @@ _LOG = logging.getLogger("orbit_sync.worker")
 _CLOSE_ALLOWANCE = 0.5
 #: The signals :meth:`Worker.run` handles: the first drains, the second stops at once.
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-#: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
-_RESERVED_SLOTS = 8
 #: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
 #: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
 _SESSION_BUG_LIMIT = 2
@@ -237,10 +232,6 @@ def _check_handler_signature(fn: object) -> None:
         raise TypeError(f"handler {name}{signature} cannot be called as fn(ctx, payload)") from None
 
 
-def _check_seconds(name: str, value: float, *, positive: bool = False) -> float:
-    return seconds(value, name, positive=positive)
-
-
 #: Every Worker of this process, so a forked child can give each a new identity.
 _WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
 
@@ -336,40 +327,27 @@ class Worker:
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
-        if type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
-            raise ValueError("queue_id must be 32 lowercase hex characters")
-        if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
-            raise ValueError(f"capacity must be an int between 1 and {MAX_CAPACITY}")
+        opts = WorkerOptions(**{k: v for k, v in self._options.items() if k != "client"})
+        self._opts = opts
         self._client = client
-        self._queue_id = queue_id
-        self._capacity = capacity
-        self._drain_timeout = _check_seconds("drain_timeout", drain_timeout)
-        self._cancel_grace = _check_seconds("cancel_grace", cancel_grace)
-        self._flush_timeout = _check_seconds("flush_timeout", flush_timeout)
-        self._dial_timeout = _check_seconds("dial_timeout", dial_timeout, positive=True)
-        # Past this a request's connection is closed and the operation re-sent on the next one.
-        self._call_timeout = call_timeout_bound(call_timeout, "call_timeout")
-        self._backoff = reconnect_backoff or Backoff()
-        if max_in_flight is None:
-            max_in_flight = MAX_IN_FLIGHT
-        if type(max_in_flight) is not int or not 3 <= max_in_flight <= MAX_IN_FLIGHT:
-            raise ValueError(f"max_in_flight must be an int between 3 and {MAX_IN_FLIGHT}")
-        # Starts and finishes get the connection's request budget but a reserve: renewals,
-        # resumes and capacity reports never wait behind handler traffic for a slot.
-        # A quarter of the budget, 2 to 8 slots: a small explicit bound keeps its old split.
-        handler_slots = max_in_flight - min(_RESERVED_SLOTS, max(2, max_in_flight // 4))
-        self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
-        if not 0.1 <= self._retry_delay <= 5.0:
-            raise ValueError("renew_retry_delay must be between 0.1 and 5 seconds")
-        self._notifications = bool(cancellation_notifications)
-        self._handle_signals = handle_signals
-        self._log = logger or _LOG
+        self._queue_id = opts.queue_id
+        self._capacity = opts.capacity
+        self._drain_timeout = opts.drain_timeout
+        self._cancel_grace = opts.cancel_grace
+        self._flush_timeout = opts.flush_timeout
+        self._dial_timeout = opts.dial_timeout
+        self._call_timeout = opts.request_timeout
+        self._backoff = opts.reconnect_backoff or Backoff()
+        self._retry_delay = float(opts.renew_retry_delay)
+        self._notifications = opts.cancellation_notifications
+        self._handle_signals = opts.handle_signals
+        self._log = opts.logger or _LOG
         self._encoder = (
-            DEFAULT_ENCODER if result_converter is None else ResultEncoder(result_converter)
+            DEFAULT_ENCODER
+            if opts.result_converter is None
+            else ResultEncoder(opts.result_converter)
         )
-        if clock is not None and not isinstance(clock, WorkerClock):
-            raise TypeError("clock must be a WorkerClock")
-        self._time = clock or WorkerClock()
+        self._time = opts.clock or WorkerClock()
         self._clock = self._time.now
         self._hooks = Hooks(listeners, logger=self._log)
         # instance_id is new for this Worker (so two Workers of one process never fence each
@@ -411,7 +389,7 @@ class Worker:
         self._dial_cut = DialCut()
         self._endpoint = EndpointCheck(self._clock)
 
-        self._link = Link(self._time, slots=handler_slots)
+        self._link = Link(self._time, slots=opts.handler_slots)
         self._registration: Registration | None = None
         self._watchdog = LeaseWatchdog(
             self._send_renew,
@@ -427,18 +405,15 @@ class Worker:
         self._pool = DaemonPool(capacity, clock=self._time)
         # Child processes for handlers registered with executor="process"; none start before
         # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
-        if process_pool is not None and (type(process_pool) is not int or process_pool < 1):
-            raise ValueError("process_pool must be a positive int (child processes)")
-        self._process_pool_size = process_pool
+        self._process_pool_size = opts.process_pool
         self._process_limits = ChildLimits(
-            max_tasks=process_max_tasks_per_child, max_memory_mb=process_max_memory_per_child
+            max_tasks=opts.process_max_tasks_per_child,
+            max_memory_mb=opts.process_max_memory_per_child,
         )
         self._processes: ProcessPool | None = None
         # Opened by start(), not here: a process-executor child imports the module that builds
         # this Worker, and must not contend for the parent's outbox lock.
-        if outbox is not None and not isinstance(outbox, str | os.PathLike):
-            raise TypeError("outbox must be a file path")
-        self._outbox_path = outbox
+        self._outbox_path = opts.outbox
         self._outbox: Outbox | None = None
         self._threads: list[threading.Thread] = []
         #: Sessions in a row ended by an unexpected error (connection thread only).
@@ -728,7 +703,7 @@ class Worker:
         return; without, their contexts are cancelled now. A later request can only shorten it.
         """
         if timeout is not None:
-            timeout = _check_seconds("timeout", timeout)
+            timeout = check_seconds("timeout", timeout)
         with self._cond:
             if not self._started:
                 return
