@@ -34,7 +34,7 @@ def test_a_bug_while_running_an_attempt_finishes_it_unknown(
     def broken(att: Any) -> Any:
         raise RuntimeError("worker bug")
 
-    monkeypatch.setattr(worker, "_execute", broken)
+    monkeypatch.setattr(worker._shell, "execute", broken)
     with caplog.at_level(logging.ERROR, logger="orbit_sync"), running(worker):
         task_id = server.enqueue("noop", {})
         task = server.wait_for(task_id, {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}, 10)

@@ -29,7 +29,6 @@ import logging
 import os
 import signal
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from functools import partial
@@ -44,41 +43,29 @@ from ..connection import Submission
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
 from ..models import (
     Assignment,
-    AttemptRef,
     CancelNotice,
     Capability,
     CapacityReport,
-    Disposition,
-    Finish,
     Lease,
     Outcome,
     Registration,
     Welcome,
     new_id,
-    new_message_id,
     new_secret,
 )
 from ._attempt import (
     BUSY_DELAY,
     SETTLED,
-    Action,
     AttemptMachine,
-    AwaitConnection,
-    BreakConnection,
-    CancelContext,
-    LeaseLost,
-    NotStarted,
     Phase,
-    RecordFinish,
-    RefreshLease,
-    Release,
-    Reported,
-    Request,
-    RetryAfter,
-    RunHandler,
-    Send,
-    TrackLease,
-    UntrackLease,
+)
+from ._attempts import (
+    Attempt,
+    AttemptShell,
+    Handler,
+    Registry,
+    attempt_event,
+    lease_event,
 )
 from ._backoff import Backoff
 from ._clock import Wakeup, WorkerClock
@@ -92,36 +79,25 @@ from ._errors import (
     is_transient,
 )
 from ._hooks import (
-    AttemptEvent,
-    AttemptFinished,
     DisconnectEvent,
     DrainEvent,
     Hooks,
-    LeaseEvent,
     SessionEvent,
 )
-from ._link import Connection, Dialer, GaveUp, Link
+from ._link import Connection, Dialer, Link
 from ._options import WorkerOptions, check_seconds
-from ._outbox import Outbox, OutboxError
-from ._outcomes import (
-    HANDLER_ERROR,
-    Verdict,
-    not_run,
-    outcome_of,
-)
+from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
 from ._redial import Redial
 from ._replay import replay
-from ._report import AttemptInfo, ShutdownReport, WorkerStats
+from ._report import ShutdownReport, WorkerStats
 from ._watchdog import LeaseWatchdog, RenewDone, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
 
 T = TypeVar("T")
-#: ``handler(ctx, payload) -> result``
-Handler = Callable[[TaskContext, Any], Any]
 H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
@@ -139,35 +115,6 @@ _SESSION_BUG_LIMIT = 2
 _SEEN_LIMIT = 65_536
 
 
-class _Attempt:
-    """One assignment as the worker tracks it: its context, its handler, and its state machine
-    (:class:`._attempt.AttemptMachine`), which is read and changed only under ``lock``."""
-
-    __slots__ = ("ctx", "handler", "lock", "machine", "ref", "task")
-
-    def __init__(
-        self, assignment: Assignment, ctx: TaskContext, handler: Handler, retry_delay: float
-    ) -> None:
-        self.task = assignment.task
-        self.ref: AttemptRef = assignment.attempt
-        self.ctx = ctx
-        self.handler = handler
-        self.machine = AttemptMachine(self.ref, new_id=new_message_id, retry_delay=retry_delay)
-        self.lock = threading.Lock()
-
-    @property
-    def id(self) -> str:
-        return self.ref.attempt_id
-
-    @property
-    def info(self) -> AttemptInfo:
-        return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
-
-    def phase(self) -> Phase:
-        with self.lock:
-            return self.machine.phase
-
-
 class _FirstReport:
     """The session's first capacity report, sent behind the resumes, and its answer."""
 
@@ -182,35 +129,6 @@ class _FirstReport:
         # Runs on the connection's reader (or deadline) thread: it only records and wakes.
         self.value, self.error = value, error
         self.event.set()
-
-
-def _writes(actions: list[Action]) -> bool:
-    """Do *actions* write the outbox or call listeners (never on a connection's reader)?"""
-    return any(isinstance(a, RecordFinish | Reported) for a in actions)
-
-
-def _event(att: _Attempt) -> AttemptEvent:
-    task = att.task
-    return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
-
-
-def _finished(att: _Attempt, verdict: Verdict, delivered: bool) -> AttemptFinished:
-    task = att.task
-    return AttemptFinished(
-        task_id=task.task_id,
-        attempt_id=att.id,
-        handler=task.handler,
-        attempt=task.attempt,
-        outcome=verdict.outcome,
-        error_code=verdict.error_code,
-        duration=verdict.duration,
-        ran=verdict.ran,
-        delivered=delivered,
-    )
-
-
-def _lease_event(att: _Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
-    return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
 
 
 def _check_handler_signature(fn: object) -> None:
@@ -359,14 +277,15 @@ class Worker:
 
         self._handlers: dict[tuple[str, str, str], Handler] = {}
         self._task_logs: dict[str, logging.Logger] = {}
-        self._cond = threading.Condition()
-        self._attempts: dict[str, _Attempt] = {}
+        # The attempts and counters (the same objects as the registry's, named here for the
+        # session and shutdown code that reads them).
+        self._reg = Registry()
+        self._cond = self._reg.cond
+        self._attempts = self._reg.attempts
+        self._counts = self._reg.counts
+        self._unreported = self._reg.unreported
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._running = 0
-        self._unreported: list[AttemptInfo] = []
         self._started = False
-        self._stop_requested = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
         self._handler_writes = False
@@ -402,7 +321,20 @@ class Worker:
             logger=self._log,
         )
         self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
-        self._pool = DaemonPool(capacity, clock=self._time)
+        self._pool = DaemonPool(opts.capacity, clock=self._time)
+        self._shell = AttemptShell(
+            self._reg,
+            link=self._link,
+            pool=self._pool,
+            watchdog=self._watchdog,
+            hooks=self._hooks,
+            log=self._log,
+            clock=self._clock,
+            encoder=self._encoder,
+            call_timeout=self._call_timeout,
+            wake=self._serve_wake.set,
+            instance_id=lambda: self._instance_id,
+        )
         # Child processes for handlers registered with executor="process"; none start before
         # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
         self._process_pool_size = opts.process_pool
@@ -575,7 +507,7 @@ class Worker:
         if self._outbox_path is not None:
             try:
                 # Raises OutboxError (before anything is sent) for a file we must not use.
-                self._outbox = Outbox.open(self._outbox_path, registration)
+                self._outbox = self._shell.outbox = Outbox.open(self._outbox_path, registration)
             except BaseException:
                 with self._cond:
                     self._started = False  # nothing ran: a later start() may try again
@@ -709,9 +641,9 @@ class Worker:
                 return
             now = self._clock()
             window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
-            first = not self._stop_requested
+            first = not self._reg.stop_requested
             if first:
-                self._stop_requested = True
+                self._reg.stop_requested = True
                 self._drain_deadline = now + window
                 self._log.info(
                     "worker stopping (%s)", f"draining for {window:g}s" if drain else "now"
@@ -727,7 +659,7 @@ class Worker:
                     sequence=current.sequence + 1, capacity=current.capacity, drain=True
                 )
         if first and self._hooks:
-            self._hooks.emit("draining", DrainEvent(drain, window, self._running))
+            self._hooks.emit("draining", DrainEvent(drain, window, self._reg.running))
         self._serve_wake.set()
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> ShutdownReport:
@@ -771,7 +703,7 @@ class Worker:
         wd = self._watchdog.stats()
         with self._cond:
             counts = self._counts.copy()
-            running = self._running
+            running = self._reg.running
         return WorkerStats(
             connected=self._link.current() is not None,
             running=running,
@@ -885,7 +817,7 @@ class Worker:
             # requests may use the connection once the resumes are answered.
             first = self._reconcile(conn)
             gen = self._link.publish(conn)
-            self._resend_due()  # requests kept for a newer connection go out first
+            self._shell.resend_due()  # requests kept for a newer connection go out first
             self._first_capacity(conn, first)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
@@ -984,7 +916,7 @@ class Worker:
         first = _FirstReport()
         then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
         while True:
-            retry: list[_Attempt] = []
+            retry: list[Attempt] = []
             failure: OrbitError | None = None
             for att, lease, error in self._resume_all(conn, todo, then=then):
                 if error is not None and is_transient(error):
@@ -997,7 +929,7 @@ class Worker:
                     self._log.warning(
                         "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
                     )
-                self._after_resume(att, lease, renew_now=att.id in pending)
+                self._shell.after_resume(att, lease, renew_now=att.id in pending)
             then = None
             if failure is not None:
                 raise failure
@@ -1011,15 +943,15 @@ class Worker:
             todo = retry
 
     def _resume_all(
-        self, conn: Connection, atts: list[_Attempt], *, then: Callable[[], None] | None = None
-    ) -> list[tuple[_Attempt, Lease | None, OrbitError | None]]:
+        self, conn: Connection, atts: list[Attempt], *, then: Callable[[], None] | None = None
+    ) -> list[tuple[Attempt, Lease | None, OrbitError | None]]:
         """Send a ``resume`` for each of *atts*, at most 31 in flight, then call *then* (it
         sends one more request: the budget's last slot is kept for it); return every answer."""
-        answers: list[tuple[_Attempt, Lease | None, OrbitError | None]] = []
+        answers: list[tuple[Attempt, Lease | None, OrbitError | None]] = []
         window = threading.Condition()
         in_flight = [0]
 
-        def answered(att: _Attempt) -> Callable[[Any, OrbitError | None], None]:
+        def answered(att: Attempt) -> Callable[[Any, OrbitError | None], None]:
             def done(lease: Any, error: OrbitError | None) -> None:
                 with window:
                     answers.append((att, lease, error))
@@ -1050,29 +982,6 @@ class Worker:
         real-time timer); past that and the close allowance, the connection is broken."""
         if not cond.wait(self._call_timeout + _CLOSE_ALLOWANCE):
             raise CallTimeout("a request of the connection thread was never completed")
-
-    def _after_resume(self, att: _Attempt, lease: Lease | None, *, renew_now: bool) -> None:
-        ctx = att.ctx
-        with att.lock:
-            actions = att.machine.resumed(
-                lease,
-                now=self._clock(),
-                remaining=ctx.remaining(),
-                cancelled=ctx.cancelled.is_set(),
-            )
-            for action in actions:
-                if isinstance(action, RefreshLease):
-                    self._watchdog.refresh(att.id, action.deadline, renew_now=renew_now)
-            rest = self._lease_actions(att, [a for a in actions if not isinstance(a, RefreshLease)])
-        self._perform(att, rest)
-
-    def _resume_lost(self, att: _Attempt, reason: str) -> None:
-        """The lease did not survive the reconnect: count it, say so, tell the listeners."""
-        with self._cond:
-            self._counts["resume_losses"] += 1
-        att.ctx._log.warning("lease did not survive the reconnect (%s)", reason)
-        if self._hooks:
-            self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
 
     def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
         """Send the session's first report without waiting; its answer lands in *first*."""
@@ -1129,7 +1038,7 @@ class Worker:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.done.is_set():
                 break
-            next_resend = self._resend_due()
+            next_resend = self._shell.resend_due()
             with self._capacity_lock:
                 changed = self._report_next is not self._report_sent
                 next_heartbeat = self._next_heartbeat
@@ -1166,7 +1075,7 @@ class Worker:
             if len(self._seen) > _SEEN_LIMIT:
                 self._seen.popitem(last=False)
             handler = self._handlers.get(key)
-            if self._stop_requested or handler is None:
+            if self._reg.stop_requested or handler is None:
                 # Draining takes no new work: the unstarted reservation returns to the queue
                 # when its lease expires on the server.
                 self._counts["skipped"] += 1
@@ -1183,345 +1092,14 @@ class Worker:
                 logger=self._task_logs[task.handler],
                 worker_logger=self._log,
             )
-            att = _Attempt(assignment, ctx, handler, self._retry_delay)
+            att = Attempt(assignment, ctx, handler, self._retry_delay)
             self._attempts[att.id] = att
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
         if self._hooks:
-            self._hooks.emit("attempt_received", _event(att))
-        self._step(att, AttemptMachine.begin)
-
-    # ------------------------------------------------------------------ attempts
-    #
-    # An attempt is start -> handler -> finish, decided by its state machine (._attempt); the
-    # methods below only perform what it returns. One request path: every start and finish is
-    # pipelined (_send); a request whose connection fails is kept by the link and re-sent with
-    # its message_id by the connection thread once a newer connection is published; a transient
-    # error answer is kept for its retry delay the same way. No thread waits for an answer.
-    # Answers are handled on the connection's reader thread without blocking; the handler runs
-    # on a pool thread, which also sends its finish: one hand-off per attempt. An outbox write
-    # or a listener (user code) never runs on the reader thread.
-
-    def _step(self, att: _Attempt, event: Callable[[AttemptMachine], list[Action]]) -> None:
-        """Feed *event* to the attempt's machine and perform the actions it returns. An
-        unexpected error (a bug of ours) finishes the attempt UNKNOWN instead of dropping it."""
-        try:
-            with att.lock:
-                actions = self._lease_actions(att, event(att.machine))
-            self._perform(att, actions)
-        except Exception:
-            att.ctx._log.exception("worker error while processing the attempt; finishing UNKNOWN")
-            self._crashed(att)
-        self._notify()
-
-    def _crashed(self, att: _Attempt) -> None:
-        try:
-            with att.lock:
-                actions = self._lease_actions(att, att.machine.crashed())
-            self._perform(att, actions)
-        except Exception:
-            # Twice in a row: nothing more can be sent for it; never leave it counted as live.
-            att.ctx._log.exception("worker error while finishing the attempt UNKNOWN")
-            with self._cond:
-                self._unreported.append(att.info)
-            self._settle(att)
-
-    def _lease_actions(self, att: _Attempt, actions: list[Action]) -> list[Action]:
-        """Perform the lease and context actions now, under the attempt's lock (shutdown's
-        abandon step must never see a lease tracked after its untrack); return the rest."""
-        rest: list[Action] = []
-        for action in actions:
-            if isinstance(action, TrackLease):
-                self._watchdog.track(att.id, att.ctx, action.deadline)
-            elif isinstance(action, UntrackLease):
-                self._watchdog.untrack(att.id)
-            elif isinstance(action, CancelContext):
-                att.ctx._cancel(action.reason)
-            else:
-                rest.append(action)
-        return rest
-
-    def _perform(self, att: _Attempt, actions: list[Action]) -> None:
-        """Perform *actions* in order on this thread, except what must not run on a connection's
-        reader: the handler (a pool job), outbox writes and listeners (the rest goes to a pool
-        thread when there are any)."""
-        if self._slow and not self._pool.owns_current_thread() and _writes(actions):
-            self._offload(partial(self._perform_now, att, actions))
-            return
-        self._perform_now(att, actions)
-
-    def _perform_now(self, att: _Attempt, actions: list[Action]) -> None:
-        for action in actions:
-            if isinstance(action, Send):
-                self._send(att, action.request)
-            elif isinstance(action, RunHandler):
-                self._run_handler_on_pool(att)
-            elif isinstance(action, RecordFinish):
-                self._record_finish(att, action.request)
-            elif isinstance(action, BreakConnection):
-                self._link.broken(action.gen)
-            elif isinstance(action, AwaitConnection | RetryAfter):
-                self._keep(att, action)
-            elif isinstance(action, Reported):
-                self._reported(att, action)
-            elif isinstance(action, NotStarted):
-                self._not_started(att, action)
-            elif isinstance(action, LeaseLost):
-                self._resume_lost(att, action.reason)
-            elif isinstance(action, Release):
-                self._settle(att)
-            else:  # RefreshLease comes only from _after_resume, which performs it itself
-                raise AssertionError(f"unexpected attempt action {action!r}")
-
-    @property
-    def _slow(self) -> bool:
-        """Are there outbox writes or listeners (kept off the connection's reader thread)?"""
-        return self._outbox is not None or bool(self._hooks)
-
-    def _offload(self, job: Callable[[], None]) -> None:
-        """Run *job* on a pool thread; once the pool is shut down (a late answer at the very end
-        of shutdown), here."""
-        try:
-            self._pool.submit(job)
-        except RuntimeError:
-            job()
-
-    def _send(self, att: _Attempt, request: Request) -> None:
-        """Send *request* within the handlers' share of the connection's request budget (or
-        queue it for the next free slot); never blocks."""
-        try:
-            if not self._link.gate.acquire_or_queue(partial(self._transmit, att, request)):
-                return  # a freed slot sends it
-        except GaveUp:
-            self._step(att, lambda m: m.gave_up(request))
-            return
-        self._transmit(att, request)
-
-    def _transmit(self, att: _Attempt, request: Request) -> None:
-        """Send *request*, whose request slot is taken, on the current connection."""
-        current = self._link.current()
-        if current is None:
-            self._free_slot()
-            self._step(att, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
-            return
-        conn, gen = current
-        try:
-            conn._submit(
-                request.request_type,
-                request.body,
-                partial(self._answered, att, request, gen),
-                message_id=request.message_id,
-                timeout=self._call_timeout,
-            )
-        except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
-            refused = exc
-            self._free_slot()
-            self._step(att, lambda m: m.failed(request, refused, gen=gen))
-        except BaseException:
-            self._free_slot()
-            raise
-
-    def _free_slot(self) -> None:
-        """Give a request slot back; a request queued for one is sent now, from this thread."""
-        successor = self._link.gate.release()
-        if successor is not None:
-            successor()
-
-    def _answered(
-        self, att: _Attempt, request: Request, gen: int, value: Any, error: OrbitError | None
-    ) -> None:
-        # On the reader thread (or the thread that ended the connection): never blocks.
-        self._free_slot()
-        if error is not None:
-            self._step(att, lambda m: m.failed(request, error, gen=gen))
-        elif request.request_type == "task.start":
-            ctx = att.ctx
-            self._step(
-                att,
-                lambda m: m.start_answered(
-                    request,
-                    value,
-                    now=self._clock(),
-                    cancel_reason=ctx.cancel_reason,
-                    cancel_requested=ctx.cancel_requested,
-                ),
-            )
-        else:
-            self._step(att, lambda m: m.finish_answered(request, value))
-
-    def _keep(self, att: _Attempt, action: AwaitConnection | RetryAfter) -> None:
-        """Keep the attempt's request for the connection thread to re-send (same message_id)."""
-        with att.lock:
-            request = att.machine.request
-        if request is None:
-            return
-        if isinstance(action, RetryAfter):
-            self._log.info(
-                "request answered %s; retrying",
-                getattr(action.error, "code", type(action.error).__name__),
-            )
-            newer_than, delay = 0, action.delay
-        else:
-            newer_than, delay = action.gen, 0.0
-        job = partial(self._step, att, lambda m: m.resend(request))
-        if self._link.keep(job, newer_than=newer_than, delay=delay):
-            self._serve_wake.set()
-        else:
-            self._step(att, lambda m: m.gave_up(request))
-
-    def _resend_due(self) -> float:
-        """Re-send the kept requests whose connection and time have come (connection thread);
-        return when the next one is due."""
-        jobs, next_at = self._link.take_due()
-        for job in jobs:
-            job()
-        return next_at
-
-    def _run_handler_on_pool(self, att: _Attempt) -> None:
-        try:
-            self._pool.submit(partial(self._run_handler, att))
-        except RuntimeError:  # the pool shut down under a late start answer: do not run it
-            stop = not_run(cancel_requested=False, reason="shutdown")
-            self._step(att, lambda m: m.handler_returned(stop))
-
-    def _run_handler(self, att: _Attempt) -> None:
-        """The attempt's one pool job: record the launch, run the handler, send its finish."""
-        try:
-            launched = self._record_launch(att)
-            verdict = self._execute(att) if launched else None
-        except Exception:
-            att.ctx._log.exception("worker error while running the attempt; finishing UNKNOWN")
-            self._crashed(att)
-            self._notify()
-            return
-        if verdict is None:
-            self._step(att, lambda m: m.launch_refused())
-            return
-        self._step(att, lambda m: m.handler_returned(verdict))
-        with att.lock:
-            dropped = att.machine.abandoned
-        if dropped:
-            att.ctx._log.warning(
-                "handler returned after shutdown finished it UNKNOWN; its result is dropped"
-            )
-
-    def _execute(self, att: _Attempt) -> Verdict:
-        ctx = att.ctx
-        with self._cond:
-            self._running += 1
-        error: BaseException | None = None
-        value: Any = None
-        hooks = self._hooks
-        if hooks:
-            hooks.emit("attempt_started", _event(att))
-        began = time.perf_counter()
-        try:
-            value = hooks.call_handler(att.handler, ctx) if hooks else att.handler(ctx, ctx.payload)
-        except BaseException as exc:  # every ending is an outcome; the thread must survive
-            error = exc
-        finally:
-            duration = time.perf_counter() - began
-            with self._cond:
-                self._running -= 1
-        verdict = outcome_of(
-            value=value,
-            error=error,
-            cancel_requested=ctx.cancel_requested,
-            cancel_reason=ctx.cancel_reason,
-            encoder=self._encoder,
-            duration=duration,
-        )
-        if verdict.error_code == HANDLER_ERROR and error is not None:
-            # The traceback stays local: only the exception's type goes to the server.
-            ctx._log.error("handler raised %s", type(error).__name__, exc_info=error)
-        elif verdict.problem is not None:
-            # The handler's side effects happened; only its result cannot travel. Say where.
-            ctx._log.error(
-                "handler %s: result cannot be sent, finishing %s %s: %s",
-                att.task.handler,
-                verdict.outcome,
-                verdict.error_code,
-                verdict.problem,
-            )
-        elif verdict.outcome is not Outcome.SUCCEEDED:
-            ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
-        return verdict
-
-    def _record_finish(self, att: _Attempt, request: Request) -> None:
-        """Commit the finish to the outbox before it is sent."""
-        finish = request.body
-        assert isinstance(finish, Finish)
-        self._outbox_write(
-            att,
-            lambda o: o.record_finish(
-                self._instance_id, att.task.handler, finish, request.message_id
-            ),
-        )
-
-    def _reported(self, att: _Attempt, reported: Reported) -> None:
-        """The finish's fate: close its outbox entry (unless undelivered), count, log, tell."""
-        verdict, result, ctx = reported.verdict, reported.result, att.ctx
-        if result is not None:
-            self._outbox_write(att, lambda o: o.done(att.id))
-            evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
-            with self._cond:
-                self._counts[verdict.outcome.value] += 1
-                if evidence:
-                    self._counts["evidence_only"] += 1
-            ctx._log.info(
-                "handler %s finished %s%s%s%s",
-                att.task.handler,
-                verdict.outcome,
-                "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
-                " (kept as evidence only)" if evidence else "",
-                " (deduplicated)" if result.deduplicated else "",
-            )
-        elif reported.error is not None:
-            with self._cond:
-                self._counts["finish_rejected"] += 1
-            code = getattr(reported.error, "code", reported.error)
-            ctx._log.error("finish %s refused (%s)", verdict.outcome, code)
-            self._outbox_write(att, lambda o: o.done(att.id))
-        else:
-            with self._cond:
-                self._unreported.append(att.info)
-            ctx._log.error(
-                "finish %s not delivered: the worker stopped%s",
-                verdict.outcome,
-                "; kept in the outbox for the next start" if self._outbox else "",
-            )
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, reported.delivered))
-
-    def _not_started(self, att: _Attempt, not_started: NotStarted) -> None:
-        if not_started.error is None:
-            att.ctx._log.info("%s", not_started.why)
-        else:
-            att.ctx._log.warning("%s", not_started.why)
-
-    # ------------------------------------------------------------------ durable outbox
-
-    def _record_launch(self, att: _Attempt) -> bool:
-        """Commit the launch record before the handler runs; False: do not run it."""
-        if self._outbox is None:
-            return True
-        try:
-            self._outbox.launch(self._instance_id, att.ref, att.task.handler)
-        except OutboxError:
-            # Without the record a kill would leave no trace of the run: do not run.
-            att.ctx._log.exception("outbox unavailable: handler not run")
-            return False
-        return True
-
-    def _outbox_write(self, att: _Attempt, write: Callable[[Outbox], None]) -> None:
-        if self._outbox is None:
-            return
-        try:
-            write(self._outbox)
-        except OutboxError:
-            # The finish is still sent: a failing outbox must not hold up a result.
-            att.ctx._log.exception("outbox write failed")
+            self._hooks.emit("attempt_received", attempt_event(att))
+        self._shell.step(att, AttemptMachine.begin)
 
     def _replay_main(self) -> None:
         """Deliver what earlier processes left in the outbox; retry with backoff until done."""
@@ -1545,33 +1123,19 @@ class Worker:
             failures += 1
             self._link.pause(self._backoff.delay(failures))
 
-    def _settle(self, att: _Attempt) -> None:
-        """The worker is done with *att* (its machine reached a settled phase)."""
-        with self._cond:
-            self._attempts.pop(att.id, None)
-            if self._stop_requested:
-                self._cond.notify_all()
-
-    def _notify(self) -> None:
-        # Only the supervisor waits on the condition for attempts to change, and only once a
-        # stop was requested: waking it on every phase change of every task is wasted work.
-        if self._stop_requested:
-            with self._cond:
-                self._cond.notify_all()
-
     def _on_renewed(self, attempt_id: str, lag: float) -> None:
         if self._hooks:
             with self._cond:
                 att = self._attempts.get(attempt_id)
             if att is not None:
-                self._hooks.emit("lease_renewed", _lease_event(att, lag=lag))
+                self._hooks.emit("lease_renewed", lease_event(att, lag=lag))
 
     def _on_lease_lost(self, attempt_id: str, reason: str) -> None:
         if self._hooks and reason != "cancel_requested":
             with self._cond:
                 att = self._attempts.get(attempt_id)
             if att is not None:
-                self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
+                self._hooks.emit("lease_lost", lease_event(att, reason=reason))
 
     def _send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
         """The watchdog's send function: one pipelined renew (see :meth:`_send_renews`)."""
@@ -1642,7 +1206,7 @@ class Worker:
 
     def _supervisor_main(self) -> None:
         with self._cond:
-            while not self._stop_requested:
+            while not self._reg.stop_requested:
                 self._cond.wait()
         try:
             report = self._shutdown()
@@ -1663,7 +1227,7 @@ class Worker:
             len(report.unreported),
         )
 
-    def _live(self) -> list[_Attempt]:
+    def _live(self) -> list[Attempt]:
         with self._cond:
             return list(self._attempts.values())
 
@@ -1686,11 +1250,11 @@ class Worker:
             drained = not self._attempts
 
         # 2. Cancel what is still running, and give it a grace period to return.
-        cancelled: list[_Attempt] = []
+        cancelled: list[Attempt] = []
         for att in self._live():
             with att.lock:
                 running = att.machine.phase is Phase.RUNNING
-                self._lease_actions(att, att.machine.shutdown_cancel())
+                self._shell.lease_actions(att, att.machine.shutdown_cancel())
             if running:
                 cancelled.append(att)
         self._wait_until(lambda: not self._any_running(), self._clock() + self._cancel_grace)
@@ -1698,15 +1262,15 @@ class Worker:
         # 3. Abandon handlers that ignore cancellation: their effect is uncertain (UNKNOWN).
         #    Their finish is sent from here (it never blocks); the handler's thread is left to
         #    the pool's shutdown, which counts it as stuck.
-        gave_up: list[_Attempt] = []
+        gave_up: list[Attempt] = []
         for att in self._live():
             with att.lock:
-                actions = self._lease_actions(att, att.machine.abandon())
+                actions = self._shell.lease_actions(att, att.machine.abandon())
             if not actions:
                 continue
             att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
             gave_up.append(att)
-            self._perform(att, actions)
+            self._shell.perform(att, actions)
 
         # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
         self._wait_until(lambda: not self._attempts, self._clock() + self._flush_timeout)
