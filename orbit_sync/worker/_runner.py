@@ -23,24 +23,21 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import inspect
 import logging
 import os
 import signal
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from functools import partial
-from types import FrameType
 from typing import Any, TypeVar
 
 import cattrs
 
 from .._protocol import MAX_IN_FLIGHT
 from ..client import Client, DialCut
-from ..connection import Submission
-from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
+from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
 from ..models import (
     Assignment,
     CancelNotice,
@@ -65,19 +62,12 @@ from ._attempts import (
     Handler,
     Registry,
     attempt_event,
-    lease_event,
 )
 from ._backoff import Backoff
 from ._clock import Wakeup, WorkerClock
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
-from ._errors import (
-    EndpointCheck,
-    NotConnected,
-    is_fatal_dial_error,
-    is_link_failure,
-    is_transient,
-)
+from ._errors import EndpointCheck, is_fatal_dial_error, is_link_failure, is_transient
 from ._hooks import (
     DisconnectEvent,
     DrainEvent,
@@ -91,9 +81,11 @@ from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
 from ._redial import Redial
+from ._renewals import Renewals
 from ._replay import replay
 from ._report import ShutdownReport, WorkerStats
-from ._watchdog import LeaseWatchdog, RenewDone, WatchdogThread
+from ._signals import StopSignals
+from ._watchdog import LeaseWatchdog, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
 
@@ -106,8 +98,6 @@ _LOG = logging.getLogger("orbit_sync.worker")
 #: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
 #: one).
 _CLOSE_ALLOWANCE = 0.5
-#: The signals :meth:`Worker.run` handles: the first drains, the second stops at once.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 #: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
 #: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
 _SESSION_BUG_LIMIT = 2
@@ -288,14 +278,11 @@ class Worker:
         self._started = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
-        self._handler_writes = False
         self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
-        # run() on the main thread sleeps on this pipe: signal handlers and the end of shutdown
-        # write a byte to it (a signal handler may not take locks).
-        self._pipe_lock = threading.Lock()
-        self._pipe_w: int | None = None
+        #: run()'s signal handling, while run() on the main thread waits in it.
+        self._signals: StopSignals | None = None
 
         self._capacity_lock = threading.Lock()
         self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
@@ -310,14 +297,15 @@ class Worker:
 
         self._link = Link(self._time, slots=opts.handler_slots)
         self._registration: Registration | None = None
+        renewals = Renewals(self._reg, self._link, self._hooks, self._call_timeout)
         self._watchdog = LeaseWatchdog(
-            self._send_renew,
-            send_many=self._send_renews,
+            renewals.send_renew,
+            send_many=renewals.send_renews,
             clock=self._clock,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
-            on_renew=self._on_renewed,
-            on_loss=self._on_lease_lost,
+            on_renew=renewals.on_renewed,
+            on_loss=renewals.on_lease_lost,
             logger=self._log,
         )
         self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
@@ -536,75 +524,31 @@ class Worker:
         stops at once (``stop(drain=False)``). The previous handlers are restored on return.
         """
         install = self._handle_signals and threading.current_thread() is threading.main_thread()
-        previous: dict[signal.Signals, Any] = {}
-        previous_wakeup = -1
-        read_fd = -1
-        if install:
-            read_fd, write_fd = os.pipe()
-            os.set_blocking(write_fd, False)
-            with self._pipe_lock:
-                self._pipe_w = write_fd
-            # The kernel may hand a process-directed signal to any thread, and Python runs its
-            # handler only on the main thread, which sleeps in read() below and would never get
-            # to it: the interpreter's C-level handler writes the signal number to this pipe
-            # from whichever thread received it, and that wakes the read.
-            try:
-                previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-            except ValueError:  # Windows takes only a socket: the handler writes instead
-                self._handler_writes = True
-            for sig in _STOP_SIGNALS:
-                previous[sig] = signal.signal(sig, self._on_signal)
+        signals = StopSignals(self._on_stop_signal) if install else None
+        if signals is not None:
+            signals.install()
+            self._signals = signals
         try:
             self.start()
-            if install:
-                self._wait_for_signals(read_fd)
+            if signals is not None:
+                signals.wait(self._done)
             else:
                 self._done.wait()
         except KeyboardInterrupt:
             self.request_stop(drain=False)
             self._done.wait()
         finally:
-            # Handlers first: once restored, ours can no longer run and write to a closed pipe.
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if install:
-                if not self._handler_writes:
-                    signal.set_wakeup_fd(previous_wakeup)
-                with self._pipe_lock:
-                    write_fd, self._pipe_w = self._pipe_w or -1, None
-                os.close(write_fd)
-                os.close(read_fd)
+            if signals is not None:
+                signals.restore()
         report = self._report
         assert report is not None
         if report.error is not None:
             raise report.error
         return report
 
-    def _wait_for_signals(self, read_fd: int) -> None:
-        # Sleeps in read() until a signal or the end of shutdown writes to the pipe. Each stop
-        # signal arrives as one byte holding its number (set_wakeup_fd), so signals are counted
-        # here, in ordinary code that may take locks, whichever thread received them.
-        signals = 0
-        while not self._done.is_set():
-            for number in os.read(read_fd, 64):
-                if number in _STOP_SIGNALS:
-                    signals += 1
-                    self._announce_signal(number, first=signals == 1)
-                    self.request_stop(drain=signals == 1)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Installed to replace the default action (exit, or KeyboardInterrupt): the interpreter
-        # has already written the signal's number to the wakeup pipe, unless it could not.
-        fd = self._pipe_w  # no lock in a signal handler; run() restores handlers before closing
-        if self._handler_writes and fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(fd, bytes([signum]))
-
-    def _wake_run(self) -> None:
-        with self._pipe_lock:
-            if self._pipe_w is not None:
-                with contextlib.suppress(OSError):
-                    os.write(self._pipe_w, b"d")  # 100: no stop signal has that number
+    def _on_stop_signal(self, number: int, count: int) -> None:
+        self._announce_signal(number, first=count == 1)
+        self.request_stop(drain=count == 1)
 
     def _announce_signal(self, number: int, *, first: bool) -> None:
         # WARNING, so that an operator sees at the default level what a signal started and how to
@@ -1123,66 +1067,6 @@ class Worker:
             failures += 1
             self._link.pause(self._backoff.delay(failures))
 
-    def _on_renewed(self, attempt_id: str, lag: float) -> None:
-        if self._hooks:
-            with self._cond:
-                att = self._attempts.get(attempt_id)
-            if att is not None:
-                self._hooks.emit("lease_renewed", lease_event(att, lag=lag))
-
-    def _on_lease_lost(self, attempt_id: str, reason: str) -> None:
-        if self._hooks and reason != "cancel_requested":
-            with self._cond:
-                att = self._attempts.get(attempt_id)
-            if att is not None:
-                self._hooks.emit("lease_lost", lease_event(att, reason=reason))
-
-    def _send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        """The watchdog's send function: one pipelined renew (see :meth:`_send_renews`)."""
-        self._send_renews([(attempt_id, message_id, on_done)])
-
-    def _send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch send: every renew in one write on the current connection; each
-        answer (or failure) comes back through its own *on_done*, on the connection's reader
-        thread. Renewals that cannot be sent are told so after the write: nothing on the way to
-        it may release the GIL (a log line in a callback could)."""
-        with self._cond:
-            atts = [self._attempts.get(attempt_id) for attempt_id, _, _ in renewals]
-        current = self._link.current()
-        refused: list[tuple[RenewDone, OrbitError]] = []
-        requests: list[Submission] = []
-        for (_, message_id, on_done), att in zip(renewals, atts, strict=True):
-            if att is None:
-                refused.append((on_done, NotConnected("attempt is no longer tracked")))
-            elif current is None:
-                refused.append((on_done, NotConnected("no connection")))
-            else:
-                # A slow answer closes its connection before the lease runs out (and is re-sent).
-                timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
-                done = self._renew_done(on_done, current[1])
-                requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
-        if requests:
-            assert current is not None
-            try:
-                current[0]._submit_many(requests)
-            except OrbitError as exc:  # nothing was sent
-                for request in requests:
-                    request.on_done(None, exc)
-        for on_done, error in refused:
-            on_done(None, error)
-
-    def _renew_done(self, on_done: RenewDone, gen: int) -> Callable[[Any, OrbitError | None], None]:
-        def done(result: Any, error: OrbitError | None) -> None:
-            if error is None:
-                on_done(result.lease, None)
-                return
-            if is_link_failure(error) and not isinstance(error, WorkerError):
-                # (A fatal error answer ends the connection by itself, with that error.)
-                self._link.broken(gen)
-            on_done(None, error)
-
-        return done
-
     # ------------------------------------------------------------------ shutdown
 
     def _fail(self, exc: BaseException) -> None:
@@ -1217,7 +1101,8 @@ class Worker:
         if self._hooks:
             self._hooks.emit("stopped", report)
         self._done.set()
-        self._wake_run()
+        if self._signals is not None:
+            self._signals.wake()
         atexit.unregister(self._at_exit)
         self._log.info(
             "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d",
