@@ -54,7 +54,6 @@ from ._attempt import (
     BUSY_DELAY,
     SETTLED,
     AttemptMachine,
-    Phase,
 )
 from ._attempts import (
     Attempt,
@@ -84,6 +83,7 @@ from ._redial import Redial
 from ._renewals import Renewals
 from ._replay import replay
 from ._report import ShutdownReport, WorkerStats
+from ._shutdown import AttemptPhases
 from ._signals import StopSignals
 from ._watchdog import LeaseWatchdog, WatchdogThread
 
@@ -323,6 +323,7 @@ class Worker:
             wake=self._serve_wake.set,
             instance_id=lambda: self._instance_id,
         )
+        self._phases = AttemptPhases(self._reg, self._time, self._shell)
         # Child processes for handlers registered with executor="process"; none start before
         # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
         self._process_pool_size = opts.process_pool
@@ -1078,16 +1079,6 @@ class Worker:
             job()  # a kept request: it finds the link closed and gives up (unreported)
         self._serve_wake.set()
 
-    def _wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Wait (on the worker's condition) until *done()* or *deadline* (clock time); return
-        *done()*."""
-        with self._cond:
-            while not done():
-                if self._clock() >= deadline:
-                    return False
-                self._time.wait(self._cond, deadline)
-            return True
-
     def _supervisor_main(self) -> None:
         with self._cond:
             while not self._reg.stop_requested:
@@ -1112,53 +1103,20 @@ class Worker:
             len(report.unreported),
         )
 
-    def _live(self) -> list[Attempt]:
-        with self._cond:
-            return list(self._attempts.values())
-
-    def _any_running(self) -> bool:
-        # Under the worker's condition (a _wait_until predicate); attempt locks come after it.
-        return any(a.phase() is Phase.RUNNING for a in self._attempts.values())
-
     def _shutdown(self) -> ShutdownReport:
-        # A plan over the clock: each phase ends at its deadline, or as soon as what it waits
-        # for has happened; the next phase's budget starts from there. So the whole shutdown
-        # takes at most drain + cancel_grace + flush_timeout (+ the close allowance).
-        #
-        # 1. Drain: running handlers keep their leases renewed until they return or time is up
-        #    (a later request_stop may shorten the window); meanwhile the connection thread
-        #    tells the server (drain: true) so it assigns nothing more. Once nothing runs, the
-        #    close below ends the session anyway: the drain report's answer is not waited for.
-        with self._cond:
-            while self._attempts and self._clock() < self._drain_deadline:
-                self._time.wait(self._cond, self._drain_deadline)
-            drained = not self._attempts
-
+        # A plan over the clock (see ._shutdown): at most drain + cancel_grace + flush_timeout,
+        # plus the close allowance.
+        phases = self._phases
+        # 1. Drain: meanwhile the connection thread tells the server (drain: true) so it assigns
+        #    nothing more. Once nothing runs, the close below ends the session anyway: the drain
+        #    report's answer is not waited for.
+        drained = phases.drain(lambda: self._drain_deadline)
         # 2. Cancel what is still running, and give it a grace period to return.
-        cancelled: list[Attempt] = []
-        for att in self._live():
-            with att.lock:
-                running = att.machine.phase is Phase.RUNNING
-                self._shell.lease_actions(att, att.machine.shutdown_cancel())
-            if running:
-                cancelled.append(att)
-        self._wait_until(lambda: not self._any_running(), self._clock() + self._cancel_grace)
-
-        # 3. Abandon handlers that ignore cancellation: their effect is uncertain (UNKNOWN).
-        #    Their finish is sent from here (it never blocks); the handler's thread is left to
-        #    the pool's shutdown, which counts it as stuck.
-        gave_up: list[Attempt] = []
-        for att in self._live():
-            with att.lock:
-                actions = self._shell.lease_actions(att, att.machine.abandon())
-            if not actions:
-                continue
-            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
-            gave_up.append(att)
-            self._shell.perform(att, actions)
-
+        cancelled = phases.cancel(self._cancel_grace)
+        # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
+        gave_up = phases.abandon()
         # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
-        self._wait_until(lambda: not self._attempts, self._clock() + self._flush_timeout)
+        phases.settled(self._clock() + self._flush_timeout)
 
         # 5. Close: every remaining waiter gives up (a dial in progress is cut); the threads,
         #    woken by that, wind down within the close allowance.
@@ -1170,13 +1128,9 @@ class Worker:
         self._serve_wake.set()
         if current is not None:
             current[0].close()
-        self._wait_until(lambda: not self._attempts, close_end)
+        phases.settled(close_end)
         self._watchdog_thread.stop(timeout=max(0.0, close_end - self._clock()))
-        stuck = 0
-        for att in gave_up:
-            with att.lock:
-                stuck += not att.machine.handler_done
-        self._pool.shutdown(close_end, stuck=stuck)
+        self._pool.shutdown(close_end, stuck=phases.stuck(gave_up))
         if self._processes is not None:
             self._processes.close()
         for thread in self._threads:
