@@ -1,22 +1,26 @@
-"""Worker: handlers, a daemon thread pool, the lease watchdog, reconnects, drain and shutdown.
+"""Worker: the public class, its lifecycle (start, run, stop), registration and the assignments'
+admission; the rest lives in modules of one concern each (docs/architecture.md):
 
-Threads (all daemons, so the process can always exit):
+- :mod:`._options`: every option, checked once;
+- :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
+- :mod:`._attempt`: one attempt's pure state machine; :mod:`._attempts`: its threaded shell;
+- :mod:`._renewals` / :mod:`._watchdog`: lease renewals; :mod:`._outbox` / :mod:`._replay`:
+  the durable outbox; :mod:`._signals`: SIGTERM/SIGINT for :meth:`Worker.run`;
+- :mod:`._shutdown`: the bounded shutdown phases (this module adds the last one, close).
 
-- ``orbit-worker-connection``: dial, ``resume`` every live attempt, publish the connection, send
-  the capacity report, then repeat it before the session expires until the connection ends; on
-  loss, back off with jitter and start again with the same registration.
-- ``orbit-sync-reader-*`` (the connection's own): hands each assignment to :meth:`Worker._dispatch`
-  (``on_assignment``), which only records it and queues it for the pool, so a burst of up to
-  ``capacity`` assignments never overflows the connection's 8-slot queue (PROTOCOL §10).
-- ``orbit-handler-N`` (``capacity`` of them): per assignment ``start`` → handler (only if the
-  lease allows) → ``finish``. Start and finish are pipelined: a handler thread sends one and
-  goes back to the pool, and its answer (on the reader thread) queues the next step, so no
-  thread waits for an answer. An error answer or a lost connection continues on the blocking
-  path: the request is re-sent with its original ``message_id`` once a newer connection is
-  reconciled (:mod:`._link`).
-- ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`).
+Threads (all daemons, so the process can always exit; each ends when the link is closed or its
+wait's deadline passes):
+
+- ``orbit-worker-connection`` (:mod:`._session`), and per session ``orbit-worker-watch``, which
+  turns "the connection ended" into a wake-up of it (joined by it when the session ends);
+- ``orbit-sync-reader-*`` (the connection's own): hands each assignment to
+  :meth:`Worker._dispatch`, which records it and sends its start (never blocking), and handles
+  every answer (:mod:`._attempts`);
+- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity``): run handlers and send their finishes;
+- ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`);
+- ``orbit-worker-outbox`` (with an outbox): delivers what earlier processes left (:mod:`._replay`);
 - ``orbit-worker-supervisor``: waits for a stop request, then drains and shuts down in bounded
-  phases (drain → cancel → abandon → flush → close).
+  phases (drain → cancel → abandon → flush → close), joining the threads above.
 """
 
 from __future__ import annotations
@@ -30,29 +34,21 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from functools import partial
 from typing import Any, TypeVar
 
 import cattrs
 
-from .._protocol import MAX_IN_FLIGHT
-from ..client import Client, DialCut
-from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
+from ..client import DialCut
 from ..models import (
     Assignment,
     CancelNotice,
     Capability,
-    CapacityReport,
-    Lease,
     Outcome,
     Registration,
-    Welcome,
     new_id,
     new_secret,
 )
 from ._attempt import (
-    BUSY_DELAY,
-    SETTLED,
     AttemptMachine,
 )
 from ._attempts import (
@@ -66,24 +62,21 @@ from ._backoff import Backoff
 from ._clock import Wakeup, WorkerClock
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
-from ._errors import EndpointCheck, is_fatal_dial_error, is_link_failure, is_transient
 from ._hooks import (
-    DisconnectEvent,
     DrainEvent,
     Hooks,
-    SessionEvent,
 )
-from ._link import Connection, Dialer, Link
+from ._link import Dialer, Link
 from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
-from ._redial import Redial
 from ._renewals import Renewals
 from ._replay import replay
 from ._report import ShutdownReport, WorkerStats
-from ._shutdown import AttemptPhases
+from ._session import SessionLoop
+from ._shutdown import CLOSE_ALLOWANCE, AttemptPhases
 from ._signals import StopSignals
 from ._watchdog import LeaseWatchdog, WatchdogThread
 
@@ -94,31 +87,8 @@ H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: After the last shutdown phase: how long the worker's own threads get to exit once everything
-#: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
-#: one).
-_CLOSE_ALLOWANCE = 0.5
-#: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
-#: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
-_SESSION_BUG_LIMIT = 2
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
 _SEEN_LIMIT = 65_536
-
-
-class _FirstReport:
-    """The session's first capacity report, sent behind the resumes, and its answer."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.report: CapacityReport | None = None
-        self.sent_at = 0.0
-        self.value: Any = None
-        self.error: OrbitError | None = None
-
-    def answered(self, value: Any, error: OrbitError | None) -> None:
-        # Runs on the connection's reader (or deadline) thread: it only records and wakes.
-        self.value, self.error = value, error
-        self.event.set()
 
 
 def _check_handler_signature(fn: object) -> None:
@@ -284,16 +254,9 @@ class Worker:
         #: run()'s signal handling, while run() on the main thread waits in it.
         self._signals: StopSignals | None = None
 
-        self._capacity_lock = threading.Lock()
-        self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
-        self._report_sent: CapacityReport | None = None
-        self._drain_acked = threading.Event()
-        self._heartbeat = 15.0
-        self._next_heartbeat = 0.0
         #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
         self._serve_wake = Wakeup(self._time)
         self._dial_cut = DialCut()
-        self._endpoint = EndpointCheck(self._clock)
 
         self._link = Link(self._time, slots=opts.handler_slots)
         self._registration: Registration | None = None
@@ -324,6 +287,29 @@ class Worker:
             instance_id=lambda: self._instance_id,
         )
         self._phases = AttemptPhases(self._reg, self._time, self._shell)
+        self._sessions = SessionLoop(
+            client,
+            registration=lambda: self.registration,
+            capacity=opts.capacity,
+            notifications=self._notifications,
+            dial_timeout=self._dial_timeout,
+            call_timeout=self._call_timeout,
+            retry_delay=self._retry_delay,
+            backoff=self._backoff,
+            time=self._time,
+            link=self._link,
+            registry=self._reg,
+            shell=self._shell,
+            watchdog=self._watchdog,
+            hooks=self._hooks,
+            log=self._log,
+            wake=self._serve_wake,
+            ready=self._ready,
+            dial_cut=self._dial_cut,
+            on_cancel=self._on_cancel,
+            on_assignment=self._dispatch,
+            fail=self._fail,
+        )
         # Child processes for handlers registered with executor="process"; none start before
         # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
         self._process_pool_size = opts.process_pool
@@ -337,8 +323,6 @@ class Worker:
         self._outbox_path = opts.outbox
         self._outbox: Outbox | None = None
         self._threads: list[threading.Thread] = []
-        #: Sessions in a row ended by an unexpected error (connection thread only).
-        self._session_bugs = 0
 
     # ------------------------------------------------------------------ registration
 
@@ -505,7 +489,7 @@ class Worker:
                 self._processes.guard(self._outbox.lock_path, self._instance_id)
         self._watchdog_thread.start()
         targets = [
-            (self._connection_main, "orbit-worker-connection"),
+            (self._sessions.run, "orbit-worker-connection"),
             (self._supervisor_main, "orbit-worker-supervisor"),
         ]
         if self._outbox is not None:
@@ -597,15 +581,9 @@ class Worker:
                 self._drain_deadline = now + window
                 self._log.info("worker stop escalated: cancelling handlers now")
             self._cond.notify_all()
-        with self._capacity_lock:
-            if not self._report_next.drain:
-                current = self._report_next
-                self._report_next = CapacityReport(
-                    sequence=current.sequence + 1, capacity=current.capacity, drain=True
-                )
+        self._sessions.report_drain()
         if first and self._hooks:
             self._hooks.emit("draining", DrainEvent(drain, window, self._reg.running))
-        self._serve_wake.set()
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> ShutdownReport:
         """Stop (draining for *timeout* seconds) and return the shutdown report.
@@ -672,328 +650,7 @@ class Worker:
         state = "stopped" if self._done.is_set() else "running" if self._started else "new"
         return f"<Worker queue={self._queue_id} capacity={self._capacity} {state}>"
 
-    # ------------------------------------------------------------------ connection thread
-
-    def _connection_main(self) -> None:
-        redial = Redial(self._backoff)
-        first = True
-        while not self._link.is_closed():
-            if not first:
-                self._link.pause(redial.delay())
-                if self._link.is_closed():
-                    break
-            first = False
-            try:
-                conn = self._dial()
-            except Exception as exc:
-                if self._link.is_closed():
-                    break  # shutdown cut the dial
-                # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
-                # cannot help, so the worker stops and run() raises it.
-                # A server that never once spoke the protocol is the wrong server (or version).
-                wrong_server = isinstance(exc, WorkerProtocolError) and not self._ready.is_set()
-                wrong_url = self._endpoint.failed(exc, self._server)
-                if is_fatal_dial_error(exc) or wrong_server or wrong_url:
-                    exc = wrong_url or exc
-                    self._log.error("worker cannot connect to %s: %s", self._server, exc)
-                    self._fail(exc)
-                    return
-                if not isinstance(exc, OrbitError | OSError):
-                    self._log.exception("worker cannot connect: unexpected error")
-                    self._fail(exc)
-                    return
-                redial.failed(exc)
-                with self._cond:
-                    self._counts["dial_failures"] += 1
-                if self._hooks:
-                    self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
-                # Where and why (errors never carry the token), not only the exception's type.
-                self._log.warning(
-                    "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
-                )
-                continue
-            # A welcome arrived: the server is reachable and accepts us. Whatever ends this
-            # session, the next reconnect starts again from the shortest delay, so a link that
-            # keeps cutting sessions does not push the delay to its cap.
-            redial.welcomed()
-            self._endpoint.connected()
-            self._session(conn)
-
-    def _dial(self) -> Connection:
-        if isinstance(self._client, Client):
-            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
-            # the worker's clock.
-            conn: Connection = self._client.dial_worker(
-                self.registration,
-                timeout=self._dial_timeout,
-                on_cancel=self._on_cancel if self._notifications else None,
-                on_assignment=self._dispatch,
-                clock=self._clock,
-                cut=self._dial_cut,
-            )
-            return conn
-        conn = self._client.dial_worker(
-            self.registration,
-            timeout=self._dial_timeout,
-            on_cancel=self._on_cancel if self._notifications else None,
-            on_assignment=self._dispatch,
-        )
-        return conn
-
-    @property
-    def _server(self) -> str:
-        """The server's URL for log lines (a Client's base_url carries no credentials)."""
-        url = getattr(self._client, "base_url", None)
-        return url if isinstance(url, str) else "the Orbit server"
-
-    def _session(self, conn: Connection) -> None:
-        """Reconcile, publish and serve one connection until it ends."""
-        gen: int | None = None
-        reason = "closed"
-        watcher = threading.Thread(
-            target=self._watch_connection, args=(conn,), name="orbit-worker-watch", daemon=True
-        )
-        watcher.start()
-        try:
-            if self._link.is_closed():
-                return
-            # The first capacity report goes out right behind the resumes (the server answers a
-            # connection's frames in order), so a reconnect costs one round trip less; handler
-            # requests may use the connection once the resumes are answered.
-            first = self._reconcile(conn)
-            gen = self._link.publish(conn)
-            self._shell.resend_due()  # requests kept for a newer connection go out first
-            self._first_capacity(conn, first)
-            self._ready.set()
-            self._log.info("session %s established", conn.session_id)
-            with self._cond:
-                # A reconnect is a session established after an earlier one, not a dial.
-                again = self._counts["sessions"] > 0
-                self._counts["sessions"] += 1
-                self._counts["reconnects"] += again
-            if self._hooks:
-                self._hooks.emit("connected", SessionEvent(conn.session_id, again))
-            self._serve(conn)
-            self._session_bugs = 0
-        except OrbitError as exc:  # the connection failed: reconnect
-            reason = type(exc).__name__
-            self._session_bugs = 0
-            if not self._link.is_closed():
-                if is_fatal_dial_error(exc):
-                    self._log.error("worker rejected by the server: %s", exc)
-                    self._fail(exc)
-                else:
-                    self._log.warning(
-                        "connection to %s lost (%s: %s); reconnecting",
-                        self._server,
-                        type(exc).__name__,
-                        exc,
-                    )
-        except Exception as exc:  # a bug of ours: loud, and fatal if it happens again
-            reason = type(exc).__name__
-            self._session_bugs += 1
-            if self._session_bugs >= _SESSION_BUG_LIMIT:
-                self._log.exception(
-                    "worker error in the session loop, %d sessions in a row; stopping",
-                    self._session_bugs,
-                )
-                self._fail(exc)
-            else:
-                self._log.exception("worker error in the session loop; reconnecting once")
-        finally:
-            if gen is not None:
-                self._link.retract(gen)
-            conn.close()
-            watcher.join()
-        if not self._link.is_closed() and self._hooks:
-            self._hooks.emit("disconnected", DisconnectEvent(reason))
-
-    def _watch_connection(self, conn: Connection) -> None:
-        # The connection thread sleeps on _serve_wake; this turns "the connection ended" into it.
-        conn.done.wait()
-        self._serve_wake.set()
-
-    def _in_place(self, conn: Connection, fn: Callable[[], T]) -> T:
-        """One request of the connection thread, retried on this same connection after a
-        transient error answer (``RATE_LIMITED``, ``UNAVAILABLE``, busy): the session itself is
-        fine, so it is not torn down. A link failure still raises (reconnect)."""
-        while True:
-            try:
-                return fn()
-            except OrbitError as exc:
-                self._pause_to_retry_in_place(conn, exc)
-
-    def _pause_to_retry_in_place(self, conn: Connection, error: OrbitError) -> None:
-        """Raise *error* unless it is a transient answer on a live session; else log it and
-        wait before the request is re-sent on this same connection."""
-        if (
-            is_link_failure(error)
-            or not is_transient(error)
-            or self._link.is_closed()
-            or conn.done.is_set()
-        ):
-            raise error
-        self._log.info(
-            "request answered %s; retrying on the same connection",
-            getattr(error, "code", type(error).__name__),
-        )
-        self._retry_pause(error)
-
-    def _retry_pause(self, error: OrbitError) -> None:
-        """Wait before re-sending after a transient error (longer for our own busy gate)."""
-        self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
-
-    def _reconcile(self, conn: Connection) -> _FirstReport:
-        """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
-        §5.5) without waiting for the resumes' answers; return once every resume is answered.
-
-        The resumes are pipelined: all of them are in flight at once (up to the connection's
-        32-request budget, one kept for the report), so reconnecting costs one round trip, not
-        one per attempt. The report follows the last resume on the wire: the server handles a
-        connection's frames in order, so every resume is applied before assignments can start.
-        Resumes answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are
-        retried on this same connection; a link failure raises (reconnect).
-        """
-        with self._cond:
-            live = list(self._attempts.values())
-        todo = [a for a in live if a.phase() not in SETTLED]
-        pending = set(self._watchdog.pending_renewals())
-        first = _FirstReport()
-        then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
-        while True:
-            retry: list[Attempt] = []
-            failure: OrbitError | None = None
-            for att, lease, error in self._resume_all(conn, todo, then=then):
-                if error is not None and is_transient(error):
-                    if is_link_failure(error) or self._link.is_closed() or conn.done.is_set():
-                        failure = failure or error  # resumed again on the next connection
-                    else:
-                        retry.append(att)
-                    continue
-                if error is not None:
-                    self._log.warning(
-                        "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
-                    )
-                self._shell.after_resume(att, lease, renew_now=att.id in pending)
-            then = None
-            if failure is not None:
-                raise failure
-            if not retry:
-                return first
-            self._log.info(
-                "%d resume(s) answered with a transient error; retrying on the same connection",
-                len(retry),
-            )
-            self._link.pause(self._retry_delay)
-            todo = retry
-
-    def _resume_all(
-        self, conn: Connection, atts: list[Attempt], *, then: Callable[[], None] | None = None
-    ) -> list[tuple[Attempt, Lease | None, OrbitError | None]]:
-        """Send a ``resume`` for each of *atts*, at most 31 in flight, then call *then* (it
-        sends one more request: the budget's last slot is kept for it); return every answer."""
-        answers: list[tuple[Attempt, Lease | None, OrbitError | None]] = []
-        window = threading.Condition()
-        in_flight = [0]
-
-        def answered(att: Attempt) -> Callable[[Any, OrbitError | None], None]:
-            def done(lease: Any, error: OrbitError | None) -> None:
-                with window:
-                    answers.append((att, lease, error))
-                    in_flight[0] -= 1
-                    window.notify()
-
-            return done
-
-        for att in atts:
-            with window:
-                while in_flight[0] >= MAX_IN_FLIGHT - 1:
-                    self._await_answers(window)
-                in_flight[0] += 1
-            try:
-                conn._submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
-            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-                answered(att)(None, exc)
-        if then is not None:
-            then()
-        with window:
-            while in_flight[0]:
-                self._await_answers(window)
-        return answers
-
-    def _await_answers(self, cond: threading.Condition) -> None:
-        """Wait (holding *cond*) for a request of the connection thread to complete. Each
-        completes by its own call timeout (answer, failure or deadline, on the connection's
-        real-time timer); past that and the close allowance, the connection is broken."""
-        if not cond.wait(self._call_timeout + _CLOSE_ALLOWANCE):
-            raise CallTimeout("a request of the connection thread was never completed")
-
-    def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
-        """Send the session's first report without waiting; its answer lands in *first*."""
-        with self._capacity_lock:
-            first.report = self._report_next
-        first.sent_at = self._clock()
-        try:
-            conn._submit(
-                "worker.capacity", first.report, first.answered, timeout=self._call_timeout
-            )
-        except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-            first.answered(None, exc)
-
-    def _first_capacity(self, conn: Connection, first: _FirstReport) -> None:
-        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
-        answer is retried in place, like any later report."""
-        # Completed by its own call timeout at the latest (see _await_answers).
-        if not first.event.wait(self._call_timeout + _CLOSE_ALLOWANCE):
-            raise CallTimeout("the first capacity report was never completed")
-        error = first.error
-        if error is None:
-            # The connection checked the ack's body: a capacity ack carries a Welcome.
-            assert isinstance(first.value, Welcome) and first.report is not None
-            self._capacity_acked(first.report, first.sent_at, first.value)
-            return
-        self._pause_to_retry_in_place(conn, error)
-        self._send_capacity(conn)
-
-    def _send_capacity(self, conn: Connection) -> None:
-        # Only this (connection) thread sends reports. The lock is never held across the call:
-        # request_stop() takes it to queue the drain report and must not wait for an answer.
-        with self._capacity_lock:
-            report = self._report_next
-        sent_at = self._clock()
-        welcome = self._in_place(conn, partial(conn.capacity, report, timeout=self._call_timeout))
-        self._capacity_acked(report, sent_at, welcome)
-
-    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
-        with self._capacity_lock:
-            self._report_sent = report
-            # PROTOCOL §5.6: repeat the report at least every third of the session window.
-            self._heartbeat = max(0.1, welcome.session_window / 3)
-            self._next_heartbeat = sent_at + self._heartbeat
-        if report.drain and not self._drain_acked.is_set():
-            self._drain_acked.set()
-            self._log.info("drain reported to the server (sequence %d)", report.sequence)
-
-    def _serve(self, conn: Connection) -> None:
-        # Assignments are dispatched by the connection's reader (on_assignment); this thread
-        # keeps the session alive, reports capacity changes and re-sends the kept starts and
-        # finishes until the connection ends. It sleeps until the next heartbeat or re-send
-        # unless woken (new report, a request kept, connection ended, shutdown).
-        while True:
-            self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
-            if self._link.is_closed() or conn.done.is_set():
-                break
-            next_resend = self._shell.resend_due()
-            with self._capacity_lock:
-                changed = self._report_next is not self._report_sent
-                next_heartbeat = self._next_heartbeat
-            if changed or self._clock() >= next_heartbeat:
-                self._send_capacity(conn)
-                continue
-            self._serve_wake.wait(min(next_heartbeat, next_resend) - self._clock())
-        err = conn.err
-        if err is not None and not self._link.is_closed():
-            raise err
+    # ------------------------------------------------------------------ dispatch
 
     def _on_cancel(self, notice: CancelNotice) -> None:
         # Runs on the connection's reader thread: only flag the context, never block.
@@ -1003,8 +660,6 @@ class Worker:
             return
         if att.ctx._cancel("cancel_requested"):
             att.ctx._log.info("cancel requested by the server")
-
-    # ------------------------------------------------------------------ dispatch
 
     def _dispatch(self, assignment: Assignment) -> None:
         # Runs on the connection's reader thread (on_assignment): it must never block or make a
@@ -1120,7 +775,7 @@ class Worker:
 
         # 5. Close: every remaining waiter gives up (a dial in progress is cut); the threads,
         #    woken by that, wind down within the close allowance.
-        close_end = self._clock() + _CLOSE_ALLOWANCE
+        close_end = self._clock() + CLOSE_ALLOWANCE
         current = self._link.current()
         for job in self._link.close():
             job()  # a kept request: it finds the link closed and gives up (unreported)

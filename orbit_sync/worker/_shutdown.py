@@ -15,7 +15,12 @@ from ._attempt import Phase
 from ._attempts import Attempt, AttemptShell, Registry
 from ._clock import WorkerClock
 
-__all__ = ["AttemptPhases"]
+__all__ = ["CLOSE_ALLOWANCE", "AttemptPhases"]
+
+#: After the last shutdown phase: how long the worker's own threads get to exit once everything
+#: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
+#: one). Also the slack a thread gives its own request past its call timeout.
+CLOSE_ALLOWANCE = 0.5
 
 
 class AttemptPhases:
