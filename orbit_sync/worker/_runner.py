@@ -1,5 +1,7 @@
 """Worker: the public class, its lifecycle (start, run, stop), registration and the assignments'
-admission; the rest lives in modules of one concern each (docs/architecture.md):
+admission; the rest lives in modules of one concern each (docs/architecture.md). Over 600 lines
+because the public surface is here: the class and method docstrings and the constructor's
+signature are about half of it; the machinery is in:
 
 - :mod:`._options`: every option, checked once;
 - :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
@@ -39,6 +41,7 @@ from typing import Any, TypeVar
 import cattrs
 
 from ..client import DialCut
+from ..errors import OrbitError
 from ..models import (
     Assignment,
     CancelNotice,
@@ -435,18 +438,19 @@ class Worker:
     @property
     def registration(self) -> Registration:
         """The ``worker.hello`` body this worker sends (secrets are redacted in its repr)."""
-        if self._registration is None:
-            if not self._handlers:
-                raise ValueError("register at least one handler before starting the worker")
-            self._registration = Registration(
-                queue_id=self._queue_id,
-                capabilities=[Capability(*key) for key in self._handlers],
-                capacity=self._capacity,
-                instance_id=self._instance_id,
-                instance_secret=self._instance_secret,
-                cancellation_notifications=self._notifications,
-            )
-        return self._registration
+        with self._cond:  # built once, by whichever thread asks first
+            if self._registration is None:
+                if not self._handlers:
+                    raise ValueError("register at least one handler before starting the worker")
+                self._registration = Registration(
+                    queue_id=self._queue_id,
+                    capabilities=[Capability(*key) for key in self._handlers],
+                    capacity=self._capacity,
+                    instance_id=self._instance_id,
+                    instance_secret=self._instance_secret,
+                    cancellation_notifications=self._notifications,
+                )
+            return self._registration
 
     def add_listener(self, listener: object) -> None:
         """Subscribe *listener* (a :class:`~orbit_sync.worker.WorkerListener`) to this worker's
@@ -454,7 +458,8 @@ class Worker:
         self._hooks.add(listener)
 
     def _new_identity(self) -> None:
-        """A new instance_id and instance_secret (in a forked child: a new process)."""
+        """A new instance_id and instance_secret (in a forked child: a new process). No lock:
+        the child has one thread, and a lock a parent's thread held is never released in it."""
         self._instance_id = new_id()
         self._instance_secret = new_secret()
         self._registration = None
@@ -715,9 +720,14 @@ class Worker:
                     dial_timeout=self._dial_timeout,
                     call_timeout=self._call_timeout,
                 )
-            except Exception:
-                self._log.exception("outbox replay failed")
+            except OrbitError:  # the outbox file (OutboxError): try again later
+                self._log.exception("outbox replay failed; retrying")
                 done = False
+            except Exception:  # a bug of ours: retrying would repeat it
+                self._log.exception(
+                    "outbox replay stopped by a worker error; stored results wait for a restart"
+                )
+                return
             if done:
                 return
             failures += 1
