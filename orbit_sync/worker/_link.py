@@ -23,12 +23,8 @@ from ..connection import Submission
 from ..errors import OrbitError
 from ..models import (
     Assignment,
-    AttemptRef,
     CancelNotice,
     CapacityReport,
-    CommandResult,
-    Finish,
-    Lease,
     Registration,
     Welcome,
 )
@@ -55,22 +51,6 @@ class Connection(Protocol):
     def capacity(
         self, report: CapacityReport, *, message_id: str | None = ..., timeout: float | None = ...
     ) -> Welcome: ...
-
-    def resume(
-        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> Lease: ...
-
-    def start(
-        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> CommandResult: ...
-
-    def renew(
-        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> CommandResult: ...
-
-    def finish(
-        self, finish: Finish, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> CommandResult: ...
 
     def _submit(
         self,
@@ -145,14 +125,6 @@ class Gate:
         parked.lock.acquire()  # released by release() (granted) or close()
         if not parked.granted:
             raise GaveUp("worker stopped")
-
-    def try_acquire(self) -> bool:
-        """Take a slot if one is free, without waiting; False when none is (or once closed)."""
-        with self._lock:
-            if self._closed or self._free <= 0:
-                return False
-            self._free -= 1
-            return True
 
     def acquire_or_queue(self, job: Callable[[], None]) -> bool:
         """Take a slot (True), or queue *job* for the next slot freed (False: a later
@@ -280,19 +252,6 @@ class Link:
             conn = self._conn if self._gen == gen else None
         if conn is not None:
             conn.close()
-
-    def wait(self, *, newer_than: int = 0, deadline: float | None = None) -> tuple[Connection, int]:
-        """Wait for a connection newer than *newer_than*; raise :class:`GaveUp` when the link is
-        closed or *deadline* (on the link's clock) passes."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise GaveUp("worker stopped")
-                if self._conn is not None and self._gen > newer_than:
-                    return self._conn, self._gen
-                if deadline is not None and self._clock.now() >= deadline:
-                    raise GaveUp("no connection in time")
-                self._clock.wait(self._cond, deadline)
 
     def pause(self, seconds: float) -> None:
         """Sleep *seconds* (on the link's clock), waking early if the link is closed."""
