@@ -188,11 +188,11 @@ def test_link_failure_keeps_the_request_for_the_next_connection() -> None:
     request = m.request
     assert request is not None
     actions = m.failed(request, WorkerDisconnected("cut"), gen=3)
-    assert actions == [BreakConnection(3), AwaitConnection(3)]
+    assert actions == [BreakConnection(3), AwaitConnection(3, request)]
     assert m.request is request and m.phase is Phase.STARTING
     assert m.resend(request) == [Send(request)]
     # Nothing was sent (no connection): only wait.
-    assert m.failed(request, WorkerDisconnected("none"), gen=0) == [AwaitConnection(0)]
+    assert m.failed(request, WorkerDisconnected("none"), gen=0) == [AwaitConnection(0, request)]
 
 
 def test_stale_session_is_a_link_failure() -> None:
@@ -210,9 +210,9 @@ def test_transient_answers_retry_after_a_delay() -> None:
     m.begin()
     assert m.request is not None
     limited = WorkerError("RATE_LIMITED", "slow down")
-    assert m.failed(m.request, limited, gen=1) == [RetryAfter(1.0, limited)]
+    assert m.failed(m.request, limited, gen=1) == [RetryAfter(1.0, limited, m.request)]
     busy = WorkerBusy("full")
-    assert m.failed(m.request, busy, gen=1) == [RetryAfter(BUSY_DELAY, busy)]
+    assert m.failed(m.request, busy, gen=1) == [RetryAfter(BUSY_DELAY, busy, m.request)]
     assert m.phase is Phase.STARTING
 
 

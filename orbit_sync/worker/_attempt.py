@@ -108,17 +108,19 @@ class BreakConnection:
 
 @attrs.frozen
 class AwaitConnection:
-    """Keep the request; send it again on the first connection newer than *gen*."""
+    """Keep *request*; send it again on the first connection newer than *gen*."""
 
     gen: int
+    request: Request
 
 
 @attrs.frozen
 class RetryAfter:
-    """Send the request again after *delay* seconds (a transient error answer)."""
+    """Send *request* again after *delay* seconds (a transient error answer)."""
 
     delay: float
     error: OrbitError
+    request: Request
 
 
 @attrs.frozen
@@ -313,10 +315,11 @@ class AttemptMachine:
             return []
         if is_link_failure(error):
             # Maybe sent, maybe applied: the same operation goes out again after the reconnect.
-            return [BreakConnection(gen), AwaitConnection(gen)] if gen else [AwaitConnection(0)]
+            keep = AwaitConnection(gen, request)
+            return [BreakConnection(gen), keep] if gen else [keep]
         if is_transient(error):
             delay = BUSY_DELAY if isinstance(error, WorkerBusy) else self.retry_delay
-            return [RetryAfter(delay, error)]
+            return [RetryAfter(delay, error, request)]
         self.request = None
         if self.phase is Phase.STARTING:
             self.phase = Phase.NOT_RUN

@@ -332,10 +332,7 @@ class AttemptShell:
 
     def _keep(self, att: Attempt, action: AwaitConnection | RetryAfter) -> None:
         """Keep the attempt's request for the connection thread to re-send (same message_id)."""
-        with att.lock:
-            request = att.machine.request
-        if request is None:
-            return
+        request = action.request
         if isinstance(action, RetryAfter):
             self._log.info(
                 "request answered %s; retrying",
