@@ -167,6 +167,7 @@ class AttemptShell:
         call_timeout: float,
         wake: Callable[[], None],
         instance_id: Callable[[], str],
+        own_thread: Callable[[], bool],
     ) -> None:
         self._reg = registry
         self._link = link
@@ -180,6 +181,8 @@ class AttemptShell:
         #: Wakes the connection thread (a request was kept for it to re-send).
         self._wake = wake
         self._instance_id = instance_id
+        #: Is the current thread one of the worker's own (pool, connection, supervisor, ...)?
+        self._own_thread = own_thread
         #: The durable outbox, once start() opened it.
         self.outbox: Outbox | None = None
 
@@ -224,9 +227,11 @@ class AttemptShell:
 
     def perform(self, att: Attempt, actions: list[Action]) -> None:
         """Perform *actions* in order on this thread, except what must not run on a connection's
-        reader: the handler (a pool job), outbox writes and listeners (the rest goes to a pool
-        thread when there are any)."""
-        if self._slow and not self._pool.owns_current_thread() and _writes(actions):
+        thread (its reader, or one ending it): the handler (a pool job), outbox writes and
+        listeners (the rest goes to a pool thread when there are any). The worker's own threads
+        perform everything themselves: the supervisor must not wait for a pool whose threads
+        may all be held by handlers that ignore cancellation."""
+        if self._slow and _writes(actions) and not self._own_thread():
             self._offload(partial(self._perform_now, att, actions))
             return
         self._perform_now(att, actions)

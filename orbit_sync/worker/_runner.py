@@ -18,7 +18,8 @@ wait's deadline passes):
 - ``orbit-sync-reader-*`` (the connection's own): hands each assignment to
   :meth:`Worker._dispatch`, which records it and sends its start (never blocking), and handles
   every answer (:mod:`._attempts`);
-- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity``): run handlers and send their finishes;
+- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity`` + 1): run handlers and send their
+  finishes, and the outbox writes and listeners of answers;
 - ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`);
 - ``orbit-worker-outbox`` (with an outbox): delivers what earlier processes left (:mod:`._replay`);
 - ``orbit-worker-supervisor``: waits for a stop request, then drains and shuts down in bounded
@@ -142,7 +143,7 @@ class Worker:
 
         worker.run()   # blocks; SIGTERM/SIGINT drain, a second signal stops at once
 
-    *capacity* (1-256) is the number of handler threads and the capacity reported to the
+    *capacity* (1-256) is the number of handlers run at once and the capacity reported to the
     server. On stop, running handlers get *drain_timeout* seconds to return (their leases are
     renewed meanwhile); then their contexts are cancelled (``shutdown``) and they get
     *cancel_grace* more; handlers still running are finished ``UNKNOWN`` with
@@ -275,7 +276,11 @@ class Worker:
             logger=self._log,
         )
         self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
-        self._pool = DaemonPool(opts.capacity, clock=self._time)
+        # One thread beyond capacity: a finish's outbox write and listeners (kept off the
+        # connection's reader) never wait behind handlers, even when every handler is stuck
+        # (at most capacity run at once: the server assigns no more, a draining worker takes
+        # none). Idle threads retire, so the spare costs nothing at rest.
+        self._pool = DaemonPool(opts.capacity + 1, clock=self._time)
         self._shell = AttemptShell(
             self._reg,
             link=self._link,
@@ -288,6 +293,7 @@ class Worker:
             call_timeout=self._call_timeout,
             wake=self._serve_wake.set,
             instance_id=lambda: self._instance_id,
+            own_thread=self._owns_current_thread,
         )
         self._phases = AttemptPhases(self._reg, self._time, self._shell)
         self._sessions = SessionLoop(
@@ -606,13 +612,17 @@ class Worker:
             self._report = ShutdownReport(drained=True)
             self._done.set()
             return self._report
-        current = threading.current_thread()
-        if current in self._threads or self._pool.owns_current_thread():
+        if self._owns_current_thread():
             raise RuntimeError("stop() would wait for itself here; use request_stop()")
         self.request_stop(drain=drain, timeout=timeout)
         self._done.wait()
         assert self._report is not None
         return self._report
+
+    def _owns_current_thread(self) -> bool:
+        """Is this one of the worker's own threads (not a connection's or the user's)?"""
+        current = threading.current_thread()
+        return current in self._threads or self._pool.owns_current_thread()
 
     def __enter__(self) -> Worker:
         return self.start()
@@ -667,9 +677,9 @@ class Worker:
             att.ctx._log.info("cancel requested by the server")
 
     def _dispatch(self, assignment: Assignment) -> None:
-        # Runs on the connection's reader thread (on_assignment): it must never block or make a
-        # request. It takes the worker's lock (never held across a wait for the network) and
-        # queues the attempt on the pool, whose submit never blocks.
+        # Runs on the connection's reader thread (on_assignment): it must never block nor wait
+        # for an answer. It takes the worker's lock (never held across a wait for the network),
+        # records the attempt and sends its start pipelined (or queues it for a request slot).
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
         with self._cond:
