@@ -346,13 +346,17 @@ def test_crash_while_starting_finishes_unknown_and_drops_the_late_answer() -> No
 
 
 def test_crash_before_the_start_or_after_the_finish() -> None:
-    """A crash before anything was sent ends the attempt; after its finish went out, nothing."""
+    """A crash before anything was sent ends the attempt; once its finish is decided, the
+    finish is kept for a re-send with its message_id; once settled, nothing."""
     m = _machine()
     assert _kinds(m.crashed()) == [NotStarted, Release]
     m = _machine()
     _finishing(m)
     finish = m.request
-    assert m.crashed() == [] and m.request is finish
+    assert finish is not None
+    assert m.crashed() == [AwaitConnection(0, finish)] and m.request is finish
+    m.finish_answered(finish, _result())
+    assert m.crashed() == []
 
 
 @pytest.mark.parametrize(

@@ -365,13 +365,16 @@ class AttemptMachine:
 
     def crashed(self) -> list[Action]:
         """A step of this attempt raised unexpectedly (a bug of ours): finish it UNKNOWN rather
-        than drop it; if its finish was already on its way, keep that one."""
+        than drop it; if its finish was already decided, keep it for a re-send (same
+        ``message_id``: a copy that did go out is answered as a duplicate)."""
         if self.phase in (Phase.STARTING, Phase.RUNNING):
             self.handler_done = True
             return [*_TRACK_END, *self._finish(worker_error())]
         if self.phase is Phase.ASSIGNED:
             self.phase = Phase.NOT_RUN
             return [NotStarted("not started: worker error"), Release()]
+        if self.phase is Phase.FINISHING and self.request is not None:
+            return [AwaitConnection(0, self.request)]
         return []
 
     # ------------------------------------------------------------------ leases and cancels
