@@ -125,6 +125,11 @@ def _writes(actions: list[Action]) -> bool:
     return any(isinstance(a, RecordFinish | Reported) for a in actions)
 
 
+def _abandoned(att: Attempt) -> bool:
+    with att.lock:
+        return att.machine.abandoned
+
+
 def attempt_event(att: Attempt) -> AttemptEvent:
     task = att.task
     return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
@@ -230,8 +235,9 @@ class AttemptShell:
         thread (its reader, or one ending it): the handler (a pool job), outbox writes and
         listeners (the rest goes to a pool thread when there are any). The worker's own threads
         perform everything themselves: the supervisor must not wait for a pool whose threads
-        may all be held by handlers that ignore cancellation."""
-        if self._slow and _writes(actions) and not self._own_thread():
+        may all be held by handlers that ignore cancellation; for the same reason, an abandoned
+        attempt's last actions (at shutdown only) run where its answer arrives."""
+        if self._slow and _writes(actions) and not self._own_thread() and not _abandoned(att):
             self._offload(partial(self._perform_now, att, actions))
             return
         self._perform_now(att, actions)

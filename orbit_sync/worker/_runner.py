@@ -18,7 +18,7 @@ wait's deadline passes):
 - ``orbit-sync-reader-*`` (the connection's own): hands each assignment to
   :meth:`Worker._dispatch`, which records it and sends its start (never blocking), and handles
   every answer (:mod:`._attempts`);
-- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity`` + 1): run handlers and send their
+- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity``): run handlers and send their
   finishes, and the outbox writes and listeners of answers;
 - ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`);
 - ``orbit-worker-outbox`` (with an outbox): delivers what earlier processes left (:mod:`._replay`);
@@ -276,11 +276,7 @@ class Worker:
             logger=self._log,
         )
         self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
-        # One thread beyond capacity: a finish's outbox write and listeners (kept off the
-        # connection's reader) never wait behind handlers, even when every handler is stuck
-        # (at most capacity run at once: the server assigns no more, a draining worker takes
-        # none). Idle threads retire, so the spare costs nothing at rest.
-        self._pool = DaemonPool(opts.capacity + 1, clock=self._time)
+        self._pool = DaemonPool(opts.capacity, clock=self._time)
         self._shell = AttemptShell(
             self._reg,
             link=self._link,
