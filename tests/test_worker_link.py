@@ -6,7 +6,7 @@ import math
 import threading
 from typing import Any
 
-from orbit_sync.worker import FakeClock
+from orbit_sync.testing import FakeClock
 from orbit_sync.worker._link import Link
 
 
