@@ -12,7 +12,7 @@ from pathlib import Path
 from orbit_sync import _cli_worker, cli
 from orbit_sync._supervisor import _cli as supervisor_cli
 from orbit_sync._supervisor import _observe, _policy, _supervisor, _wire
-from orbit_sync.worker import Worker, _runner
+from orbit_sync.worker import Worker, _shutdown
 
 PAGE = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
 DEFAULTS = {
@@ -47,8 +47,8 @@ def test_worker_defaults_and_the_stop_bound() -> None:
     allowance, orphan = map(
         float, find(r"flush_timeout \+ ([\d.]+)` seconds \(([\d.]+) s").groups()
     )
-    assert allowance == _runner._CLOSE_ALLOWANCE
-    assert orphan == sum(DEFAULTS.values()) + _runner._CLOSE_ALLOWANCE
+    assert allowance == _shutdown.CLOSE_ALLOWANCE
+    assert orphan == sum(DEFAULTS.values()) + _shutdown.CLOSE_ALLOWANCE
     drain, needed = map(float, find(r"--drain-timeout (\d+)` needs at least (\d+)").groups())
     assert needed == drain + DEFAULTS["cancel_grace"] + DEFAULTS["flush_timeout"] + d
 

@@ -324,3 +324,45 @@ def test_signal_delivered_to_another_thread_still_stops_run(server: MockOrbitSer
     assert report.drained
     assert signal.set_wakeup_fd(-1) == -1, "run() left its wakeup fd installed"
     assert worker_threads() == []
+
+
+def test_abandoned_finishes_go_out_while_every_handler_thread_is_held(
+    server: MockOrbitServer,
+) -> None:
+    """With listeners (whose calls stay off the connection's thread) and every handler thread
+    held by a handler that ignores cancellation, shutdown still delivers each UNKNOWN finish:
+    the supervisor sends them itself instead of queueing them behind the stuck handlers."""
+    probe = Probe()
+    released = threading.Event()
+    finished: list[Any] = []
+
+    class Finished(WorkerListener):
+        def attempt_finished(self, event: Any) -> None:
+            """Record the finish."""
+            finished.append(event)
+
+    worker = make_worker(
+        server, capacity=2, drain_timeout=0.1, cancel_grace=0.2, listeners=[Finished()]
+    )
+
+    @worker.handler("stubborn")
+    def stubborn(ctx: TaskContext, payload: Any) -> Any:
+        probe.enter(ctx)
+        released.wait(30)  # ignores its context entirely
+        return None
+
+    ids = [server.enqueue("stubborn", {}) for _ in range(2)]
+    worker.start()
+    try:
+        probe.wait_started(2)
+        report = worker.stop()
+    finally:
+        released.set()
+    assert sorted(a.task_id for a in report.abandoned) == sorted(ids)
+    assert report.unreported == ()
+    for task_id in ids:
+        attempt = server.task(task_id).attempts[-1]
+        assert (attempt.outcome, attempt.error_code) == (Outcome.UNKNOWN, "SHUTDOWN_TIMEOUT")
+    assert sorted(e.task_id for e in finished if e.delivered) == sorted(ids)
+    for task_id in ids:
+        probe.threads[task_id].join(5)

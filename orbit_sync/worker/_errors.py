@@ -59,12 +59,14 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, WorkerBusy | NotConnected) or is_link_failure(exc)
 
 
-def is_fatal_dial_error(exc: BaseException) -> bool:
-    """True when reconnecting cannot help: bad credentials or missing permissions."""
+def is_fatal_dial_error(exc: BaseException, *, stored_identity: bool = False) -> bool:
+    """True when reconnecting cannot help: bad credentials or missing permissions; with
+    *stored_identity* (an outbox replay speaking as an earlier process) also an identity the
+    server refuses (``STATE_CONFLICT``): no later try can make it acceptable."""
     if isinstance(exc, HTTPError):
         return exc.status_code in (401, 403)
     if isinstance(exc, WorkerError):
-        return exc.code in AUTH_CODES
+        return exc.code in AUTH_CODES or (stored_identity and exc.code == "STATE_CONFLICT")
     return False
 
 

@@ -1,15 +1,20 @@
 """The worker's current connection, shared by its threads, and what they need to know about it.
 
 The connection thread *publishes* a connection once it is reconciled (every live attempt
-resumed), and *retracts* it when it breaks. A thread whose request failed on connection number
-``n`` waits for a connection newer than ``n`` and re-sends the same operation with the same
-``message_id`` (PROTOCOL §7). Closing the link for good wakes every waiter, which then gives up:
-that is how shutdown bounds a finish waiting for a connection that never comes back.
+resumed), and *retracts* it when it breaks. A request that failed on connection number ``n`` is
+*kept* (:meth:`Link.keep`) until a connection newer than ``n`` is published (and, after a
+transient error answer, until its retry delay has passed); the connection thread then takes it
+(:meth:`Link.take_due`) and re-sends the same operation with the same ``message_id`` (PROTOCOL
+§7). No thread waits for that. Closing the link for good hands every kept request back to its
+closer, which gives them up: that is how shutdown bounds a finish waiting for a connection that
+never comes back.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
+import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -18,12 +23,8 @@ from ..connection import Submission
 from ..errors import OrbitError
 from ..models import (
     Assignment,
-    AttemptRef,
     CancelNotice,
     CapacityReport,
-    CommandResult,
-    Finish,
-    Lease,
     Registration,
     Welcome,
 )
@@ -50,22 +51,6 @@ class Connection(Protocol):
     def capacity(
         self, report: CapacityReport, *, message_id: str | None = ..., timeout: float | None = ...
     ) -> Welcome: ...
-
-    def resume(
-        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> Lease: ...
-
-    def start(
-        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> CommandResult: ...
-
-    def renew(
-        self, ref: AttemptRef, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> CommandResult: ...
-
-    def finish(
-        self, finish: Finish, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> CommandResult: ...
 
     def _submit(
         self,
@@ -141,14 +126,6 @@ class Gate:
         if not parked.granted:
             raise GaveUp("worker stopped")
 
-    def try_acquire(self) -> bool:
-        """Take a slot if one is free, without waiting; False when none is (or once closed)."""
-        with self._lock:
-            if self._closed or self._free <= 0:
-                return False
-            self._free -= 1
-            return True
-
     def acquire_or_queue(self, job: Callable[[], None]) -> bool:
         """Take a slot (True), or queue *job* for the next slot freed (False: a later
         :meth:`release` returns it). Raise :class:`GaveUp` once closed."""
@@ -198,6 +175,9 @@ class Link:
         self._conn: Connection | None = None
         self._gen = 0
         self._closed = False
+        #: Kept requests: (not before, tie-breaker, newer than generation, re-send job).
+        self._kept: list[tuple[float, int, int, Callable[[], None]]] = []
+        self._order = itertools.count()
         #: Bounds the starts and finishes in flight (see :class:`Gate`).
         self.gate = Gate(slots)
 
@@ -220,13 +200,43 @@ class Link:
                 self._conn = None
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """No connection will come any more: wake every waiter."""
+    def close(self) -> list[Callable[[], None]]:
+        """No connection will come any more: wake every waiter; return the kept requests' jobs
+        (the caller runs them: each then finds the link closed and gives up)."""
         with self._cond:
             self._closed = True
             self._conn = None
+            kept, self._kept = self._kept, []
             self._cond.notify_all()
         self.gate.close()
+        return [k[3] for k in sorted(kept)]
+
+    def keep(self, job: Callable[[], None], *, newer_than: int = 0, delay: float = 0.0) -> bool:
+        """Keep *job* (a request's re-send) until a connection newer than *newer_than* is
+        current and *delay* seconds have passed; False (nothing kept) once the link is closed.
+        The connection thread runs it (see :meth:`take_due`)."""
+        with self._cond:
+            if self._closed:
+                return False
+            not_before = self._clock.now() + delay if delay > 0 else 0.0
+            self._kept.append((not_before, next(self._order), newer_than, job))
+            return True
+
+    def take_due(self) -> tuple[list[Callable[[], None]], float]:
+        """The kept jobs whose connection and time have come (to run now, in the order they
+        were kept), and when the next one is due on the clock (``inf``: none before a newer
+        connection)."""
+        with self._cond:
+            if self._conn is None or self._closed or not self._kept:
+                return [], math.inf
+            now = self._clock.now()
+            ready = [k for k in self._kept if self._gen > k[2]]
+            due = [k for k in ready if k[0] <= now]
+            if due:
+                taken = {id(k) for k in due}
+                self._kept = [k for k in self._kept if id(k) not in taken]
+            next_at = min((k[0] for k in ready if k[0] > now), default=math.inf)
+        return [k[3] for k in sorted(due)], next_at
 
     def current(self) -> tuple[Connection, int] | None:
         """The current connection, without waiting."""
@@ -242,19 +252,6 @@ class Link:
             conn = self._conn if self._gen == gen else None
         if conn is not None:
             conn.close()
-
-    def wait(self, *, newer_than: int = 0, deadline: float | None = None) -> tuple[Connection, int]:
-        """Wait for a connection newer than *newer_than*; raise :class:`GaveUp` when the link is
-        closed or *deadline* (on the link's clock) passes."""
-        with self._cond:
-            while True:
-                if self._closed:
-                    raise GaveUp("worker stopped")
-                if self._conn is not None and self._gen > newer_than:
-                    return self._conn, self._gen
-                if deadline is not None and self._clock.now() >= deadline:
-                    raise GaveUp("no connection in time")
-                self._clock.wait(self._cond, deadline)
 
     def pause(self, seconds: float) -> None:
         """Sleep *seconds* (on the link's clock), waking early if the link is closed."""

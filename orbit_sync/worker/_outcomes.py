@@ -47,6 +47,7 @@ __all__ = [
     "not_run",
     "outbox_unavailable",
     "outcome_of",
+    "worker_error",
 ]
 
 #: Why a TaskContext was cancelled (the first reason wins).
@@ -288,4 +289,18 @@ def abandoned() -> Verdict:
         Outcome.UNKNOWN,
         {"error": SHUTDOWN_TIMEOUT, "message": "handler still running at shutdown"},
         SHUTDOWN_TIMEOUT,
+    )
+
+
+#: A step of the worker itself failed (a bug) while the attempt was in its hands.
+WORKER_ERROR = "WORKER_ERROR"
+
+
+def worker_error() -> Verdict:
+    """The finish for an attempt whose processing hit an unexpected error in the worker: whether
+    the handler's effect happened is not known, so it is ``UNKNOWN``, never dropped."""
+    return Verdict(
+        Outcome.UNKNOWN,
+        {"error": WORKER_ERROR, "message": "the worker failed while processing the attempt"},
+        WORKER_ERROR,
     )

@@ -29,7 +29,7 @@ import logging
 
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Outcome, Registration, new_message_id
-from ._errors import is_transient
+from ._errors import is_fatal_dial_error, is_transient
 from ._link import Dialer
 from ._outbox import Outbox, Pending
 
@@ -41,9 +41,6 @@ WORKER_LOST = "WORKER_LOST"
 #: How long one try waits for a dead instance's handler processes to be gone (they exit within
 #: ``cancel_grace`` of their worker's death; on Linux at once).
 LOCK_WAIT = 1.0
-
-#: Answers to the replay's hello that no retry can change (credentials, identity).
-_FINAL_DIAL_CODES = frozenset({"UNAUTHENTICATED", "PERMISSION_DENIED", "STATE_CONFLICT"})
 
 
 def replay(
@@ -102,7 +99,7 @@ def _deliver(
         conn = dialer.dial_worker(registration, dial_timeout)
     except (WorkerError, HTTPError) as exc:
         code = getattr(exc, "code", None) or getattr(exc, "status_code", None)
-        if code in _FINAL_DIAL_CODES or code in (401, 403):
+        if is_fatal_dial_error(exc, stored_identity=True):
             log.error(
                 "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
                 "undelivered in %s",

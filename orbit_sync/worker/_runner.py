@@ -1,243 +1,98 @@
-"""Worker: handlers, a daemon thread pool, the lease watchdog, reconnects, drain and shutdown.
+"""Worker: the public class, its lifecycle (start, run, stop), registration and the assignments'
+admission; the rest lives in modules of one concern each (docs/architecture.md). Over 600 lines
+because the public surface is here: the class and method docstrings and the constructor's
+signature are about half of it; the machinery is in:
 
-Threads (all daemons, so the process can always exit):
+- :mod:`._options`: every option, checked once;
+- :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
+- :mod:`._attempt`: one attempt's pure state machine; :mod:`._attempts`: its threaded shell;
+- :mod:`._renewals` / :mod:`._watchdog`: lease renewals; :mod:`._outbox` / :mod:`._replay`:
+  the durable outbox; :mod:`._signals`: SIGTERM/SIGINT for :meth:`Worker.run`;
+- :mod:`._shutdown`: the bounded shutdown phases (this module adds the last one, close).
 
-- ``orbit-worker-connection``: dial, ``resume`` every live attempt, publish the connection, send
-  the capacity report, then repeat it before the session expires until the connection ends; on
-  loss, back off with jitter and start again with the same registration.
-- ``orbit-sync-reader-*`` (the connection's own): hands each assignment to :meth:`Worker._dispatch`
-  (``on_assignment``), which only records it and queues it for the pool, so a burst of up to
-  ``capacity`` assignments never overflows the connection's 8-slot queue (PROTOCOL §10).
-- ``orbit-handler-N`` (``capacity`` of them): per assignment ``start`` → handler (only if the
-  lease allows) → ``finish``. Start and finish are pipelined: a handler thread sends one and
-  goes back to the pool, and its answer (on the reader thread) queues the next step, so no
-  thread waits for an answer. An error answer or a lost connection continues on the blocking
-  path: the request is re-sent with its original ``message_id`` once a newer connection is
-  reconciled (:mod:`._link`).
-- ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`).
+Threads (all daemons, so the process can always exit; each ends when the link is closed or its
+wait's deadline passes):
+
+- ``orbit-worker-connection`` (:mod:`._session`), and per session ``orbit-worker-watch``, which
+  turns "the connection ended" into a wake-up of it (joined by it when the session ends);
+- ``orbit-sync-reader-*`` (the connection's own): hands each assignment to
+  :meth:`Worker._dispatch`, which records it and sends its start (never blocking), and handles
+  every answer (:mod:`._attempts`);
+- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity``): run handlers and send their
+  finishes, and the outbox writes and listeners of answers;
+- ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`);
+- ``orbit-worker-outbox`` (with an outbox): delivers what earlier processes left (:mod:`._replay`);
 - ``orbit-worker-supervisor``: waits for a stop request, then drains and shuts down in bounded
-  phases (drain → cancel → abandon → flush → close).
+  phases (drain → cancel → abandon → flush → close), joining the threads above.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
-import enum
 import inspect
 import logging
 import os
 import signal
 import threading
-import time
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from functools import partial
-from types import FrameType
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import cattrs
 
-from .._protocol import MAX_IN_FLIGHT
-from .._protocol import call_timeout as call_timeout_bound
-from .._seconds import seconds
-from ..client import Client, DialCut
-from ..connection import Submission
-from ..errors import OrbitError, WorkerBusy, WorkerError, WorkerProtocolError
+from ..client import DialCut
+from ..errors import OrbitError
 from ..models import (
-    ID_RE,
-    MAX_CAPACITY,
     Assignment,
-    AttemptRef,
-    AttemptState,
     CancelNotice,
     Capability,
-    CapacityReport,
-    CommandResult,
-    Disposition,
-    Finish,
-    Lease,
     Outcome,
     Registration,
-    Welcome,
     new_id,
-    new_message_id,
     new_secret,
+)
+from ._attempt import (
+    AttemptMachine,
+)
+from ._attempts import (
+    Attempt,
+    AttemptShell,
+    Handler,
+    Registry,
+    attempt_event,
 )
 from ._backoff import Backoff
 from ._clock import Wakeup, WorkerClock
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
-from ._errors import (
-    EndpointCheck,
-    NotConnected,
-    is_fatal_dial_error,
-    is_link_failure,
-    is_transient,
-)
 from ._hooks import (
-    AttemptEvent,
-    AttemptFinished,
-    DisconnectEvent,
     DrainEvent,
     Hooks,
-    LeaseEvent,
-    SessionEvent,
 )
-from ._link import Connection, Dialer, GaveUp, Link
-from ._outbox import Outbox, OutboxError
-from ._outcomes import (
-    HANDLER_ERROR,
-    Verdict,
-    abandoned,
-    not_run,
-    outbox_unavailable,
-    outcome_of,
-)
+from ._link import Dialer, Link
+from ._options import WorkerOptions, check_seconds
+from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
-from ._redial import Redial
+from ._renewals import Renewals
 from ._replay import replay
-from ._report import AttemptInfo, ShutdownReport, WorkerStats
-from ._watchdog import LeaseWatchdog, RenewDone, WatchdogThread
+from ._report import ShutdownReport, WorkerStats
+from ._session import SessionLoop
+from ._shutdown import CLOSE_ALLOWANCE, AttemptPhases
+from ._signals import StopSignals
+from ._watchdog import LeaseWatchdog, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
 
 T = TypeVar("T")
-#: ``handler(ctx, payload) -> result``
-Handler = Callable[[TaskContext, Any], Any]
 H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
-#: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
-_BUSY_DELAY = 0.05
-#: After the last shutdown phase: how long the worker's own threads get to exit once everything
-#: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
-#: one).
-_CLOSE_ALLOWANCE = 0.5
-#: The signals :meth:`Worker.run` handles: the first drains, the second stops at once.
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-#: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
-_RESERVED_SLOTS = 8
 #: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
 _SEEN_LIMIT = 65_536
-
-
-class _Phase(enum.Enum):
-    STARTING = "starting"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    SETTLED = "settled"
-
-
-class _Attempt:
-    """One assignment as the worker tracks it, from ``start`` until its finish is settled."""
-
-    __slots__ = (
-        "abandoned",
-        "ctx",
-        "handler",
-        "handler_done",
-        "lock",
-        "phase",
-        "ref",
-        "start_id",
-        "task",
-    )
-
-    def __init__(self, assignment: Assignment, ctx: TaskContext, handler: Handler) -> None:
-        self.task = assignment.task
-        self.ref: AttemptRef = assignment.attempt
-        self.ctx = ctx
-        self.handler = handler
-        #: The start's message_id, kept for re-sending after a reconnect.
-        self.start_id = new_message_id()
-        self.phase = _Phase.STARTING
-        #: Shutdown gave up on the handler and finished it UNKNOWN: its late result is dropped.
-        self.abandoned = False
-        #: The pool thread is done with this attempt (an abandoned one may never be).
-        self.handler_done = False
-        self.lock = threading.Lock()
-
-    @property
-    def id(self) -> str:
-        return self.ref.attempt_id
-
-    @property
-    def info(self) -> AttemptInfo:
-        return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
-
-
-class _Request:
-    """A start or finish on its way: what to send, whose answer goes to *on_answer*
-    ``(value, error, generation, successor)``, and the blocking *fallback* step that sends it
-    when it cannot be pipelined."""
-
-    __slots__ = ("att", "body", "fallback", "message_id", "on_answer", "request_type")
-
-    def __init__(
-        self,
-        att: _Attempt,
-        request_type: str,
-        body: Any,
-        message_id: str,
-        on_answer: Callable[[Any, OrbitError | None, int, Callable[[], None] | None], None],
-        fallback: Callable[[], bool],
-    ) -> None:
-        self.att = att
-        self.request_type = request_type
-        self.body = body
-        self.message_id = message_id
-        self.on_answer = on_answer
-        self.fallback = fallback
-
-
-class _FirstReport:
-    """The session's first capacity report, sent behind the resumes, and its answer."""
-
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.report: CapacityReport | None = None
-        self.sent_at = 0.0
-        self.value: Any = None
-        self.error: OrbitError | None = None
-
-    def answered(self, value: Any, error: OrbitError | None) -> None:
-        # Runs on the connection's reader (or deadline) thread: it only records and wakes.
-        self.value, self.error = value, error
-        self.event.set()
-
-
-def _event(att: _Attempt) -> AttemptEvent:
-    task = att.task
-    return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
-
-
-def _finished(att: _Attempt, verdict: Verdict, delivered: bool) -> AttemptFinished:
-    task = att.task
-    return AttemptFinished(
-        task_id=task.task_id,
-        attempt_id=att.id,
-        handler=task.handler,
-        attempt=task.attempt,
-        outcome=verdict.outcome,
-        error_code=verdict.error_code,
-        duration=verdict.duration,
-        ran=verdict.ran,
-        delivered=delivered,
-    )
-
-
-def _handed_back() -> bool:
-    """A step with nothing left to do: the worker is done with the attempt."""
-    return False
-
-
-def _lease_event(att: _Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
-    return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
 
 
 def _check_handler_signature(fn: object) -> None:
@@ -257,10 +112,6 @@ def _check_handler_signature(fn: object) -> None:
     except TypeError:
         name = getattr(fn, "__qualname__", repr(fn))
         raise TypeError(f"handler {name}{signature} cannot be called as fn(ctx, payload)") from None
-
-
-def _check_seconds(name: str, value: float, *, positive: bool = False) -> float:
-    return seconds(value, name, positive=positive)
 
 
 #: Every Worker of this process, so a forked child can give each a new identity.
@@ -292,7 +143,7 @@ class Worker:
 
         worker.run()   # blocks; SIGTERM/SIGINT drain, a second signal stops at once
 
-    *capacity* (1-256) is the number of handler threads and the capacity reported to the
+    *capacity* (1-256) is the number of handlers run at once and the capacity reported to the
     server. On stop, running handlers get *drain_timeout* seconds to return (their leases are
     renewed meanwhile); then their contexts are cancelled (``shutdown``) and they get
     *cancel_grace* more; handlers still running are finished ``UNKNOWN`` with
@@ -358,40 +209,27 @@ class Worker:
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
-        if type(queue_id) is not str or not ID_RE.fullmatch(queue_id):
-            raise ValueError("queue_id must be 32 lowercase hex characters")
-        if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
-            raise ValueError(f"capacity must be an int between 1 and {MAX_CAPACITY}")
+        opts = WorkerOptions(**{k: v for k, v in self._options.items() if k != "client"})
+        self._opts = opts
         self._client = client
-        self._queue_id = queue_id
-        self._capacity = capacity
-        self._drain_timeout = _check_seconds("drain_timeout", drain_timeout)
-        self._cancel_grace = _check_seconds("cancel_grace", cancel_grace)
-        self._flush_timeout = _check_seconds("flush_timeout", flush_timeout)
-        self._dial_timeout = _check_seconds("dial_timeout", dial_timeout, positive=True)
-        # Past this a request's connection is closed and the operation re-sent on the next one.
-        self._call_timeout = call_timeout_bound(call_timeout, "call_timeout")
-        self._backoff = reconnect_backoff or Backoff()
-        if max_in_flight is None:
-            max_in_flight = MAX_IN_FLIGHT
-        if type(max_in_flight) is not int or not 3 <= max_in_flight <= MAX_IN_FLIGHT:
-            raise ValueError(f"max_in_flight must be an int between 3 and {MAX_IN_FLIGHT}")
-        # Starts and finishes get the connection's request budget but a reserve: renewals,
-        # resumes and capacity reports never wait behind handler traffic for a slot.
-        # A quarter of the budget, 2 to 8 slots: a small explicit bound keeps its old split.
-        handler_slots = max_in_flight - min(_RESERVED_SLOTS, max(2, max_in_flight // 4))
-        self._retry_delay = _check_seconds("renew_retry_delay", renew_retry_delay, positive=True)
-        if not 0.1 <= self._retry_delay <= 5.0:
-            raise ValueError("renew_retry_delay must be between 0.1 and 5 seconds")
-        self._notifications = bool(cancellation_notifications)
-        self._handle_signals = handle_signals
-        self._log = logger or _LOG
+        self._queue_id = opts.queue_id
+        self._capacity = opts.capacity
+        self._drain_timeout = opts.drain_timeout
+        self._cancel_grace = opts.cancel_grace
+        self._flush_timeout = opts.flush_timeout
+        self._dial_timeout = opts.dial_timeout
+        self._call_timeout = opts.request_timeout
+        self._backoff = opts.reconnect_backoff or Backoff()
+        self._retry_delay = float(opts.renew_retry_delay)
+        self._notifications = opts.cancellation_notifications
+        self._handle_signals = opts.handle_signals
+        self._log = opts.logger or _LOG
         self._encoder = (
-            DEFAULT_ENCODER if result_converter is None else ResultEncoder(result_converter)
+            DEFAULT_ENCODER
+            if opts.result_converter is None
+            else ResultEncoder(opts.result_converter)
         )
-        if clock is not None and not isinstance(clock, WorkerClock):
-            raise TypeError("clock must be a WorkerClock")
-        self._time = clock or WorkerClock()
+        self._time = opts.clock or WorkerClock()
         self._clock = self._time.now
         self._hooks = Hooks(listeners, logger=self._log)
         # instance_id is new for this Worker (so two Workers of one process never fence each
@@ -403,64 +241,91 @@ class Worker:
 
         self._handlers: dict[tuple[str, str, str], Handler] = {}
         self._task_logs: dict[str, logging.Logger] = {}
-        self._cond = threading.Condition()
-        self._attempts: dict[str, _Attempt] = {}
+        # The attempts and counters (the same objects as the registry's, named here for the
+        # session and shutdown code that reads them).
+        self._reg = Registry()
+        self._cond = self._reg.cond
+        self._attempts = self._reg.attempts
+        self._counts = self._reg.counts
+        self._unreported = self._reg.unreported
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
-        self._counts: collections.Counter[str] = collections.Counter()
-        self._running = 0
-        self._unreported: list[AttemptInfo] = []
         self._started = False
-        self._stop_requested = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
-        self._handler_writes = False
         self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
-        # run() on the main thread sleeps on this pipe: signal handlers and the end of shutdown
-        # write a byte to it (a signal handler may not take locks).
-        self._pipe_lock = threading.Lock()
-        self._pipe_w: int | None = None
+        #: run()'s signal handling, while run() on the main thread waits in it.
+        self._signals: StopSignals | None = None
 
-        self._capacity_lock = threading.Lock()
-        self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
-        self._report_sent: CapacityReport | None = None
-        self._drain_acked = threading.Event()
-        self._heartbeat = 15.0
-        self._next_heartbeat = 0.0
         #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
         self._serve_wake = Wakeup(self._time)
         self._dial_cut = DialCut()
-        self._endpoint = EndpointCheck(self._clock)
 
-        self._link = Link(self._time, slots=handler_slots)
+        self._link = Link(self._time, slots=opts.handler_slots)
         self._registration: Registration | None = None
+        renewals = Renewals(self._reg, self._link, self._hooks, self._call_timeout)
         self._watchdog = LeaseWatchdog(
-            self._send_renew,
-            send_many=self._send_renews,
+            renewals.send_renew,
+            send_many=renewals.send_renews,
             clock=self._clock,
             retry_delay=self._retry_delay,
             on_change=lambda: self._watchdog_thread.wake(),
-            on_renew=self._on_renewed,
-            on_loss=self._on_lease_lost,
+            on_renew=renewals.on_renewed,
+            on_loss=renewals.on_lease_lost,
             logger=self._log,
         )
         self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
-        self._pool = DaemonPool(capacity, clock=self._time)
+        self._pool = DaemonPool(opts.capacity, clock=self._time)
+        self._shell = AttemptShell(
+            self._reg,
+            link=self._link,
+            pool=self._pool,
+            watchdog=self._watchdog,
+            hooks=self._hooks,
+            log=self._log,
+            clock=self._clock,
+            encoder=self._encoder,
+            call_timeout=self._call_timeout,
+            wake=self._serve_wake.set,
+            instance_id=lambda: self._instance_id,
+            own_thread=self._owns_current_thread,
+        )
+        self._phases = AttemptPhases(self._reg, self._time, self._shell)
+        self._sessions = SessionLoop(
+            client,
+            registration=lambda: self.registration,
+            capacity=opts.capacity,
+            notifications=self._notifications,
+            dial_timeout=self._dial_timeout,
+            call_timeout=self._call_timeout,
+            retry_delay=self._retry_delay,
+            backoff=self._backoff,
+            time=self._time,
+            link=self._link,
+            registry=self._reg,
+            shell=self._shell,
+            watchdog=self._watchdog,
+            hooks=self._hooks,
+            log=self._log,
+            wake=self._serve_wake,
+            ready=self._ready,
+            dial_cut=self._dial_cut,
+            on_cancel=self._on_cancel,
+            on_assignment=self._dispatch,
+            fail=self._fail,
+        )
         # Child processes for handlers registered with executor="process"; none start before
         # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
-        if process_pool is not None and (type(process_pool) is not int or process_pool < 1):
-            raise ValueError("process_pool must be a positive int (child processes)")
-        self._process_pool_size = process_pool
+        self._process_pool_size = opts.process_pool
         self._process_limits = ChildLimits(
-            max_tasks=process_max_tasks_per_child, max_memory_mb=process_max_memory_per_child
+            max_tasks=opts.process_max_tasks_per_child,
+            max_memory_mb=opts.process_max_memory_per_child,
         )
         self._processes: ProcessPool | None = None
         # Opened by start(), not here: a process-executor child imports the module that builds
         # this Worker, and must not contend for the parent's outbox lock.
-        if outbox is not None and not isinstance(outbox, str | os.PathLike):
-            raise TypeError("outbox must be a file path")
-        self._outbox_path = outbox
+        self._outbox_path = opts.outbox
         self._outbox: Outbox | None = None
         self._threads: list[threading.Thread] = []
 
@@ -575,18 +440,19 @@ class Worker:
     @property
     def registration(self) -> Registration:
         """The ``worker.hello`` body this worker sends (secrets are redacted in its repr)."""
-        if self._registration is None:
-            if not self._handlers:
-                raise ValueError("register at least one handler before starting the worker")
-            self._registration = Registration(
-                queue_id=self._queue_id,
-                capabilities=[Capability(*key) for key in self._handlers],
-                capacity=self._capacity,
-                instance_id=self._instance_id,
-                instance_secret=self._instance_secret,
-                cancellation_notifications=self._notifications,
-            )
-        return self._registration
+        with self._cond:  # built once, by whichever thread asks first
+            if self._registration is None:
+                if not self._handlers:
+                    raise ValueError("register at least one handler before starting the worker")
+                self._registration = Registration(
+                    queue_id=self._queue_id,
+                    capabilities=[Capability(*key) for key in self._handlers],
+                    capacity=self._capacity,
+                    instance_id=self._instance_id,
+                    instance_secret=self._instance_secret,
+                    cancellation_notifications=self._notifications,
+                )
+            return self._registration
 
     def add_listener(self, listener: object) -> None:
         """Subscribe *listener* (a :class:`~orbit_sync.worker.WorkerListener`) to this worker's
@@ -594,7 +460,8 @@ class Worker:
         self._hooks.add(listener)
 
     def _new_identity(self) -> None:
-        """A new instance_id and instance_secret (in a forked child: a new process)."""
+        """A new instance_id and instance_secret (in a forked child: a new process). No lock:
+        the child has one thread, and a lock a parent's thread held is never released in it."""
         self._instance_id = new_id()
         self._instance_secret = new_secret()
         self._registration = None
@@ -620,7 +487,7 @@ class Worker:
         if self._outbox_path is not None:
             try:
                 # Raises OutboxError (before anything is sent) for a file we must not use.
-                self._outbox = Outbox.open(self._outbox_path, registration)
+                self._outbox = self._shell.outbox = Outbox.open(self._outbox_path, registration)
             except BaseException:
                 with self._cond:
                     self._started = False  # nothing ran: a later start() may try again
@@ -629,7 +496,7 @@ class Worker:
                 self._processes.guard(self._outbox.lock_path, self._instance_id)
         self._watchdog_thread.start()
         targets = [
-            (self._connection_main, "orbit-worker-connection"),
+            (self._sessions.run, "orbit-worker-connection"),
             (self._supervisor_main, "orbit-worker-supervisor"),
         ]
         if self._outbox is not None:
@@ -649,75 +516,31 @@ class Worker:
         stops at once (``stop(drain=False)``). The previous handlers are restored on return.
         """
         install = self._handle_signals and threading.current_thread() is threading.main_thread()
-        previous: dict[signal.Signals, Any] = {}
-        previous_wakeup = -1
-        read_fd = -1
-        if install:
-            read_fd, write_fd = os.pipe()
-            os.set_blocking(write_fd, False)
-            with self._pipe_lock:
-                self._pipe_w = write_fd
-            # The kernel may hand a process-directed signal to any thread, and Python runs its
-            # handler only on the main thread, which sleeps in read() below and would never get
-            # to it: the interpreter's C-level handler writes the signal number to this pipe
-            # from whichever thread received it, and that wakes the read.
-            try:
-                previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-            except ValueError:  # Windows takes only a socket: the handler writes instead
-                self._handler_writes = True
-            for sig in _STOP_SIGNALS:
-                previous[sig] = signal.signal(sig, self._on_signal)
+        signals = StopSignals(self._on_stop_signal) if install else None
+        if signals is not None:
+            signals.install()
+            self._signals = signals
         try:
             self.start()
-            if install:
-                self._wait_for_signals(read_fd)
+            if signals is not None:
+                signals.wait(self._done)
             else:
                 self._done.wait()
         except KeyboardInterrupt:
             self.request_stop(drain=False)
             self._done.wait()
         finally:
-            # Handlers first: once restored, ours can no longer run and write to a closed pipe.
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-            if install:
-                if not self._handler_writes:
-                    signal.set_wakeup_fd(previous_wakeup)
-                with self._pipe_lock:
-                    write_fd, self._pipe_w = self._pipe_w or -1, None
-                os.close(write_fd)
-                os.close(read_fd)
+            if signals is not None:
+                signals.restore()
         report = self._report
         assert report is not None
         if report.error is not None:
             raise report.error
         return report
 
-    def _wait_for_signals(self, read_fd: int) -> None:
-        # Sleeps in read() until a signal or the end of shutdown writes to the pipe. Each stop
-        # signal arrives as one byte holding its number (set_wakeup_fd), so signals are counted
-        # here, in ordinary code that may take locks, whichever thread received them.
-        signals = 0
-        while not self._done.is_set():
-            for number in os.read(read_fd, 64):
-                if number in _STOP_SIGNALS:
-                    signals += 1
-                    self._announce_signal(number, first=signals == 1)
-                    self.request_stop(drain=signals == 1)
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        # Installed to replace the default action (exit, or KeyboardInterrupt): the interpreter
-        # has already written the signal's number to the wakeup pipe, unless it could not.
-        fd = self._pipe_w  # no lock in a signal handler; run() restores handlers before closing
-        if self._handler_writes and fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(fd, bytes([signum]))
-
-    def _wake_run(self) -> None:
-        with self._pipe_lock:
-            if self._pipe_w is not None:
-                with contextlib.suppress(OSError):
-                    os.write(self._pipe_w, b"d")  # 100: no stop signal has that number
+    def _on_stop_signal(self, number: int, count: int) -> None:
+        self._announce_signal(number, first=count == 1)
+        self.request_stop(drain=count == 1)
 
     def _announce_signal(self, number: int, *, first: bool) -> None:
         # WARNING, so that an operator sees at the default level what a signal started and how to
@@ -748,15 +571,15 @@ class Worker:
         return; without, their contexts are cancelled now. A later request can only shorten it.
         """
         if timeout is not None:
-            timeout = _check_seconds("timeout", timeout)
+            timeout = check_seconds("timeout", timeout)
         with self._cond:
             if not self._started:
                 return
             now = self._clock()
             window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
-            first = not self._stop_requested
+            first = not self._reg.stop_requested
             if first:
-                self._stop_requested = True
+                self._reg.stop_requested = True
                 self._drain_deadline = now + window
                 self._log.info(
                     "worker stopping (%s)", f"draining for {window:g}s" if drain else "now"
@@ -765,15 +588,9 @@ class Worker:
                 self._drain_deadline = now + window
                 self._log.info("worker stop escalated: cancelling handlers now")
             self._cond.notify_all()
-        with self._capacity_lock:
-            if not self._report_next.drain:
-                current = self._report_next
-                self._report_next = CapacityReport(
-                    sequence=current.sequence + 1, capacity=current.capacity, drain=True
-                )
+        self._sessions.report_drain()
         if first and self._hooks:
-            self._hooks.emit("draining", DrainEvent(drain, window, self._running))
-        self._serve_wake.set()
+            self._hooks.emit("draining", DrainEvent(drain, window, self._reg.running))
 
     def stop(self, *, drain: bool = True, timeout: float | None = None) -> ShutdownReport:
         """Stop (draining for *timeout* seconds) and return the shutdown report.
@@ -791,13 +608,17 @@ class Worker:
             self._report = ShutdownReport(drained=True)
             self._done.set()
             return self._report
-        current = threading.current_thread()
-        if current in self._threads or self._pool.owns_current_thread():
+        if self._owns_current_thread():
             raise RuntimeError("stop() would wait for itself here; use request_stop()")
         self.request_stop(drain=drain, timeout=timeout)
         self._done.wait()
         assert self._report is not None
         return self._report
+
+    def _owns_current_thread(self) -> bool:
+        """Is this one of the worker's own threads (not a connection's or the user's)?"""
+        current = threading.current_thread()
+        return current in self._threads or self._pool.owns_current_thread()
 
     def __enter__(self) -> Worker:
         return self.start()
@@ -816,7 +637,7 @@ class Worker:
         wd = self._watchdog.stats()
         with self._cond:
             counts = self._counts.copy()
-            running = self._running
+            running = self._reg.running
         return WorkerStats(
             connected=self._link.current() is not None,
             running=running,
@@ -840,327 +661,7 @@ class Worker:
         state = "stopped" if self._done.is_set() else "running" if self._started else "new"
         return f"<Worker queue={self._queue_id} capacity={self._capacity} {state}>"
 
-    # ------------------------------------------------------------------ connection thread
-
-    def _connection_main(self) -> None:
-        redial = Redial(self._backoff)
-        first = True
-        while not self._link.is_closed():
-            if not first:
-                self._link.pause(redial.delay())
-                if self._link.is_closed():
-                    break
-            first = False
-            try:
-                conn = self._dial()
-            except Exception as exc:
-                if self._link.is_closed():
-                    break  # shutdown cut the dial
-                # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
-                # cannot help, so the worker stops and run() raises it.
-                # A server that never once spoke the protocol is the wrong server (or version).
-                wrong_server = isinstance(exc, WorkerProtocolError) and not self._ready.is_set()
-                wrong_url = self._endpoint.failed(exc, self._server)
-                if is_fatal_dial_error(exc) or wrong_server or wrong_url:
-                    exc = wrong_url or exc
-                    self._log.error("worker cannot connect to %s: %s", self._server, exc)
-                    self._fail(exc)
-                    return
-                if not isinstance(exc, OrbitError | OSError):
-                    self._log.exception("worker cannot connect: unexpected error")
-                    self._fail(exc)
-                    return
-                redial.failed(exc)
-                with self._cond:
-                    self._counts["dial_failures"] += 1
-                if self._hooks:
-                    self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
-                # Where and why (errors never carry the token), not only the exception's type.
-                self._log.warning(
-                    "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
-                )
-                continue
-            # A welcome arrived: the server is reachable and accepts us. Whatever ends this
-            # session, the next reconnect starts again from the shortest delay, so a link that
-            # keeps cutting sessions does not push the delay to its cap.
-            redial.welcomed()
-            self._endpoint.connected()
-            self._session(conn)
-
-    def _dial(self) -> Connection:
-        if isinstance(self._client, Client):
-            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
-            # the worker's clock.
-            conn: Connection = self._client.dial_worker(
-                self.registration,
-                timeout=self._dial_timeout,
-                on_cancel=self._on_cancel if self._notifications else None,
-                on_assignment=self._dispatch,
-                clock=self._clock,
-                cut=self._dial_cut,
-            )
-            return conn
-        conn = self._client.dial_worker(
-            self.registration,
-            timeout=self._dial_timeout,
-            on_cancel=self._on_cancel if self._notifications else None,
-            on_assignment=self._dispatch,
-        )
-        return conn
-
-    @property
-    def _server(self) -> str:
-        """The server's URL for log lines (a Client's base_url carries no credentials)."""
-        url = getattr(self._client, "base_url", None)
-        return url if isinstance(url, str) else "the Orbit server"
-
-    def _session(self, conn: Connection) -> None:
-        """Reconcile, publish and serve one connection until it ends."""
-        gen: int | None = None
-        reason = "closed"
-        watcher = threading.Thread(
-            target=self._watch_connection, args=(conn,), name="orbit-worker-watch", daemon=True
-        )
-        watcher.start()
-        try:
-            if self._link.is_closed():
-                return
-            # The first capacity report goes out right behind the resumes (the server answers a
-            # connection's frames in order), so a reconnect costs one round trip less; handler
-            # requests may use the connection once the resumes are answered.
-            first = self._reconcile(conn)
-            gen = self._link.publish(conn)
-            self._first_capacity(conn, first)
-            with self._cond:
-                # A reconnect is a session established after an earlier one, not a dial. Counted
-                # before ready is set, so a caller that waited for ready reads the new count.
-                again = self._counts["sessions"] > 0
-                self._counts["sessions"] += 1
-                self._counts["reconnects"] += again
-            self._ready.set()
-            self._log.info("session %s established", conn.session_id)
-            if self._hooks:
-                self._hooks.emit("connected", SessionEvent(conn.session_id, again))
-            self._serve(conn)
-        except Exception as exc:  # any failure of this connection means: reconnect
-            reason = type(exc).__name__
-            if not self._link.is_closed():
-                if is_fatal_dial_error(exc):
-                    self._log.error("worker rejected by the server: %s", exc)
-                    self._fail(exc)
-                elif isinstance(exc, OrbitError):
-                    self._log.warning(
-                        "connection to %s lost (%s: %s); reconnecting",
-                        self._server,
-                        type(exc).__name__,
-                        exc,
-                    )
-                else:
-                    self._log.exception("connection failed unexpectedly; reconnecting")
-        finally:
-            if gen is not None:
-                self._link.retract(gen)
-            conn.close()
-            watcher.join()
-        if not self._link.is_closed() and self._hooks:
-            self._hooks.emit("disconnected", DisconnectEvent(reason))
-
-    def _watch_connection(self, conn: Connection) -> None:
-        # The connection thread sleeps on _serve_wake; this turns "the connection ended" into it.
-        conn.done.wait()
-        self._serve_wake.set()
-
-    def _in_place(self, conn: Connection, fn: Callable[[], T]) -> T:
-        """One request of the connection thread, retried on this same connection after a
-        transient error answer (``RATE_LIMITED``, ``UNAVAILABLE``, busy): the session itself is
-        fine, so it is not torn down. A link failure still raises (reconnect)."""
-        while True:
-            try:
-                return fn()
-            except OrbitError as exc:
-                self._pause_to_retry_in_place(conn, exc)
-
-    def _pause_to_retry_in_place(self, conn: Connection, error: OrbitError) -> None:
-        """Raise *error* unless it is a transient answer on a live session; else log it and
-        wait before the request is re-sent on this same connection."""
-        if (
-            is_link_failure(error)
-            or not is_transient(error)
-            or self._link.is_closed()
-            or conn.done.is_set()
-        ):
-            raise error
-        self._log.info(
-            "request answered %s; retrying on the same connection",
-            getattr(error, "code", type(error).__name__),
-        )
-        self._retry_pause(error)
-
-    def _retry_pause(self, error: OrbitError) -> None:
-        """Wait before re-sending after a transient error (longer for our own busy gate)."""
-        self._link.pause(_BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
-
-    def _reconcile(self, conn: Connection) -> _FirstReport:
-        """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
-        §5.5) without waiting for the resumes' answers; return once every resume is answered.
-
-        The resumes are pipelined: all of them are in flight at once (up to the connection's
-        32-request budget, one kept for the report), so reconnecting costs one round trip, not
-        one per attempt. The report follows the last resume on the wire: the server handles a
-        connection's frames in order, so every resume is applied before assignments can start.
-        Resumes answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are
-        retried on this same connection; a link failure raises (reconnect).
-        """
-        with self._cond:
-            todo = [a for a in self._attempts.values() if a.phase is not _Phase.SETTLED]
-        pending = set(self._watchdog.pending_renewals())
-        first = _FirstReport()
-        then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
-        while True:
-            retry: list[_Attempt] = []
-            failure: OrbitError | None = None
-            for att, lease, error in self._resume_all(conn, todo, then=then):
-                if error is not None and is_transient(error):
-                    if is_link_failure(error) or self._link.is_closed() or conn.done.is_set():
-                        failure = failure or error  # resumed again on the next connection
-                    else:
-                        retry.append(att)
-                    continue
-                if error is not None:
-                    self._log.warning(
-                        "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
-                    )
-                self._after_resume(att, lease, renew_now=att.id in pending)
-            then = None
-            if failure is not None:
-                raise failure
-            if not retry:
-                return first
-            self._log.info(
-                "%d resume(s) answered with a transient error; retrying on the same connection",
-                len(retry),
-            )
-            self._link.pause(self._retry_delay)
-            todo = retry
-
-    def _resume_all(
-        self, conn: Connection, atts: list[_Attempt], *, then: Callable[[], None] | None = None
-    ) -> list[tuple[_Attempt, Lease | None, OrbitError | None]]:
-        """Send a ``resume`` for each of *atts*, at most 31 in flight, then call *then* (it
-        sends one more request: the budget's last slot is kept for it); return every answer."""
-        answers: list[tuple[_Attempt, Lease | None, OrbitError | None]] = []
-        window = threading.Condition()
-        in_flight = [0]
-
-        def answered(att: _Attempt) -> Callable[[Any, OrbitError | None], None]:
-            def done(lease: Any, error: OrbitError | None) -> None:
-                with window:
-                    answers.append((att, lease, error))
-                    in_flight[0] -= 1
-                    window.notify()
-
-            return done
-
-        for att in atts:
-            with window:
-                # Every request sent completes (answer, failure or deadline): these waits end.
-                while in_flight[0] >= MAX_IN_FLIGHT - 1:
-                    window.wait()
-                in_flight[0] += 1
-            try:
-                conn._submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
-            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-                answered(att)(None, exc)
-        if then is not None:
-            then()
-        with window:
-            while in_flight[0]:
-                window.wait()
-        return answers
-
-    def _after_resume(self, att: _Attempt, lease: Lease | None, *, renew_now: bool) -> None:
-        ctx = att.ctx
-        with att.lock:
-            if att.phase is not _Phase.RUNNING or ctx.cancelled.is_set():
-                return  # starting/finishing threads re-send their own request; nothing to renew
-            if lease is not None and lease.cancel_requested:
-                self._watchdog.untrack(att.id)
-                ctx._cancel("cancel_requested")
-                return
-            if lease is not None and lease.may_run(self._clock) and lease.deadline is not None:
-                self._watchdog.refresh(att.id, lease.deadline, renew_now=renew_now)
-                return
-            self._watchdog.untrack(att.id)
-            reason = "lease_expired" if ctx.remaining() <= 0 else "session_replaced"
-            if ctx._cancel(reason):
-                with self._cond:
-                    self._counts["resume_losses"] += 1
-                ctx._log.warning("lease did not survive the reconnect (%s)", reason)
-                if self._hooks:
-                    self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
-
-    def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
-        """Send the session's first report without waiting; its answer lands in *first*."""
-        with self._capacity_lock:
-            first.report = self._report_next
-        first.sent_at = self._clock()
-        try:
-            conn._submit(
-                "worker.capacity", first.report, first.answered, timeout=self._call_timeout
-            )
-        except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-            first.answered(None, exc)
-
-    def _first_capacity(self, conn: Connection, first: _FirstReport) -> None:
-        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
-        answer is retried in place, like any later report."""
-        first.event.wait()  # every request sent completes (answer, failure or deadline)
-        error = first.error
-        if error is None:
-            # The connection checked the ack's body: a capacity ack carries a Welcome.
-            assert isinstance(first.value, Welcome) and first.report is not None
-            self._capacity_acked(first.report, first.sent_at, first.value)
-            return
-        self._pause_to_retry_in_place(conn, error)
-        self._send_capacity(conn)
-
-    def _send_capacity(self, conn: Connection) -> None:
-        # Only this (connection) thread sends reports. The lock is never held across the call:
-        # request_stop() takes it to queue the drain report and must not wait for an answer.
-        with self._capacity_lock:
-            report = self._report_next
-        sent_at = self._clock()
-        welcome = self._in_place(conn, partial(conn.capacity, report, timeout=self._call_timeout))
-        self._capacity_acked(report, sent_at, welcome)
-
-    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
-        with self._capacity_lock:
-            self._report_sent = report
-            # PROTOCOL §5.6: repeat the report at least every third of the session window.
-            self._heartbeat = max(0.1, welcome.session_window / 3)
-            self._next_heartbeat = sent_at + self._heartbeat
-        if report.drain and not self._drain_acked.is_set():
-            self._drain_acked.set()
-            self._log.info("drain reported to the server (sequence %d)", report.sequence)
-
-    def _serve(self, conn: Connection) -> None:
-        # Assignments are dispatched by the connection's reader (on_assignment); this thread only
-        # keeps the session alive and reports capacity changes until the connection ends. It
-        # sleeps until the next heartbeat unless woken (new report, connection ended, shutdown).
-        while True:
-            self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
-            if self._link.is_closed() or conn.done.is_set():
-                break
-            with self._capacity_lock:
-                changed = self._report_next is not self._report_sent
-                next_heartbeat = self._next_heartbeat
-            if changed or self._clock() >= next_heartbeat:
-                self._send_capacity(conn)
-                continue
-            self._serve_wake.wait(next_heartbeat - self._clock())
-        err = conn.err
-        if err is not None and not self._link.is_closed():
-            raise err
+    # ------------------------------------------------------------------ dispatch
 
     def _on_cancel(self, notice: CancelNotice) -> None:
         # Runs on the connection's reader thread: only flag the context, never block.
@@ -1171,12 +672,10 @@ class Worker:
         if att.ctx._cancel("cancel_requested"):
             att.ctx._log.info("cancel requested by the server")
 
-    # ------------------------------------------------------------------ dispatch
-
     def _dispatch(self, assignment: Assignment) -> None:
-        # Runs on the connection's reader thread (on_assignment): it must never block or make a
-        # request. It takes the worker's lock (never held across a wait for the network) and
-        # queues the attempt on the pool, whose submit never blocks.
+        # Runs on the connection's reader thread (on_assignment): it must never block nor wait
+        # for an answer. It takes the worker's lock (never held across a wait for the network),
+        # records the attempt and sends its start pipelined (or queues it for a request slot).
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
         with self._cond:
@@ -1187,7 +686,7 @@ class Worker:
             if len(self._seen) > _SEEN_LIMIT:
                 self._seen.popitem(last=False)
             handler = self._handlers.get(key)
-            if self._stop_requested or handler is None:
+            if self._reg.stop_requested or handler is None:
                 # Draining takes no new work: the unstarted reservation returns to the queue
                 # when its lease expires on the server.
                 self._counts["skipped"] += 1
@@ -1204,407 +703,14 @@ class Worker:
                 logger=self._task_logs[task.handler],
                 worker_logger=self._log,
             )
-            att = _Attempt(assignment, ctx, handler)
+            att = Attempt(assignment, ctx, handler, self._retry_delay)
             self._attempts[att.id] = att
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
         if self._hooks:
-            self._hooks.emit("attempt_received", _event(att))
-        self._pool.submit(lambda: self._run_attempt(att))
-
-    # ------------------------------------------------------------------ attempts
-    #
-    # An attempt is start -> handler -> finish. The fast path pipelines both requests: a pool
-    # thread sends one (``_submit``) and goes back to the pool; the answer's callback, on the
-    # connection's reader thread, moves the attempt on (queues its handler, or settles it). No
-    # thread waits for an answer. Anything but a clean answer (an error answer, a lost
-    # connection, no free request slot, no connection) continues on the blocking path on a pool
-    # thread, which waits for a newer connection and re-sends with the same message_id.
-    #
-    # Each step below returns True when it handed the attempt on to a request's answer, False
-    # when the worker is done with it (then :meth:`_release` settles it).
-
-    def _run_attempt(self, att: _Attempt) -> None:
-        """The pool job of a new assignment: send its start."""
-        self._step(att, partial(self._send_start, att))
-
-    def _step(
-        self, att: _Attempt, body: Callable[[], bool], first: Callable[[], None] | None = None
-    ) -> None:
-        """Run one step of *att* on this (pool) thread; release the attempt unless it was handed
-        on. *first*: another attempt's request, given the request slot that *att*'s answer
-        freed, sent before (it never blocks, never raises)."""
-        if first is not None:
-            first()
-        handed_on = False
-        try:
-            handed_on = body()
-        except Exception:  # a bug here must not lose the slot silently
-            att.ctx._log.exception("worker error while running the attempt")
-        finally:
-            if not handed_on:
-                self._release(att)
-
-    def _handoff(
-        self, att: _Attempt, body: Callable[[], bool], first: Callable[[], None] | None = None
-    ) -> None:
-        """From an answer's callback: run the next step of *att* on a pool thread."""
-        self._run_on_pool(partial(self._step, att, body, first))
-
-    def _run_on_pool(self, job: Callable[[], None]) -> None:
-        try:
-            self._pool.submit(job)
-        except RuntimeError:  # a late answer after the pool shut down: a thread of its own
-            threading.Thread(target=job, name="orbit-finish", daemon=True).start()
-
-    def _release(self, att: _Attempt) -> None:
-        """The worker is done with *att*: settle it, unless shutdown abandoned it (then it is
-        settled by its UNKNOWN finish and only counted here as no longer running)."""
-        with att.lock:
-            abandoned_ = att.abandoned
-            att.handler_done = True
-        if not abandoned_:
-            self._settle(att)
-        else:
-            self._notify()  # shutdown counts the abandoned handlers still running
-
-    def _pipeline(self, req: _Request) -> bool:
-        """Send a start or finish without waiting for its answer (a pool step): True when it
-        was handed on (sent, or queued for the next free request slot: the handlers' share of
-        max_in_flight), else the result of its blocking fallback, run here."""
-        try:
-            if not self._link.gate.acquire_or_queue(partial(self._send_queued, req)):
-                return True  # a freed slot sends it; this thread goes back to the pool
-        except GaveUp:
-            return req.fallback()  # the worker stopped: the blocking path gives up
-        return self._transmit(req, inline=True)
-
-    def _transmit(self, req: _Request, *, inline: bool) -> bool:
-        """Send *req*, whose request slot is taken, on the current connection. True: sent, or
-        (not *inline*) its fallback was handed to the pool; else its fallback's result."""
-        current = self._link.current()
-        if current is not None:
-            conn, gen = current
-            gate = self._link.gate
-
-            def done(value: Any, error: OrbitError | None) -> None:
-                req.on_answer(value, error, gen, gate.release())
-
-            try:
-                conn._submit(
-                    req.request_type,
-                    req.body,
-                    done,
-                    message_id=req.message_id,
-                    timeout=self._call_timeout,
-                )
-                return True
-            except OrbitError:  # nothing was sent: the connection ended, or it is busy
-                pass
-            except BaseException:
-                self._free_slot()
-                raise
-        self._free_slot()
-        if inline:
-            return req.fallback()
-        self._handoff(req.att, req.fallback)
-        return True
-
-    def _send_queued(self, req: _Request) -> None:
-        """A queued request, now holding a slot (run on a pool thread, maybe inside another
-        attempt's step): it must not block, so its fallback goes to the pool."""
-        try:
-            self._transmit(req, inline=False)
-        except Exception:
-            req.att.ctx._log.exception("worker error while sending %s", req.request_type)
-            self._release(req.att)
-
-    def _free_slot(self) -> None:
-        """Give a request slot back; a queued request that gets it is sent from a pool thread."""
-        successor = self._link.gate.release()
-        if successor is not None:
-            self._run_on_pool(successor)
-
-    def _send_start(self, att: _Attempt) -> bool:
-        return self._pipeline(
-            _Request(
-                att,
-                "task.start",
-                att.ref,
-                att.start_id,
-                partial(self._start_answered, att),
-                partial(self._start_blocking, att, None),
-            )
-        )
-
-    def _start_answered(
-        self,
-        att: _Attempt,
-        result: Any,
-        error: OrbitError | None,
-        gen: int,
-        successor: Callable[[], None] | None,
-    ) -> None:
-        # On the reader thread: it must never block or make a request. The next step (and the
-        # request that got the freed slot, if any) runs on a pool thread.
-        body: Callable[[], bool] = partial(self._start_blocking, att, (error, gen))
-        if error is None:
-            try:
-                may_run = self._admit(att, result)
-                body = partial(self._after_start, att, result, may_run)
-            except Exception:
-                att.ctx._log.exception("worker error while starting the attempt")
-                body = _handed_back
-        self._handoff(att, body, successor)
-
-    def _start_blocking(self, att: _Attempt, failed: tuple[OrbitError | None, int] | None) -> bool:
-        """Send (or, after *failed*, re-send) the start until it is answered, then go on."""
-        ctx = att.ctx
-        try:
-            result = self._call(
-                lambda c: c.start(att.ref, message_id=att.start_id, timeout=self._call_timeout),
-                failed=failed,
-            )
-        except GaveUp:
-            ctx._log.warning("not started: the worker stopped before start was answered")
-            return False
-        except OrbitError as exc:
-            ctx._log.warning("start refused (%s); handler not run", getattr(exc, "code", exc))
-            return False
-        return self._after_start(att, result, self._admit(att, result))
-
-    def _admit(self, att: _Attempt, result: CommandResult) -> bool:
-        """Decide from the start's answer whether the handler may run; if so, the attempt is
-        running and its lease renewed from now on. Never blocks (runs on the reader thread)."""
-        ctx = att.ctx
-        lease = result.lease
-        if lease.cancel_requested:
-            ctx._cancel("cancel_requested")
-        with att.lock:
-            may_run = lease.may_run(self._clock) and not ctx.cancelled.is_set()
-            if may_run and lease.deadline is not None:
-                att.phase = _Phase.RUNNING
-                self._watchdog.track(att.id, ctx, lease.deadline)
-        self._notify()
-        return may_run
-
-    def _after_start(self, att: _Attempt, result: CommandResult, may_run: bool) -> bool:
-        """Run the handler (if *may_run*), then send its finish."""
-        ctx = att.ctx
-        if not may_run:
-            lease, receipt = result.lease, result.receipt
-            started = (
-                receipt.disposition is Disposition.APPLIED
-                and receipt.attempt_state is AttemptState.RUNNING
-            )
-            if not started:
-                ctx._log.info("not started (lease %s, active=%s)", lease.state, lease.active)
-                return False
-            reason = ctx.cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
-            verdict = not_run(cancel_requested=ctx.cancel_requested, reason=reason)
-            ctx._log.info("started but not run (%s): finishing %s", reason, verdict.outcome)
-        elif not self._record_launch(att):
-            self._watchdog.untrack(att.id)
-            verdict = outbox_unavailable()
-        else:
-            verdict = self._execute(att)
-            self._watchdog.untrack(att.id)
-        with att.lock:
-            if att.abandoned:
-                ctx._log.warning(
-                    "handler returned after shutdown finished it UNKNOWN; its result is dropped"
-                )
-                return False
-            att.phase = _Phase.FINISHING
-        self._notify()
-        return self._send_finish(att, verdict)
-
-    def _execute(self, att: _Attempt) -> Verdict:
-        ctx = att.ctx
-        with self._cond:
-            self._running += 1
-        error: BaseException | None = None
-        value: Any = None
-        hooks = self._hooks
-        if hooks:
-            hooks.emit("attempt_started", _event(att))
-        began = time.perf_counter()
-        try:
-            value = hooks.call_handler(att.handler, ctx) if hooks else att.handler(ctx, ctx.payload)
-        except BaseException as exc:  # every ending is an outcome; the thread must survive
-            error = exc
-        finally:
-            duration = time.perf_counter() - began
-            with self._cond:
-                self._running -= 1
-        verdict = outcome_of(
-            value=value,
-            error=error,
-            cancel_requested=ctx.cancel_requested,
-            cancel_reason=ctx.cancel_reason,
-            encoder=self._encoder,
-            duration=duration,
-        )
-        if verdict.error_code == HANDLER_ERROR and error is not None:
-            # The traceback stays local: only the exception's type goes to the server.
-            ctx._log.error("handler raised %s", type(error).__name__, exc_info=error)
-        elif verdict.problem is not None:
-            # The handler's side effects happened; only its result cannot travel. Say where.
-            ctx._log.error(
-                "handler %s: result cannot be sent, finishing %s %s: %s",
-                att.task.handler,
-                verdict.outcome,
-                verdict.error_code,
-                verdict.problem,
-            )
-        elif verdict.outcome is not Outcome.SUCCEEDED:
-            ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
-        return verdict
-
-    def _send_finish(self, att: _Attempt, verdict: Verdict) -> bool:
-        finish, message_id = self._prepare_finish(att, verdict)
-        return self._pipeline(
-            _Request(
-                att,
-                "task.finish",
-                finish,
-                message_id,
-                partial(self._finish_answered, att, verdict, finish, message_id),
-                partial(self._finish_blocking, att, verdict, finish, message_id, None),
-            )
-        )
-
-    def _finish_answered(
-        self,
-        att: _Attempt,
-        verdict: Verdict,
-        finish: Finish,
-        message_id: str,
-        result: Any,
-        error: OrbitError | None,
-        gen: int,
-        successor: Callable[[], None] | None,
-    ) -> None:
-        # On the reader thread: it must never block or make a request, nor run user code.
-        if error is not None:
-            failed = (error, gen)
-            body = partial(self._finish_blocking, att, verdict, finish, message_id, failed)
-            self._handoff(att, body, successor)
-        elif self._outbox is not None or self._hooks:
-            # An SQLite write and the listeners (user code) run on a pool thread.
-            self._handoff(att, partial(self._finish_accepted, att, verdict, result), successor)
-        else:
-            if successor is not None:
-                self._run_on_pool(successor)
-            try:
-                self._accepted(att, verdict, result)
-            except Exception:
-                att.ctx._log.exception("worker error while finishing the attempt")
-            self._release(att)
-
-    def _finish(self, att: _Attempt, verdict: Verdict) -> None:
-        """Send *verdict*'s finish until it is answered or the worker stops (blocking)."""
-        finish, message_id = self._prepare_finish(att, verdict)
-        self._finish_blocking(att, verdict, finish, message_id, None)
-
-    def _prepare_finish(self, att: _Attempt, verdict: Verdict) -> tuple[Finish, str]:
-        """The finish and its message_id, committed to the outbox before it is sent."""
-        finish = verdict.finish(att.ref)
-        message_id = new_message_id()
-        self._outbox_write(
-            att, lambda o: o.record_finish(self._instance_id, att.task.handler, finish, message_id)
-        )
-        return finish, message_id
-
-    def _finish_accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> bool:
-        self._accepted(att, verdict, result)
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, True))
-        return False
-
-    def _finish_blocking(
-        self,
-        att: _Attempt,
-        verdict: Verdict,
-        finish: Finish,
-        message_id: str,
-        failed: tuple[OrbitError | None, int] | None,
-    ) -> bool:
-        """Send (or, after *failed*, re-send) the finish until it is answered; tell the
-        listeners. False: the worker is done with the attempt."""
-        delivered = self._deliver(att, verdict, finish, message_id, failed)
-        if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, delivered))
-        return False
-
-    def _deliver(
-        self, att: _Attempt, verdict: Verdict, finish: Finish, message_id: str, failed: Any
-    ) -> bool:
-        """Send the finish until it is answered (*failed*: see :meth:`_call`); True when the
-        server accepted it."""
-        try:
-            result = self._call(
-                lambda c: c.finish(finish, message_id=message_id, timeout=self._call_timeout),
-                failed=failed,
-            )
-        except GaveUp:
-            with self._cond:
-                self._unreported.append(att.info)
-            att.ctx._log.error(
-                "finish %s not delivered: the worker stopped%s",
-                verdict.outcome,
-                "; kept in the outbox for the next start" if self._outbox else "",
-            )
-            return False
-        except OrbitError as exc:
-            with self._cond:
-                self._counts["finish_rejected"] += 1
-            att.ctx._log.error("finish %s refused (%s)", verdict.outcome, getattr(exc, "code", exc))
-            self._outbox_write(att, lambda o: o.done(att.id))
-            return False
-        self._accepted(att, verdict, result)
-        return True
-
-    def _accepted(self, att: _Attempt, verdict: Verdict, result: CommandResult) -> None:
-        """The server accepted the finish: close its outbox entry, count and log it."""
-        self._outbox_write(att, lambda o: o.done(att.id))
-        evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
-        with self._cond:
-            self._counts[verdict.outcome.value] += 1
-            if evidence:
-                self._counts["evidence_only"] += 1
-        att.ctx._log.info(
-            "handler %s finished %s%s%s%s",
-            att.task.handler,
-            verdict.outcome,
-            "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
-            " (kept as evidence only)" if evidence else "",
-            " (deduplicated)" if result.deduplicated else "",
-        )
-
-    # ------------------------------------------------------------------ durable outbox
-
-    def _record_launch(self, att: _Attempt) -> bool:
-        """Commit the launch record before the handler runs; False: do not run it."""
-        if self._outbox is None:
-            return True
-        try:
-            self._outbox.launch(self._instance_id, att.ref, att.task.handler)
-        except OutboxError:
-            # Without the record a kill would leave no trace of the run: do not run.
-            att.ctx._log.exception("outbox unavailable: handler not run")
-            return False
-        return True
-
-    def _outbox_write(self, att: _Attempt, write: Callable[[Outbox], None]) -> None:
-        if self._outbox is None:
-            return
-        try:
-            write(self._outbox)
-        except OutboxError:
-            # The finish is still sent: a failing outbox must not hold up a result.
-            att.ctx._log.exception("outbox write failed")
+            self._hooks.emit("attempt_received", attempt_event(att))
+        self._shell.step(att, AttemptMachine.begin)
 
     def _replay_main(self) -> None:
         """Deliver what earlier processes left in the outbox; retry with backoff until done."""
@@ -1620,126 +726,18 @@ class Worker:
                     dial_timeout=self._dial_timeout,
                     call_timeout=self._call_timeout,
                 )
-            except Exception:
-                self._log.exception("outbox replay failed")
+            except OrbitError:  # the outbox file (OutboxError): try again later
+                self._log.exception("outbox replay failed; retrying")
                 done = False
+            except Exception:  # a bug of ours: retrying would repeat it
+                self._log.exception(
+                    "outbox replay stopped by a worker error; stored results wait for a restart"
+                )
+                return
             if done:
                 return
             failures += 1
             self._link.pause(self._backoff.delay(failures))
-
-    def _settle(self, att: _Attempt) -> None:
-        with att.lock:
-            att.phase = _Phase.SETTLED
-        with self._cond:
-            self._attempts.pop(att.id, None)
-            if self._stop_requested:
-                self._cond.notify_all()
-
-    def _notify(self) -> None:
-        # Only the supervisor waits on the condition for attempts to change, and only once a
-        # stop was requested: waking it on every phase change of every task is wasted work.
-        if self._stop_requested:
-            with self._cond:
-                self._cond.notify_all()
-
-    def _call(
-        self, fn: Callable[[Connection], T], *, failed: tuple[OrbitError | None, int] | None = None
-    ) -> T:
-        """Send one operation until it is answered, re-sending it (same ``message_id``, bound
-        in *fn*) on each newer connection after a connection failure. *failed*: the error its
-        earlier, pipelined sending got, and on which connection: handled first, as if this
-        loop had sent it."""
-        newer_than = 0
-        while True:
-            if failed is None:
-                conn, gen = self._link.wait(newer_than=newer_than)
-                try:
-                    return self._gated(partial(fn, conn))
-                except OrbitError as exc:
-                    error = exc
-            else:
-                (failed_error, gen), failed = failed, None
-                if failed_error is None:  # nothing to handle: send as usual
-                    continue
-                error = failed_error
-            if is_link_failure(error):
-                newer_than = gen
-                self._link.broken(gen)
-                continue
-            if is_transient(error):
-                self._retry_pause(error)
-                continue
-            raise error
-
-    def _gated(self, fn: Callable[[], T]) -> T:
-        """Run one handler-side request (start/finish) within the handlers' share of the
-        connection's request budget (the rest stays free for renewals and reports)."""
-        self._link.gate.acquire()  # raises GaveUp once the link is closed
-        try:
-            return fn()
-        finally:
-            self._free_slot()
-
-    def _on_renewed(self, attempt_id: str, lag: float) -> None:
-        if self._hooks:
-            with self._cond:
-                att = self._attempts.get(attempt_id)
-            if att is not None:
-                self._hooks.emit("lease_renewed", _lease_event(att, lag=lag))
-
-    def _on_lease_lost(self, attempt_id: str, reason: str) -> None:
-        if self._hooks and reason != "cancel_requested":
-            with self._cond:
-                att = self._attempts.get(attempt_id)
-            if att is not None:
-                self._hooks.emit("lease_lost", _lease_event(att, reason=reason))
-
-    def _send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        """The watchdog's send function: one pipelined renew (see :meth:`_send_renews`)."""
-        self._send_renews([(attempt_id, message_id, on_done)])
-
-    def _send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch send: every renew in one write on the current connection; each
-        answer (or failure) comes back through its own *on_done*, on the connection's reader
-        thread. Renewals that cannot be sent are told so after the write: nothing on the way to
-        it may release the GIL (a log line in a callback could)."""
-        with self._cond:
-            atts = [self._attempts.get(attempt_id) for attempt_id, _, _ in renewals]
-        current = self._link.current()
-        refused: list[tuple[RenewDone, OrbitError]] = []
-        requests: list[Submission] = []
-        for (_, message_id, on_done), att in zip(renewals, atts, strict=True):
-            if att is None:
-                refused.append((on_done, NotConnected("attempt is no longer tracked")))
-            elif current is None:
-                refused.append((on_done, NotConnected("no connection")))
-            else:
-                # A slow answer closes its connection before the lease runs out (and is re-sent).
-                timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
-                done = self._renew_done(on_done, current[1])
-                requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
-        if requests:
-            assert current is not None
-            try:
-                current[0]._submit_many(requests)
-            except OrbitError as exc:  # nothing was sent
-                for request in requests:
-                    request.on_done(None, exc)
-        for on_done, error in refused:
-            on_done(None, error)
-
-    def _renew_done(self, on_done: RenewDone, gen: int) -> Callable[[Any, OrbitError | None], None]:
-        def done(result: Any, error: OrbitError | None) -> None:
-            if error is None:
-                on_done(result.lease, None)
-                return
-            if is_link_failure(error) and not isinstance(error, WorkerError):
-                # (A fatal error answer ends the connection by itself, with that error.)
-                self._link.broken(gen)
-            on_done(None, error)
-
-        return done
 
     # ------------------------------------------------------------------ shutdown
 
@@ -1748,22 +746,13 @@ class Worker:
             if self._error is None:
                 self._error = exc
         self.request_stop(drain=False)
-        self._link.close()
+        for job in self._link.close():
+            job()  # a kept request: it finds the link closed and gives up (unreported)
         self._serve_wake.set()
-
-    def _wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Wait (on the worker's condition) until *done()* or *deadline* (clock time); return
-        *done()*."""
-        with self._cond:
-            while not done():
-                if self._clock() >= deadline:
-                    return False
-                self._time.wait(self._cond, deadline)
-            return True
 
     def _supervisor_main(self) -> None:
         with self._cond:
-            while not self._stop_requested:
+            while not self._reg.stop_requested:
                 self._cond.wait()
         try:
             report = self._shutdown()
@@ -1774,7 +763,8 @@ class Worker:
         if self._hooks:
             self._hooks.emit("stopped", report)
         self._done.set()
-        self._wake_run()
+        if self._signals is not None:
+            self._signals.wake()
         atexit.unregister(self._at_exit)
         self._log.info(
             "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d",
@@ -1784,67 +774,34 @@ class Worker:
             len(report.unreported),
         )
 
-    def _live(self, *phases: _Phase) -> list[_Attempt]:
-        with self._cond:
-            return [a for a in self._attempts.values() if a.phase in phases]
-
     def _shutdown(self) -> ShutdownReport:
-        # A plan over the clock: each phase ends at its deadline, or as soon as what it waits
-        # for has happened; the next phase's budget starts from there. So the whole shutdown
-        # takes at most drain + cancel_grace + flush_timeout (+ the close allowance).
-        #
-        # 1. Drain: running handlers keep their leases renewed until they return or time is up
-        #    (a later request_stop may shorten the window); meanwhile the connection thread
-        #    tells the server (drain: true) so it assigns nothing more. Once nothing runs, the
-        #    close below ends the session anyway: the drain report's answer is not waited for.
-        with self._cond:
-            while self._attempts and self._clock() < self._drain_deadline:
-                self._time.wait(self._cond, self._drain_deadline)
-            drained = not self._attempts
-
+        # A plan over the clock (see ._shutdown): at most drain + cancel_grace + flush_timeout,
+        # plus the close allowance.
+        phases = self._phases
+        # 1. Drain: meanwhile the connection thread tells the server (drain: true) so it assigns
+        #    nothing more. Once nothing runs, the close below ends the session anyway: the drain
+        #    report's answer is not waited for.
+        drained = phases.drain(lambda: self._drain_deadline)
         # 2. Cancel what is still running, and give it a grace period to return.
-        cancelled: list[_Attempt] = []
-        for att in self._live(_Phase.STARTING, _Phase.RUNNING):
-            att.ctx._cancel("shutdown")
-            if att.phase is _Phase.RUNNING:
-                cancelled.append(att)
-        self._wait_until(
-            lambda: not any(a.phase is _Phase.RUNNING for a in self._attempts.values()),
-            self._clock() + self._cancel_grace,
-        )
-
-        # 3. Abandon handlers that ignore cancellation: their effect is uncertain (UNKNOWN).
-        gave_up: list[_Attempt] = []
-        for att in self._live(_Phase.RUNNING):
-            with att.lock:
-                if att.phase is not _Phase.RUNNING:
-                    continue
-                att.abandoned = True
-                att.phase = _Phase.FINISHING
-            self._watchdog.untrack(att.id)
-            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
-            gave_up.append(att)
-            threading.Thread(
-                target=self._finish_abandoned, args=(att,), name="orbit-finish", daemon=True
-            ).start()
-
+        cancelled = phases.cancel(self._cancel_grace)
+        # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
+        gave_up = phases.abandon()
         # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
-        self._wait_until(lambda: not self._attempts, self._clock() + self._flush_timeout)
+        phases.settled(self._clock() + self._flush_timeout)
 
         # 5. Close: every remaining waiter gives up (a dial in progress is cut); the threads,
         #    woken by that, wind down within the close allowance.
-        close_end = self._clock() + _CLOSE_ALLOWANCE
+        close_end = self._clock() + CLOSE_ALLOWANCE
         current = self._link.current()
-        self._link.close()
+        for job in self._link.close():
+            job()  # a kept request: it finds the link closed and gives up (unreported)
         self._dial_cut.cut()
         self._serve_wake.set()
         if current is not None:
             current[0].close()
-        self._wait_until(lambda: not self._attempts, close_end)
+        phases.settled(close_end)
         self._watchdog_thread.stop(timeout=max(0.0, close_end - self._clock()))
-        with self._cond:
-            stuck = sum(1 for a in gave_up if not a.handler_done)
-        self._pool.shutdown(close_end, stuck=stuck)
+        self._pool.shutdown(close_end, stuck=phases.stuck(gave_up))
         if self._processes is not None:
             self._processes.close()
         for thread in self._threads:
@@ -1857,14 +814,8 @@ class Worker:
             error = self._error
         return ShutdownReport(
             drained=drained,
-            cancelled=tuple(a.info for a in cancelled if not a.abandoned),
+            cancelled=tuple(a.info for a in cancelled if a not in gave_up),
             abandoned=tuple(a.info for a in gave_up),
             unreported=unreported,
             error=error,
         )
-
-    def _finish_abandoned(self, att: _Attempt) -> None:
-        try:
-            self._finish(att, abandoned())
-        finally:
-            self._settle(att)

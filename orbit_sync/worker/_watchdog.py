@@ -45,7 +45,7 @@ from typing import Protocol
 
 import attrs
 
-from ..errors import WorkerError
+from ..errors import OrbitError, WorkerError
 from ..models import Lease, grants_run, new_message_id
 from ._context import TaskContext
 from ._errors import is_transient
@@ -84,6 +84,13 @@ GROUP_FRACTION = 0.25
 MAX_EARLY_BATCH = 16
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
+
+
+def _log_send_bug(exc: Exception) -> None:
+    """A send function raised: an OrbitError means nothing was sent; anything else is a bug,
+    logged with its traceback (the renewals still fail and are retried, never lost)."""
+    if not isinstance(exc, OrbitError):
+        _LOG.error("renewal send failed unexpectedly; retrying", exc_info=exc)
 
 
 @attrs.frozen
@@ -339,6 +346,7 @@ class LeaseWatchdog:
             try:
                 self._send_many(renewals)
             except Exception as exc:  # a send that raises instead of calling back; a bug otherwise
+                _log_send_bug(exc)
                 # Renewals already completed are stale now: their flight token moved on.
                 for entry, _, flight, lag in batch:
                     self._renewed(entry, flight, None, exc, lag)
@@ -349,6 +357,7 @@ class LeaseWatchdog:
             try:
                 self._send(attempt_id, message_id, done)
             except Exception as exc:  # as above
+                _log_send_bug(exc)
                 self._renewed(entry, flight, None, exc, lag)
 
     def _completion(self, entry: _Entry, flight: int, lag: float) -> RenewDone:

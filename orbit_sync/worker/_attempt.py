@@ -1,0 +1,414 @@
+"""One attempt's life on the worker as a pure state machine: no sockets, no threads, no clock
+of its own (time comes in as arguments).
+
+The Worker's threaded shell feeds it what happened (the start's answer, a request's failure, the
+handler's return, a reconnect, a lease answer from ``worker.resume``, a cancel, a shutdown step)
+and performs the actions it returns, in order. The shell holds the attempt's lock around every
+call, and performs the actions after releasing it (they send requests, write the outbox and call
+listeners: never under a lock). Unit tests drive every transition directly.
+
+::
+
+    ASSIGNED --begin--> STARTING --start answered, lease lets it run--> RUNNING
+                          |   \\--start answered, started but may not run--\\
+                          |    \\--start answered, not started----> NOT_RUN  |
+                          |--start refused / worker stopped------> NOT_RUN  |
+                          v                                                 v
+                     (link failure: kept, re-sent on the next connection;  FINISHING
+                      transient error: re-sent after a delay)   RUNNING --handler returned /
+                                                                outbox refused the launch /
+                                                                shutdown abandoned it-->
+    FINISHING --finish answered--> DELIVERED
+              --finish refused---> REFUSED
+              --worker stopped---> UNREPORTED
+
+A request (start or finish) keeps its ``message_id`` for as long as it lives, so every re-send
+is the same operation to the server (PROTOCOL §7). The retry/fatal classification is
+:mod:`._errors`'s, shared with the outbox replay.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+
+import attrs
+
+from ..errors import OrbitError, WorkerBusy
+from ..models import AttemptRef, AttemptState, CommandResult, Disposition, Finish, Lease
+from ._errors import is_link_failure, is_transient
+from ._outcomes import Verdict, abandoned, not_run, outbox_unavailable, worker_error
+
+__all__ = [
+    "BUSY_DELAY",
+    "SETTLED",
+    "AttemptMachine",
+    "AwaitConnection",
+    "BreakConnection",
+    "CancelContext",
+    "LeaseLost",
+    "NotStarted",
+    "Phase",
+    "RecordFinish",
+    "RefreshLease",
+    "Release",
+    "Reported",
+    "Request",
+    "RetryAfter",
+    "RunHandler",
+    "Send",
+    "TrackLease",
+    "UntrackLease",
+]
+
+#: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
+BUSY_DELAY = 0.05
+
+
+class Phase(enum.Enum):
+    ASSIGNED = "assigned"
+    STARTING = "starting"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    #: Settled phases: the worker is done with the attempt.
+    DELIVERED = "delivered"
+    REFUSED = "refused"
+    NOT_RUN = "not_run"
+    UNREPORTED = "unreported"
+
+
+SETTLED = frozenset({Phase.DELIVERED, Phase.REFUSED, Phase.NOT_RUN, Phase.UNREPORTED})
+
+
+@attrs.frozen(eq=False)
+class Request:
+    """A start or a finish, with the ``message_id`` every send of it carries."""
+
+    request_type: str
+    body: AttemptRef | Finish
+    message_id: str
+
+
+# ---------------------------------------------------------------------------------- actions
+
+
+@attrs.frozen
+class Send:
+    """Send *request* on the current connection (pipelined; its answer comes back as an event)."""
+
+    request: Request
+
+
+@attrs.frozen
+class BreakConnection:
+    """Connection *gen* is unusable: close it, so the session reconnects at once."""
+
+    gen: int
+
+
+@attrs.frozen
+class AwaitConnection:
+    """Keep *request*; send it again on the first connection newer than *gen*."""
+
+    gen: int
+    request: Request
+
+
+@attrs.frozen
+class RetryAfter:
+    """Send *request* again after *delay* seconds (a transient error answer)."""
+
+    delay: float
+    error: OrbitError
+    request: Request
+
+
+@attrs.frozen
+class TrackLease:
+    """Renew the attempt's lease from now on, until *deadline* unless renewed."""
+
+    deadline: float
+
+
+@attrs.frozen
+class RefreshLease:
+    """The lease survived a reconnect: watch *deadline*; renew at once if a renewal was pending."""
+
+    deadline: float
+
+
+@attrs.frozen
+class UntrackLease:
+    """Stop renewing the lease."""
+
+
+@attrs.frozen
+class CancelContext:
+    """Cancel the handler's context with *reason*."""
+
+    reason: str
+
+
+@attrs.frozen
+class LeaseLost:
+    """The lease did not survive a reconnect (*reason*): count it and tell the listeners."""
+
+    reason: str
+
+
+@attrs.frozen
+class RunHandler:
+    """Record the launch (outbox) and run the handler on a pool thread."""
+
+
+@attrs.frozen
+class RecordFinish:
+    """Commit the finish to the outbox before it is sent."""
+
+    request: Request
+
+
+@attrs.frozen
+class NotStarted:
+    """The handler will not run and there is nothing to finish: say why."""
+
+    why: str
+    error: OrbitError | None = None
+
+
+@attrs.frozen
+class Reported:
+    """The finish's fate: *result* (accepted), *error* (refused), or neither (the worker
+    stopped first: unreported). Close the outbox entry unless unreported, count, log, tell the
+    listeners."""
+
+    verdict: Verdict
+    result: CommandResult | None = None
+    error: OrbitError | None = None
+
+    @property
+    def delivered(self) -> bool:
+        return self.result is not None
+
+
+@attrs.frozen
+class Release:
+    """The worker is done with the attempt."""
+
+
+Action = (
+    Send
+    | BreakConnection
+    | AwaitConnection
+    | RetryAfter
+    | TrackLease
+    | RefreshLease
+    | UntrackLease
+    | CancelContext
+    | LeaseLost
+    | RunHandler
+    | RecordFinish
+    | NotStarted
+    | Reported
+    | Release
+)
+
+_TRACK_END = (UntrackLease(),)
+
+
+class AttemptMachine:
+    """The phase of one attempt and the request it has on its way. Not thread-safe by itself:
+    the shell calls it under the attempt's lock."""
+
+    __slots__ = (
+        "_new_id",
+        "abandoned",
+        "handler_done",
+        "phase",
+        "ref",
+        "request",
+        "retry_delay",
+        "verdict",
+    )
+
+    def __init__(
+        self,
+        ref: AttemptRef,
+        *,
+        new_id: Callable[[], str],
+        retry_delay: float,
+    ) -> None:
+        self.ref = ref
+        self._new_id = new_id
+        self.retry_delay = retry_delay
+        self.phase = Phase.ASSIGNED
+        #: The start or finish on its way (sent, queued, or kept for a re-send).
+        self.request: Request | None = None
+        #: The verdict being finished (FINISHING and after).
+        self.verdict: Verdict | None = None
+        #: Shutdown gave up on the handler and finished it UNKNOWN: its late result is dropped.
+        self.abandoned = False
+        #: The handler's thread is done with the attempt (an abandoned handler may never be).
+        self.handler_done = False
+
+    @property
+    def settled(self) -> bool:
+        return self.phase in SETTLED
+
+    # ------------------------------------------------------------------ requests
+
+    def begin(self) -> list[Action]:
+        """The assignment was accepted: send its start."""
+        if self.phase is not Phase.ASSIGNED:
+            return []
+        self.phase = Phase.STARTING
+        self.request = Request("task.start", self.ref, self._new_id())
+        return [Send(self.request)]
+
+    def start_answered(
+        self,
+        request: Request,
+        result: CommandResult,
+        *,
+        now: float,
+        cancel_reason: str | None,
+        cancel_requested: bool,
+    ) -> list[Action]:
+        """The start's answer: run the handler if the lease lets it (PROTOCOL §6.5).
+        *cancel_reason*: the context's, if it is already cancelled (not by this lease)."""
+        if request is not self.request or self.phase is not Phase.STARTING:
+            return []  # a stale answer: the request was given up meanwhile
+        self.request = None
+        lease = result.lease
+        actions: list[Action] = []
+        if lease.cancel_requested:
+            actions.append(CancelContext("cancel_requested"))
+            cancel_reason = cancel_reason or "cancel_requested"
+            cancel_requested = True
+        if cancel_reason is None and lease.deadline is not None and lease.may_run(lambda: now):
+            self.phase = Phase.RUNNING
+            return [*actions, TrackLease(lease.deadline), RunHandler()]
+        receipt = result.receipt
+        started = (
+            receipt.disposition is Disposition.APPLIED
+            and receipt.attempt_state is AttemptState.RUNNING
+        )
+        if not started:
+            self.phase = Phase.NOT_RUN
+            why = f"not started (lease {lease.state}, active={lease.active})"
+            return [*actions, NotStarted(why), Release()]
+        reason = cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
+        return [*actions, *self._finish(not_run(cancel_requested=cancel_requested, reason=reason))]
+
+    def finish_answered(self, request: Request, result: CommandResult) -> list[Action]:
+        """The finish was accepted (applied, kept as evidence, or deduplicated)."""
+        if request is not self.request or self.phase is not Phase.FINISHING:
+            return []
+        assert self.verdict is not None
+        self.request = None
+        self.phase = Phase.DELIVERED
+        return [Reported(self.verdict, result=result), Release()]
+
+    def failed(self, request: Request, error: OrbitError, *, gen: int) -> list[Action]:
+        """*request*, sent on connection *gen* (0: it could not be sent), failed with *error*."""
+        if request is not self.request or self.settled:
+            return []
+        if is_link_failure(error):
+            # Maybe sent, maybe applied: the same operation goes out again after the reconnect.
+            keep = AwaitConnection(gen, request)
+            return [BreakConnection(gen), keep] if gen else [keep]
+        if is_transient(error):
+            delay = BUSY_DELAY if isinstance(error, WorkerBusy) else self.retry_delay
+            return [RetryAfter(delay, error, request)]
+        self.request = None
+        if self.phase is Phase.STARTING:
+            self.phase = Phase.NOT_RUN
+            code = getattr(error, "code", type(error).__name__)
+            return [NotStarted(f"start refused ({code}); handler not run", error), Release()]
+        assert self.verdict is not None
+        self.phase = Phase.REFUSED
+        return [Reported(self.verdict, error=error), Release()]
+
+    def resend(self, request: Request) -> list[Action]:
+        """A connection (or the retry delay) came for *request*: send it again, same id."""
+        if request is not self.request or self.settled:
+            return []
+        return [Send(request)]
+
+    def gave_up(self, request: Request) -> list[Action]:
+        """The worker stopped before *request* was answered."""
+        if request is not self.request or self.settled:
+            return []
+        self.request = None
+        if self.phase is Phase.STARTING:
+            self.phase = Phase.NOT_RUN
+            return [
+                NotStarted("not started: the worker stopped before start was answered"),
+                Release(),
+            ]
+        assert self.verdict is not None
+        self.phase = Phase.UNREPORTED
+        return [Reported(self.verdict), Release()]
+
+    # ------------------------------------------------------------------ the handler
+
+    def handler_returned(self, verdict: Verdict) -> list[Action]:
+        """The handler ended with *verdict*: finish it, unless shutdown already did."""
+        self.handler_done = True
+        if self.phase is not Phase.RUNNING:
+            return []  # abandoned: finished UNKNOWN by shutdown; this result is dropped
+        return [*_TRACK_END, *self._finish(verdict)]
+
+    def launch_refused(self) -> list[Action]:
+        """The outbox could not record the launch: the handler must not run."""
+        return self.handler_returned(outbox_unavailable())
+
+    def crashed(self) -> list[Action]:
+        """A step of this attempt raised unexpectedly (a bug of ours): finish it UNKNOWN rather
+        than drop it; if its finish was already decided, keep it for a re-send (same
+        ``message_id``: a copy that did go out is answered as a duplicate)."""
+        if self.phase in (Phase.STARTING, Phase.RUNNING):
+            self.handler_done = True
+            return [*_TRACK_END, *self._finish(worker_error())]
+        if self.phase is Phase.ASSIGNED:
+            self.phase = Phase.NOT_RUN
+            return [NotStarted("not started: worker error"), Release()]
+        if self.phase is Phase.FINISHING and self.request is not None:
+            return [AwaitConnection(0, self.request)]
+        return []
+
+    # ------------------------------------------------------------------ leases and cancels
+
+    def resumed(
+        self, lease: Lease | None, *, now: float, remaining: float, cancelled: bool
+    ) -> list[Action]:
+        """The answer to ``worker.resume`` after a reconnect (``None``: refused)."""
+        if self.phase is not Phase.RUNNING or cancelled:
+            return []  # starting/finishing: their own request is re-sent; nothing to renew
+        if lease is not None and lease.cancel_requested:
+            return [UntrackLease(), CancelContext("cancel_requested")]
+        if lease is not None and lease.deadline is not None and lease.may_run(lambda: now):
+            return [RefreshLease(lease.deadline)]
+        reason = "lease_expired" if remaining <= 0 else "session_replaced"
+        return [UntrackLease(), CancelContext(reason), LeaseLost(reason)]
+
+    def shutdown_cancel(self) -> list[Action]:
+        """Shutdown's cancel step: a starting or running handler is told to stop."""
+        if self.phase in (Phase.STARTING, Phase.RUNNING):
+            return [CancelContext("shutdown")]
+        return []
+
+    def abandon(self) -> list[Action]:
+        """Shutdown gave up waiting for the handler: finish UNKNOWN (``SHUTDOWN_TIMEOUT``)."""
+        if self.phase is not Phase.RUNNING or self.handler_done:
+            return []
+        self.abandoned = True
+        return [*_TRACK_END, *self._finish(abandoned())]
+
+    # ------------------------------------------------------------------ internal
+
+    def _finish(self, verdict: Verdict) -> list[Action]:
+        self.phase = Phase.FINISHING
+        self.verdict = verdict
+        self.request = Request("task.finish", verdict.finish(self.ref), self._new_id())
+        return [RecordFinish(self.request), Send(self.request)]

@@ -1,0 +1,549 @@
+"""The attempts' threaded shell: performs what each attempt's state machine (:mod:`._attempt`)
+decides, on whichever thread the event arrives.
+
+One request path: every start and finish is pipelined (:meth:`AttemptShell.send`); a request
+whose connection fails is kept by the link and re-sent with its ``message_id`` by the connection
+thread once a newer connection is published (:meth:`AttemptShell.resend_due`); a transient error
+answer is kept for its retry delay the same way. No thread waits for an answer.
+
+Threads: an assignment's start goes out from the connection's reader thread (``on_assignment``);
+answers are handled on the reader thread without blocking; the handler runs on a pool thread,
+which also sends its finish: one hand-off per attempt. An outbox write or a listener (user code)
+never runs on the reader thread (those actions go to a pool thread). Each attempt's machine is
+read and changed only under the attempt's lock; lease and context actions are performed under it
+too (shutdown's abandon step must never see a lease tracked after its untrack); everything else
+after it is released.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from ..errors import OrbitError
+from ..models import (
+    Assignment,
+    AttemptRef,
+    Disposition,
+    Finish,
+    Lease,
+    Outcome,
+    new_message_id,
+)
+from ._attempt import (
+    Action,
+    AttemptMachine,
+    AwaitConnection,
+    BreakConnection,
+    CancelContext,
+    LeaseLost,
+    NotStarted,
+    Phase,
+    RecordFinish,
+    RefreshLease,
+    Release,
+    Reported,
+    Request,
+    RetryAfter,
+    RunHandler,
+    Send,
+    TrackLease,
+    UntrackLease,
+)
+from ._context import TaskContext
+from ._encoding import ResultEncoder
+from ._errors import NotConnected
+from ._hooks import AttemptEvent, AttemptFinished, Hooks, LeaseEvent
+from ._link import GaveUp, Link
+from ._outbox import Outbox, OutboxError
+from ._outcomes import HANDLER_ERROR, Verdict, not_run, outcome_of
+from ._pool import DaemonPool
+from ._report import AttemptInfo
+from ._watchdog import LeaseWatchdog
+
+__all__ = ["Attempt", "AttemptShell", "Handler", "Registry", "attempt_event", "lease_event"]
+
+#: ``handler(ctx, payload) -> result``
+Handler = Callable[[TaskContext, Any], Any]
+
+
+class Attempt:
+    """One assignment as the worker tracks it: its context, its handler, and its state machine
+    (:class:`._attempt.AttemptMachine`), which is read and changed only under ``lock``."""
+
+    __slots__ = ("ctx", "handler", "lock", "machine", "ref", "task")
+
+    def __init__(
+        self, assignment: Assignment, ctx: TaskContext, handler: Handler, retry_delay: float
+    ) -> None:
+        self.task = assignment.task
+        self.ref: AttemptRef = assignment.attempt
+        self.ctx = ctx
+        self.handler = handler
+        self.machine = AttemptMachine(self.ref, new_id=new_message_id, retry_delay=retry_delay)
+        self.lock = threading.Lock()
+
+    @property
+    def id(self) -> str:
+        return self.ref.attempt_id
+
+    @property
+    def info(self) -> AttemptInfo:
+        return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
+
+    def phase(self) -> Phase:
+        with self.lock:
+            return self.machine.phase
+
+
+class Registry:
+    """The attempts the worker holds and its counters, under one condition variable (which the
+    supervisor waits on once a stop was requested). Attempt locks are taken after it, never
+    before."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.attempts: dict[str, Attempt] = {}
+        self.counts: collections.Counter[str] = collections.Counter()
+        self.unreported: list[AttemptInfo] = []
+        #: Handlers running now.
+        self.running = 0
+        self.stop_requested = False
+
+    def get(self, attempt_id: str) -> Attempt | None:
+        with self.cond:
+            return self.attempts.get(attempt_id)
+
+
+def _writes(actions: list[Action]) -> bool:
+    """Do *actions* write the outbox or call listeners (never on a connection's reader)?"""
+    return any(isinstance(a, RecordFinish | Reported) for a in actions)
+
+
+def _abandoned(att: Attempt) -> bool:
+    with att.lock:
+        return att.machine.abandoned
+
+
+def attempt_event(att: Attempt) -> AttemptEvent:
+    task = att.task
+    return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
+
+
+def _finished(att: Attempt, verdict: Verdict, delivered: bool) -> AttemptFinished:
+    task = att.task
+    return AttemptFinished(
+        task_id=task.task_id,
+        attempt_id=att.id,
+        handler=task.handler,
+        attempt=task.attempt,
+        outcome=verdict.outcome,
+        error_code=verdict.error_code,
+        duration=verdict.duration,
+        ran=verdict.ran,
+        delivered=delivered,
+    )
+
+
+def lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
+    return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
+
+
+class AttemptShell:
+    """Performs the attempts' actions: sends, re-sends, runs handlers, writes the outbox, counts,
+    logs and tells the listeners."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        *,
+        link: Link,
+        pool: DaemonPool,
+        watchdog: LeaseWatchdog,
+        hooks: Hooks,
+        log: logging.Logger,
+        clock: Callable[[], float],
+        encoder: ResultEncoder,
+        call_timeout: float,
+        wake: Callable[[], None],
+        instance_id: Callable[[], str],
+        own_thread: Callable[[], bool],
+    ) -> None:
+        self._reg = registry
+        self._link = link
+        self._pool = pool
+        self._watchdog = watchdog
+        self._hooks = hooks
+        self._log = log
+        self._clock = clock
+        self._encoder = encoder
+        self._call_timeout = call_timeout
+        #: Wakes the connection thread (a request was kept for it to re-send).
+        self._wake = wake
+        self._instance_id = instance_id
+        #: Is the current thread one of the worker's own (pool, connection, supervisor, ...)?
+        self._own_thread = own_thread
+        #: The durable outbox, once start() opened it.
+        self.outbox: Outbox | None = None
+
+    def step(self, att: Attempt, event: Callable[[AttemptMachine], list[Action]]) -> None:
+        """Feed *event* to the attempt's machine and perform the actions it returns. An
+        unexpected error (a bug of ours) finishes the attempt UNKNOWN instead of dropping it."""
+        try:
+            with att.lock:
+                actions = self.lease_actions(att, event(att.machine))
+            self.perform(att, actions)
+        except Exception:
+            att.ctx._log.exception("worker error while processing the attempt; finishing UNKNOWN")
+            self.crashed(att)
+        self.notify()
+
+    def crashed(self, att: Attempt) -> None:
+        try:
+            with att.lock:
+                actions = self.lease_actions(att, att.machine.crashed())
+            self.perform(att, actions)
+        except Exception:
+            # Twice in a row: nothing more can be sent for it; never leave it counted as live.
+            att.ctx._log.exception("worker error while finishing the attempt UNKNOWN")
+            with self._reg.cond:
+                self._reg.unreported.append(att.info)
+            self.settle(att)
+
+    def lease_actions(self, att: Attempt, actions: list[Action]) -> list[Action]:
+        """Perform the lease and context actions now, under the attempt's lock (shutdown's
+        abandon step must never see a lease tracked after its untrack); return the rest."""
+        rest: list[Action] = []
+        for action in actions:
+            if isinstance(action, TrackLease):
+                self._watchdog.track(att.id, att.ctx, action.deadline)
+            elif isinstance(action, UntrackLease):
+                self._watchdog.untrack(att.id)
+            elif isinstance(action, CancelContext):
+                att.ctx._cancel(action.reason)
+            else:
+                rest.append(action)
+        return rest
+
+    def perform(self, att: Attempt, actions: list[Action]) -> None:
+        """Perform *actions* in order on this thread, except what must not run on a connection's
+        thread (its reader, or one ending it): the handler (a pool job), outbox writes and
+        listeners (the rest goes to a pool thread when there are any). The worker's own threads
+        perform everything themselves: the supervisor must not wait for a pool whose threads
+        may all be held by handlers that ignore cancellation; for the same reason, an abandoned
+        attempt's last actions (at shutdown only) run where its answer arrives."""
+        if self._slow and _writes(actions) and not self._own_thread() and not _abandoned(att):
+            self._offload(partial(self._perform_now, att, actions))
+            return
+        self._perform_now(att, actions)
+
+    def _perform_now(self, att: Attempt, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(att, action.request)
+            elif isinstance(action, RunHandler):
+                self._run_handler_on_pool(att)
+            elif isinstance(action, RecordFinish):
+                self._record_finish(att, action.request)
+            elif isinstance(action, BreakConnection):
+                self._link.broken(action.gen)
+            elif isinstance(action, AwaitConnection | RetryAfter):
+                self._keep(att, action)
+            elif isinstance(action, Reported):
+                self._reported(att, action)
+            elif isinstance(action, NotStarted):
+                self._not_started(att, action)
+            elif isinstance(action, LeaseLost):
+                self._resume_lost(att, action.reason)
+            elif isinstance(action, Release):
+                self.settle(att)
+            else:  # RefreshLease comes only from _after_resume, which performs it itself
+                raise AssertionError(f"unexpected attempt action {action!r}")
+
+    @property
+    def _slow(self) -> bool:
+        """Are there outbox writes or listeners (kept off the connection's reader thread)?"""
+        return self.outbox is not None or bool(self._hooks)
+
+    def _offload(self, job: Callable[[], None]) -> None:
+        """Run *job* on a pool thread; once the pool is shut down (a late answer at the very end
+        of shutdown), here."""
+        try:
+            self._pool.submit(job)
+        except RuntimeError:
+            job()
+
+    def _send(self, att: Attempt, request: Request) -> None:
+        """Send *request* within the handlers' share of the connection's request budget (or
+        queue it for the next free slot); never blocks."""
+        try:
+            if not self._link.gate.acquire_or_queue(partial(self._transmit, att, request)):
+                return  # a freed slot sends it
+        except GaveUp:
+            self.step(att, lambda m: m.gave_up(request))
+            return
+        self._transmit(att, request)
+
+    def _transmit(self, att: Attempt, request: Request) -> None:
+        """Send *request*, whose request slot is taken, on the current connection."""
+        current = self._link.current()
+        if current is None:
+            self._free_slot()
+            self.step(att, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
+            return
+        conn, gen = current
+        try:
+            conn._submit(
+                request.request_type,
+                request.body,
+                partial(self._answered, att, request, gen),
+                message_id=request.message_id,
+                timeout=self._call_timeout,
+            )
+        except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
+            refused = exc
+            self._free_slot()
+            self.step(att, lambda m: m.failed(request, refused, gen=gen))
+        except BaseException:
+            self._free_slot()
+            raise
+
+    def _free_slot(self) -> None:
+        """Give a request slot back; a request queued for one is sent now, from this thread."""
+        successor = self._link.gate.release()
+        if successor is not None:
+            successor()
+
+    def _answered(
+        self, att: Attempt, request: Request, gen: int, value: Any, error: OrbitError | None
+    ) -> None:
+        # On the reader thread (or the thread that ended the connection): never blocks.
+        self._free_slot()
+        if error is not None:
+            self.step(att, lambda m: m.failed(request, error, gen=gen))
+        elif request.request_type == "task.start":
+            ctx = att.ctx
+            self.step(
+                att,
+                lambda m: m.start_answered(
+                    request,
+                    value,
+                    now=self._clock(),
+                    cancel_reason=ctx.cancel_reason,
+                    cancel_requested=ctx.cancel_requested,
+                ),
+            )
+        else:
+            self.step(att, lambda m: m.finish_answered(request, value))
+
+    def _keep(self, att: Attempt, action: AwaitConnection | RetryAfter) -> None:
+        """Keep the attempt's request for the connection thread to re-send (same message_id)."""
+        request = action.request
+        if isinstance(action, RetryAfter):
+            self._log.info(
+                "request answered %s; retrying",
+                getattr(action.error, "code", type(action.error).__name__),
+            )
+            newer_than, delay = 0, action.delay
+        else:
+            newer_than, delay = action.gen, 0.0
+        job = partial(self.step, att, lambda m: m.resend(request))
+        if self._link.keep(job, newer_than=newer_than, delay=delay):
+            self._wake()
+        else:
+            self.step(att, lambda m: m.gave_up(request))
+
+    def resend_due(self) -> float:
+        """Re-send the kept requests whose connection and time have come (connection thread);
+        return when the next one is due."""
+        jobs, next_at = self._link.take_due()
+        for job in jobs:
+            job()
+        return next_at
+
+    def _run_handler_on_pool(self, att: Attempt) -> None:
+        try:
+            self._pool.submit(partial(self._run_handler, att))
+        except RuntimeError:  # the pool shut down under a late start answer: do not run it
+            stop = not_run(cancel_requested=False, reason="shutdown")
+            self.step(att, lambda m: m.handler_returned(stop))
+
+    def _run_handler(self, att: Attempt) -> None:
+        """The attempt's one pool job: record the launch, run the handler, send its finish."""
+        try:
+            launched = self.record_launch(att)
+            verdict = self.execute(att) if launched else None
+        except Exception:
+            att.ctx._log.exception("worker error while running the attempt; finishing UNKNOWN")
+            self.crashed(att)
+            self.notify()
+            return
+        if verdict is None:
+            self.step(att, lambda m: m.launch_refused())
+            return
+        self.step(att, lambda m: m.handler_returned(verdict))
+        with att.lock:
+            dropped = att.machine.abandoned
+        if dropped:
+            att.ctx._log.warning(
+                "handler returned after shutdown finished it UNKNOWN; its result is dropped"
+            )
+
+    def execute(self, att: Attempt) -> Verdict:
+        ctx = att.ctx
+        with self._reg.cond:
+            self._reg.running += 1
+        error: BaseException | None = None
+        value: Any = None
+        hooks = self._hooks
+        if hooks:
+            hooks.emit("attempt_started", attempt_event(att))
+        began = time.perf_counter()
+        try:
+            value = hooks.call_handler(att.handler, ctx) if hooks else att.handler(ctx, ctx.payload)
+        except BaseException as exc:  # every ending is an outcome; the thread must survive
+            error = exc
+        finally:
+            duration = time.perf_counter() - began
+            with self._reg.cond:
+                self._reg.running -= 1
+        verdict = outcome_of(
+            value=value,
+            error=error,
+            cancel_requested=ctx.cancel_requested,
+            cancel_reason=ctx.cancel_reason,
+            encoder=self._encoder,
+            duration=duration,
+        )
+        if verdict.error_code == HANDLER_ERROR and error is not None:
+            # The traceback stays local: only the exception's type goes to the server.
+            ctx._log.error("handler raised %s", type(error).__name__, exc_info=error)
+        elif verdict.problem is not None:
+            # The handler's side effects happened; only its result cannot travel. Say where.
+            ctx._log.error(
+                "handler %s: result cannot be sent, finishing %s %s: %s",
+                att.task.handler,
+                verdict.outcome,
+                verdict.error_code,
+                verdict.problem,
+            )
+        elif verdict.outcome is not Outcome.SUCCEEDED:
+            ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
+        return verdict
+
+    def _record_finish(self, att: Attempt, request: Request) -> None:
+        """Commit the finish to the outbox before it is sent."""
+        finish = request.body
+        assert isinstance(finish, Finish)
+        self._outbox_write(
+            att,
+            lambda o: o.record_finish(
+                self._instance_id(), att.task.handler, finish, request.message_id
+            ),
+        )
+
+    def _reported(self, att: Attempt, reported: Reported) -> None:
+        """The finish's fate: close its outbox entry (unless undelivered), count, log, tell."""
+        verdict, result, ctx = reported.verdict, reported.result, att.ctx
+        if result is not None:
+            self._outbox_write(att, lambda o: o.done(att.id))
+            evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
+            with self._reg.cond:
+                self._reg.counts[verdict.outcome.value] += 1
+                if evidence:
+                    self._reg.counts["evidence_only"] += 1
+            ctx._log.info(
+                "handler %s finished %s%s%s%s",
+                att.task.handler,
+                verdict.outcome,
+                "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
+                " (kept as evidence only)" if evidence else "",
+                " (deduplicated)" if result.deduplicated else "",
+            )
+        elif reported.error is not None:
+            with self._reg.cond:
+                self._reg.counts["finish_rejected"] += 1
+            code = getattr(reported.error, "code", reported.error)
+            ctx._log.error("finish %s refused (%s)", verdict.outcome, code)
+            self._outbox_write(att, lambda o: o.done(att.id))
+        else:
+            with self._reg.cond:
+                self._reg.unreported.append(att.info)
+            ctx._log.error(
+                "finish %s not delivered: the worker stopped%s",
+                verdict.outcome,
+                "; kept in the outbox for the next start" if self.outbox else "",
+            )
+        if self._hooks:
+            self._hooks.emit("attempt_finished", _finished(att, verdict, reported.delivered))
+
+    def _not_started(self, att: Attempt, not_started: NotStarted) -> None:
+        if not_started.error is None:
+            att.ctx._log.info("%s", not_started.why)
+        else:
+            att.ctx._log.warning("%s", not_started.why)
+
+    # ------------------------------------------------------------------ durable outbox
+
+    def record_launch(self, att: Attempt) -> bool:
+        """Commit the launch record before the handler runs; False: do not run it."""
+        if self.outbox is None:
+            return True
+        try:
+            self.outbox.launch(self._instance_id(), att.ref, att.task.handler)
+        except OutboxError:
+            # Without the record a kill would leave no trace of the run: do not run.
+            att.ctx._log.exception("outbox unavailable: handler not run")
+            return False
+        return True
+
+    def _outbox_write(self, att: Attempt, write: Callable[[Outbox], None]) -> None:
+        if self.outbox is None:
+            return
+        try:
+            write(self.outbox)
+        except OutboxError:
+            # The finish is still sent: a failing outbox must not hold up a result.
+            att.ctx._log.exception("outbox write failed")
+
+    def settle(self, att: Attempt) -> None:
+        """The worker is done with *att* (its machine reached a settled phase)."""
+        with self._reg.cond:
+            self._reg.attempts.pop(att.id, None)
+            if self._reg.stop_requested:
+                self._reg.cond.notify_all()
+
+    def notify(self) -> None:
+        # Only the supervisor waits on the condition for attempts to change, and only once a
+        # stop was requested: waking it on every phase change of every task is wasted work.
+        if self._reg.stop_requested:
+            with self._reg.cond:
+                self._reg.cond.notify_all()
+
+    def after_resume(self, att: Attempt, lease: Lease | None, *, renew_now: bool) -> None:
+        ctx = att.ctx
+        with att.lock:
+            actions = att.machine.resumed(
+                lease,
+                now=self._clock(),
+                remaining=ctx.remaining(),
+                cancelled=ctx.cancelled.is_set(),
+            )
+            for action in actions:
+                if isinstance(action, RefreshLease):
+                    self._watchdog.refresh(att.id, action.deadline, renew_now=renew_now)
+            rest = self.lease_actions(att, [a for a in actions if not isinstance(a, RefreshLease)])
+        self.perform(att, rest)
+
+    def _resume_lost(self, att: Attempt, reason: str) -> None:
+        """The lease did not survive the reconnect: count it, say so, tell the listeners."""
+        with self._reg.cond:
+            self._reg.counts["resume_losses"] += 1
+        att.ctx._log.warning("lease did not survive the reconnect (%s)", reason)
+        if self._hooks:
+            self._hooks.emit("lease_lost", lease_event(att, reason=reason))

@@ -1,0 +1,458 @@
+"""The connection thread: dial, reconcile, resume, report capacity, serve, reconnect.
+
+:class:`SessionLoop` owns the ``orbit-worker-connection`` thread's work and the capacity
+reports. One session: ``resume`` every live attempt (pipelined), send the first capacity report
+right behind them, publish the connection on the link (handler requests may use it from then
+on; requests kept for a newer connection are re-sent first), then repeat the report before the
+session expires and re-send kept requests when they are due, until the connection ends. On loss,
+back off with jitter (:mod:`._backoff`) and start again with the same registration.
+
+Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
+that never spoke the protocol, stop the worker; an unexpected exception (a bug of ours) is
+logged with its traceback and, when it ends :data:`SESSION_BUG_LIMIT` sessions in a row, stops
+the worker with that error. Every wait of this thread has a deadline (its own requests: their
+call timeout plus :data:`~._shutdown.CLOSE_ALLOWANCE`) or ends when the link is closed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any, TypeVar
+
+from .._protocol import MAX_IN_FLIGHT
+from ..client import Client, DialCut
+from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
+from ..models import Assignment, CancelNotice, CapacityReport, Lease, Registration, Welcome
+from ._attempt import BUSY_DELAY, SETTLED
+from ._attempts import Attempt, AttemptShell, Registry
+from ._backoff import Backoff
+from ._clock import Wakeup, WorkerClock
+from ._errors import EndpointCheck, is_fatal_dial_error, is_link_failure, is_transient
+from ._hooks import DisconnectEvent, Hooks, SessionEvent
+from ._link import Connection, Dialer, Link
+from ._redial import Redial
+from ._shutdown import CLOSE_ALLOWANCE
+from ._watchdog import LeaseWatchdog
+
+__all__ = ["SESSION_BUG_LIMIT", "SessionLoop"]
+
+T = TypeVar("T")
+
+#: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
+#: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
+SESSION_BUG_LIMIT = 2
+
+
+class _FirstReport:
+    """The session's first capacity report, sent behind the resumes, and its answer."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.report: CapacityReport | None = None
+        self.sent_at = 0.0
+        self.value: Any = None
+        self.error: OrbitError | None = None
+
+    def answered(self, value: Any, error: OrbitError | None) -> None:
+        # Runs on the connection's reader (or deadline) thread: it only records and wakes.
+        self.value, self.error = value, error
+        self.event.set()
+
+
+class SessionLoop:
+    """The connection thread's work for one Worker (see the module's docstring)."""
+
+    def __init__(
+        self,
+        client: Dialer,
+        *,
+        registration: Callable[[], Registration],
+        capacity: int,
+        notifications: bool,
+        dial_timeout: float,
+        call_timeout: float,
+        retry_delay: float,
+        backoff: Backoff,
+        time: WorkerClock,
+        link: Link,
+        registry: Registry,
+        shell: AttemptShell,
+        watchdog: LeaseWatchdog,
+        hooks: Hooks,
+        log: Any,
+        wake: Wakeup,
+        ready: threading.Event,
+        dial_cut: DialCut,
+        on_cancel: Callable[[CancelNotice], None],
+        on_assignment: Callable[[Assignment], None],
+        fail: Callable[[BaseException], None],
+    ) -> None:
+        self._client = client
+        self._registration = registration
+        self._notifications = notifications
+        self._dial_timeout = dial_timeout
+        self._call_timeout = call_timeout
+        self._retry_delay = retry_delay
+        self._backoff = backoff
+        self._time = time
+        self._clock = time.now
+        self._link = link
+        self._reg = registry
+        self._shell = shell
+        self._watchdog = watchdog
+        self._hooks = hooks
+        self._log = log
+        #: Wakes this thread: a new capacity report, a request kept, the connection ended, stop.
+        self._serve_wake = wake
+        self._ready = ready
+        self._dial_cut = dial_cut
+        self._on_cancel = on_cancel
+        self._on_assignment = on_assignment
+        self._fail = fail
+        #: Tells a wrong URL (nothing there ever spoke the protocol) from a server that is down.
+        self._endpoint = EndpointCheck(time.now)
+        #: Sessions in a row ended by an unexpected error (this thread only).
+        self._session_bugs = 0
+        # Capacity reports: only this thread sends them; report_drain() queues the drain one.
+        # The lock is never held across a request.
+        self._capacity_lock = threading.Lock()
+        self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
+        self._report_sent: CapacityReport | None = None
+        self._drain_acked = threading.Event()
+        self._heartbeat = 15.0
+        self._next_heartbeat = 0.0
+
+    def report_drain(self) -> None:
+        """Queue a capacity report with ``drain: true`` (from any thread; sent by this one)."""
+        with self._capacity_lock:
+            if not self._report_next.drain:
+                current = self._report_next
+                self._report_next = CapacityReport(
+                    sequence=current.sequence + 1, capacity=current.capacity, drain=True
+                )
+        self._serve_wake.set()
+
+    def run(self) -> None:
+        """The connection thread: dial, serve, reconnect, until the link is closed."""
+        redial = Redial(self._backoff)
+        first = True
+        while not self._link.is_closed():
+            if not first:
+                self._link.pause(redial.delay())
+                if self._link.is_closed():
+                    break
+            first = False
+            try:
+                conn = self._dial()
+            except Exception as exc:
+                if self._link.is_closed():
+                    break  # shutdown cut the dial
+                # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
+                # cannot help, so the worker stops and run() raises it.
+                # A server that never once spoke the protocol is the wrong server (or version).
+                wrong_server = isinstance(exc, WorkerProtocolError) and not self._ready.is_set()
+                wrong_url = self._endpoint.failed(exc, self._server)
+                if is_fatal_dial_error(exc) or wrong_server or wrong_url:
+                    exc = wrong_url or exc
+                    self._log.error("worker cannot connect to %s: %s", self._server, exc)
+                    self._fail(exc)
+                    return
+                if not isinstance(exc, OrbitError | OSError):
+                    self._log.exception("worker cannot connect: unexpected error")
+                    self._fail(exc)
+                    return
+                redial.failed(exc)
+                with self._reg.cond:
+                    self._reg.counts["dial_failures"] += 1
+                if self._hooks:
+                    self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
+                # Where and why (errors never carry the token), not only the exception's type.
+                self._log.warning(
+                    "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
+                )
+                continue
+            # A welcome arrived: the server is reachable and accepts us. Whatever ends this
+            # session, the next reconnect starts again from the shortest delay, so a link that
+            # keeps cutting sessions does not push the delay to its cap.
+            redial.welcomed()
+            self._endpoint.connected()
+            self._session(conn)
+
+    def _dial(self) -> Connection:
+        if isinstance(self._client, Client):
+            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
+            # the worker's clock.
+            conn: Connection = self._client.dial_worker(
+                self._registration(),
+                timeout=self._dial_timeout,
+                on_cancel=self._on_cancel if self._notifications else None,
+                on_assignment=self._on_assignment,
+                clock=self._clock,
+                cut=self._dial_cut,
+            )
+            return conn
+        conn = self._client.dial_worker(
+            self._registration(),
+            timeout=self._dial_timeout,
+            on_cancel=self._on_cancel if self._notifications else None,
+            on_assignment=self._on_assignment,
+        )
+        return conn
+
+    @property
+    def _server(self) -> str:
+        """The server's URL for log lines (a Client's base_url carries no credentials)."""
+        url = getattr(self._client, "base_url", None)
+        return url if isinstance(url, str) else "the Orbit server"
+
+    def _session(self, conn: Connection) -> None:
+        """Reconcile, publish and serve one connection until it ends."""
+        gen: int | None = None
+        reason = "closed"
+        watcher = threading.Thread(
+            target=self._watch_connection, args=(conn,), name="orbit-worker-watch", daemon=True
+        )
+        watcher.start()
+        try:
+            if self._link.is_closed():
+                return
+            # The first capacity report goes out right behind the resumes (the server answers a
+            # connection's frames in order), so a reconnect costs one round trip less; handler
+            # requests may use the connection once the resumes are answered.
+            first = self._reconcile(conn)
+            gen = self._link.publish(conn)
+            self._shell.resend_due()  # requests kept for a newer connection go out first
+            self._first_capacity(conn, first)
+            with self._reg.cond:
+                # A reconnect is a session established after an earlier one, not a dial. Counted
+                # before ready is set, so a caller that waited for ready reads the new count.
+                again = self._reg.counts["sessions"] > 0
+                self._reg.counts["sessions"] += 1
+                self._reg.counts["reconnects"] += again
+            self._ready.set()
+            self._log.info("session %s established", conn.session_id)
+            if self._hooks:
+                self._hooks.emit("connected", SessionEvent(conn.session_id, again))
+            self._serve(conn)
+            self._session_bugs = 0
+        except OrbitError as exc:  # the connection failed: reconnect
+            reason = type(exc).__name__
+            self._session_bugs = 0
+            if not self._link.is_closed():
+                if is_fatal_dial_error(exc):
+                    self._log.error("worker rejected by the server: %s", exc)
+                    self._fail(exc)
+                else:
+                    self._log.warning(
+                        "connection to %s lost (%s: %s); reconnecting",
+                        self._server,
+                        type(exc).__name__,
+                        exc,
+                    )
+        except Exception as exc:  # a bug of ours: loud, and fatal if it happens again
+            reason = type(exc).__name__
+            self._session_bugs += 1
+            if self._session_bugs >= SESSION_BUG_LIMIT:
+                self._log.exception(
+                    "worker error in the session loop, %d sessions in a row; stopping",
+                    self._session_bugs,
+                )
+                self._fail(exc)
+            else:
+                self._log.exception("worker error in the session loop; reconnecting once")
+        finally:
+            if gen is not None:
+                self._link.retract(gen)
+            conn.close()
+            watcher.join()
+        if not self._link.is_closed() and self._hooks:
+            self._hooks.emit("disconnected", DisconnectEvent(reason))
+
+    def _watch_connection(self, conn: Connection) -> None:
+        # The connection thread sleeps on _serve_wake; this turns "the connection ended" into it.
+        conn.done.wait()
+        self._serve_wake.set()
+
+    def _in_place(self, conn: Connection, fn: Callable[[], T]) -> T:
+        """One request of the connection thread, retried on this same connection after a
+        transient error answer (``RATE_LIMITED``, ``UNAVAILABLE``, busy): the session itself is
+        fine, so it is not torn down. A link failure still raises (reconnect)."""
+        while True:
+            try:
+                return fn()
+            except OrbitError as exc:
+                self._pause_to_retry_in_place(conn, exc)
+
+    def _pause_to_retry_in_place(self, conn: Connection, error: OrbitError) -> None:
+        """Raise *error* unless it is a transient answer on a live session; else log it and
+        wait before the request is re-sent on this same connection."""
+        if (
+            is_link_failure(error)
+            or not is_transient(error)
+            or self._link.is_closed()
+            or conn.done.is_set()
+        ):
+            raise error
+        self._log.info(
+            "request answered %s; retrying on the same connection",
+            getattr(error, "code", type(error).__name__),
+        )
+        self._retry_pause(error)
+
+    def _retry_pause(self, error: OrbitError) -> None:
+        """Wait before re-sending after a transient error (longer for our own busy gate)."""
+        self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
+
+    def _reconcile(self, conn: Connection) -> _FirstReport:
+        """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
+        §5.5) without waiting for the resumes' answers; return once every resume is answered.
+
+        The resumes are pipelined: all of them are in flight at once (up to the connection's
+        32-request budget, one kept for the report), so reconnecting costs one round trip, not
+        one per attempt. The report follows the last resume on the wire: the server handles a
+        connection's frames in order, so every resume is applied before assignments can start.
+        Resumes answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are
+        retried on this same connection; a link failure raises (reconnect).
+        """
+        with self._reg.cond:
+            live = list(self._reg.attempts.values())
+        todo = [a for a in live if a.phase() not in SETTLED]
+        pending = set(self._watchdog.pending_renewals())
+        first = _FirstReport()
+        then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
+        while True:
+            retry: list[Attempt] = []
+            failure: OrbitError | None = None
+            for att, lease, error in self._resume_all(conn, todo, then=then):
+                if error is not None and is_transient(error):
+                    if is_link_failure(error) or self._link.is_closed() or conn.done.is_set():
+                        failure = failure or error  # resumed again on the next connection
+                    else:
+                        retry.append(att)
+                    continue
+                if error is not None:
+                    self._log.warning(
+                        "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
+                    )
+                self._shell.after_resume(att, lease, renew_now=att.id in pending)
+            then = None
+            if failure is not None:
+                raise failure
+            if not retry:
+                return first
+            self._log.info(
+                "%d resume(s) answered with a transient error; retrying on the same connection",
+                len(retry),
+            )
+            self._link.pause(self._retry_delay)
+            todo = retry
+
+    def _resume_all(
+        self, conn: Connection, atts: list[Attempt], *, then: Callable[[], None] | None = None
+    ) -> list[tuple[Attempt, Lease | None, OrbitError | None]]:
+        """Send a ``resume`` for each of *atts*, at most 31 in flight, then call *then* (it
+        sends one more request: the budget's last slot is kept for it); return every answer."""
+        answers: list[tuple[Attempt, Lease | None, OrbitError | None]] = []
+        window = threading.Condition()
+        in_flight = [0]
+
+        def answered(att: Attempt) -> Callable[[Any, OrbitError | None], None]:
+            def done(lease: Any, error: OrbitError | None) -> None:
+                with window:
+                    answers.append((att, lease, error))
+                    in_flight[0] -= 1
+                    window.notify()
+
+            return done
+
+        for att in atts:
+            with window:
+                while in_flight[0] >= MAX_IN_FLIGHT - 1:
+                    self._await_answers(window)
+                in_flight[0] += 1
+            try:
+                conn._submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
+            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
+                answered(att)(None, exc)
+        if then is not None:
+            then()
+        with window:
+            while in_flight[0]:
+                self._await_answers(window)
+        return answers
+
+    def _await_answers(self, cond: threading.Condition) -> None:
+        """Wait (holding *cond*) for a request of the connection thread to complete. Each
+        completes by its own call timeout (answer, failure or deadline, on the connection's
+        real-time timer); past that and the close allowance, the connection is broken."""
+        if not cond.wait(self._call_timeout + CLOSE_ALLOWANCE):
+            raise CallTimeout("a request of the connection thread was never completed")
+
+    def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
+        """Send the session's first report without waiting; its answer lands in *first*."""
+        with self._capacity_lock:
+            first.report = self._report_next
+        first.sent_at = self._clock()
+        try:
+            conn._submit(
+                "worker.capacity", first.report, first.answered, timeout=self._call_timeout
+            )
+        except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
+            first.answered(None, exc)
+
+    def _first_capacity(self, conn: Connection, first: _FirstReport) -> None:
+        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
+        answer is retried in place, like any later report."""
+        # Completed by its own call timeout at the latest (see _await_answers).
+        if not first.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
+            raise CallTimeout("the first capacity report was never completed")
+        error = first.error
+        if error is None:
+            # The connection checked the ack's body: a capacity ack carries a Welcome.
+            assert isinstance(first.value, Welcome) and first.report is not None
+            self._capacity_acked(first.report, first.sent_at, first.value)
+            return
+        self._pause_to_retry_in_place(conn, error)
+        self._send_capacity(conn)
+
+    def _send_capacity(self, conn: Connection) -> None:
+        # Only this (connection) thread sends reports. The lock is never held across the call:
+        # request_stop() takes it to queue the drain report and must not wait for an answer.
+        with self._capacity_lock:
+            report = self._report_next
+        sent_at = self._clock()
+        welcome = self._in_place(conn, partial(conn.capacity, report, timeout=self._call_timeout))
+        self._capacity_acked(report, sent_at, welcome)
+
+    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
+        with self._capacity_lock:
+            self._report_sent = report
+            # PROTOCOL §5.6: repeat the report at least every third of the session window.
+            self._heartbeat = max(0.1, welcome.session_window / 3)
+            self._next_heartbeat = sent_at + self._heartbeat
+        if report.drain and not self._drain_acked.is_set():
+            self._drain_acked.set()
+            self._log.info("drain reported to the server (sequence %d)", report.sequence)
+
+    def _serve(self, conn: Connection) -> None:
+        # Assignments are dispatched by the connection's reader (on_assignment); this thread
+        # keeps the session alive, reports capacity changes and re-sends the kept starts and
+        # finishes until the connection ends. It sleeps until the next heartbeat or re-send
+        # unless woken (new report, a request kept, connection ended, shutdown).
+        while True:
+            self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
+            if self._link.is_closed() or conn.done.is_set():
+                break
+            next_resend = self._shell.resend_due()
+            with self._capacity_lock:
+                changed = self._report_next is not self._report_sent
+                next_heartbeat = self._next_heartbeat
+            if changed or self._clock() >= next_heartbeat:
+                self._send_capacity(conn)
+                continue
+            self._serve_wake.wait(min(next_heartbeat, next_resend) - self._clock())
+        err = conn.err
+        if err is not None and not self._link.is_closed():
+            raise err

@@ -1,0 +1,101 @@
+"""Shutdown's attempt phases, over the worker's clock: drain, cancel, abandon, flush.
+
+Each phase ends at its deadline, or as soon as what it waits for has happened; the next phase's
+budget starts from there, so the whole shutdown takes at most drain + cancel_grace +
+flush_timeout (plus the close allowance of the Worker's last phase, which closes the link, the
+pool and the worker's threads). Run by the supervisor thread only; every wait here is on the
+registry's condition with a deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ._attempt import Phase
+from ._attempts import Attempt, AttemptShell, Registry
+from ._clock import WorkerClock
+
+__all__ = ["CLOSE_ALLOWANCE", "AttemptPhases"]
+
+#: After the last shutdown phase: how long the worker's own threads get to exit once everything
+#: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
+#: one). Also the slack a thread gives its own request past its call timeout.
+CLOSE_ALLOWANCE = 0.5
+
+
+class AttemptPhases:
+    """The phases of shutdown that act on the attempts (see the module's docstring)."""
+
+    def __init__(self, registry: Registry, time: WorkerClock, shell: AttemptShell) -> None:
+        self._reg = registry
+        self._time = time
+        self._shell = shell
+
+    def wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
+        """Wait (on the registry's condition) until *done()* or *deadline* (clock time);
+        return *done()*."""
+        with self._reg.cond:
+            while not done():
+                if self._time.now() >= deadline:
+                    return False
+                self._time.wait(self._reg.cond, deadline)
+            return True
+
+    def drain(self, deadline: Callable[[], float]) -> bool:
+        """Running handlers keep their leases renewed until they return or *deadline()* (a later
+        request_stop may shorten it); True when nothing is left."""
+        reg = self._reg
+        with reg.cond:
+            while reg.attempts and self._time.now() < deadline():
+                self._time.wait(reg.cond, deadline())
+            return not reg.attempts
+
+    def cancel(self, grace: float) -> list[Attempt]:
+        """Cancel what is starting or running (``shutdown``); give it *grace* seconds to return.
+        Return the attempts that were running."""
+        cancelled: list[Attempt] = []
+        for att in self._live():
+            with att.lock:
+                running = att.machine.phase is Phase.RUNNING
+                self._shell.lease_actions(att, att.machine.shutdown_cancel())
+            if running:
+                cancelled.append(att)
+        self.wait_until(lambda: not self._any_running(), self._time.now() + grace)
+        return cancelled
+
+    def abandon(self) -> list[Attempt]:
+        """Finish handlers that ignore cancellation UNKNOWN (their effect is uncertain). The
+        finish is sent from here (it never blocks); the handler's thread is left to the pool's
+        shutdown, which counts it as stuck."""
+        gave_up: list[Attempt] = []
+        for att in self._live():
+            with att.lock:
+                actions = self._shell.lease_actions(att, att.machine.abandon())
+            if not actions:
+                continue
+            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
+            gave_up.append(att)
+            self._shell.perform(att, actions)
+        return gave_up
+
+    def settled(self, deadline: float) -> bool:
+        """Wait until every attempt is settled (its finish delivered, refused or given up), or
+        *deadline*."""
+        return self.wait_until(lambda: not self._reg.attempts, deadline)
+
+    @staticmethod
+    def stuck(gave_up: list[Attempt]) -> int:
+        """How many abandoned handlers still run (never waited for)."""
+        stuck = 0
+        for att in gave_up:
+            with att.lock:
+                stuck += not att.machine.handler_done
+        return stuck
+
+    def _live(self) -> list[Attempt]:
+        with self._reg.cond:
+            return list(self._reg.attempts.values())
+
+    def _any_running(self) -> bool:
+        # Under the registry's condition (a wait_until predicate); attempt locks come after it.
+        return any(a.phase() is Phase.RUNNING for a in self._reg.attempts.values())

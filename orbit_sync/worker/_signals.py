@@ -1,0 +1,89 @@
+"""SIGTERM and SIGINT for :meth:`Worker.run` on the main thread: the first drains, the second
+stops at once.
+
+The kernel may hand a process-directed signal to any thread, and Python runs its handler only on
+the main thread, which sleeps in ``read()`` on a pipe and would never get to it: the
+interpreter's C-level handler writes the signal number to the pipe (``set_wakeup_fd``) from
+whichever thread received it, and that wakes the read. Signals are then counted in ordinary code
+that may take locks. The end of shutdown writes a byte too, so the read always ends.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+__all__ = ["STOP_SIGNALS", "StopSignals"]
+
+#: The signals :meth:`Worker.run` handles: the first drains, the second stops at once.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """Installs the stop-signal handlers and the wakeup pipe; calls *on_signal(number, count)*
+    for each stop signal, on the thread in :meth:`wait`. Owned by the thread in ``run()``."""
+
+    def __init__(self, on_signal: Callable[[int, int], None]) -> None:
+        self._on_signal = on_signal
+        self._lock = threading.Lock()
+        self._write_fd: int | None = None
+        self._read_fd = -1
+        #: The wakeup fd cannot be a pipe (Windows): our handler writes the byte itself.
+        self._handler_writes = False
+        self._previous: dict[signal.Signals, Any] = {}
+        self._previous_wakeup = -1
+
+    def install(self) -> None:
+        self._read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)
+        with self._lock:
+            self._write_fd = write_fd
+        try:
+            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:  # Windows takes only a socket: the handler writes instead
+            self._handler_writes = True
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def wait(self, done: threading.Event) -> None:
+        """Sleep in ``read()`` until *done* is set (and :meth:`wake` called), counting signals."""
+        count = 0
+        while not done.is_set():
+            for number in os.read(self._read_fd, 64):
+                if number in STOP_SIGNALS:
+                    count += 1
+                    self._on_signal(number, count)
+
+    def wake(self) -> None:
+        """End a :meth:`wait` whose event was set (from any thread)."""
+        with self._lock:
+            if self._write_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.write(self._write_fd, b"d")  # 100: no stop signal has that number
+
+    def restore(self) -> None:
+        """Put the previous handlers back, then close the pipe."""
+        # Handlers first: once restored, ours can no longer run and write to a closed pipe.
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if not self._handler_writes:
+            signal.set_wakeup_fd(self._previous_wakeup)
+        with self._lock:
+            write_fd, self._write_fd = self._write_fd, None
+        if write_fd is not None:
+            os.close(write_fd)
+        if self._read_fd >= 0:
+            os.close(self._read_fd)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        # Installed to replace the default action (exit, or KeyboardInterrupt): the interpreter
+        # has already written the signal's number to the wakeup pipe, unless it could not.
+        fd = self._write_fd  # no lock in a signal handler; restore() runs before closing
+        if self._handler_writes and fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(fd, bytes([signum]))

@@ -1,0 +1,130 @@
+"""The link keeps failed requests for the connection thread to re-send: on fake time, no sockets."""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+from orbit_sync.testing import FakeClock
+from orbit_sync.worker._link import Link
+
+
+class _Conn:
+    """A stand-in for a published connection (the link only stores and closes it)."""
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def close(self) -> None:
+        """Record the close."""
+        self.closed.set()
+
+
+def _link() -> tuple[Link, FakeClock]:
+    clock = FakeClock()
+    return Link(clock, slots=4), clock
+
+
+def _job(ran: list[str], name: str) -> Any:
+    return lambda: ran.append(name)
+
+
+def test_kept_request_waits_for_a_newer_connection() -> None:
+    """A request kept after a failure on connection n is due only once n+1 is published."""
+    link, _ = _link()
+    gen = link.publish(_Conn())  # type: ignore[arg-type]
+    ran: list[str] = []
+    assert link.keep(_job(ran, "finish"), newer_than=gen)
+    jobs, next_at = link.take_due()
+    assert jobs == [] and next_at == math.inf
+    link.retract(gen)
+    assert link.take_due() == ([], math.inf)  # no connection at all
+    link.publish(_Conn())  # type: ignore[arg-type]
+    jobs, next_at = link.take_due()
+    for job in jobs:
+        job()
+    assert ran == ["finish"] and next_at == math.inf
+    assert link.take_due() == ([], math.inf)  # taken once
+
+
+def test_kept_request_published_meanwhile_is_due_at_once() -> None:
+    """A request kept for "newer than n" while n+1 is already current is due immediately, so a
+    reconnect that happened before the failure was reported loses nothing."""
+    link, _ = _link()
+    first = link.publish(_Conn())  # type: ignore[arg-type]
+    link.publish(_Conn())  # type: ignore[arg-type]
+    ran: list[str] = []
+    link.keep(_job(ran, "start"), newer_than=first)
+    jobs, _ = link.take_due()
+    assert len(jobs) == 1
+
+
+def test_retry_delay_runs_on_the_clock_and_keeps_order() -> None:
+    """A transient retry is due after its delay on the link's clock; due jobs run in the order
+    they were kept, and the next due time is reported."""
+    link, clock = _link()
+    link.publish(_Conn())  # type: ignore[arg-type]
+    ran: list[str] = []
+    link.keep(_job(ran, "late"), delay=2.0)
+    link.keep(_job(ran, "a"))
+    link.keep(_job(ran, "b"))
+    jobs, next_at = link.take_due()
+    for job in jobs:
+        job()
+    assert ran == ["a", "b"] and next_at == clock.now() + 2.0
+    clock.advance(1.0)
+    assert link.take_due()[0] == []
+    clock.advance(1.0)
+    jobs, next_at = link.take_due()
+    for job in jobs:
+        job()
+    assert ran == ["a", "b", "late"] and next_at == math.inf
+
+
+def test_close_hands_back_every_kept_request_and_refuses_new_ones() -> None:
+    """Closing the link returns the kept requests (to be given up) and keeps nothing more."""
+    link, _ = _link()
+    ran: list[str] = []
+    link.keep(_job(ran, "x"), newer_than=5)
+    link.keep(_job(ran, "y"), delay=30.0)
+    jobs = link.close()
+    for job in jobs:
+        job()
+    assert sorted(ran) == ["x", "y"]
+    assert not link.keep(_job(ran, "z"))
+    assert link.take_due() == ([], math.inf)
+
+
+def test_keep_and_publish_racing_lose_nothing() -> None:
+    """Requests kept from many threads while connections are published: each is taken once."""
+    link, _ = _link()
+    ran: list[int] = []
+    lock = threading.Lock()
+    start = threading.Barrier(5)
+
+    def keeper(base: int) -> None:
+        start.wait(5)
+        for n in range(200):
+
+            def job(value: int = base + n) -> None:
+                with lock:
+                    ran.append(value)
+
+            link.keep(job, newer_than=0)
+
+    threads = [threading.Thread(target=keeper, args=(k * 1000,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    start.wait(5)
+    for _ in range(50):
+        link.publish(_Conn())  # type: ignore[arg-type]
+        jobs, _ = link.take_due()
+        for job in jobs:
+            job()
+    for thread in threads:
+        thread.join(5)
+    jobs, _ = link.take_due()
+    for job in jobs:
+        job()
+    assert sorted(ran) == sorted(k * 1000 + n for k in range(4) for n in range(200))
