@@ -1,23 +1,17 @@
-"""Wire bodies decoded and encoded by hand: each field is checked once, while it is read.
+"""Wire bodies of ``pulse.worker.v1``, decoded and encoded by hand: the one decoder of each body.
 
-The strict cattrs converter in :mod:`orbit_sync._codec` structures a body and then the model's
-constructor validates the same values again. Here every field gets exactly the checks the pair
-of them applies (exact JSON types, canonical counters, RFC 3339 times, the id/secret/handler
-patterns, the window and state rules of the constructors), and the model is built by a trusted
-constructor that sets its slots without re-running validators or converters.
-
-A decoder either returns the same model the converter would, or raises :class:`Rejected` (or
-whatever a check raises on the way): it never names the fault. The codec then asks the
-converter, which is the reference for every error message, so messages and paths stay as they
-were. ``tests/test_wire_bodies.py`` compares both paths on the shared vectors and on mutated
-bodies.
+Each field is checked once, while it is read, by the rules of :mod:`orbit_sync._rules` (the same
+functions the models' constructors run), and the model is then built by a trusted constructor
+that sets its slots without running the validators again. A body that breaks a rule raises
+:class:`Fault`, which names the field's path and the rule's reason (never the value: it may be a
+secret); the codec turns it into the frame error.
 
 Trusted construction is per call (nothing process-wide is switched off), so models built from
 user input in other threads keep validating.
 
 Server bodies tolerate unknown fields (a newer server may add some); client bodies, decoded on
-the mock server's side, are held to the closed schema. The encoders at the end write each
-model's wire dict out, as the converter's generated unstructure functions would.
+the mock server's side, are held to the closed schema (PROTOCOL §12). The encoders at the end
+write each model's wire dict out.
 """
 
 from __future__ import annotations
@@ -30,16 +24,9 @@ from typing import Any, TypeVar
 
 import attrs
 
+from . import _rules
 from .models import (
-    CODE_RE,
-    DECIMAL_RE,
-    HANDLER_RE,
-    ID_RE,
-    MAX_CAPABILITIES,
-    MAX_CAPACITY,
-    MAX_LEASE_WINDOW,
-    MAX_SESSION_WINDOW,
-    SECRET_RE,
+    RUNNABLE,
     Assignment,
     AttemptRef,
     AttemptState,
@@ -62,13 +49,32 @@ from .models import (
 T = TypeVar("T")
 
 
-class Rejected(ValueError):
-    """A body the fast path does not accept; the reference converter says why."""
+class Fault(ValueError):
+    """A body breaking a rule: where (a dotted path, empty for the body itself) and why."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(path, reason)
+        self.path = path
+        self.reason = reason
+
+    def under(self, name: str) -> Fault:
+        """This fault seen from the object holding *name*."""
+        return Fault(f"{name}.{self.path}" if self.path else name, self.reason)
+
+    def describe(self, what: str) -> str:
+        """``path reason`` (``lease.active must be a bool``), or ``what reason`` for the body
+        itself (``CommandResult is missing lease``)."""
+        return f"{self.path or what} {self.reason}"
 
 
-_REJECTED = Rejected()
+def _at(name: str, exc: Exception) -> Fault:
+    """The fault of field *name*: a nested body's fault moves under it, a rule's reason is its."""
+    if isinstance(exc, Fault):
+        return exc.under(name)
+    return Fault(name, str(exc))
+
+
 _UTC = _dt.timezone.utc
-_NS = 1_000_000_000
 _US = _dt.timedelta(microseconds=1)
 
 
@@ -76,7 +82,7 @@ def trusted_constructor(cls: type[T]) -> Callable[..., T]:
     """A function building *cls* from every attrs field, positionally, without running its
     ``__init__`` (validators, converters, ``__attrs_post_init__``).
 
-    Only for values already checked as strictly as the constructor would: the decoders below.
+    Only for values already checked by the rules the constructor applies: the decoders below.
     Generated once per class (as attrs generates ``__init__``), so a model costs one allocation
     and one slot store per field.
     """
@@ -100,47 +106,20 @@ _new_cancel_notice = trusted_constructor(CancelNotice)
 
 # --------------------------------------------------------------------------- scalars
 
-_id_match = ID_RE.fullmatch
-_secret_match = SECRET_RE.fullmatch
-_handler_match = HANDLER_RE.fullmatch
-_decimal_match = DECIMAL_RE.fullmatch
+_id = _rules.id_
+_secret = _rules.secret
+_counter = _rules.wire_counter
+_version = _rules.version
+_bool = _rules.boolean
+_OPERATION = _rules.member_of(Operation)
+_TASK_STATE = _rules.member_of(TaskState)
+_ATTEMPT_STATE = _rules.member_of(AttemptState)
+_DISPOSITION = _rules.member_of(Disposition)
+_OUTCOME = _rules.member_of(Outcome)
+
 _time_match = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?Z"
 ).fullmatch
-
-
-def _id(value: Any) -> str:
-    if type(value) is not str or _id_match(value) is None:
-        raise _REJECTED
-    return value
-
-
-def _counter(value: Any) -> int:
-    """A counter >= 1: a canonical decimal string other than ``"0"``."""
-    if type(value) is not str or _decimal_match(value) is None or value == "0":
-        raise _REJECTED
-    return int(value)
-
-
-def _version(value: Any) -> str:
-    if type(value) is not str or _decimal_match(value) is None or value == "0":
-        raise _REJECTED
-    return value
-
-
-def _bool(value: Any) -> bool:
-    if type(value) is not bool:
-        raise _REJECTED
-    return value
-
-
-# Enum members by wire value: ``TABLE[value]``, not Enum.__call__. The keys are strs, so only a
-# str equal to a value can hit; anything else raises KeyError (or TypeError when unhashable),
-# which rejects the body like any other exception a decoder raises.
-_OPERATIONS = {m.value: m for m in Operation}
-_TASK_STATES = {m.value: m for m in TaskState}
-_ATTEMPT_STATES = {m.value: m for m in AttemptState}
-_DISPOSITIONS = {m.value: m for m in Disposition}
 
 
 @functools.lru_cache(maxsize=512)
@@ -152,7 +131,7 @@ def parse_time_ns(value: str) -> tuple[_dt.datetime, int]:
     repeats its times (the receipt's and the lease's ``lease_until``).
     """
     if _time_match(value) is None:
-        raise ValueError("time must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
+        raise ValueError("must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
     whole = _whole_second(value[:19])
     if len(value) == 20:
         return whole, 0
@@ -177,152 +156,269 @@ def _whole_second(text: str) -> _dt.datetime:
             _UTC,
         )
     except ValueError:
-        raise ValueError("time is not a real date and time") from None
+        raise ValueError("is not a real date and time") from None
 
 
 def _time(value: Any) -> tuple[_dt.datetime, int]:
     if type(value) is not str:
-        raise _REJECTED
+        raise TypeError("must be an RFC 3339 string")
     return parse_time_ns(value)
 
 
 def _window(
-    start: tuple[_dt.datetime, int], end: tuple[_dt.datetime, int], limit_s: int
+    start: tuple[_dt.datetime, int],
+    end: tuple[_dt.datetime, int],
+    limit_s: int,
+    names: tuple[str, str],
 ) -> _dt.datetime:
-    """Check ``end - start`` in (0, limit] on the wire's nanoseconds; return the end to keep.
+    """Check the window ``end - start`` on the wire's nanoseconds (the model's microseconds would
+    let 120 s + 1 ns pass and read 1 ns as zero); return the end to keep.
 
-    A valid window under one microsecond is rounded up to one (as the converter path does), so
-    the model's microsecond times keep it positive.
+    A valid window under one microsecond is rounded up to one, so the model's microsecond times
+    keep it positive.
     """
     delta = end[0] - start[0]
-    window = ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000 + (
-        end[1] - start[1]
+    _rules.window(
+        ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
+        + (end[1] - start[1]),
+        limit_s,
+        *names,
     )
-    if not 0 < window <= limit_s * _NS:
-        raise _REJECTED
     if end[0] <= start[0]:
         return start[0] + _US
     return end[0]
 
 
-def _object(value: Any) -> dict[str, Any]:
+def _object(value: Any, required: frozenset[str]) -> dict[str, Any]:
+    """*value* as a JSON object holding every key in *required*."""
     if type(value) is not dict:
-        raise _REJECTED
+        raise Fault("", "must be a JSON object")
+    if not required.issubset(value):
+        raise Fault("", f"is missing {', '.join(sorted(required.difference(value)))}")
     return value
 
 
-# --------------------------------------------------------------------------- bodies
+def _closed(value: Any, required: frozenset[str], allowed: frozenset[str]) -> dict[str, Any]:
+    """*value* as :func:`_object` does, and no field beyond *allowed* (a client's body)."""
+    o = _object(value, required)
+    if not allowed.issuperset(o):
+        # The unknown names are the sender's text: not repeated.
+        raise Fault("", "has a field the schema does not define")
+    return o
+
+
+def _keys(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+# --------------------------------------------------------------------------- server → client
+# Each decoder records the field it is reading in ``f``; a rule's exception becomes a Fault at
+# that field (try costs nothing until something raises).
+
+_RECEIPT = _keys(
+    "operation", "task_state", "attempt_state", "task_revision", "lease_until", "disposition"
+)
 
 
 def receipt(value: Any) -> Receipt:
     """A Receipt from its wire object."""
-    o = _object(value)
-    return _new_receipt(
-        _OPERATIONS[o["operation"]],
-        _TASK_STATES[o["task_state"]],
-        _ATTEMPT_STATES[o["attempt_state"]],
-        _counter(o["task_revision"]),
-        _time(o["lease_until"])[0],
-        _DISPOSITIONS[o["disposition"]],
-    )
+    o = _object(value, _RECEIPT)
+    f = "operation"
+    try:
+        operation = _OPERATION(o[f])
+        f = "task_state"
+        task_state = _TASK_STATE(o[f])
+        f = "attempt_state"
+        attempt_state = _ATTEMPT_STATE(o[f])
+        f = "task_revision"
+        revision = _counter(o[f])
+        f = "lease_until"
+        until = _time(o[f])[0]
+        f = "disposition"
+        disposition = _DISPOSITION(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_receipt(operation, task_state, attempt_state, revision, until, disposition)
 
 
-_RUNNABLE = (AttemptState.LEASED, AttemptState.RUNNING)
+_LEASE = _keys("active", "state", "lease_until", "server_time")
+_LEASE_WINDOW = ("server_time", "lease_until")
 
 
 def lease(value: Any) -> Lease:
     """A Lease (no local deadline yet) from its wire object."""
-    o = _object(value)
-    active = _bool(o["active"])
-    state = _ATTEMPT_STATES[o["state"]]
-    until = _time(o["lease_until"])
-    now = _time(o["server_time"])
-    cancel = _time(o["cancel_requested_at"])[0] if "cancel_requested_at" in o else None
-    lease_until = until[0]
-    if active:
-        if state not in _RUNNABLE:
-            raise _REJECTED
-        lease_until = _window(now, until, MAX_LEASE_WINDOW)
+    o = _object(value, _LEASE)
+    f = "active"
+    try:
+        active = _bool(o[f])
+        f = "state"
+        state = _ATTEMPT_STATE(o[f])
+        f = "lease_until"
+        until = _time(o[f])
+        f = "server_time"
+        now = _time(o[f])
+        cancel = None
+        if "cancel_requested_at" in o:
+            f = "cancel_requested_at"
+            cancel = _time(o[f])[0]
+        lease_until = until[0]
+        if active:
+            f = "state"
+            _rules.active_lease_state(True, state in RUNNABLE)
+            f = "lease_until"
+            lease_until = _window(now, until, _rules.MAX_LEASE_WINDOW, _LEASE_WINDOW)
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
     return _new_lease(active, state, lease_until, now[0], cancel, None)
+
+
+_COMMAND_RESULT = _keys("receipt", "lease", "deduplicated")
 
 
 def command_result(value: Any) -> CommandResult:
     """The ack body of start/renew/finish."""
-    o = _object(value)
-    return _new_command_result(receipt(o["receipt"]), lease(o["lease"]), _bool(o["deduplicated"]))
+    o = _object(value, _COMMAND_RESULT)
+    f = "receipt"
+    try:
+        got = receipt(o[f])
+        f = "lease"
+        status = lease(o[f])
+        f = "deduplicated"
+        deduplicated = _bool(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_command_result(got, status, deduplicated)
+
+
+_WELCOME = _keys(
+    "session_id", "epoch", "server_time", "expires_at", "lease_duration_ms", "draining"
+)
+_SESSION_WINDOW = ("server_time", "expires_at")
 
 
 def welcome(value: Any) -> Welcome:
     """A Welcome (the answer to hello and to capacity)."""
-    o = _object(value)
-    now = _time(o["server_time"])
-    expires_at = _window(now, _time(o["expires_at"]), MAX_SESSION_WINDOW)
-    lease_ms = o["lease_duration_ms"]
-    if type(lease_ms) is not int or not 1_000 <= lease_ms <= 120_000:
-        raise _REJECTED
-    return _new_welcome(
-        _id(o["session_id"]),
-        _counter(o["epoch"]),
-        now[0],
-        expires_at,
-        lease_ms,
-        _bool(o["draining"]),
-    )
+    o = _object(value, _WELCOME)
+    f = "session_id"
+    try:
+        session_id = _id(o[f])
+        f = "epoch"
+        epoch = _counter(o[f])
+        f = "server_time"
+        now = _time(o[f])
+        f = "expires_at"
+        expires_at = _window(now, _time(o[f]), _rules.MAX_SESSION_WINDOW, _SESSION_WINDOW)
+        f = "lease_duration_ms"
+        lease_ms = _rules.LEASE_DURATION_MS(o[f])
+        f = "draining"
+        draining = _bool(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_welcome(session_id, epoch, now[0], expires_at, lease_ms, draining)
+
+
+_TASK = _keys(
+    "task_id",
+    "queue_id",
+    "namespace_id",
+    "handler",
+    "handler_version",
+    "payload_version",
+    "payload",
+    "state",
+    "revision",
+    "attempt",
+    "max_attempts",
+)
 
 
 def task(value: Any) -> Task:
     """A Task as an assignment describes it."""
-    o = _object(value)
-    handler = o["handler"]
-    if type(handler) is not str or _handler_match(handler) is None:
-        raise _REJECTED
-    payload = o["payload"]
-    if payload is None:
-        raise _REJECTED
-    attempt = _counter(o["attempt"])
-    max_attempts = _counter(o["max_attempts"])
-    if attempt > max_attempts:
-        raise _REJECTED
+    o = _object(value, _TASK)
+    f = "task_id"
+    try:
+        task_id = _id(o[f])
+        f = "queue_id"
+        queue_id = _id(o[f])
+        f = "namespace_id"
+        namespace_id = _id(o[f])
+        f = "handler"
+        handler = _rules.handler(o[f])
+        f = "handler_version"
+        handler_version = _version(o[f])
+        f = "payload_version"
+        payload_version = _version(o[f])
+        f = "payload"
+        payload = _rules.json_value(o[f])
+        f = "state"
+        state = _TASK_STATE(o[f])
+        f = "revision"
+        revision = _counter(o[f])
+        f = "attempt"
+        attempt = _counter(o[f])
+        f = "max_attempts"
+        max_attempts = _counter(o[f])
+        f = "attempt"
+        _rules.attempts(attempt, max_attempts)
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
     return _new_task(
-        _id(o["task_id"]),
-        _id(o["queue_id"]),
-        _id(o["namespace_id"]),
+        task_id,
+        queue_id,
+        namespace_id,
         handler,
-        _version(o["handler_version"]),
-        _version(o["payload_version"]),
+        handler_version,
+        payload_version,
         payload,
-        _TASK_STATES[o["state"]],
-        _counter(o["revision"]),
+        state,
+        revision,
         attempt,
         max_attempts,
     )
 
 
+_ASSIGNMENT = _keys("task", "attempt_id", "epoch", "lease_secret", "lease_until", "server_time")
+
+
 def assignment(value: Any) -> Assignment:
     """A ``task.assign`` body."""
-    o = _object(value)
-    secret = o["lease_secret"]
-    if type(secret) is not str or _secret_match(secret) is None:
-        raise _REJECTED
-    return _new_assignment(
-        task(o["task"]),
-        _id(o["attempt_id"]),
-        _counter(o["epoch"]),
-        secret,
-        _time(o["lease_until"])[0],
-        _time(o["server_time"])[0],
-    )
+    o = _object(value, _ASSIGNMENT)
+    f = "task"
+    try:
+        described = task(o[f])
+        f = "attempt_id"
+        attempt_id = _id(o[f])
+        f = "epoch"
+        epoch = _counter(o[f])
+        f = "lease_secret"
+        secret = _secret(o[f])
+        f = "lease_until"
+        until = _time(o[f])[0]
+        f = "server_time"
+        now = _time(o[f])[0]
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_assignment(described, attempt_id, epoch, secret, until, now)
+
+
+_CANCEL_NOTICE = _keys("task_id", "attempt_id", "epoch", "cancel_requested_at")
 
 
 def cancel_notice(value: Any) -> CancelNotice:
     """A ``task.cancel`` body."""
-    o = _object(value)
-    return _new_cancel_notice(
-        _id(o["task_id"]),
-        _id(o["attempt_id"]),
-        _counter(o["epoch"]),
-        _time(o["cancel_requested_at"])[0],
-    )
+    o = _object(value, _CANCEL_NOTICE)
+    f = "task_id"
+    try:
+        task_id = _id(o[f])
+        f = "attempt_id"
+        attempt_id = _id(o[f])
+        f = "epoch"
+        epoch = _counter(o[f])
+        f = "cancel_requested_at"
+        at = _time(o[f])[0]
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_cancel_notice(task_id, attempt_id, epoch, at)
 
 
 #: The decoder of each server → client body model.
@@ -338,7 +434,7 @@ SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
 
 
 # --------------------------------------------------------------------------- client → server
-# What the server accepts (the mock server's side): the same checks, and no field beyond the
+# What the server accepts (the mock server's side): the same rules, and no field beyond the
 # model's (a client is held to the closed schema, PROTOCOL §12).
 
 _new_capability = trusted_constructor(Capability)
@@ -347,106 +443,134 @@ _new_capacity_report = trusted_constructor(CapacityReport)
 _new_attempt_ref = trusted_constructor(AttemptRef)
 _new_finish = trusted_constructor(Finish)
 
-_code_match = CODE_RE.fullmatch
-_OUTCOMES = {m.value: m for m in Outcome}
-_CAPABILITY_KEYS = frozenset({"handler", "handler_version", "payload_version"})
-_REGISTRATION_KEYS = frozenset(
-    {
-        "queue_id",
-        "capabilities",
-        "capacity",
-        "instance_id",
-        "instance_secret",
-        "cancellation_notifications",
-    }
-)
-_CAPACITY_KEYS = frozenset({"sequence", "capacity", "drain"})
-_REF_KEYS = frozenset({"task_id", "attempt_id", "epoch", "lease_secret"})
-_FINISH_KEYS = frozenset({"ref", "outcome", "result", "error_code", "retryable"})
-
-
-def _closed(value: Any, keys: frozenset[str]) -> dict[str, Any]:
-    if type(value) is not dict or not keys.issuperset(value):
-        raise _REJECTED
-    return value
-
-
-def _secret(value: Any) -> str:
-    if type(value) is not str or _secret_match(value) is None:
-        raise _REJECTED
-    return value
+_CAPABILITY = _keys("handler", "handler_version", "payload_version")
 
 
 def capability(value: Any) -> Capability:
     """One registered capability."""
-    o = _closed(value, _CAPABILITY_KEYS)
-    handler = o["handler"]
-    if type(handler) is not str or _handler_match(handler) is None:
-        raise _REJECTED
-    return _new_capability(handler, _version(o["handler_version"]), _version(o["payload_version"]))
+    o = _closed(value, _CAPABILITY, _CAPABILITY)
+    f = "handler"
+    try:
+        handler = _rules.handler(o[f])
+        f = "handler_version"
+        handler_version = _version(o[f])
+        f = "payload_version"
+        payload_version = _version(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_capability(handler, handler_version, payload_version)
+
+
+_REGISTRATION = _keys("queue_id", "capabilities", "capacity", "instance_id", "instance_secret")
+_REGISTRATION_ALL = _REGISTRATION | {"cancellation_notifications"}
+
+
+def _capabilities(value: Any) -> tuple[Capability, ...]:
+    if type(value) is not list:
+        raise TypeError("must be a list")
+    _rules.capabilities_count(len(value))
+    listed = []
+    for i, item in enumerate(value):
+        try:
+            listed.append(capability(item))
+        except Fault as exc:
+            raise exc.under(str(i)) from None
+    capabilities = tuple(listed)
+    _rules.distinct(capabilities)
+    return capabilities
 
 
 def registration(value: Any) -> Registration:
     """A ``worker.hello`` body."""
-    o = _closed(value, _REGISTRATION_KEYS)
-    listed = o["capabilities"]
-    if type(listed) is not list or not 1 <= len(listed) <= MAX_CAPABILITIES:
-        raise _REJECTED
-    capabilities = tuple(capability(c) for c in listed)
-    if len(set(capabilities)) != len(capabilities):
-        raise _REJECTED
-    capacity = o["capacity"]
-    if type(capacity) is not int or not 1 <= capacity <= MAX_CAPACITY:
-        raise _REJECTED
-    notifications = False
-    if "cancellation_notifications" in o:
-        notifications = _bool(o["cancellation_notifications"])
+    o = _closed(value, _REGISTRATION, _REGISTRATION_ALL)
+    f = "queue_id"
+    try:
+        queue_id = _id(o[f])
+        f = "capabilities"
+        capabilities = _capabilities(o[f])
+        f = "capacity"
+        capacity = _rules.CAPACITY(o[f])
+        f = "instance_id"
+        instance_id = _id(o[f])
+        f = "instance_secret"
+        instance_secret = _secret(o[f])
+        notifications = False
+        if "cancellation_notifications" in o:
+            f = "cancellation_notifications"
+            notifications = _bool(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
     return _new_registration(
-        _id(o["queue_id"]),
-        capabilities,
-        capacity,
-        _id(o["instance_id"]),
-        _secret(o["instance_secret"]),
-        notifications,
+        queue_id, capabilities, capacity, instance_id, instance_secret, notifications
     )
+
+
+_CAPACITY_REPORT = _keys("sequence", "capacity", "drain")
 
 
 def capacity_report(value: Any) -> CapacityReport:
     """A ``worker.capacity`` body."""
-    o = _closed(value, _CAPACITY_KEYS)
-    capacity = o["capacity"]
-    if type(capacity) is not int or not 0 <= capacity <= MAX_CAPACITY:
-        raise _REJECTED
-    return _new_capacity_report(_counter(o["sequence"]), capacity, _bool(o["drain"]))
+    o = _closed(value, _CAPACITY_REPORT, _CAPACITY_REPORT)
+    f = "sequence"
+    try:
+        sequence = _counter(o[f])
+        f = "capacity"
+        capacity = _rules.REPORTED_CAPACITY(o[f])
+        f = "drain"
+        drain = _bool(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_capacity_report(sequence, capacity, drain)
+
+
+_ATTEMPT_REF = _keys("task_id", "attempt_id", "epoch", "lease_secret")
 
 
 def attempt_ref(value: Any) -> AttemptRef:
     """The body of ``worker.resume``, ``task.start`` and ``task.renew``."""
-    o = _closed(value, _REF_KEYS)
-    return _new_attempt_ref(
-        _id(o["task_id"]), _id(o["attempt_id"]), _counter(o["epoch"]), _secret(o["lease_secret"])
-    )
+    o = _closed(value, _ATTEMPT_REF, _ATTEMPT_REF)
+    f = "task_id"
+    try:
+        task_id = _id(o[f])
+        f = "attempt_id"
+        attempt_id = _id(o[f])
+        f = "epoch"
+        epoch = _counter(o[f])
+        f = "lease_secret"
+        secret = _secret(o[f])
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_attempt_ref(task_id, attempt_id, epoch, secret)
+
+
+_FINISH = _keys("ref", "outcome", "result")
+_FINISH_ALL = _FINISH | {"error_code", "retryable"}
 
 
 def finish(value: Any) -> Finish:
     """A ``task.finish`` body (its result's size is the codec's to check)."""
-    o = _closed(value, _FINISH_KEYS)
-    outcome = _OUTCOMES[o["outcome"]]
-    result = o["result"]
-    if result is None:
-        raise _REJECTED
-    code = None
-    if "error_code" in o:
-        code = o["error_code"]
-        if type(code) is not str or _code_match(code) is None:  # null too (PROTOCOL §12)
-            raise _REJECTED
-    retryable = _bool(o["retryable"]) if "retryable" in o else None
-    # The outcome rules of Finish.__attrs_post_init__.
-    if (code is None) != (outcome is Outcome.SUCCEEDED):
-        raise _REJECTED
-    if retryable is True and outcome is not Outcome.FAILED:
-        raise _REJECTED
-    return _new_finish(attempt_ref(o["ref"]), outcome, result, code, retryable)
+    o = _closed(value, _FINISH, _FINISH_ALL)
+    f = "ref"
+    try:
+        ref = attempt_ref(o[f])
+        f = "outcome"
+        outcome = _OUTCOME(o[f])
+        f = "result"
+        result = _rules.json_value(o[f])
+        code = retryable = None
+        if "error_code" in o:
+            f = "error_code"
+            code = _rules.code(o[f])  # null too: absent is the only "none" (PROTOCOL §12)
+        if "retryable" in o:
+            f = "retryable"
+            retryable = _bool(o[f])
+        f = "outcome"
+        _rules.finish_outcome(
+            outcome is Outcome.SUCCEEDED, outcome.value, outcome is Outcome.FAILED, code, retryable
+        )
+    except (TypeError, ValueError) as exc:
+        raise _at(f, exc) from None
+    return _new_finish(ref, outcome, result, code, retryable)
 
 
 #: The decoder of each client → server body model.
@@ -458,9 +582,9 @@ CLIENT_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
 }
 
 # --------------------------------------------------------------------------- encoding
-# The wire form of each model, written out: the same dicts the converter's generated
-# unstructure functions give (same keys, same order, optionals omitted alike), without its
-# per-call dispatch. tests/test_wire_bodies.py compares both for every model.
+# The wire form of each model, written out: counters as decimal strings, times as RFC 3339,
+# optional fields omitted when they hold their default. tests/test_wire_bodies.py decodes every
+# one back to an equal model.
 
 
 def format_time(value: _dt.datetime) -> str:
@@ -596,7 +720,7 @@ def _cancel_notice_wire(c: CancelNotice) -> dict[str, Any]:
     }
 
 
-#: The wire dict of each model, by exact type (a subclass goes through the converter).
+#: The wire dict of each model.
 WIRE_FORMS: dict[type[Any], Callable[[Any], dict[str, Any]]] = {
     Capability: _capability_wire,
     Registration: _registration_wire,

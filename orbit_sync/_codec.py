@@ -1,55 +1,34 @@
-"""The wire mapping of ``pulse.worker.v1``: one strict cattrs converter per direction, the frame
-envelope, and context-bound decoding of server frames (client side) and client frames (server
-side).
+"""The wire mapping of ``pulse.worker.v1``: the frame envelope, and context-bound decoding of
+server frames (client side) and client frames (server side).
 
 Both our client and our mock server decode through this module, so they agree on every vector in
-``tests/vectors/frames.json`` by construction. cattrs' default hooks coerce (``"007"`` → 7,
-``True`` → 1); every hook here checks exact types instead.
-
-The converters are the reference: bodies are decoded and encoded on the hot path by the
-hand-written functions of :mod:`orbit_sync._bodies` (each field checked once, models built
-without re-running their validators), and a body those reject is handed to the converter,
-which names the fault and its path.
+``tests/vectors/frames.json`` by construction. Bodies are decoded by the one decoder of each body
+in :mod:`orbit_sync._bodies`, which checks every field by the rules the models' constructors run
+and names the field a fault is in.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import enum
 import functools
-import re
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
 import attrs
-import cattrs
-from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
-from . import _bodies, _json
+from . import _bodies, _json, _rules
 from ._bodies import format_time as format_time  # re-exported: the one formatter of wire times
 from .errors import FrameError, WorkerError, WorkerProtocolError
 from .models import (
-    CODE_RE,
-    DECIMAL_RE,
-    ID_RE,
-    MAX_LEASE_WINDOW,
-    MAX_SESSION_WINDOW,
     Assignment,
     AttemptRef,
-    AttemptState,
     CancelNotice,
-    Capability,
     CapacityReport,
     CommandResult,
-    Disposition,
     Finish,
     Lease,
-    Operation,
-    Outcome,
-    Receipt,
     Registration,
-    Task,
     TaskState,
     Welcome,
 )
@@ -73,14 +52,6 @@ SERVER_TYPES = frozenset({"worker.welcome", "ack", "error", "task.assign", "task
 _CLIENT_ENVELOPE = frozenset({"protocol_version", "type", "message_id", "session_id", "body"})
 _SERVER_ENVELOPE = _CLIENT_ENVELOPE | {"reply_to", "error"}
 
-# Fields that may be absent on the wire (absent means the default; null is never allowed).
-_OPTIONAL_ON_WIRE = {
-    (Registration, "cancellation_notifications"),
-    (Lease, "cancel_requested_at"),
-    (Finish, "error_code"),
-    (Finish, "retryable"),
-}
-
 # --------------------------------------------------------------------------- times and counters
 
 
@@ -88,208 +59,44 @@ def parse_time(value: Any) -> _dt.datetime:
     """RFC 3339 in UTC with ``Z``; at most 9 fraction digits (kept to the microsecond)."""
     if type(value) is not str:
         raise TypeError("time must be an RFC 3339 string")
-    return _bodies.parse_time_ns(value)[0]
-
-
-_EPOCH = _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc)
-_MICROSECOND = _dt.timedelta(microseconds=1)
-_NS = 1_000_000_000
-
-
-def time_ns(value: Any) -> int:
-    """POSIX nanoseconds of a wire time, every fraction digit kept (``parse_time`` keeps
-    microseconds only, so windows are checked with this: PROTOCOL §12 allows 9 digits)."""
-    if type(value) is not str:
-        raise TypeError("time must be an RFC 3339 string")
-    return _time_ns(value)
-
-
-@functools.lru_cache(maxsize=512)
-def _time_ns(value: str) -> int:
-    whole, sub_micro = _bodies.parse_time_ns(value)
-    return (whole - _EPOCH) // _MICROSECOND * 1000 + sub_micro
+    try:
+        return _bodies.parse_time_ns(value)[0]
+    except ValueError as exc:
+        raise ValueError(f"time {exc}") from None
 
 
 def parse_counter(value: Any) -> int:
     """A canonical decimal string: ``"1"``, ``"42"``; never ``"01"``, ``"+1"``, ``1``."""
-    if type(value) is not str:
-        raise TypeError("counter must be a decimal string")
-    if not DECIMAL_RE.fullmatch(value):
-        raise ValueError("counter must be a canonical decimal string")
-    return int(value)
+    try:
+        return _rules.wire_counter(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"counter {exc}") from None
 
 
-# --------------------------------------------------------------------------- converters
+def decode_body(value: Any, cls: type[T]) -> T:
+    """*value* as *cls* by its one decoder, or FrameError naming the field and the rule broken
+    (never the value: it may be a secret)."""
+    decode = _DECODERS[cls]
+    try:
+        decoded: T = decode(value)
+    except _bodies.Fault as exc:
+        raise FrameError(f"invalid {cls.__name__}: {exc.describe(cls.__name__)}") from None
+    return decoded
 
 
-def _strict(kind: type[Any]) -> Callable[[Any, Any], Any]:
-    def hook(value: Any, _: Any) -> Any:
-        if type(value) is not kind:
-            raise TypeError(f"expected {kind.__name__}")
-        return value
-
-    return hook
-
-
-def _strict_enum(value: Any, cls: type[enum.Enum]) -> Any:
-    if type(value) is not str:
-        raise TypeError(f"expected a {cls.__name__} string")
-    return cls(value)
-
-
-_MODELS: tuple[type[Any], ...] = (
-    Capability,
-    Registration,
-    CapacityReport,
-    AttemptRef,
-    Task,
-    Assignment,
-    Lease,
-    Receipt,
-    CommandResult,
-    Finish,
-    Welcome,
-    CancelNotice,
-)
-
-
-def _make_converter(*, forbid_extra_keys: bool) -> cattrs.Converter:
-    """One strict converter; client frames forbid extra keys, server bodies tolerate them."""
-    conv = cattrs.Converter(detailed_validation=True)
-    # Strict scalar hooks first: functions generated later pick these up.
-    for kind in (str, int, bool):
-        conv.register_structure_hook(kind, _strict(kind))
-    conv.register_structure_hook(_dt.datetime, lambda v, _: parse_time(v))
-    conv.register_unstructure_hook(_dt.datetime, format_time)
-    # A predicate, not a singledispatch registration: typing.Any is not a class before 3.11.
-    conv.register_structure_hook_func(lambda t: t is Any, lambda v, _: v)
-    for enum_cls in (TaskState, AttemptState, Outcome, Disposition, Operation):
-        conv.register_structure_hook(enum_cls, _strict_enum)
-        conv.register_unstructure_hook(enum_cls, lambda e: e.value)
-
-    def caps(value: Any, _: Any) -> tuple[Capability, ...]:
-        if type(value) is not list:
-            raise TypeError("capabilities must be a list")
-        return tuple(conv.structure(v, Capability) for v in value)
-
-    for cls in _MODELS:
-        s_over: dict[str, Any] = {}
-        u_over: dict[str, Any] = {}
-        required: list[str] = []
-        for f in attrs.fields(cls):
-            kind = f.metadata.get("wire")
-            if kind == "local":
-                s_over[f.name] = override(omit=True)
-                u_over[f.name] = override(omit=True)
-                continue
-            optional = (cls, f.name) in _OPTIONAL_ON_WIRE
-            if not optional:
-                required.append(f.name)
-            if f.name == "capabilities":
-                s_over[f.name] = override(struct_hook=caps)
-            elif kind == "counter":
-                s_over[f.name] = override(struct_hook=lambda v, _: parse_counter(v))
-                u_over[f.name] = override(unstruct_hook=str)
-            elif kind == "time":
-                # parse_time rejects None: an optional field is absent or valid, never null.
-                s_over[f.name] = override(struct_hook=lambda v, _: parse_time(v))
-                u_over[f.name] = override(unstruct_hook=format_time, omit_if_default=optional)
-            elif optional:
-                u_over[f.name] = override(omit_if_default=True)
-                if f.name == "retryable":
-                    s_over[f.name] = override(struct_hook=_strict(bool))
-                elif f.name == "error_code":
-                    s_over[f.name] = override(struct_hook=_strict(str))
-        generated: Callable[[Any, Any], Any] = make_dict_structure_fn(
-            cls, conv, _cattrs_forbid_extra_keys=forbid_extra_keys, **s_over
-        )
-        if cls in _WINDOWS:
-            generated = _exact_window(cls, generated)
-        conv.register_structure_hook(cls, _require(cls, tuple(required), generated))
-        conv.register_unstructure_hook(cls, make_dict_unstructure_fn(cls, conv, **u_over))
-    return conv
-
-
-# Windows bounded by PROTOCOL §5.2 (a Welcome) and §6.6 (an active Lease): (start, end, limit).
-_WINDOWS: dict[type[Any], tuple[str, str, int]] = {
-    Welcome: ("server_time", "expires_at", MAX_SESSION_WINDOW * _NS),
-    Lease: ("server_time", "lease_until", MAX_LEASE_WINDOW * _NS),
+_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
+    **_bodies.SERVER_DECODERS,
+    **_bodies.CLIENT_DECODERS,
 }
-
-
-def _exact_window(
-    cls: type[Any], generated: Callable[[Any, Any], Any]
-) -> Callable[[Any, Any], Any]:
-    """Check a window in (0, limit] on the wire's nanoseconds, before the model sees times cut
-    to microseconds: cut, 120 s + 1 ns would pass and a 1 ns window would read as zero."""
-    start, end, limit = _WINDOWS[cls]
-
-    def hook(value: dict[str, Any], typ: Any) -> Any:
-        if cls is Welcome or value.get("active") is True:
-            try:
-                window = time_ns(value[end]) - time_ns(value[start])
-            except (TypeError, ValueError):
-                window = None  # malformed: the field's own hook reports it
-            if window is not None:
-                if not 0 < window <= limit:
-                    raise ValueError(f"{end} must be after {start}, by at most {limit // _NS} s")
-                if parse_time(value[end]) <= parse_time(value[start]):
-                    # A valid window under one microsecond: the end is rounded up, not cut, so
-                    # the model (microseconds) sees it positive as it is.
-                    later = parse_time(value[start]) + _dt.timedelta(microseconds=1)
-                    value = {**value, end: format_time(later)}
-        return generated(value, typ)
-
-    return hook
-
-
-def _require(
-    cls: type[Any], required: tuple[str, ...], generated: Callable[[Any, Any], Any]
-) -> Callable[[Any, Any], Any]:
-    # cattrs raises AttributeError on non-dict input and fills defaults for missing keys; the
-    # wire wants an object with every control field explicit.
-    def hook(value: Any, typ: Any) -> Any:
-        if type(value) is not dict:
-            raise TypeError(f"{cls.__name__} must be a JSON object")
-        missing = [name for name in required if name not in value]
-        if missing:
-            raise ValueError(f"{cls.__name__} is missing {', '.join(missing)}")
-        return generated(value, typ)
-
-    return hook
-
-
-#: Decodes server → client bodies: unknown fields tolerated (a newer server may add some).
-SERVER_BODY = _make_converter(forbid_extra_keys=False)
-#: Decodes client → server bodies: unknown fields rejected (the server's rule).
-CLIENT_BODY = _make_converter(forbid_extra_keys=True)
-
-
-def _describe(exc: BaseException) -> str:
-    """A short, value-free description of a structuring failure (never echoes secrets)."""
-    try:
-        lines = cattrs.transform_error(exc)
-    except Exception:
-        lines = [f"{type(exc).__name__}: {exc}"]
-    text = "; ".join(lines)
-    return text if len(text) <= 300 else text[:297] + "..."
-
-
-def structure(conv: cattrs.Converter, value: Any, cls: type[T]) -> T:
-    """Structure *value* as *cls* or raise FrameError with a readable, secret-free path."""
-    try:
-        return conv.structure(value, cls)
-    except Exception as exc:
-        raise FrameError(f"invalid {cls.__name__}: {_describe(exc)}") from None
 
 
 def unstructure(model: Any) -> dict[str, Any]:
     """The wire form of a model (counters as strings, times as RFC 3339, optionals omitted)."""
-    wire_form = _bodies.WIRE_FORMS.get(type(model))
-    if wire_form is not None:
-        return wire_form(model)
-    value: dict[str, Any] = SERVER_BODY.unstructure(model)
-    return value
+    for cls in type(model).__mro__:  # a subclass of a model travels as the model
+        wire_form = _bodies.WIRE_FORMS.get(cls)
+        if wire_form is not None:
+            return wire_form(model)
+    raise TypeError(f"{type(model).__name__} is not a wire model")
 
 
 # --------------------------------------------------------------------------- encoding
@@ -467,7 +274,7 @@ def _bad(reason: str) -> WorkerProtocolError:
     return WorkerProtocolError(f"invalid server frame: {reason}")
 
 
-_id_match = ID_RE.fullmatch
+_id_match = _rules.ID_RE.fullmatch
 
 
 def _is_id(value: Any) -> bool:
@@ -511,32 +318,16 @@ def _worker_error(frame: dict[str, Any]) -> WorkerError:
     if type(err) is not dict or err.keys() != {"code", "message"}:
         raise _bad("error must be {code, message}")
     code, message = err["code"], err["message"]
-    if type(code) is not str or not CODE_RE.fullmatch(code):
+    if type(code) is not str or not _rules.CODE_RE.fullmatch(code):
         raise _bad("error code must be 1-64 characters of [A-Z][A-Z0-9_]*")
     if type(message) is not str:
         raise _bad("error message must be a string")
     return WorkerError(code, message, message_id=frame.get("reply_to"))
 
 
-def _decode_body(
-    value: Any, cls: type[T], conv: cattrs.Converter, decoders: Mapping[type[Any], Any]
-) -> T:
-    """*value* as *cls*, or FrameError naming what is wrong and where."""
-    try:
-        # The hot path: every field checked once, the model built without re-validating.
-        decoded: T = decoders[cls](value)
-        return decoded
-    except Exception:  # any fault at all: the reference converter names it below
-        pass
-    # A rejected body (rare): the converter is the reference for what is wrong and where, so
-    # error messages and paths are those it always gave. Should it accept what the fast path
-    # refused, its model is used (tests/test_wire_bodies.py makes sure that never happens).
-    return structure(conv, value, cls)
-
-
 def _body(frame: dict[str, Any], cls: type[T]) -> T:
     try:
-        return _decode_body(frame["body"], cls, SERVER_BODY, _bodies.SERVER_DECODERS)
+        return decode_body(frame["body"], cls)
     except FrameError as exc:
         raise _bad(str(exc)) from None
 
@@ -571,76 +362,6 @@ ACK_BODIES: dict[str, type[Any]] = {
 }
 
 
-# The usual answer to start/renew/finish, byte for byte in the field order PROTOCOL §6 lists,
-# compact, every string free of escapes. A frame that matches is valid JSON with no duplicate key
-# and a well-formed envelope, so one match replaces the strict parse and the envelope checks;
-# the body still goes through the one body decoder. Anything else (another order, whitespace,
-# escapes, an error) takes the general path, which is also what names a fault.
-_PLAIN_STRING = r'"([^"\\\x00-\x1f\x7f-\U0010ffff]{1,64})"'  # nothing to unescape
-_SHAPE_PARTS = {
-    "S": _PLAIN_STRING,
-    "H": r'"([0-9a-f]{32})"',
-    "B": r"(true|false)",
-    "?": r'(?:,"cancel_requested_at":' + _PLAIN_STRING + ")?",
-}
-_ACK_SHAPE = re.compile(
-    "".join(
-        _SHAPE_PARTS.get(c, re.escape(c))
-        for c in (
-            '{"protocol_version":"1","type":"ack","message_id":H,"reply_to":H,"session_id":H,'
-            '"body":{"receipt":{"operation":S,"task_state":S,"attempt_state":S,'
-            '"task_revision":S,"lease_until":S,"disposition":S},"lease":{"active":B,"state":S,'
-            '"lease_until":S,"server_time":S?},"deduplicated":B}}'
-        )
-    )
-)
-
-
-def _command_ack(
-    raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
-) -> Reply | None:
-    """The Reply of an ack of the usual shape (see ``_ACK_SHAPE``), else None."""
-    try:
-        text = raw.decode("utf-8") if type(raw) is bytes else raw
-    except UnicodeDecodeError:
-        return None
-    m = _ACK_SHAPE.fullmatch(text)  # type: ignore[arg-type]
-    if m is None:
-        return None
-    (_, reply_to, session_id, op, task_state, attempt_state, revision, receipt_until,
-     disposition, active, state, until, now, cancel, dedup) = m.groups()  # fmt: skip
-    request = pending(reply_to)
-    if session_id != ctx.session_id or request is None or ACK_BODIES[request] is not CommandResult:
-        return None
-    lease: dict[str, Any] = {
-        "active": active == "true",
-        "state": state,
-        "lease_until": until,
-        "server_time": now,
-    }
-    if cancel is not None:
-        lease["cancel_requested_at"] = cancel
-    body = {
-        "receipt": {
-            "operation": op,
-            "task_state": task_state,
-            "attempt_state": attempt_state,
-            "task_revision": revision,
-            "lease_until": receipt_until,
-            "disposition": disposition,
-        },
-        "lease": lease,
-        "deduplicated": dedup == "true",
-    }
-    try:
-        value = _bodies.command_result(body)
-    except Exception:
-        return None  # the general path names the fault
-    if value.receipt.operation.value != request.removeprefix("task."):
-        return None
-    return Reply(reply_to, value=value)
-
-
 def decode_server_frame(
     raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
 ) -> ServerEvent:
@@ -649,14 +370,6 @@ def decode_server_frame(
     *pending* maps a ``message_id`` in flight to its request type (``None`` when unknown).
     Raises WorkerProtocolError on anything a conforming server cannot send.
     """
-    reply = _command_ack(raw, ctx, pending)
-    return reply if reply is not None else _decode_frame(raw, ctx, pending)
-
-
-def _decode_frame(
-    raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
-) -> ServerEvent:
-    """The general path of :func:`decode_server_frame`: any frame, every fault named."""
     frame = _parse_envelope(raw)
     kind = frame["type"]
     reply_to = frame.get("reply_to")
@@ -754,10 +467,10 @@ def decode_client_frame(raw: bytes | str) -> ClientFrame:
         raise bad("session_id must be 32 lowercase hex")
     body = frame.get("body")
     try:
-        model = _decode_body(body, CLIENT_BODIES[kind], CLIENT_BODY, _bodies.CLIENT_DECODERS)
+        model = decode_body(body, CLIENT_BODIES[kind])
         if isinstance(model, Finish):
             check_result(model.result)
     except FrameError as exc:
         raise bad(str(exc)) from None
-    assert isinstance(body, dict)  # structure() accepted it as an object
+    assert isinstance(body, dict)  # its decoder accepted it as an object
     return ClientFrame(kind, message_id, frame.get("session_id"), model, body)

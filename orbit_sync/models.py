@@ -17,13 +17,14 @@ import datetime as _dt
 import enum
 import os
 import random
-import re
 import secrets
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
+
+from . import _rules
 
 __all__ = [
     "Assignment",
@@ -116,15 +117,16 @@ class Operation(str, enum.Enum):
 
 # --------------------------------------------------------------------------- value rules
 
-ID_RE = re.compile(r"[0-9a-f]{32}")
-# 32 bytes in base64url without padding: 43 characters, the last one carrying 4 data bits.
-SECRET_RE = re.compile(r"[A-Za-z0-9_-]{42}[AEIMQUYcgkosw048]")
-HANDLER_RE = re.compile(r"[a-z][a-z0-9._-]{0,63}")
-CODE_RE = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
-DECIMAL_RE = re.compile(r"0|[1-9][0-9]*")
-
-MAX_CAPACITY = 256
-MAX_CAPABILITIES = 32
+# The rules live in _rules (shared with the wire decoders); their names stay importable here.
+ID_RE = _rules.ID_RE
+SECRET_RE = _rules.SECRET_RE
+HANDLER_RE = _rules.HANDLER_RE
+CODE_RE = _rules.CODE_RE
+DECIMAL_RE = _rules.DECIMAL_RE
+MAX_CAPACITY = _rules.MAX_CAPACITY
+MAX_CAPABILITIES = _rules.MAX_CAPABILITIES
+MAX_LEASE_WINDOW = _rules.MAX_LEASE_WINDOW
+MAX_SESSION_WINDOW = _rules.MAX_SESSION_WINDOW
 
 
 def new_id() -> str:
@@ -159,44 +161,26 @@ def _redact(_: object) -> str:
     return "'<redacted>'"
 
 
-def _is_int(value: object) -> bool:
-    return type(value) is int
+def _field(rule: Callable[[Any], Any]) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
+    """An attrs validator applying *rule*, its reason prefixed with the field's name."""
 
-
-def _check_id(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not str or not ID_RE.fullmatch(value):
-        raise ValueError(f"{attribute.name} must be 32 lowercase hex characters")
-
-
-def _check_secret(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    # Never echo the value: it is a secret.
-    if type(value) is not str or not SECRET_RE.fullmatch(value):
-        raise ValueError(f"{attribute.name} must be 32 bytes in unpadded base64url (43 characters)")
-
-
-def _check_counter(minimum: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
     def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not _is_int(value):
-            raise TypeError(f"{attribute.name} must be an int")
-        if value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}")
+        try:
+            rule(value)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"{attribute.name} {exc}") from None
 
     return check
 
 
-def _check_int_range(low: int, high: int) -> Callable[[Any, attrs.Attribute[Any], Any], None]:
-    def check(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-        if not _is_int(value):
-            raise TypeError(f"{attribute.name} must be an int")
-        if not low <= value <= high:
-            raise ValueError(f"{attribute.name} must be between {low} and {high}")
-
-    return check
-
-
-def _check_bool(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not bool:
-        raise TypeError(f"{attribute.name} must be a bool")
+_check_id = _field(_rules.id_)
+_check_secret = _field(_rules.secret)  # the reason never echoes the value: it is a secret
+_check_counter = _field(_rules.counter)
+_check_bool = _field(_rules.boolean)
+_check_handler = _field(_rules.handler)
+_check_version = _field(_rules.version)
+_check_code = _field(_rules.code)
+_check_payload = _field(_rules.json_value)
 
 
 def _check_optional_bool(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -217,21 +201,6 @@ def _check_optional_time(_: Any, attribute: attrs.Attribute[Any], value: Any) ->
         _check_time(_, attribute, value)
 
 
-def _check_str(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not str:
-        raise TypeError(f"{attribute.name} must be a str")
-
-
-def _check_handler(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not str or not HANDLER_RE.fullmatch(value):
-        raise ValueError(f"{attribute.name} must be 1-64 characters of [a-z][a-z0-9._-]*")
-
-
-def _check_version(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not str or not DECIMAL_RE.fullmatch(value) or value == "0":
-        raise ValueError(f"{attribute.name} must be a canonical decimal string >= 1, e.g. '1'")
-
-
 def _version(value: Any) -> Any:
     # Convenience for Python callers: Capability("resize", 1, 1). Bools are not versions.
     if type(value) is int and value >= 1:
@@ -239,49 +208,57 @@ def _version(value: Any) -> Any:
     return value
 
 
-def _check_code(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if type(value) is not str or not CODE_RE.fullmatch(value):
-        raise ValueError(f"{attribute.name} must be 1-64 characters of [A-Z][A-Z0-9_]*")
-
-
-def _check_payload(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is None:
-        raise ValueError(f"{attribute.name} must be JSON other than null")
-
-
 E = TypeVar("E", bound=enum.Enum)
 
 
-def _enum_value(cls: type[E], value: Any) -> E:
-    if isinstance(value, cls):
-        return value
-    if type(value) is str:
+def _enum_converter(cls: type[E]) -> Callable[[Any], E]:
+    """Members pass; a string is looked up by the same rule the wire decoder uses."""
+    member = _rules.member_of(cls)
+    name = cls.__name__
+
+    def convert(value: Any) -> E:
+        if isinstance(value, cls):
+            return value
+        if type(value) is not str:
+            raise TypeError(f"expected a {name}")
         try:
-            return cls(value)
-        except ValueError:
-            raise ValueError(f"unknown {cls.__name__}") from None
-    raise TypeError(f"expected a {cls.__name__}")
+            return member(value)
+        except ValueError as exc:
+            raise ValueError(f"unknown {name}: {exc}") from None
+
+    return convert
 
 
 # Named converters (one per enum) so attrs' mypy plugin can type the constructors.
+_task_state_value = _enum_converter(TaskState)
+_attempt_state_value = _enum_converter(AttemptState)
+_outcome_value = _enum_converter(Outcome)
+_disposition_value = _enum_converter(Disposition)
+_operation_value = _enum_converter(Operation)
+
+
 def _task_state(value: Any) -> TaskState:
-    return _enum_value(TaskState, value)
+    return _task_state_value(value)
 
 
 def _attempt_state(value: Any) -> AttemptState:
-    return _enum_value(AttemptState, value)
+    return _attempt_state_value(value)
 
 
 def _outcome(value: Any) -> Outcome:
-    return _enum_value(Outcome, value)
+    return _outcome_value(value)
 
 
 def _disposition(value: Any) -> Disposition:
-    return _enum_value(Disposition, value)
+    return _disposition_value(value)
 
 
 def _operation(value: Any) -> Operation:
-    return _enum_value(Operation, value)
+    return _operation_value(value)
+
+
+def _ns(delta: _dt.timedelta) -> int:
+    return ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
 
 
 # Wire kinds, read by the codec from field metadata.
@@ -308,13 +285,14 @@ def _capabilities(value: Iterable[Capability]) -> tuple[Capability, ...]:
 
 
 def _check_capabilities(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not 1 <= len(value) <= MAX_CAPABILITIES:
-        raise ValueError(f"capabilities must hold 1 to {MAX_CAPABILITIES} entries")
     for cap in value:
         if not isinstance(cap, Capability):
             raise TypeError("capabilities must contain Capability objects")
-    if len(set(value)) != len(value):
-        raise ValueError("capabilities must be distinct")
+    try:
+        _rules.capabilities_count(len(value))
+        _rules.distinct(value)
+    except ValueError as exc:
+        raise ValueError(f"capabilities {exc}") from None
 
 
 _PROCESS_INSTANCE: dict[str, str] = {}
@@ -343,7 +321,7 @@ class Registration:
     capabilities: tuple[Capability, ...] = attrs.field(
         converter=_capabilities, validator=_check_capabilities
     )
-    capacity: int = attrs.field(validator=_check_int_range(1, MAX_CAPACITY))
+    capacity: int = attrs.field(validator=_field(_rules.CAPACITY))
     instance_id: str = attrs.field(factory=process_instance_id, validator=_check_id)
     instance_secret: str = attrs.field(
         factory=process_instance_secret, validator=_check_secret, repr=_redact
@@ -364,8 +342,8 @@ class Registration:
 class CapacityReport:
     """The ``worker.capacity`` body: an absolute capacity under a strictly increasing sequence."""
 
-    sequence: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
-    capacity: int = attrs.field(validator=_check_int_range(0, MAX_CAPACITY))
+    sequence: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    capacity: int = attrs.field(validator=_field(_rules.REPORTED_CAPACITY))
     drain: bool = attrs.field(default=False, validator=_check_bool)
 
 
@@ -375,7 +353,7 @@ class AttemptRef:
 
     task_id: str = attrs.field(validator=_check_id)
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
 
 
@@ -391,13 +369,12 @@ class Task:
     payload_version: str = attrs.field(validator=_check_version)
     payload: Any = attrs.field(validator=_check_payload)
     state: TaskState = attrs.field(converter=_task_state)
-    revision: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
-    attempt: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
-    max_attempts: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    revision: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    attempt: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    max_attempts: int = attrs.field(validator=_check_counter, metadata=COUNTER)
 
     def __attrs_post_init__(self) -> None:
-        if self.attempt > self.max_attempts:
-            raise ValueError("attempt must not exceed max_attempts")
+        _rules.attempts(self.attempt, self.max_attempts)
 
 
 @attrs.frozen
@@ -406,7 +383,7 @@ class Assignment:
 
     task: Task
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
     lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
     server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
@@ -424,10 +401,10 @@ class Assignment:
 
 #: Subtracted from every local deadline so work stops before the server's lease does (§6.6).
 SAFETY_MARGIN = 0.250
-#: An active lease's window, ``lease_until - server_time``, is in (0, 120 s] (§6.6).
-MAX_LEASE_WINDOW = 120
-#: A session's window, ``expires_at - server_time``, is in (0, 300 s] (§5.2).
-MAX_SESSION_WINDOW = 300
+
+
+#: The states an active lease may be in (§6.6).
+RUNNABLE = (AttemptState.LEASED, AttemptState.RUNNING)
 
 
 @attrs.frozen
@@ -450,11 +427,13 @@ class Lease:
 
     def __attrs_post_init__(self) -> None:
         if self.active:
-            if self.state not in (AttemptState.LEASED, AttemptState.RUNNING):
-                raise ValueError("an active lease must be LEASED or RUNNING")
-            window = self.window
-            if not 0 < window <= MAX_LEASE_WINDOW:
-                raise ValueError("an active lease's window must be in (0, 2 min]")
+            _rules.active_lease_state(True, self.state in RUNNABLE)
+            _rules.window(
+                _ns(self.lease_until - self.server_time),
+                MAX_LEASE_WINDOW,
+                "server_time",
+                "lease_until",
+            )
 
     @property
     def window(self) -> float:
@@ -514,7 +493,7 @@ class Receipt:
     operation: Operation = attrs.field(converter=_operation)
     task_state: TaskState = attrs.field(converter=_task_state)
     attempt_state: AttemptState = attrs.field(converter=_attempt_state)
-    task_revision: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    task_revision: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
     disposition: Disposition = attrs.field(converter=_disposition)
 
@@ -526,16 +505,6 @@ class CommandResult:
     receipt: Receipt
     lease: Lease
     deduplicated: bool = attrs.field(validator=_check_bool)
-
-
-def _check_finish(self: Finish) -> None:
-    if self.outcome is Outcome.SUCCEEDED:
-        if self.error_code is not None:
-            raise ValueError("a SUCCEEDED finish carries no error_code")
-    elif self.error_code is None:
-        raise ValueError(f"a {self.outcome.value} finish needs an error_code")
-    if self.retryable is True and self.outcome is not Outcome.FAILED:
-        raise ValueError("retryable=True is only valid with FAILED")
 
 
 @attrs.frozen
@@ -551,7 +520,14 @@ class Finish:
     retryable: bool | None = attrs.field(default=None, validator=_check_optional_bool)
 
     def __attrs_post_init__(self) -> None:
-        _check_finish(self)
+        outcome = self.outcome
+        _rules.finish_outcome(
+            outcome is Outcome.SUCCEEDED,
+            outcome.value,
+            outcome is Outcome.FAILED,
+            self.error_code,
+            self.retryable,
+        )
 
 
 @attrs.frozen
@@ -559,16 +535,16 @@ class Welcome:
     """The ``worker.welcome`` body (and the ``ack`` body of ``worker.capacity``)."""
 
     session_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
     expires_at: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
-    lease_duration_ms: int = attrs.field(validator=_check_int_range(1_000, 120_000))
+    lease_duration_ms: int = attrs.field(validator=_field(_rules.LEASE_DURATION_MS))
     draining: bool = attrs.field(validator=_check_bool)
 
     def __attrs_post_init__(self) -> None:
-        window = (self.expires_at - self.server_time).total_seconds()
-        if not 0 < window <= MAX_SESSION_WINDOW:
-            raise ValueError("expires_at must be after server_time and at most 5 minutes later")
+        _rules.window(
+            _ns(self.expires_at - self.server_time), MAX_SESSION_WINDOW, "server_time", "expires_at"
+        )
 
     @property
     def session_window(self) -> float:
@@ -582,5 +558,5 @@ class CancelNotice:
 
     task_id: str = attrs.field(validator=_check_id)
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter(1), metadata=COUNTER)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     cancel_requested_at: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)

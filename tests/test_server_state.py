@@ -11,7 +11,7 @@ from _serverkit import CAP, Kit, Proc, body, client_frame, code, pushes_of, ref_
 from hypothesis import given
 from hypothesis import strategies as st
 
-from orbit_sync._codec import SERVER_BODY, format_time, parse_time, structure, unstructure
+from orbit_sync._codec import decode_body, format_time, parse_time, unstructure
 from orbit_sync.models import (
     Assignment,
     AttemptRef,
@@ -972,7 +972,7 @@ def test_format_us_is_format_time_of_the_datetime(us: int) -> None:
 
 def _model_form(cls: type[Any], wire: dict[str, Any]) -> dict[str, Any]:
     """*wire* through the strict model and back: the canonical wire form of its content."""
-    return unstructure(structure(SERVER_BODY, wire, cls))
+    return unstructure(decode_body(wire, cls))
 
 
 def test_assignment_and_lease_bodies_are_the_models_wire_forms() -> None:

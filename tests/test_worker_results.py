@@ -324,7 +324,7 @@ def test_finish_sends_the_encoders_text_as_the_generic_encoding(value: Any) -> N
     """A verdict's finish goes out with its encoder's text: the bytes the generic encoding gives."""
     finish = outcome_of(value=value).finish(FINISH_REF)
     assert id(finish) in _codec._RESULT_JSON
-    body = _codec.SERVER_BODY.unstructure(finish)
+    body = _codec.unstructure(finish)
     generic = _codec.encode_frame("task.finish", "4" * 32, session_id="3" * 32, body=body)
     assert _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish) == generic
 
@@ -347,6 +347,6 @@ def test_failed_finish_with_details_sends_the_encoders_text() -> None:
     error = Fail("OUT_OF_STOCK", "gone", details={"at": dt.date(2026, 1, 2)}, retryable=True)
     finish = outcome_of(error=error).finish(FINISH_REF)
     assert id(finish) in _codec._RESULT_JSON
-    body = _codec.SERVER_BODY.unstructure(finish)
+    body = _codec.unstructure(finish)
     generic = _codec.encode_frame("task.finish", "4" * 32, session_id="3" * 32, body=body)
     assert _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish) == generic
