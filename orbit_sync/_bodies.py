@@ -133,11 +133,18 @@ def parse_time_ns(value: str) -> tuple[_dt.datetime, int]:
     if _time_match(value) is None:
         raise ValueError("must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
     whole = _whole_second(value[:19])
-    if len(value) == 20:
+    size = len(value)
+    if size == 20:
         return whole, 0
     # The pattern fixed every position: the fraction is what lies between the '.' and the 'Z'.
+    if size <= 27:  # at most 6 digits: microseconds only
+        return whole.replace(microsecond=int(value[20:-1]) * _FRACTION_SCALE[size - 22]), 0
     digits = value[20:-1].ljust(9, "0")
     return whole.replace(microsecond=int(digits[:6])), int(digits[6:])
+
+
+# Microseconds per unit of a fraction of 1 to 6 digits.
+_FRACTION_SCALE = (100_000, 10_000, 1_000, 100, 10, 1)
 
 
 @functools.lru_cache(maxsize=256)

@@ -54,6 +54,25 @@ _DECODER = json.JSONDecoder(
 )
 
 
+_scan = _DECODER.scan_once
+_OPENERS = frozenset("{[")
+
+
+def _decode(text: str) -> Any:
+    """``_DECODER.decode(text)``; a document that starts with its object or array and ends with
+    it (a frame as peers write it) is scanned directly, without the decoder's two passes over
+    surrounding whitespace. Anything else, errors included, takes ``decode`` for its message."""
+    if text and text[0] in _OPENERS:
+        try:
+            value, end = _scan(text, 0)
+        except StopIteration:
+            pass
+        else:
+            if end == len(text):
+                return value
+    return _DECODER.decode(text)
+
+
 def _check_surrogates(value: Any) -> None:
     # Iterative, so a deeply nested (but parseable) document cannot exhaust the stack here.
     stack = [value]
@@ -88,7 +107,7 @@ def loads(data: bytes | str, *, limit: int = MAX_FRAME_BYTES) -> Any:
         if size > limit:
             raise FrameError(f"frame is {size} bytes, over the {limit}-byte limit")
     try:
-        value = _DECODER.decode(text)
+        value = _decode(text)
     except FrameError:
         raise
     except RecursionError:
