@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from typing import Any
 
+from ._foreign import kept, mapped
 from .errors import FrameError
 
 #: One frame is at most 512 KiB of UTF-8 (PROTOCOL §2).
@@ -54,7 +56,7 @@ _DECODER = json.JSONDecoder(
 )
 
 
-_scan = _DECODER.scan_once
+_scan: Callable[[str, int], tuple[Any, int]] = _DECODER.scan_once  # type: ignore[attr-defined]
 _OPENERS = frozenset("{[")
 
 
@@ -96,31 +98,31 @@ def loads(data: bytes | str, *, limit: int = MAX_FRAME_BYTES) -> Any:
             raise FrameError(f"frame is {len(raw)} bytes, over the {limit}-byte limit")
         try:
             text = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise FrameError("frame is not valid UTF-8") from None
+        except UnicodeDecodeError as exc:
+            raise mapped(exc, "frame is not valid UTF-8") from kept(exc)
     else:
         text = data
         try:
             size = len(text.encode("utf-8"))
-        except UnicodeEncodeError:
-            raise FrameError("frame contains a lone surrogate") from None
+        except UnicodeEncodeError as exc:
+            raise mapped(exc, "frame contains a lone surrogate") from kept(exc)
         if size > limit:
             raise FrameError(f"frame is {size} bytes, over the {limit}-byte limit")
     try:
         value = _decode(text)
     except FrameError:
         raise
-    except RecursionError:
-        raise FrameError("JSON nested too deeply") from None
-    except ValueError as exc:
-        # json.JSONDecodeError's message names a position, never content.
-        raise FrameError(f"invalid JSON: {exc.args[0] if exc.args else 'parse error'}") from None
+    except RecursionError as exc:
+        raise mapped(exc, "JSON nested too deeply") from kept(exc)
+    except json.JSONDecodeError as exc:
+        # Its message names a position, never content (the content is in its doc attribute).
+        raise mapped(exc, f"invalid JSON: {exc.msg}") from kept(exc)
     # Escaped surrogates (\\ud800) only exist if the text spells an escape; skip the walk otherwise.
     if "\\u" in text and ("\\ud" in text.lower()):
         try:
             _check_surrogates(value)
-        except UnicodeEncodeError:
-            raise FrameError("JSON string contains a lone surrogate") from None
+        except UnicodeEncodeError as exc:
+            raise mapped(exc, "JSON string contains a lone surrogate") from kept(exc)
     return value
 
 

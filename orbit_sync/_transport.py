@@ -58,6 +58,7 @@ from typing import Any, Final
 
 import websocket
 
+from ._foreign import kept, mapped
 from ._json import MAX_FRAME_BYTES
 from .errors import CallTimeout, HTTPError, WorkerDisconnected, WorkerProtocolError
 
@@ -204,7 +205,7 @@ def _open_tcp(host: str, port: int, guard: DialGuard) -> socket.socket:
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
     except OSError as exc:
-        raise WorkerDisconnected(f"cannot resolve the Orbit host: {exc.strerror}") from None
+        raise mapped(exc, f"cannot resolve the Orbit host: {exc.strerror}") from kept(exc)
     last: OSError | None = None
     for family, kind, proto, _, address in infos:
         sock = socket.socket(family, kind, proto)
@@ -225,8 +226,10 @@ def _open_tcp(host: str, port: int, guard: DialGuard) -> socket.socket:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         return sock
-    reason = last.strerror if last is not None and last.strerror else "no address"
-    raise WorkerDisconnected(f"cannot connect to the Orbit server: {reason}") from None
+    if last is None:
+        raise WorkerDisconnected("cannot connect to the Orbit server: no address")
+    reason = last.strerror or "no address"
+    raise mapped(last, f"cannot connect to the Orbit server: {reason}") from kept(last)
 
 
 class Transport:
@@ -295,9 +298,11 @@ class Transport:
                 else:
                     data = b"".join([self._frame(opcode, payload) for payload in payloads])
                 _sendall(self._sock, data)
-        except (OSError, ValueError, AttributeError) as exc:
-            # Network failures only (ValueError/AttributeError: the socket was torn down under
-            # the writer); anything else is a bug and propagates as itself.
+        except OSError as exc:
+            raise mapped(exc, "connection lost while sending") from kept(exc)
+        except (ValueError, AttributeError) as exc:
+            # The socket was torn down under the writer (not a foreign error: our own teardown);
+            # anything else is a bug and propagates as itself.
             raise WorkerDisconnected("connection lost while sending") from exc
 
     def _frame(self, opcode: int, payload: bytes) -> bytes:
@@ -450,10 +455,12 @@ class Transport:
         while have < need:
             try:
                 data = recv(max(_CHUNK, need - have))
-            except TimeoutError:  # only during the dial, the one time a socket timeout is set
-                raise CallTimeout("dial did not complete in time") from None
-            except (OSError, ValueError, AttributeError) as exc:
-                # AttributeError/ValueError: the socket was torn down under the reader.
+            except TimeoutError as exc:  # only during the dial: the one time a timeout is set
+                raise mapped(exc, "dial did not complete in time") from kept(exc)
+            except OSError as exc:
+                raise mapped(exc, "connection to the Orbit server lost") from kept(exc)
+            except (ValueError, AttributeError) as exc:
+                # The socket was torn down under the reader (our own teardown).
                 raise WorkerDisconnected("connection to the Orbit server lost") from exc
             if not data:
                 raise WorkerDisconnected("connection to the Orbit server lost")
@@ -572,20 +579,23 @@ def _wrap_tls(
         tls.do_handshake()
     except ssl.SSLCertVerificationError as exc:
         tls.close()
-        raise WorkerDisconnected(
-            f"TLS certificate verification failed: {exc.verify_message}"
-        ) from None
+        reason = f"TLS certificate verification failed: {exc.verify_message}"
+        raise mapped(exc, reason) from kept(exc)
     except CallTimeout:
         tls.close()
         raise
     except OSError as exc:
         tls.close()
-        if guard.fired or isinstance(exc, TimeoutError):
-            raise CallTimeout("dial did not complete in time") from None
-        failed = WorkerDisconnected("TLS handshake failed")
-        if isinstance(exc, ConnectionError | ssl.SSLEOFError):
+        if guard.fired:
+            raise CallTimeout("dial did not complete in time") from exc
+        if isinstance(exc, TimeoutError):
+            raise mapped(exc, "dial did not complete in time") from kept(exc)
+        failed = mapped(exc, "TLS handshake failed")
+        if isinstance(failed, WorkerDisconnected) and isinstance(
+            exc, ConnectionError | ssl.SSLEOFError
+        ):
             failed.dial_stage = "tls"  # reset or closed mid-handshake, not a TLS refusal
-        raise failed from None
+        raise failed from kept(exc)
     return tls
 
 
@@ -607,29 +617,30 @@ def _upgrade(
             suppress_origin=True,
         )
     except websocket.WebSocketBadStatusException as exc:
-        # `from None`: the library's message carries the response headers and body.
-        raise HTTPError(int(exc.status_code)) from None
-    except websocket.WebSocketTimeoutException:
-        raise CallTimeout("dial did not complete in time") from None
+        # The table drops the cause: the library's message carries the response headers and body.
+        raise mapped(exc, int(exc.status_code)) from kept(exc)
+    except websocket.WebSocketTimeoutException as exc:
+        raise mapped(exc, "dial did not complete in time") from kept(exc)
     except websocket.WebSocketConnectionClosedException as exc:
         # Cut before the whole 101 answer arrived: the network, not the server's protocol.
         if guard.fired:
-            raise CallTimeout("dial did not complete in time") from None
-        raise WorkerDisconnected("connection lost before the upgrade was answered") from exc
-    except websocket.WebSocketException:
+            raise CallTimeout("dial did not complete in time") from exc
+        raise mapped(exc, "connection lost before the upgrade was answered") from kept(exc)
+    except websocket.WebSocketException as exc:
         status = ws.getstatus()
         if isinstance(status, int) and status in _REDIRECTS:
-            # redirect_limit=0: the redirect is reported, never followed.
+            # redirect_limit=0: the redirect is reported, never followed. Not the table's row
+            # (that would be a protocol error), and the cause may quote the answer: dropped.
             raise HTTPError(status) from None
         if guard.fired:
             raise CallTimeout("dial did not complete in time") from None
-        raise WorkerProtocolError(
-            f"invalid WebSocket upgrade answer (subprotocol {subprotocol} required)"
-        ) from None
+        raise mapped(
+            exc, f"invalid WebSocket upgrade answer (subprotocol {subprotocol} required)"
+        ) from kept(exc)
     except OSError as exc:
         if guard.fired:
-            raise CallTimeout("dial did not complete in time") from None
-        raise WorkerDisconnected("connection lost during the WebSocket upgrade") from exc
+            raise CallTimeout("dial did not complete in time") from exc
+        raise mapped(exc, "connection lost during the WebSocket upgrade") from kept(exc)
     status = ws.getstatus()
     if isinstance(status, int) and status in _REDIRECTS:
         # websocket-client before 1.9.1 returns a redirect answer under redirect_limit=0 instead
