@@ -68,9 +68,12 @@ class Fault(ValueError):
 
 
 def _at(name: str, exc: Exception) -> Fault:
-    """The fault of field *name*: a nested body's fault moves under it, a rule's reason is its."""
+    """The fault of field *name*: a nested body's fault moves under it, a KeyError is the field
+    missing, a rule's reason is the field's."""
     if isinstance(exc, Fault):
         return exc.under(name)
+    if isinstance(exc, KeyError):
+        return Fault(name, "is missing")
     return Fault(name, str(exc))
 
 
@@ -184,30 +187,23 @@ def _window(
     A valid window under one microsecond is rounded up to one, so the model's microsecond times
     keep it positive.
     """
-    delta = end[0] - start[0]
-    _rules.window(
-        ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
-        + (end[1] - start[1]),
-        limit_s,
-        *names,
-    )
+    delta_ns = _rules.timedelta_ns(end[0] - start[0]) + (end[1] - start[1])
+    _rules.window(delta_ns, limit_s, names[0], names[1])
     if end[0] <= start[0]:
         return start[0] + _US
     return end[0]
 
 
-def _object(value: Any, required: frozenset[str]) -> dict[str, Any]:
-    """*value* as a JSON object holding every key in *required*."""
+def _object(value: Any) -> dict[str, Any]:
+    """*value* as a JSON object (a missing field is the KeyError of its read, see below)."""
     if type(value) is not dict:
         raise Fault("", "must be a JSON object")
-    if not required.issubset(value):
-        raise Fault("", f"is missing {', '.join(sorted(required.difference(value)))}")
     return value
 
 
-def _closed(value: Any, required: frozenset[str], allowed: frozenset[str]) -> dict[str, Any]:
-    """*value* as :func:`_object` does, and no field beyond *allowed* (a client's body)."""
-    o = _object(value, required)
+def _closed(value: Any, allowed: frozenset[str]) -> dict[str, Any]:
+    """*value* as :func:`_object` does, with no field beyond *allowed* (a client's body)."""
+    o = _object(value)
     if not allowed.issuperset(o):
         # The unknown names are the sender's text: not repeated.
         raise Fault("", "has a field the schema does not define")
@@ -219,17 +215,13 @@ def _keys(*names: str) -> frozenset[str]:
 
 
 # --------------------------------------------------------------------------- server → client
-# Each decoder records the field it is reading in ``f``; a rule's exception becomes a Fault at
-# that field (try costs nothing until something raises).
-
-_RECEIPT = _keys(
-    "operation", "task_state", "attempt_state", "task_revision", "lease_until", "disposition"
-)
+# Each decoder records the field it is reading in ``f``; a rule's exception, or the KeyError of a
+# missing field, becomes a Fault at that field (try costs nothing until something raises).
 
 
 def receipt(value: Any) -> Receipt:
     """A Receipt from its wire object."""
-    o = _object(value, _RECEIPT)
+    o = _object(value)
     f = "operation"
     try:
         operation = _OPERATION(o[f])
@@ -243,18 +235,17 @@ def receipt(value: Any) -> Receipt:
         until = _time(o[f])[0]
         f = "disposition"
         disposition = _DISPOSITION(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_receipt(operation, task_state, attempt_state, revision, until, disposition)
 
 
-_LEASE = _keys("active", "state", "lease_until", "server_time")
 _LEASE_WINDOW = ("server_time", "lease_until")
 
 
 def lease(value: Any) -> Lease:
     """A Lease (no local deadline yet) from its wire object."""
-    o = _object(value, _LEASE)
+    o = _object(value)
     f = "active"
     try:
         active = _bool(o[f])
@@ -274,17 +265,14 @@ def lease(value: Any) -> Lease:
             _rules.active_lease_state(True, state in RUNNABLE)
             f = "lease_until"
             lease_until = _window(now, until, _rules.MAX_LEASE_WINDOW, _LEASE_WINDOW)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_lease(active, state, lease_until, now[0], cancel, None)
 
 
-_COMMAND_RESULT = _keys("receipt", "lease", "deduplicated")
-
-
 def command_result(value: Any) -> CommandResult:
     """The ack body of start/renew/finish."""
-    o = _object(value, _COMMAND_RESULT)
+    o = _object(value)
     f = "receipt"
     try:
         got = receipt(o[f])
@@ -292,20 +280,17 @@ def command_result(value: Any) -> CommandResult:
         status = lease(o[f])
         f = "deduplicated"
         deduplicated = _bool(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_command_result(got, status, deduplicated)
 
 
-_WELCOME = _keys(
-    "session_id", "epoch", "server_time", "expires_at", "lease_duration_ms", "draining"
-)
 _SESSION_WINDOW = ("server_time", "expires_at")
 
 
 def welcome(value: Any) -> Welcome:
     """A Welcome (the answer to hello and to capacity)."""
-    o = _object(value, _WELCOME)
+    o = _object(value)
     f = "session_id"
     try:
         session_id = _id(o[f])
@@ -319,29 +304,14 @@ def welcome(value: Any) -> Welcome:
         lease_ms = _rules.LEASE_DURATION_MS(o[f])
         f = "draining"
         draining = _bool(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_welcome(session_id, epoch, now[0], expires_at, lease_ms, draining)
 
 
-_TASK = _keys(
-    "task_id",
-    "queue_id",
-    "namespace_id",
-    "handler",
-    "handler_version",
-    "payload_version",
-    "payload",
-    "state",
-    "revision",
-    "attempt",
-    "max_attempts",
-)
-
-
 def task(value: Any) -> Task:
     """A Task as an assignment describes it."""
-    o = _object(value, _TASK)
+    o = _object(value)
     f = "task_id"
     try:
         task_id = _id(o[f])
@@ -367,7 +337,7 @@ def task(value: Any) -> Task:
         max_attempts = _counter(o[f])
         f = "attempt"
         _rules.attempts(attempt, max_attempts)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_task(
         task_id,
@@ -384,12 +354,9 @@ def task(value: Any) -> Task:
     )
 
 
-_ASSIGNMENT = _keys("task", "attempt_id", "epoch", "lease_secret", "lease_until", "server_time")
-
-
 def assignment(value: Any) -> Assignment:
     """A ``task.assign`` body."""
-    o = _object(value, _ASSIGNMENT)
+    o = _object(value)
     f = "task"
     try:
         described = task(o[f])
@@ -403,17 +370,14 @@ def assignment(value: Any) -> Assignment:
         until = _time(o[f])[0]
         f = "server_time"
         now = _time(o[f])[0]
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_assignment(described, attempt_id, epoch, secret, until, now)
 
 
-_CANCEL_NOTICE = _keys("task_id", "attempt_id", "epoch", "cancel_requested_at")
-
-
 def cancel_notice(value: Any) -> CancelNotice:
     """A ``task.cancel`` body."""
-    o = _object(value, _CANCEL_NOTICE)
+    o = _object(value)
     f = "task_id"
     try:
         task_id = _id(o[f])
@@ -423,7 +387,7 @@ def cancel_notice(value: Any) -> CancelNotice:
         epoch = _counter(o[f])
         f = "cancel_requested_at"
         at = _time(o[f])[0]
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_cancel_notice(task_id, attempt_id, epoch, at)
 
@@ -455,7 +419,7 @@ _CAPABILITY = _keys("handler", "handler_version", "payload_version")
 
 def capability(value: Any) -> Capability:
     """One registered capability."""
-    o = _closed(value, _CAPABILITY, _CAPABILITY)
+    o = _closed(value, _CAPABILITY)
     f = "handler"
     try:
         handler = _rules.handler(o[f])
@@ -463,13 +427,19 @@ def capability(value: Any) -> Capability:
         handler_version = _version(o[f])
         f = "payload_version"
         payload_version = _version(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_capability(handler, handler_version, payload_version)
 
 
-_REGISTRATION = _keys("queue_id", "capabilities", "capacity", "instance_id", "instance_secret")
-_REGISTRATION_ALL = _REGISTRATION | {"cancellation_notifications"}
+_REGISTRATION = _keys(
+    "queue_id",
+    "capabilities",
+    "capacity",
+    "instance_id",
+    "instance_secret",
+    "cancellation_notifications",
+)
 
 
 def _capabilities(value: Any) -> tuple[Capability, ...]:
@@ -489,7 +459,7 @@ def _capabilities(value: Any) -> tuple[Capability, ...]:
 
 def registration(value: Any) -> Registration:
     """A ``worker.hello`` body."""
-    o = _closed(value, _REGISTRATION, _REGISTRATION_ALL)
+    o = _closed(value, _REGISTRATION)
     f = "queue_id"
     try:
         queue_id = _id(o[f])
@@ -505,7 +475,7 @@ def registration(value: Any) -> Registration:
         if "cancellation_notifications" in o:
             f = "cancellation_notifications"
             notifications = _bool(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_registration(
         queue_id, capabilities, capacity, instance_id, instance_secret, notifications
@@ -517,7 +487,7 @@ _CAPACITY_REPORT = _keys("sequence", "capacity", "drain")
 
 def capacity_report(value: Any) -> CapacityReport:
     """A ``worker.capacity`` body."""
-    o = _closed(value, _CAPACITY_REPORT, _CAPACITY_REPORT)
+    o = _closed(value, _CAPACITY_REPORT)
     f = "sequence"
     try:
         sequence = _counter(o[f])
@@ -525,7 +495,7 @@ def capacity_report(value: Any) -> CapacityReport:
         capacity = _rules.REPORTED_CAPACITY(o[f])
         f = "drain"
         drain = _bool(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_capacity_report(sequence, capacity, drain)
 
@@ -535,7 +505,7 @@ _ATTEMPT_REF = _keys("task_id", "attempt_id", "epoch", "lease_secret")
 
 def attempt_ref(value: Any) -> AttemptRef:
     """The body of ``worker.resume``, ``task.start`` and ``task.renew``."""
-    o = _closed(value, _ATTEMPT_REF, _ATTEMPT_REF)
+    o = _closed(value, _ATTEMPT_REF)
     f = "task_id"
     try:
         task_id = _id(o[f])
@@ -545,18 +515,17 @@ def attempt_ref(value: Any) -> AttemptRef:
         epoch = _counter(o[f])
         f = "lease_secret"
         secret = _secret(o[f])
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_attempt_ref(task_id, attempt_id, epoch, secret)
 
 
-_FINISH = _keys("ref", "outcome", "result")
-_FINISH_ALL = _FINISH | {"error_code", "retryable"}
+_FINISH = _keys("ref", "outcome", "result", "error_code", "retryable")
 
 
 def finish(value: Any) -> Finish:
     """A ``task.finish`` body (its result's size is the codec's to check)."""
-    o = _closed(value, _FINISH, _FINISH_ALL)
+    o = _closed(value, _FINISH)
     f = "ref"
     try:
         ref = attempt_ref(o[f])
@@ -575,7 +544,7 @@ def finish(value: Any) -> Finish:
         _rules.finish_outcome(
             outcome is Outcome.SUCCEEDED, outcome.value, outcome is Outcome.FAILED, code, retryable
         )
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, KeyError) as exc:
         raise _at(f, exc) from None
     return _new_finish(ref, outcome, result, code, retryable)
 

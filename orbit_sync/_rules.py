@@ -9,6 +9,7 @@ secret). The caller puts the field's name or path in front of the reason.
 
 from __future__ import annotations
 
+import datetime as _dt
 import enum
 import re
 from collections.abc import Callable
@@ -137,6 +138,11 @@ def member_of(cls: type[E]) -> Callable[[Any], E]:
         return member
 
     return check
+
+
+def timedelta_ns(delta: _dt.timedelta) -> int:
+    """A timedelta in whole nanoseconds (exact: no float on the way)."""
+    return ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
 
 
 def window(delta_ns: int, limit_s: int, start: str, end: str) -> None:

@@ -257,10 +257,6 @@ def _operation(value: Any) -> Operation:
     return _operation_value(value)
 
 
-def _ns(delta: _dt.timedelta) -> int:
-    return ((delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds) * 1000
-
-
 # Wire kinds, read by the codec from field metadata.
 COUNTER = {"wire": "counter"}
 TIME = {"wire": "time"}
@@ -429,7 +425,7 @@ class Lease:
         if self.active:
             _rules.active_lease_state(True, self.state in RUNNABLE)
             _rules.window(
-                _ns(self.lease_until - self.server_time),
+                _rules.timedelta_ns(self.lease_until - self.server_time),
                 MAX_LEASE_WINDOW,
                 "server_time",
                 "lease_until",
@@ -543,7 +539,10 @@ class Welcome:
 
     def __attrs_post_init__(self) -> None:
         _rules.window(
-            _ns(self.expires_at - self.server_time), MAX_SESSION_WINDOW, "server_time", "expires_at"
+            _rules.timedelta_ns(self.expires_at - self.server_time),
+            MAX_SESSION_WINDOW,
+            "server_time",
+            "expires_at",
         )
 
     @property
