@@ -297,19 +297,20 @@ def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
         raise _bad("unknown frame type")
     if not _is_id(frame.get("message_id")):
         raise _bad("message_id must be 32 lowercase hex")
-    for key in ("reply_to", "session_id"):
-        if key in frame and not _is_id(frame[key]):
-            raise _bad(f"{key} must be 32 lowercase hex")
-    if frame["type"] == "error":
+    if "reply_to" in frame and not _is_id(frame["reply_to"]):
+        raise _bad("reply_to must be 32 lowercase hex")
+    if "session_id" in frame and not _is_id(frame["session_id"]):
+        raise _bad("session_id must be 32 lowercase hex")
+    if kind == "error":
         if "body" in frame:
             raise _bad("error frame carries a body")
         if "error" not in frame:
             raise _bad("error frame without error")
     else:
         if "error" in frame:
-            raise _bad(f"{frame['type']} carries an error field")
+            raise _bad(f"{kind} carries an error field")
         if type(frame.get("body")) is not dict:
-            raise _bad(f"{frame['type']} needs an object body")
+            raise _bad(f"{kind} needs an object body")
     return frame
 
 
