@@ -257,11 +257,6 @@ def _operation(value: Any) -> Operation:
     return _operation_value(value)
 
 
-# Wire kinds, read by the codec from field metadata.
-COUNTER = {"wire": "counter"}
-TIME = {"wire": "time"}
-
-
 # --------------------------------------------------------------------------- models
 
 
@@ -338,7 +333,7 @@ class Registration:
 class CapacityReport:
     """The ``worker.capacity`` body: an absolute capacity under a strictly increasing sequence."""
 
-    sequence: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    sequence: int = attrs.field(validator=_check_counter)
     capacity: int = attrs.field(validator=_field(_rules.REPORTED_CAPACITY))
     drain: bool = attrs.field(default=False, validator=_check_bool)
 
@@ -349,7 +344,7 @@ class AttemptRef:
 
     task_id: str = attrs.field(validator=_check_id)
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    epoch: int = attrs.field(validator=_check_counter)
     lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
 
 
@@ -365,9 +360,9 @@ class Task:
     payload_version: str = attrs.field(validator=_check_version)
     payload: Any = attrs.field(validator=_check_payload)
     state: TaskState = attrs.field(converter=_task_state)
-    revision: int = attrs.field(validator=_check_counter, metadata=COUNTER)
-    attempt: int = attrs.field(validator=_check_counter, metadata=COUNTER)
-    max_attempts: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    revision: int = attrs.field(validator=_check_counter)
+    attempt: int = attrs.field(validator=_check_counter)
+    max_attempts: int = attrs.field(validator=_check_counter)
 
     def __attrs_post_init__(self) -> None:
         _rules.attempts(self.attempt, self.max_attempts)
@@ -379,10 +374,10 @@ class Assignment:
 
     task: Task
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    epoch: int = attrs.field(validator=_check_counter)
     lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
-    lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
-    server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    lease_until: _dt.datetime = attrs.field(validator=_check_time)
+    server_time: _dt.datetime = attrs.field(validator=_check_time)
 
     @property
     def attempt(self) -> AttemptRef:
@@ -414,12 +409,12 @@ class Lease:
 
     active: bool = attrs.field(validator=_check_bool)
     state: AttemptState = attrs.field(converter=_attempt_state)
-    lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
-    server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    lease_until: _dt.datetime = attrs.field(validator=_check_time)
+    server_time: _dt.datetime = attrs.field(validator=_check_time)
     cancel_requested_at: _dt.datetime | None = attrs.field(
-        default=None, validator=_check_optional_time, metadata=TIME
+        default=None, validator=_check_optional_time
     )
-    deadline: float | None = attrs.field(default=None, eq=False, metadata={"wire": "local"})
+    deadline: float | None = attrs.field(default=None, eq=False)
 
     def __attrs_post_init__(self) -> None:
         if self.active:
@@ -489,8 +484,8 @@ class Receipt:
     operation: Operation = attrs.field(converter=_operation)
     task_state: TaskState = attrs.field(converter=_task_state)
     attempt_state: AttemptState = attrs.field(converter=_attempt_state)
-    task_revision: int = attrs.field(validator=_check_counter, metadata=COUNTER)
-    lease_until: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    task_revision: int = attrs.field(validator=_check_counter)
+    lease_until: _dt.datetime = attrs.field(validator=_check_time)
     disposition: Disposition = attrs.field(converter=_disposition)
 
 
@@ -531,9 +526,9 @@ class Welcome:
     """The ``worker.welcome`` body (and the ``ack`` body of ``worker.capacity``)."""
 
     session_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
-    server_time: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
-    expires_at: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    epoch: int = attrs.field(validator=_check_counter)
+    server_time: _dt.datetime = attrs.field(validator=_check_time)
+    expires_at: _dt.datetime = attrs.field(validator=_check_time)
     lease_duration_ms: int = attrs.field(validator=_field(_rules.LEASE_DURATION_MS))
     draining: bool = attrs.field(validator=_check_bool)
 
@@ -557,5 +552,5 @@ class CancelNotice:
 
     task_id: str = attrs.field(validator=_check_id)
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
-    cancel_requested_at: _dt.datetime = attrs.field(validator=_check_time, metadata=TIME)
+    epoch: int = attrs.field(validator=_check_counter)
+    cancel_requested_at: _dt.datetime = attrs.field(validator=_check_time)
