@@ -71,7 +71,7 @@ def _at(name: str, exc: Exception) -> Fault:
     """The fault of field *name*: a nested body's fault moves under it, a KeyError is the field
     missing, a rule's reason is the field's."""
     if isinstance(exc, Fault):
-        return exc.under(name)
+        return exc.under(name) if name else exc
     if isinstance(exc, KeyError):
         return Fault(name, "is missing")
     return Fault(name, str(exc))
@@ -98,14 +98,6 @@ def trusted_constructor(cls: type[T]) -> Callable[..., T]:
     build: Callable[..., T] = namespace["build"]
     return build
 
-
-_new_receipt = trusted_constructor(Receipt)
-_new_lease = trusted_constructor(Lease)
-_new_command_result = trusted_constructor(CommandResult)
-_new_welcome = trusted_constructor(Welcome)
-_new_task = trusted_constructor(Task)
-_new_assignment = trusted_constructor(Assignment)
-_new_cancel_notice = trusted_constructor(CancelNotice)
 
 # --------------------------------------------------------------------------- scalars
 
@@ -175,222 +167,246 @@ def _time(value: Any) -> tuple[_dt.datetime, int]:
     return parse_time_ns(value)
 
 
+def _instant(value: Any) -> _dt.datetime:
+    """A wire time where no window needs its nanoseconds."""
+    if type(value) is not str:
+        raise TypeError("must be an RFC 3339 string")
+    return parse_time_ns(value)[0]
+
+
 def _window(
     start: tuple[_dt.datetime, int],
     end: tuple[_dt.datetime, int],
     limit_s: int,
-    names: tuple[str, str],
+    start_name: str,
+    end_name: str,
 ) -> _dt.datetime:
     """Check the window ``end - start`` on the wire's nanoseconds (the model's microseconds would
-    let 120 s + 1 ns pass and read 1 ns as zero); return the end to keep.
+    let 120 s + 1 ns pass and read 1 ns as zero); return the end to keep, or Fault at *end_name*.
 
     A valid window under one microsecond is rounded up to one, so the model's microsecond times
     keep it positive.
     """
     delta_ns = _rules.timedelta_ns(end[0] - start[0]) + (end[1] - start[1])
-    _rules.window(delta_ns, limit_s, names[0], names[1])
+    try:
+        _rules.window(delta_ns, limit_s, start_name, end_name)
+    except ValueError as exc:
+        raise Fault(end_name, str(exc)) from None
     if end[0] <= start[0]:
         return start[0] + _US
     return end[0]
 
 
-def _object(value: Any) -> dict[str, Any]:
-    """*value* as a JSON object (a missing field is the KeyError of its read, see below)."""
-    if type(value) is not dict:
-        raise Fault("", "must be a JSON object")
-    return value
+def _checked(name: str, rule: Callable[..., None], *args: Any) -> None:
+    """Apply a rule across fields; its reason is reported at field *name*."""
+    try:
+        rule(*args)
+    except ValueError as exc:
+        raise Fault(name, str(exc)) from None
 
 
-def _closed(value: Any, allowed: frozenset[str]) -> dict[str, Any]:
-    """*value* as :func:`_object` does, with no field beyond *allowed* (a client's body)."""
-    o = _object(value)
-    if not allowed.issuperset(o):
+# --------------------------------------------------------------------------- the schema
+# Each body is declared once: its wire fields in the model's order, each with its rule (a nested
+# body's decoder for a nested body) and, for a field the wire may omit, the value its absence
+# means; then the rule across fields, if any. The decoder of each body is generated from its
+# declaration as one specialised function (as attrs generates __init__): every field read and
+# checked once, the field being read kept in ``f`` so that a rule's exception, or the KeyError of
+# a missing field, becomes a Fault at that field (a try costs nothing until something raises).
+
+_REQUIRED: Any = attrs.NOTHING
+
+
+def _decoder(
+    cls: type[T],
+    fields: list[tuple[str, Callable[[Any], Any], Any]],
+    *,
+    closed: bool = False,
+    across: Callable[..., tuple[Any, ...]] | None = None,
+) -> Callable[[Any], T]:
+    """The decoder of body *cls*, generated from its declaration.
+
+    *closed*: no field beyond the declared ones (a client's body, PROTOCOL §12). *across*: the
+    rule across fields; it takes the decoded values and returns those to build the model with.
+    Model fields that never travel (``Lease.deadline``) get their defaults.
+    """
+    model = attrs.fields(cls)  # type: ignore[arg-type]
+    names = [name for name, _, _ in fields]
+    if names != [a.name for a in model[: len(names)]]:
+        raise TypeError(f"{cls.__name__}: fields must be declared in the model's order")
+    local = [a.default for a in model[len(names) :]]
+    ns: dict[str, Any] = {
+        "_Fault": Fault,
+        "_at": _at,
+        "_new": trusted_constructor(cls),
+        "_across": across,
+        "_allowed": frozenset(names),
+        "_local": tuple(local),
+    }
+    lines = [
+        "def decode(o):",
+        "    if type(o) is not dict:",
+        "        raise _Fault('', 'must be a JSON object')",
+    ]
+    if closed:
         # The unknown names are the sender's text: not repeated.
-        raise Fault("", "has a field the schema does not define")
-    return o
-
-
-def _keys(*names: str) -> frozenset[str]:
-    return frozenset(names)
+        lines += [
+            "    if not _allowed.issuperset(o):",
+            "        raise _Fault('', 'has a field the schema does not define')",
+        ]
+    lines += [f"    f = {names[0]!r}", "    try:"]
+    values = []
+    for i, (name, rule, absent) in enumerate(fields):
+        ns[f"_r{i}"] = rule
+        if i:
+            lines.append(f"        f = {name!r}")
+        if absent is _REQUIRED:
+            lines.append(f"        v{i} = _r{i}(o[{name!r}])")
+        else:
+            ns[f"_d{i}"] = absent
+            lines.append(f"        v{i} = _r{i}(o[{name!r}]) if {name!r} in o else _d{i}")
+        values.append(f"v{i}")
+    args = ", ".join(values)
+    if across is not None:
+        lines += ["        f = ''", f"        {args}, = _across({args})"]
+    lines += [
+        "    except (TypeError, ValueError, KeyError) as exc:",
+        "        raise _at(f, exc) from None",
+        f"    return _new({args}, *_local)" if local else f"    return _new({args})",
+    ]
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, f"<decoder {cls.__qualname__}>", "exec"), ns)
+    decode: Callable[[Any], T] = ns["decode"]
+    return decode
 
 
 # --------------------------------------------------------------------------- server → client
-# Each decoder records the field it is reading in ``f``; a rule's exception, or the KeyError of a
-# missing field, becomes a Fault at that field (try costs nothing until something raises).
+# Server bodies tolerate unknown fields (a newer server may add some).
+
+receipt = _decoder(
+    Receipt,
+    [
+        ("operation", _OPERATION, _REQUIRED),
+        ("task_state", _TASK_STATE, _REQUIRED),
+        ("attempt_state", _ATTEMPT_STATE, _REQUIRED),
+        ("task_revision", _counter, _REQUIRED),
+        ("lease_until", _instant, _REQUIRED),
+        ("disposition", _DISPOSITION, _REQUIRED),
+    ],
+)
 
 
-def receipt(value: Any) -> Receipt:
-    """A Receipt from its wire object."""
-    o = _object(value)
-    f = "operation"
-    try:
-        operation = _OPERATION(o[f])
-        f = "task_state"
-        task_state = _TASK_STATE(o[f])
-        f = "attempt_state"
-        attempt_state = _ATTEMPT_STATE(o[f])
-        f = "task_revision"
-        revision = _counter(o[f])
-        f = "lease_until"
-        until = _time(o[f])[0]
-        f = "disposition"
-        disposition = _DISPOSITION(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_receipt(operation, task_state, attempt_state, revision, until, disposition)
+def _lease_across(
+    active: bool,
+    state: AttemptState,
+    until: tuple[_dt.datetime, int],
+    now: tuple[_dt.datetime, int],
+    cancel: _dt.datetime | None,
+) -> tuple[Any, ...]:
+    lease_until = until[0]
+    if active:
+        _checked("state", _rules.active_lease_state, True, state in RUNNABLE)
+        lease_until = _window(now, until, _rules.MAX_LEASE_WINDOW, "server_time", "lease_until")
+    return active, state, lease_until, now[0], cancel
 
 
-_LEASE_WINDOW = ("server_time", "lease_until")
+#: A Lease (no local deadline yet).
+lease = _decoder(
+    Lease,
+    [
+        ("active", _bool, _REQUIRED),
+        ("state", _ATTEMPT_STATE, _REQUIRED),
+        ("lease_until", _time, _REQUIRED),
+        ("server_time", _time, _REQUIRED),
+        ("cancel_requested_at", _instant, None),
+    ],
+    across=_lease_across,
+)
+
+#: The ack body of start/renew/finish.
+command_result = _decoder(
+    CommandResult,
+    [
+        ("receipt", receipt, _REQUIRED),
+        ("lease", lease, _REQUIRED),
+        ("deduplicated", _bool, _REQUIRED),
+    ],
+)
 
 
-def lease(value: Any) -> Lease:
-    """A Lease (no local deadline yet) from its wire object."""
-    o = _object(value)
-    f = "active"
-    try:
-        active = _bool(o[f])
-        f = "state"
-        state = _ATTEMPT_STATE(o[f])
-        f = "lease_until"
-        until = _time(o[f])
-        f = "server_time"
-        now = _time(o[f])
-        cancel = None
-        if "cancel_requested_at" in o:
-            f = "cancel_requested_at"
-            cancel = _time(o[f])[0]
-        lease_until = until[0]
-        if active:
-            f = "state"
-            _rules.active_lease_state(True, state in RUNNABLE)
-            f = "lease_until"
-            lease_until = _window(now, until, _rules.MAX_LEASE_WINDOW, _LEASE_WINDOW)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_lease(active, state, lease_until, now[0], cancel, None)
+def _welcome_across(
+    session_id: str,
+    epoch: int,
+    now: tuple[_dt.datetime, int],
+    expires: tuple[_dt.datetime, int],
+    lease_ms: int,
+    draining: bool,
+) -> tuple[Any, ...]:
+    expires_at = _window(now, expires, _rules.MAX_SESSION_WINDOW, "server_time", "expires_at")
+    return session_id, epoch, now[0], expires_at, lease_ms, draining
 
 
-def command_result(value: Any) -> CommandResult:
-    """The ack body of start/renew/finish."""
-    o = _object(value)
-    f = "receipt"
-    try:
-        got = receipt(o[f])
-        f = "lease"
-        status = lease(o[f])
-        f = "deduplicated"
-        deduplicated = _bool(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_command_result(got, status, deduplicated)
+#: A Welcome (the answer to hello and to capacity).
+welcome = _decoder(
+    Welcome,
+    [
+        ("session_id", _id, _REQUIRED),
+        ("epoch", _counter, _REQUIRED),
+        ("server_time", _time, _REQUIRED),
+        ("expires_at", _time, _REQUIRED),
+        ("lease_duration_ms", _rules.LEASE_DURATION_MS, _REQUIRED),
+        ("draining", _bool, _REQUIRED),
+    ],
+    across=_welcome_across,
+)
 
 
-_SESSION_WINDOW = ("server_time", "expires_at")
+def _task_across(*values: Any) -> tuple[Any, ...]:
+    _checked("attempt", _rules.attempts, values[9], values[10])
+    return values
 
 
-def welcome(value: Any) -> Welcome:
-    """A Welcome (the answer to hello and to capacity)."""
-    o = _object(value)
-    f = "session_id"
-    try:
-        session_id = _id(o[f])
-        f = "epoch"
-        epoch = _counter(o[f])
-        f = "server_time"
-        now = _time(o[f])
-        f = "expires_at"
-        expires_at = _window(now, _time(o[f]), _rules.MAX_SESSION_WINDOW, _SESSION_WINDOW)
-        f = "lease_duration_ms"
-        lease_ms = _rules.LEASE_DURATION_MS(o[f])
-        f = "draining"
-        draining = _bool(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_welcome(session_id, epoch, now[0], expires_at, lease_ms, draining)
+#: A Task as an assignment describes it.
+task = _decoder(
+    Task,
+    [
+        ("task_id", _id, _REQUIRED),
+        ("queue_id", _id, _REQUIRED),
+        ("namespace_id", _id, _REQUIRED),
+        ("handler", _rules.handler, _REQUIRED),
+        ("handler_version", _version, _REQUIRED),
+        ("payload_version", _version, _REQUIRED),
+        ("payload", _rules.json_value, _REQUIRED),
+        ("state", _TASK_STATE, _REQUIRED),
+        ("revision", _counter, _REQUIRED),
+        ("attempt", _counter, _REQUIRED),
+        ("max_attempts", _counter, _REQUIRED),
+    ],
+    across=_task_across,
+)
 
+#: A ``task.assign`` body.
+assignment = _decoder(
+    Assignment,
+    [
+        ("task", task, _REQUIRED),
+        ("attempt_id", _id, _REQUIRED),
+        ("epoch", _counter, _REQUIRED),
+        ("lease_secret", _secret, _REQUIRED),
+        ("lease_until", _instant, _REQUIRED),
+        ("server_time", _instant, _REQUIRED),
+    ],
+)
 
-def task(value: Any) -> Task:
-    """A Task as an assignment describes it."""
-    o = _object(value)
-    f = "task_id"
-    try:
-        task_id = _id(o[f])
-        f = "queue_id"
-        queue_id = _id(o[f])
-        f = "namespace_id"
-        namespace_id = _id(o[f])
-        f = "handler"
-        handler = _rules.handler(o[f])
-        f = "handler_version"
-        handler_version = _version(o[f])
-        f = "payload_version"
-        payload_version = _version(o[f])
-        f = "payload"
-        payload = _rules.json_value(o[f])
-        f = "state"
-        state = _TASK_STATE(o[f])
-        f = "revision"
-        revision = _counter(o[f])
-        f = "attempt"
-        attempt = _counter(o[f])
-        f = "max_attempts"
-        max_attempts = _counter(o[f])
-        f = "attempt"
-        _rules.attempts(attempt, max_attempts)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_task(
-        task_id,
-        queue_id,
-        namespace_id,
-        handler,
-        handler_version,
-        payload_version,
-        payload,
-        state,
-        revision,
-        attempt,
-        max_attempts,
-    )
-
-
-def assignment(value: Any) -> Assignment:
-    """A ``task.assign`` body."""
-    o = _object(value)
-    f = "task"
-    try:
-        described = task(o[f])
-        f = "attempt_id"
-        attempt_id = _id(o[f])
-        f = "epoch"
-        epoch = _counter(o[f])
-        f = "lease_secret"
-        secret = _secret(o[f])
-        f = "lease_until"
-        until = _time(o[f])[0]
-        f = "server_time"
-        now = _time(o[f])[0]
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_assignment(described, attempt_id, epoch, secret, until, now)
-
-
-def cancel_notice(value: Any) -> CancelNotice:
-    """A ``task.cancel`` body."""
-    o = _object(value)
-    f = "task_id"
-    try:
-        task_id = _id(o[f])
-        f = "attempt_id"
-        attempt_id = _id(o[f])
-        f = "epoch"
-        epoch = _counter(o[f])
-        f = "cancel_requested_at"
-        at = _time(o[f])[0]
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_cancel_notice(task_id, attempt_id, epoch, at)
-
+#: A ``task.cancel`` body.
+cancel_notice = _decoder(
+    CancelNotice,
+    [
+        ("task_id", _id, _REQUIRED),
+        ("attempt_id", _id, _REQUIRED),
+        ("epoch", _counter, _REQUIRED),
+        ("cancel_requested_at", _instant, _REQUIRED),
+    ],
+)
 
 #: The decoder of each server → client body model.
 SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
@@ -408,37 +424,15 @@ SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
 # What the server accepts (the mock server's side): the same rules, and no field beyond the
 # model's (a client is held to the closed schema, PROTOCOL §12).
 
-_new_capability = trusted_constructor(Capability)
-_new_registration = trusted_constructor(Registration)
-_new_capacity_report = trusted_constructor(CapacityReport)
-_new_attempt_ref = trusted_constructor(AttemptRef)
-_new_finish = trusted_constructor(Finish)
-
-_CAPABILITY = _keys("handler", "handler_version", "payload_version")
-
-
-def capability(value: Any) -> Capability:
-    """One registered capability."""
-    o = _closed(value, _CAPABILITY)
-    f = "handler"
-    try:
-        handler = _rules.handler(o[f])
-        f = "handler_version"
-        handler_version = _version(o[f])
-        f = "payload_version"
-        payload_version = _version(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_capability(handler, handler_version, payload_version)
-
-
-_REGISTRATION = _keys(
-    "queue_id",
-    "capabilities",
-    "capacity",
-    "instance_id",
-    "instance_secret",
-    "cancellation_notifications",
+#: One registered capability.
+capability = _decoder(
+    Capability,
+    [
+        ("handler", _rules.handler, _REQUIRED),
+        ("handler_version", _version, _REQUIRED),
+        ("payload_version", _version, _REQUIRED),
+    ],
+    closed=True,
 )
 
 
@@ -457,97 +451,73 @@ def _capabilities(value: Any) -> tuple[Capability, ...]:
     return capabilities
 
 
-def registration(value: Any) -> Registration:
-    """A ``worker.hello`` body."""
-    o = _closed(value, _REGISTRATION)
-    f = "queue_id"
-    try:
-        queue_id = _id(o[f])
-        f = "capabilities"
-        capabilities = _capabilities(o[f])
-        f = "capacity"
-        capacity = _rules.CAPACITY(o[f])
-        f = "instance_id"
-        instance_id = _id(o[f])
-        f = "instance_secret"
-        instance_secret = _secret(o[f])
-        notifications = False
-        if "cancellation_notifications" in o:
-            f = "cancellation_notifications"
-            notifications = _bool(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_registration(
-        queue_id, capabilities, capacity, instance_id, instance_secret, notifications
+#: A ``worker.hello`` body.
+registration = _decoder(
+    Registration,
+    [
+        ("queue_id", _id, _REQUIRED),
+        ("capabilities", _capabilities, _REQUIRED),
+        ("capacity", _rules.CAPACITY, _REQUIRED),
+        ("instance_id", _id, _REQUIRED),
+        ("instance_secret", _secret, _REQUIRED),
+        ("cancellation_notifications", _bool, False),
+    ],
+    closed=True,
+)
+
+#: A ``worker.capacity`` body.
+capacity_report = _decoder(
+    CapacityReport,
+    [
+        ("sequence", _counter, _REQUIRED),
+        ("capacity", _rules.REPORTED_CAPACITY, _REQUIRED),
+        ("drain", _bool, _REQUIRED),
+    ],
+    closed=True,
+)
+
+#: The body of ``worker.resume``, ``task.start`` and ``task.renew``.
+attempt_ref = _decoder(
+    AttemptRef,
+    [
+        ("task_id", _id, _REQUIRED),
+        ("attempt_id", _id, _REQUIRED),
+        ("epoch", _counter, _REQUIRED),
+        ("lease_secret", _secret, _REQUIRED),
+    ],
+    closed=True,
+)
+
+
+def _finish_across(
+    ref: AttemptRef, outcome: Outcome, result: Any, code: str | None, retryable: bool | None
+) -> tuple[Any, ...]:
+    _checked(
+        "outcome",
+        _rules.finish_outcome,
+        outcome is Outcome.SUCCEEDED,
+        outcome.value,
+        outcome is Outcome.FAILED,
+        code,
+        retryable,
     )
+    return ref, outcome, result, code, retryable
 
 
-_CAPACITY_REPORT = _keys("sequence", "capacity", "drain")
-
-
-def capacity_report(value: Any) -> CapacityReport:
-    """A ``worker.capacity`` body."""
-    o = _closed(value, _CAPACITY_REPORT)
-    f = "sequence"
-    try:
-        sequence = _counter(o[f])
-        f = "capacity"
-        capacity = _rules.REPORTED_CAPACITY(o[f])
-        f = "drain"
-        drain = _bool(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_capacity_report(sequence, capacity, drain)
-
-
-_ATTEMPT_REF = _keys("task_id", "attempt_id", "epoch", "lease_secret")
-
-
-def attempt_ref(value: Any) -> AttemptRef:
-    """The body of ``worker.resume``, ``task.start`` and ``task.renew``."""
-    o = _closed(value, _ATTEMPT_REF)
-    f = "task_id"
-    try:
-        task_id = _id(o[f])
-        f = "attempt_id"
-        attempt_id = _id(o[f])
-        f = "epoch"
-        epoch = _counter(o[f])
-        f = "lease_secret"
-        secret = _secret(o[f])
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_attempt_ref(task_id, attempt_id, epoch, secret)
-
-
-_FINISH = _keys("ref", "outcome", "result", "error_code", "retryable")
-
-
-def finish(value: Any) -> Finish:
-    """A ``task.finish`` body (its result's size is the codec's to check)."""
-    o = _closed(value, _FINISH)
-    f = "ref"
-    try:
-        ref = attempt_ref(o[f])
-        f = "outcome"
-        outcome = _OUTCOME(o[f])
-        f = "result"
-        result = _rules.json_value(o[f])
-        code = retryable = None
-        if "error_code" in o:
-            f = "error_code"
-            code = _rules.code(o[f])  # null too: absent is the only "none" (PROTOCOL §12)
-        if "retryable" in o:
-            f = "retryable"
-            retryable = _bool(o[f])
-        f = "outcome"
-        _rules.finish_outcome(
-            outcome is Outcome.SUCCEEDED, outcome.value, outcome is Outcome.FAILED, code, retryable
-        )
-    except (TypeError, ValueError, KeyError) as exc:
-        raise _at(f, exc) from None
-    return _new_finish(ref, outcome, result, code, retryable)
-
+#: A ``task.finish`` body (its result's size is the codec's to check). An error_code that is
+#: present is a code: null too (absent is the only "none", PROTOCOL §12).
+finish = _decoder(
+    Finish,
+    [
+        ("ref", attempt_ref, _REQUIRED),
+        ("outcome", _OUTCOME, _REQUIRED),
+        ("result", _rules.json_value, _REQUIRED),
+        ("error_code", _rules.code, None),
+        ("retryable", _bool, None),
+    ],
+    closed=True,
+    across=_finish_across,
+)
 
 #: The decoder of each client → server body model.
 CLIENT_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
