@@ -30,39 +30,29 @@ MAX_LEASE_WINDOW = 120
 MAX_SESSION_WINDOW = 300
 
 _NS = 1_000_000_000
-_id_match = ID_RE.fullmatch
-_secret_match = SECRET_RE.fullmatch
-_handler_match = HANDLER_RE.fullmatch
-_code_match = CODE_RE.fullmatch
 _decimal_match = DECIMAL_RE.fullmatch
 
 
-def id_(value: Any) -> str:
-    """A 32-hex id."""
-    if type(value) is not str or _id_match(value) is None:
-        raise ValueError("must be 32 lowercase hex characters")
-    return value
+def _matching(pattern: re.Pattern[str], reason: str) -> Callable[[Any], str]:
+    """A string matching *pattern* in full."""
+    match = pattern.fullmatch
+
+    def check(value: Any) -> str:
+        if type(value) is not str or match(value) is None:
+            raise ValueError(reason)
+        return value
+
+    return check
 
 
-def secret(value: Any) -> str:
-    """An instance or lease secret."""
-    if type(value) is not str or _secret_match(value) is None:
-        raise ValueError("must be 32 bytes in unpadded base64url (43 characters)")
-    return value
-
-
-def handler(value: Any) -> str:
-    """A handler name."""
-    if type(value) is not str or _handler_match(value) is None:
-        raise ValueError("must be 1-64 characters of [a-z][a-z0-9._-]*")
-    return value
-
-
-def code(value: Any) -> str:
-    """An error code."""
-    if type(value) is not str or _code_match(value) is None:
-        raise ValueError("must be 1-64 characters of [A-Z][A-Z0-9_]*")
-    return value
+#: A 32-hex id.
+id_ = _matching(ID_RE, "must be 32 lowercase hex characters")
+#: An instance or lease secret.
+secret = _matching(SECRET_RE, "must be 32 bytes in unpadded base64url (43 characters)")
+#: A handler name.
+handler = _matching(HANDLER_RE, "must be 1-64 characters of [a-z][a-z0-9._-]*")
+#: An error code.
+code = _matching(CODE_RE, "must be 1-64 characters of [A-Z][A-Z0-9_]*")
 
 
 def version(value: Any) -> str:
