@@ -1,4 +1,5 @@
-"""Wire bodies of ``pulse.worker.v1``, decoded and encoded by hand: the one decoder of each body.
+"""Wire bodies of ``pulse.worker.v1``: each body declared once, its decoder and encoder
+generated from the declaration.
 
 Each field is checked once, while it is read, by the rules of :mod:`orbit_sync._rules` (the same
 functions the models' constructors run), and the model is then built by a trusted constructor
@@ -10,8 +11,7 @@ Trusted construction is per call (nothing process-wide is switched off), so mode
 user input in other threads keep validating.
 
 Server bodies tolerate unknown fields (a newer server may add some); client bodies, decoded on
-the mock server's side, are held to the closed schema (PROTOCOL §12). The encoders at the end
-write each model's wire dict out.
+the mock server's side, are held to the closed schema (PROTOCOL §12).
 """
 
 from __future__ import annotations
@@ -205,13 +205,28 @@ def _checked(name: str, rule: Callable[..., None], *args: Any) -> None:
         raise Fault(name, str(exc)) from None
 
 
+def format_time(value: _dt.datetime) -> str:
+    """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
+    if value.tzinfo is not _UTC:
+        value = value.astimezone(_UTC)
+    # isoformat() (C) always gives four year digits and ends in "+00:00" here; a fraction, when
+    # there is one, has six digits, of which RFC 3339 needs only the significant ones.
+    text = value.isoformat()[:-6]
+    if value.microsecond:
+        text = text.rstrip("0")
+    return text + "Z"
+
+
 # --------------------------------------------------------------------------- the schema
 # Each body is declared once: its wire fields in the model's order, each with its rule (a nested
 # body's decoder for a nested body) and, for a field the wire may omit, the value its absence
-# means; then the rule across fields, if any. The decoder of each body is generated from its
-# declaration as one specialised function (as attrs generates __init__): every field read and
-# checked once, the field being read kept in ``f`` so that a rule's exception, or the KeyError of
-# a missing field, becomes a Fault at that field (a try costs nothing until something raises).
+# means; then the rule across fields, if any. Its decoder and its encoder are generated from the
+# declaration as specialised functions (as attrs generates __init__). The decoder reads and
+# checks every field once, keeping the field being read in ``f`` so that a rule's exception, or
+# the KeyError of a missing field, becomes a Fault at that field (a try costs nothing until
+# something raises). The encoder writes the fields in the declared order, each in its wire form
+# (counters as decimal strings, times as RFC 3339, enums as their values), and leaves out an
+# optional field holding the value its absence means.
 
 _REQUIRED: Any = attrs.NOTHING
 
@@ -276,7 +291,48 @@ def _decoder(
     source = "\n".join(lines) + "\n"
     exec(compile(source, f"<decoder {cls.__qualname__}>", "exec"), ns)
     decode: Callable[[Any], T] = ns["decode"]
+    WIRE_FORMS[cls] = _encoder(cls, fields)
+    _WIRE_OF[decode] = WIRE_FORMS[cls]
     return decode
+
+
+def _enum_value(member: Any) -> Any:
+    return member.value
+
+
+#: The wire dict of each model (filled in as each body is declared).
+WIRE_FORMS: dict[type[Any], Callable[[Any], dict[str, Any]]] = {}
+#: How a field checked by a rule is written: a counter as text, a time as RFC 3339, an enum as
+#: its value, a nested body by its own encoder (added as each is declared); the rest as is.
+_WIRE_OF: dict[Callable[[Any], Any], Callable[[Any], Any]] = {
+    _counter: str,
+    _time: format_time,
+    _instant: format_time,
+    **dict.fromkeys((_OPERATION, _TASK_STATE, _ATTEMPT_STATE, _DISPOSITION, _OUTCOME), _enum_value),
+}
+
+
+def _encoder(
+    cls: type[Any], fields: list[tuple[str, Callable[[Any], Any], Any]]
+) -> Callable[[Any], dict[str, Any]]:
+    """The encoder of body *cls*, generated from its declaration (see above)."""
+    ns: dict[str, Any] = {}
+    lines = ["def encode(m):", "    out = {}"]
+    for i, (name, rule, absent) in enumerate(fields):
+        value = f"m.{name}"
+        write = _WIRE_OF.get(rule)
+        if write is not None:
+            ns[f"_w{i}"] = write
+            value = f"_w{i}({value})"
+        if absent is _REQUIRED:
+            lines.append(f"    out[{name!r}] = {value}")
+        else:
+            ns[f"_d{i}"] = absent
+            lines += [f"    if m.{name} is not _d{i}:", f"        out[{name!r}] = {value}"]
+    lines.append("    return out")
+    exec(compile("\n".join(lines) + "\n", f"<encoder {cls.__qualname__}>", "exec"), ns)
+    encode: Callable[[Any], dict[str, Any]] = ns["encode"]
+    return encode
 
 
 # --------------------------------------------------------------------------- server → client
@@ -451,6 +507,8 @@ def _capabilities(value: Any) -> tuple[Capability, ...]:
     return capabilities
 
 
+_WIRE_OF[_capabilities] = lambda listed: [WIRE_FORMS[Capability](c) for c in listed]
+
 #: A ``worker.hello`` body.
 registration = _decoder(
     Registration,
@@ -525,159 +583,4 @@ CLIENT_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
     CapacityReport: capacity_report,
     AttemptRef: attempt_ref,
     Finish: finish,
-}
-
-# --------------------------------------------------------------------------- encoding
-# The wire form of each model, written out: counters as decimal strings, times as RFC 3339,
-# optional fields omitted when they hold their default. tests/test_wire_bodies.py decodes every
-# one back to an equal model.
-
-
-def format_time(value: _dt.datetime) -> str:
-    """Format an aware datetime as RFC 3339 UTC with ``Z`` (fraction only when non-zero)."""
-    if value.tzinfo is not _UTC:
-        value = value.astimezone(_UTC)
-    # isoformat() (C) always gives four year digits and ends in "+00:00" here; a fraction, when
-    # there is one, has six digits, of which RFC 3339 needs only the significant ones.
-    text = value.isoformat()[:-6]
-    if value.microsecond:
-        text = text.rstrip("0")
-    return text + "Z"
-
-
-def _capability_wire(c: Capability) -> dict[str, Any]:
-    return {
-        "handler": c.handler,
-        "handler_version": c.handler_version,
-        "payload_version": c.payload_version,
-    }
-
-
-def _registration_wire(r: Registration) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "queue_id": r.queue_id,
-        "capabilities": [_capability_wire(c) for c in r.capabilities],
-        "capacity": r.capacity,
-        "instance_id": r.instance_id,
-        "instance_secret": r.instance_secret,
-    }
-    if r.cancellation_notifications:
-        out["cancellation_notifications"] = True
-    return out
-
-
-def _capacity_wire(c: CapacityReport) -> dict[str, Any]:
-    return {"sequence": str(c.sequence), "capacity": c.capacity, "drain": c.drain}
-
-
-def _ref_wire(r: AttemptRef) -> dict[str, Any]:
-    return {
-        "task_id": r.task_id,
-        "attempt_id": r.attempt_id,
-        "epoch": str(r.epoch),
-        "lease_secret": r.lease_secret,
-    }
-
-
-def _task_wire(t: Task) -> dict[str, Any]:
-    return {
-        "task_id": t.task_id,
-        "queue_id": t.queue_id,
-        "namespace_id": t.namespace_id,
-        "handler": t.handler,
-        "handler_version": t.handler_version,
-        "payload_version": t.payload_version,
-        "payload": t.payload,
-        "state": t.state.value,
-        "revision": str(t.revision),
-        "attempt": str(t.attempt),
-        "max_attempts": str(t.max_attempts),
-    }
-
-
-def _assignment_wire(a: Assignment) -> dict[str, Any]:
-    return {
-        "task": _task_wire(a.task),
-        "attempt_id": a.attempt_id,
-        "epoch": str(a.epoch),
-        "lease_secret": a.lease_secret,
-        "lease_until": format_time(a.lease_until),
-        "server_time": format_time(a.server_time),
-    }
-
-
-def _lease_wire(x: Lease) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "active": x.active,
-        "state": x.state.value,
-        "lease_until": format_time(x.lease_until),
-        "server_time": format_time(x.server_time),
-    }
-    if x.cancel_requested_at is not None:
-        out["cancel_requested_at"] = format_time(x.cancel_requested_at)
-    return out
-
-
-def _receipt_wire(r: Receipt) -> dict[str, Any]:
-    return {
-        "operation": r.operation.value,
-        "task_state": r.task_state.value,
-        "attempt_state": r.attempt_state.value,
-        "task_revision": str(r.task_revision),
-        "lease_until": format_time(r.lease_until),
-        "disposition": r.disposition.value,
-    }
-
-
-def _command_result_wire(c: CommandResult) -> dict[str, Any]:
-    return {
-        "receipt": _receipt_wire(c.receipt),
-        "lease": _lease_wire(c.lease),
-        "deduplicated": c.deduplicated,
-    }
-
-
-def _finish_wire(f: Finish) -> dict[str, Any]:
-    out: dict[str, Any] = {"ref": _ref_wire(f.ref), "outcome": f.outcome.value, "result": f.result}
-    if f.error_code is not None:
-        out["error_code"] = f.error_code
-    if f.retryable is not None:
-        out["retryable"] = f.retryable
-    return out
-
-
-def _welcome_wire(w: Welcome) -> dict[str, Any]:
-    return {
-        "session_id": w.session_id,
-        "epoch": str(w.epoch),
-        "server_time": format_time(w.server_time),
-        "expires_at": format_time(w.expires_at),
-        "lease_duration_ms": w.lease_duration_ms,
-        "draining": w.draining,
-    }
-
-
-def _cancel_notice_wire(c: CancelNotice) -> dict[str, Any]:
-    return {
-        "task_id": c.task_id,
-        "attempt_id": c.attempt_id,
-        "epoch": str(c.epoch),
-        "cancel_requested_at": format_time(c.cancel_requested_at),
-    }
-
-
-#: The wire dict of each model.
-WIRE_FORMS: dict[type[Any], Callable[[Any], dict[str, Any]]] = {
-    Capability: _capability_wire,
-    Registration: _registration_wire,
-    CapacityReport: _capacity_wire,
-    AttemptRef: _ref_wire,
-    Task: _task_wire,
-    Assignment: _assignment_wire,
-    Lease: _lease_wire,
-    Receipt: _receipt_wire,
-    CommandResult: _command_result_wire,
-    Finish: _finish_wire,
-    Welcome: _welcome_wire,
-    CancelNotice: _cancel_notice_wire,
 }
