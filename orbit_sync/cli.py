@@ -24,6 +24,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
 from . import _cli_worker
+from ._rules import MAX_LEASE_WINDOW, MAX_SESSION_WINDOW
 from ._seconds import parse_seconds
 from ._version import __version__
 from .client import read_token_file
@@ -143,14 +144,14 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         default=30.0,
         metavar="S",
-        help="lease window in seconds, 1-120 (default: 30)",
+        help=f"lease window in seconds, 1-{MAX_LEASE_WINDOW} (default: 30)",
     )
     parser.add_argument(
         "--session-window",
         type=_positive_float,
         default=45.0,
         metavar="S",
-        help="session window in seconds, up to 300 (default: 45)",
+        help=f"session window in seconds, up to {MAX_SESSION_WINDOW} (default: 45)",
     )
     parser.add_argument(
         "--assignment-rate",
