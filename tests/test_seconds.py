@@ -79,3 +79,32 @@ def test_every_caller_refuses_nan_the_same_way() -> None:
     for parse in (worker_cli_seconds, _positive_float):
         with pytest.raises(argparse.ArgumentTypeError, match="not NaN"):
             parse("nan")
+
+
+def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
+    """Health probes, heartbeat checks, backoff bounds and clock steps follow the one rule."""
+    from orbit_sync.contrib._probe_server import ProbeServer
+    from orbit_sync.contrib.health import FileHeartbeat, HealthProbe, check_heartbeat, main
+    from orbit_sync.testing import FakeClock, ManualClock, SystemClock
+    from orbit_sync.worker import Backoff
+
+    probe = HealthProbe()
+    makers = [
+        lambda v: HealthProbe(stale_after=v),
+        lambda v: FileHeartbeat(probe, "unused", v),
+        lambda v: ProbeServer(lambda: (200, b""), "127.0.0.1", 0, timeout=v),  # type: ignore[arg-type,return-value]
+        lambda v: Backoff(maximum=v),
+        lambda v: check_heartbeat("missing", v),
+        lambda v: FakeClock().advance(v),
+        lambda v: ManualClock().advance(v),
+        lambda v: SystemClock().advance(v),
+    ]
+    for make in makers:
+        with pytest.raises(ValueError, match="not NaN"):
+            make(math.nan)
+        with pytest.raises(ValueError, match="finite"):
+            make(math.inf)
+        with pytest.raises(TypeError, match="must be a number of seconds"):
+            make("1")
+    with pytest.raises(SystemExit):
+        main(["missing", "--max-age", "nan"])

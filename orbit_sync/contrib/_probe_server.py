@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from .._seconds import seconds
+
 __all__ = ["ProbeServer"]
 
 _LOG = logging.getLogger("orbit_sync.contrib.health")
@@ -87,11 +89,9 @@ class ProbeServer:
     ) -> None:
         if type(max_connections) is not int or max_connections < 1:
             raise ValueError("max_connections must be a positive int")
-        if not timeout > 0:
-            raise ValueError("timeout must be a positive number of seconds")
+        self._timeout = seconds(timeout, "timeout", positive=True)
         self._answer = answer
         self._max = max_connections
-        self._timeout = float(timeout)
         self._clock = clock
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, address = infos[0]

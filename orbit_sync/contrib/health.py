@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._seconds import parse_seconds, seconds
 from ..worker import (
     AttemptEvent,
     AttemptFinished,
@@ -62,9 +63,7 @@ class HealthProbe(WorkerListener):
     def __init__(
         self, *, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic
     ) -> None:
-        if not stale_after > 0:
-            raise ValueError("stale_after must be a positive number of seconds")
-        self._stale_after = float(stale_after)
+        self._stale_after = seconds(stale_after, "stale_after", positive=True)
         self._clock = clock
         self._lock = threading.Lock()
         self._session_id: str | None = None
@@ -233,11 +232,9 @@ class FileHeartbeat:
     def __init__(
         self, probe: HealthProbe, path: str | os.PathLike[str], interval: float = 5.0
     ) -> None:
-        if not interval > 0:
-            raise ValueError("interval must be a positive number of seconds")
+        self._interval = seconds(interval, "interval", positive=True)
         self._probe = probe
         self.path = os.fspath(path)
-        self._interval = float(interval)
         self._stop = threading.Event()
         self.write()  # fail here, not on the thread, if the path is unusable
         self._thread = threading.Thread(
@@ -274,6 +271,8 @@ class FileHeartbeat:
 
 def check_heartbeat(path: str | os.PathLike[str], max_age: float = 30.0) -> tuple[bool, str]:
     """``(ok, why)``: the heartbeat file exists, is at most *max_age* seconds old, says live."""
+    # Checked first: a NaN bound compares false with every age and would call any file fresh.
+    max_age = seconds(max_age, "max_age")
     try:
         age = time.time() - os.stat(path).st_mtime
         with open(path) as src:
@@ -291,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m orbit_sync.contrib.health PATH [--max-age S]``: exit 0 if healthy, else 1."""
     parser = argparse.ArgumentParser(prog="python -m orbit_sync.contrib.health")
     parser.add_argument("path", help="the heartbeat file the worker writes")
-    parser.add_argument("--max-age", type=float, default=30.0, help="seconds (default 30)")
+    parser.add_argument("--max-age", type=parse_seconds, default=30.0, help="seconds (default 30)")
     args = parser.parse_args(argv)
     ok, why = check_heartbeat(args.path, args.max_age)
     print(why, file=sys.stdout if ok else sys.stderr)

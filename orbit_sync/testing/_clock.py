@@ -22,6 +22,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
+from .._seconds import seconds as check_seconds
+
 __all__ = ["DEFAULT_START", "Clock", "ManualClock", "SystemClock"]
 
 #: Where a :class:`ManualClock` starts unless told otherwise: a fixed, readable instant.
@@ -37,16 +39,6 @@ class Clock(Protocol):
 
     def advance(self, seconds: float) -> None:
         """Move server time forward by *seconds* (>= 0)."""
-
-
-def _check_step(seconds: float) -> float:
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-        raise TypeError("seconds must be a number")
-    if not seconds >= 0:  # also rejects NaN
-        raise ValueError("time only moves forward: seconds must be >= 0")
-    if seconds == float("inf"):
-        raise ValueError("seconds must be finite")
-    return float(seconds)
 
 
 class SystemClock:
@@ -67,7 +59,7 @@ class SystemClock:
 
     def advance(self, seconds: float) -> None:
         """Jump forward by *seconds*."""
-        step = _check_step(seconds)
+        step = check_seconds(seconds, "seconds")
         with self._lock:
             self._offset += step
 
@@ -102,7 +94,7 @@ class ManualClock:
 
     def advance(self, seconds: float) -> None:
         """Move forward by *seconds* and notify listeners."""
-        step = _check_step(seconds)
+        step = check_seconds(seconds, "seconds")
         with self._lock:
             self._now += step
             listeners = list(self._listeners)

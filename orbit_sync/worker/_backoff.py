@@ -6,14 +6,15 @@ import random
 
 import attrs
 
+from .._seconds import seconds
+
 __all__ = ["Backoff"]
 
 _RNG = random.Random()
 
 
 def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
-    if not isinstance(value, int | float) or isinstance(value, bool) or not value > 0:
-        raise ValueError(f"{attribute.name} must be a positive number of seconds")
+    seconds(value, attribute.name, positive=True)
 
 
 @attrs.frozen

@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .._seconds import seconds as check_seconds
+
 __all__ = ["FakeClock", "Wakeup", "WorkerClock"]
 
 
@@ -100,14 +102,11 @@ class FakeClock(WorkerClock):
 
     def advance(self, seconds: float) -> None:
         """Move forward by *seconds* and wake every timed waiter to re-check its deadline."""
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float):
-            raise TypeError("seconds must be a number")
-        if not (seconds >= 0 and math.isfinite(seconds)):
-            raise ValueError("seconds must be finite and >= 0")
+        step = check_seconds(seconds, "seconds")
         if self._follow is not None:
             raise RuntimeError("this clock follows another: advance that one")
         with self._lock:
-            self._now += seconds
+            self._now += step
         self._wake_all()
 
     def wait(self, cond: threading.Condition, deadline: float | None) -> None:
