@@ -7,6 +7,7 @@ from typing import Any
 from ._deprecated import moved
 from ._version import __version__
 from .client import Client
+from .clock import Clock
 from .connection import WorkerConnection
 from .errors import (
     CallTimeout,
@@ -64,6 +65,7 @@ __all__ = [
     "Capability",
     "CapacityReport",
     "Client",
+    "Clock",
     "CommandResult",
     "Disposition",
     "Fail",

@@ -20,7 +20,6 @@ import os
 import re
 import ssl
 import threading
-import time
 import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Final
@@ -28,6 +27,7 @@ from typing import Final
 from . import _codec, _transport
 from ._protocol import call_timeout
 from ._seconds import seconds
+from .clock import Clock, now_reader
 from .connection import CALL_TIMEOUT, READ_IDLE_TIMEOUT, WorkerConnection
 from .errors import (
     CallTimeout,
@@ -288,7 +288,7 @@ class Client:
         *,
         on_cancel: Callable[[CancelNotice], None] | None = None,
         on_assignment: Callable[[Assignment], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
         max_call_timeout: float = CALL_TIMEOUT,
         read_idle_timeout: float = READ_IDLE_TIMEOUT,
         cut: DialCut | None = None,
@@ -315,10 +315,12 @@ class Client:
         :meth:`WorkerConnection.next_assignment`, at most 8 unread (PROTOCOL §10: a 9th closes the
         connection with ``WorkerBackpressure``).
 
-        ``clock`` anchors every lease's local ``deadline`` (pass the same clock to
-        ``lease.may_run()``). ``max_call_timeout`` (≤ 10 s) and ``read_idle_timeout`` (≤ 60 s)
-        may only tighten the protocol's bounds. ``cut`` (a :class:`DialCut`) lets another thread
-        end the dial early (``CallTimeout``).
+        ``clock`` (an :class:`orbit_sync.Clock`, real time when left out) anchors every lease's
+        local ``deadline`` (pass its ``now`` to ``lease.may_run()``); a worker given the same
+        clock runs its schedule on it. A plain function returning seconds still works, with a
+        ``DeprecationWarning``, until the next release. ``max_call_timeout`` (≤ 10 s) and
+        ``read_idle_timeout`` (≤ 60 s) may only tighten the protocol's bounds. ``cut`` (a
+        :class:`DialCut`) lets another thread end the dial early (``CallTimeout``).
         """
         if not isinstance(registration, Registration):
             raise TypeError("registration must be a Registration")
@@ -332,8 +334,7 @@ class Client:
                 raise ValueError("on_cancel needs registration.cancellation_notifications=True")
         if on_assignment is not None and not callable(on_assignment):
             raise TypeError("on_assignment must be callable")
-        if not callable(clock):
-            raise TypeError("clock must be callable")
+        lease_clock = now_reader(clock)
         if cut is not None and not isinstance(cut, DialCut):
             raise TypeError("cut must be a DialCut")
         if self._ssl_context is not None:
@@ -391,7 +392,7 @@ class Client:
             registration,
             on_cancel=on_cancel,
             on_assignment=on_assignment,
-            clock=clock,
+            clock=lease_clock,
             max_call_timeout=max_call,
             read_idle_timeout=idle,
         )

@@ -40,18 +40,9 @@ from orbit_sync.models import (
     Welcome,
     new_message_id,
 )
+from orbit_sync.testing import FakeClock
 
 REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
-
-
-class FakeClock:
-    """A monotonic clock the test sets by hand."""
-
-    def __init__(self, now: float) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, dict[str, Any]]:
@@ -108,7 +99,7 @@ def test_each_request_sends_its_frame_and_returns_its_answer() -> None:
             for result in (started, renewed, finished):
                 assert isinstance(result, CommandResult)
                 assert result.lease.deadline == pytest.approx(1000 + 30 - 0.25)
-            assert started.lease.may_run(clock)
+            assert started.lease.may_run(clock.now)
             assert finished.receipt.disposition is Disposition.APPLIED
             assert conn.err is None
         finally:
@@ -123,14 +114,14 @@ def test_local_deadline_is_anchored_at_call_entry() -> None:
         try:
             thread, out = _in_thread(conn.start, REF)
             request = peer.recv()
-            clock.now = 59.0  # the answer takes 9 s of (fake) time to arrive
+            clock.advance(9.0)  # the answer takes 9 s of (fake) time to arrive
             peer.ack(request, command_body("start"))
             thread.join(WAIT)
             lease = out["result"].lease
             assert lease.deadline == pytest.approx(50 + 30 - 0.25)
-            assert lease.remaining(clock) == pytest.approx(30 - 9 - 0.25)
-            clock.now = 50 + 30 - 0.25
-            assert not lease.may_run(clock)
+            assert lease.remaining(clock.now) == pytest.approx(30 - 9 - 0.25)
+            clock.advance(30 - 9 - 0.25)
+            assert not lease.may_run(clock.now)
         finally:
             conn.close()
 

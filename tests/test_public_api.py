@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import time
 import warnings
 
 import pytest
@@ -82,3 +83,42 @@ def test_pipelined_requests_are_not_public() -> None:
     """The Worker's pipelined path is internal: no public submit or submit_many."""
     assert not hasattr(orbit_sync.WorkerConnection, "submit")
     assert not hasattr(orbit_sync.WorkerConnection, "submit_many")
+
+
+def test_every_clock_speaks_the_one_clock_protocol() -> None:
+    """Real time, the worker's FakeClock and the mock server's ManualClock are all Clocks."""
+    from orbit_sync.testing import FakeClock, ManualClock
+    from orbit_sync.worker import WorkerClock
+
+    manual = ManualClock()
+    for clock in (WorkerClock(), FakeClock(), manual, FakeClock(follow=manual)):
+        assert isinstance(clock, orbit_sync.Clock), clock
+    assert not isinstance(time.monotonic, orbit_sync.Clock)
+
+
+def test_a_function_as_dial_clock_is_deprecated_but_still_anchors_leases() -> None:
+    """dial_worker(clock=function) warns for one release and still reads time from it; a
+    non-clock is refused before anything is sent; Worker(clock=function) is refused."""
+    from _scripted import registration
+
+    from orbit_sync.testing import MockOrbitServer
+
+    with MockOrbitServer(assignment_rate=None) as server:
+        client = orbit_sync.Client(server.url, server.token)
+        reg = registration(queue_id=server.queue_id)
+        with pytest.warns(DeprecationWarning, match=r"orbit_sync\.Clock") as caught:
+            conn = client.dial_worker(reg, clock=lambda: 1000.0)
+        assert caught[0].filename == __file__  # points at the caller
+        try:
+            conn.capacity(orbit_sync.CapacityReport(sequence=1, capacity=1))
+            server.enqueue("resize", {})
+            lease = conn.start(conn.next_assignment(5.0).attempt).lease
+            assert lease.deadline is not None and 1000.0 < lease.deadline <= 1000.0 + 30
+        finally:
+            conn.close()
+        sessions = len(server.sessions())
+        with pytest.raises(TypeError, match=r"orbit_sync\.Clock"):
+            client.dial_worker(reg, clock=object())  # type: ignore[arg-type]
+        assert len(server.sessions()) == sessions  # refused before any hello
+        with pytest.raises(TypeError, match=r"orbit_sync\.Clock"):
+            orbit_sync.Worker(client, queue_id=server.queue_id, clock=time.monotonic)  # type: ignore[arg-type]

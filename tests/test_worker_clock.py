@@ -179,3 +179,45 @@ def test_connection_thread_sleeps_until_the_heartbeat_and_wakes_for_a_drain() ->
         assert sleeps, "the connection thread never slept on the worker's clock"
         for now, deadline in sleeps:
             assert deadline - now > 10.0, "woke up before the heartbeat was due: polling"
+
+
+def test_one_manual_clock_drives_the_server_a_dial_and_a_worker() -> None:
+    """The mock server's ManualClock, passed as is, anchors a dial's leases and a Worker's waits."""
+    from _scripted import registration
+
+    from orbit_sync import CapacityReport, Client, Clock
+
+    manual = ManualClock()
+    assert isinstance(manual, Clock)
+    with MockOrbitServer(clock=manual, assignment_rate=None) as server:
+        conn = Client(server.url, server.token).dial_worker(
+            registration(queue_id=server.queue_id), clock=manual
+        )
+        try:
+            conn.capacity(CapacityReport(sequence=1, capacity=1))
+            server.enqueue("resize", {})
+            started = conn.start(conn.next_assignment(WAIT).attempt)
+            lease = started.lease
+            assert lease.deadline is not None
+            # Anchored on the manual clock (POSIX seconds of 2026), not on time.monotonic.
+            window = lease.deadline - manual.now()
+            assert 0 < window <= server.lease_duration
+            assert lease.may_run(manual.now)
+            server.advance(server.lease_duration)
+            assert not lease.may_run(manual.now)
+        finally:
+            conn.close()
+
+        worker = make_worker(server, clock=manual)
+
+        @worker.handler("one")
+        def one(ctx: TaskContext, payload: Any) -> Any:
+            return {"ok": True}
+
+        with running(worker):
+            task_id = server.enqueue("one", {})
+            assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
+                TaskState.SUCCEEDED
+            )
+            # The idle handler thread parks on the same clock, to retire when it moves on.
+            assert manual.wait_for_sleepers(1, "orbit-handler")

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
 from .._seconds import seconds as check_seconds
+from ..worker._clock import ManualWaits
 
 __all__ = ["DEFAULT_START", "Clock", "ManualClock", "SystemClock"]
 
@@ -67,11 +68,13 @@ class SystemClock:
         return f"SystemClock(offset={self._offset:.3f})"
 
 
-class ManualClock:
+class ManualClock(ManualWaits):
     """A clock that moves only when :meth:`advance` is called.
 
     Listeners (the mock server subscribes one) are called after each move, so time advanced
     directly on the clock still runs the server's due work, on the server's scheduler thread.
+    It is also an :class:`orbit_sync.Clock`: pass the same object to ``dial_worker(clock=...)``
+    and ``Worker(clock=...)``, and their timed waits end when server time passes their deadlines.
     """
 
     real_time = False
@@ -83,7 +86,7 @@ class ManualClock:
             start = start.timestamp()
         if isinstance(start, bool) or not isinstance(start, int | float):
             raise TypeError("start must be POSIX seconds or an aware datetime")
-        self._lock = threading.Lock()
+        super().__init__()
         self._now = float(start)
         self._listeners: list[Callable[[], None]] = []
 
@@ -100,6 +103,7 @@ class ManualClock:
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
+        self._wake_all()
 
     def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]:
         """Call *listener* after every move; returns a function that unsubscribes it."""

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from .._deprecated import moved
+from ..clock import WorkerClock
 from ._backoff import Backoff
-from ._clock import WorkerClock
 from ._context import TaskContext
 from ._encoding import result_converter
 from ._hooks import (

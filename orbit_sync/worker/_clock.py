@@ -1,17 +1,15 @@
-"""The worker's time: a monotonic clock and every timed wait, behind one injectable object.
+"""Clocks that move by hand, for tests (the :class:`~orbit_sync.Clock` protocol and its
+real-time clock live in :mod:`orbit_sync.clock`).
 
-Every timed wait of the worker's own threads (heartbeats, retry delays, the lease watchdog's
-schedule, the shutdown phases) goes through :meth:`WorkerClock.wait`, a condition wait that ends
-at a deadline on this clock; idle pool threads wait for work in :meth:`WorkerClock.park`.
-:class:`WorkerClock` is real time.
-:class:`FakeClock` moves only when told to (or when the mock server's ``ManualClock`` it follows
-moves), so a test can let a lease window, a drain timeout or an idle period pass at once instead
-of sleeping through it. Network bounds (dial, call and read-idle timeouts) stay in real time:
-they measure the network, not the worker's schedule.
+:class:`ManualWaits` gives a hand-moved clock the protocol's timed waits; :class:`FakeClock` moves
+only when told to (or when the mock server's ``ManualClock`` it follows moves), so a test can let
+a lease window, a drain timeout or an idle period pass at once instead of sleeping through it.
+:class:`Wakeup` is an ``Event`` whose timed wait runs on any clock.
 """
 
 from __future__ import annotations
 
+import abc
 import collections
 import math
 import threading
@@ -20,8 +18,9 @@ from collections.abc import Callable
 from typing import Protocol
 
 from .._seconds import seconds as check_seconds
+from ..clock import Clock, WorkerClock
 
-__all__ = ["FakeClock", "Wakeup", "WorkerClock"]
+__all__ = ["FakeClock", "ManualWaits", "Wakeup", "WorkerClock"]
 
 
 class _Follows(Protocol):
@@ -30,59 +29,12 @@ class _Follows(Protocol):
     def subscribe(self, listener: Callable[[], None]) -> Callable[[], None]: ...
 
 
-class WorkerClock:
-    """Real time: ``time.monotonic`` and the condition variable's own timeout."""
+class ManualWaits(abc.ABC):
+    """Timed waits for a clock that moves by hand: a subclass reads its time in :meth:`now` and
+    calls :meth:`_wake_all` after every move, so each waiter re-checks its deadline."""
 
-    def now(self) -> float:
-        """Seconds on a monotonic clock."""
-        return time.monotonic()
-
-    def park(self, lock: threading.Lock, deadline: float) -> bool:
-        """Acquire *lock* (held by the caller's parking place), waiting until *deadline* (clock
-        time); False when the deadline came first.
-
-        In real time this is the lock's own timed acquire: :meth:`unpark` wakes exactly this
-        thread and takes no Python-level lock (the idle pool threads' hot path).
-        """
-        return lock.acquire(timeout=max(0.0, deadline - self.now()))
-
-    def unpark(self, lock: threading.Lock) -> None:
-        """Release *lock*, waking the thread parked on it."""
-        lock.release()
-
-    def wait(self, cond: threading.Condition, deadline: float | None) -> None:
-        """Wait on *cond* (held by the caller) until notified or until *deadline* (clock time).
-
-        May return early (a notification, or spuriously): callers re-check what they wait for.
-        """
-        if deadline is None:
-            cond.wait()
-        else:
-            remaining = deadline - self.now()
-            if remaining > 0:
-                cond.wait(remaining)
-
-    def __repr__(self) -> str:
-        return "WorkerClock()"
-
-
-class FakeClock(WorkerClock):
-    """A monotonic clock that moves only when :meth:`advance` is called, for tests.
-
-    With *follow* (the mock server's ``ManualClock``), it reads that clock instead (minus where it
-    stood at creation) and wakes waiters whenever it moves: ``server.advance(30)`` then moves the
-    server's and the worker's time together.
-    """
-
-    def __init__(self, start: float = 0.0, *, follow: _Follows | None = None) -> None:
-        if isinstance(start, bool) or not isinstance(start, int | float):
-            raise TypeError("start must be a number of seconds")
-        if not math.isfinite(start):
-            raise ValueError("start must be a finite number of seconds")
+    def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._now = float(start)
-        self._follow = follow
-        self._origin = 0.0 if follow is None else follow.now() - float(start)
         #: Conditions someone waits on with a deadline, with how many waiters each.
         self._waiting: dict[threading.Condition, int] = {}
         #: Threads in a timed wait on this clock (notified on every change).
@@ -90,31 +42,17 @@ class FakeClock(WorkerClock):
         self._sleep_change = threading.Condition(self._lock)
         #: Notified by unpark(), so that parked threads re-check their locks.
         self._park_change = threading.Condition()
-        if follow is not None:
-            follow.subscribe(self._wake_all)
 
+    @abc.abstractmethod
     def now(self) -> float:
-        """The fake time."""
-        if self._follow is not None:
-            return self._follow.now() - self._origin
-        with self._lock:
-            return self._now
-
-    def advance(self, seconds: float) -> None:
-        """Move forward by *seconds* and wake every timed waiter to re-check its deadline."""
-        step = check_seconds(seconds, "seconds")
-        if self._follow is not None:
-            raise RuntimeError("this clock follows another: advance that one")
-        with self._lock:
-            self._now += step
-        self._wake_all()
+        """The clock's time."""
 
     def wait(self, cond: threading.Condition, deadline: float | None) -> None:
-        """Wait on *cond* until notified, or until :meth:`advance` reaches *deadline*."""
+        """Wait on *cond* until notified, or until the clock moves past *deadline*."""
         if deadline is None:
             cond.wait()
             return
-        # Registered before time is read: an advance() after the read then finds us and
+        # Registered before time is read: a move after the read then finds us and
         # notifies (it needs cond, which we hold until cond.wait releases it), so no move is lost.
         name = threading.current_thread().name
         with self._lock:
@@ -143,7 +81,7 @@ class FakeClock(WorkerClock):
 
     def wait_for_sleepers(self, count: int, prefix: str = "", timeout: float = 10.0) -> bool:
         """Wait (real time, at most *timeout*) until at least *count* threads named with
-        *prefix* are in a timed wait on this clock: what an advance() will then wake."""
+        *prefix* are in a timed wait on this clock: what a move of the clock will then wake."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while sum(n for name, n in self._sleepers.items() if name.startswith(prefix)) < count:
@@ -161,9 +99,10 @@ class FakeClock(WorkerClock):
                 cond.notify_all()
 
     def park(self, lock: threading.Lock, deadline: float) -> bool:
-        """Acquire *lock*, or return False once :meth:`advance` reaches *deadline*.
+        """Acquire *lock*, or return False once the clock moves past *deadline*.
 
-        The lock must be released through :meth:`unpark`: it and :meth:`advance` wake this wait.
+        The lock must be released through :meth:`unpark`: it and every move of the clock wake
+        this wait.
         """
         with self._park_change:
             while not lock.acquire(blocking=False):
@@ -178,16 +117,53 @@ class FakeClock(WorkerClock):
             lock.release()
             self._park_change.notify_all()
 
+
+class FakeClock(ManualWaits):
+    """A monotonic clock that moves only when :meth:`advance` is called, for tests.
+
+    With *follow* (the mock server's ``ManualClock``), it reads that clock instead (minus where it
+    stood at creation) and wakes waiters whenever it moves: ``server.advance(30)`` then moves the
+    server's and the worker's time together.
+    """
+
+    def __init__(self, start: float = 0.0, *, follow: _Follows | None = None) -> None:
+        if isinstance(start, bool) or not isinstance(start, int | float):
+            raise TypeError("start must be a number of seconds")
+        if not math.isfinite(start):
+            raise ValueError("start must be a finite number of seconds")
+        super().__init__()
+        self._now = float(start)
+        self._follow = follow
+        self._origin = 0.0 if follow is None else follow.now() - float(start)
+        if follow is not None:
+            follow.subscribe(self._wake_all)
+
+    def now(self) -> float:
+        """The fake time."""
+        if self._follow is not None:
+            return self._follow.now() - self._origin
+        with self._lock:
+            return self._now
+
+    def advance(self, seconds: float) -> None:
+        """Move forward by *seconds* and wake every timed waiter to re-check its deadline."""
+        step = check_seconds(seconds, "seconds")
+        if self._follow is not None:
+            raise RuntimeError("this clock follows another: advance that one")
+        with self._lock:
+            self._now += step
+        self._wake_all()
+
     def __repr__(self) -> str:
         return f"FakeClock(now={self.now():.3f})"
 
 
 class Wakeup:
-    """An ``Event`` whose timed :meth:`wait` runs on a :class:`WorkerClock`."""
+    """An ``Event`` whose timed :meth:`wait` runs on a :class:`~orbit_sync.Clock`."""
 
     __slots__ = ("_clock", "_cond", "_flag")
 
-    def __init__(self, clock: WorkerClock) -> None:
+    def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._cond = threading.Condition(threading.Lock())
         self._flag = False

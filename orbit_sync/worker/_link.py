@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from ..clock import Clock, WorkerClock
 from ..connection import Submission
 from ..errors import OrbitError
 from ..models import (
@@ -28,7 +29,6 @@ from ..models import (
     Registration,
     Welcome,
 )
-from ._clock import WorkerClock
 
 __all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link"]
 
@@ -169,7 +169,7 @@ class Link:
     """The current connection and its generation number, under one condition variable, and the
     gate that bounds the handler threads' requests on it."""
 
-    def __init__(self, clock: WorkerClock | None = None, *, slots: int = 24) -> None:
+    def __init__(self, clock: Clock | None = None, *, slots: int = 24) -> None:
         self._clock = clock or WorkerClock()
         self._cond = threading.Condition()
         self._conn: Connection | None = None

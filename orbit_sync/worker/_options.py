@@ -18,9 +18,9 @@ import cattrs
 
 from .._protocol import MAX_IN_FLIGHT, call_timeout
 from .._seconds import seconds
+from ..clock import Clock
 from ..models import ID_RE, MAX_CAPACITY
 from ._backoff import Backoff
-from ._clock import WorkerClock
 
 __all__ = ["RESERVED_SLOTS", "WorkerOptions", "check_seconds"]
 
@@ -66,8 +66,8 @@ def _retry_delay(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> 
 
 
 def _clock(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not isinstance(value, WorkerClock):
-        raise TypeError("clock must be a WorkerClock")
+    if value is not None and not isinstance(value, Clock):
+        raise TypeError("clock must be an orbit_sync.Clock (now, wait, park, unpark)")
 
 
 def _process_pool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -100,7 +100,7 @@ class WorkerOptions:
     logger: logging.Logger | None = None
     result_converter: cattrs.BaseConverter | None = None
     listeners: Iterable[object] = ()
-    clock: WorkerClock | None = attrs.field(default=None, validator=_clock)
+    clock: Clock | None = attrs.field(default=None, validator=_clock)
     process_pool: int | None = attrs.field(default=None, validator=_process_pool)
     #: Checked where they are used, by ``ChildLimits`` (their one home), as the Worker is built.
     process_max_tasks_per_child: int | None = None

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Callable
 
-from ._clock import WorkerClock
+from ..clock import Clock, WorkerClock
 
 __all__ = ["DaemonPool"]
 
@@ -46,7 +46,7 @@ class DaemonPool:
         *,
         name: str = "orbit-handler",
         idle_timeout: float = IDLE_TIMEOUT,
-        clock: WorkerClock | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if size < 1:
             raise ValueError("size must be at least 1")

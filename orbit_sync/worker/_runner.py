@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 import cattrs
 
 from ..client import DialCut
+from ..clock import Clock, WorkerClock
 from ..errors import OrbitError
 from ..models import (
     Assignment,
@@ -63,7 +64,7 @@ from ._attempts import (
     attempt_event,
 )
 from ._backoff import Backoff
-from ._clock import Wakeup, WorkerClock
+from ._clock import Wakeup
 from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._hooks import (
@@ -177,9 +178,11 @@ class Worker:
     (:class:`~orbit_sync.worker.WorkerListener`) observe attempts, leases and sessions; see also
     :meth:`add_listener`.
 
-    *clock* (a :class:`~orbit_sync.worker.WorkerClock`) is the worker's time: lease deadlines,
-    renewals, heartbeats, retry delays, the shutdown phases and idle handler threads run on it.
-    Tests pass a :class:`~orbit_sync.testing.FakeClock` to let those windows pass without sleeping.
+    *clock* (an :class:`orbit_sync.Clock`, the kind of object ``dial_worker`` takes) is the
+    worker's time: lease deadlines, renewals, heartbeats, retry delays, the shutdown phases and
+    idle handler threads run on it. Tests pass the mock server's
+    :class:`~orbit_sync.testing.ManualClock` (or a :class:`~orbit_sync.testing.FakeClock`) to let
+    those windows pass without sleeping.
     """
 
     def __init__(
@@ -201,7 +204,7 @@ class Worker:
         logger: logging.Logger | None = None,
         result_converter: cattrs.BaseConverter | None = None,
         listeners: Iterable[object] = (),
-        clock: WorkerClock | None = None,
+        clock: Clock | None = None,
         process_pool: int | None = None,
         process_max_tasks_per_child: int | None = None,
         process_max_memory_per_child: int | None = None,

@@ -23,12 +23,13 @@ from typing import Any, TypeVar
 
 from .._protocol import MAX_IN_FLIGHT
 from ..client import Client, DialCut
+from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
 from ..models import Assignment, CancelNotice, CapacityReport, Lease, Registration, Welcome
 from ._attempt import BUSY_DELAY, SETTLED
 from ._attempts import Attempt, AttemptShell, Registry
 from ._backoff import Backoff
-from ._clock import Wakeup, WorkerClock
+from ._clock import Wakeup
 from ._errors import EndpointCheck, is_fatal_dial_error, is_link_failure, is_transient
 from ._hooks import DisconnectEvent, Hooks, SessionEvent
 from ._link import Connection, Dialer, Link
@@ -75,7 +76,7 @@ class SessionLoop:
         call_timeout: float,
         retry_delay: float,
         backoff: Backoff,
-        time: WorkerClock,
+        time: Clock,
         link: Link,
         registry: Registry,
         shell: AttemptShell,
@@ -189,7 +190,7 @@ class SessionLoop:
                 timeout=self._dial_timeout,
                 on_cancel=self._on_cancel if self._notifications else None,
                 on_assignment=self._on_assignment,
-                clock=self._clock,
+                clock=self._time,
                 cut=self._dial_cut,
             )
             return conn

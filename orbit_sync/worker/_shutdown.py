@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..clock import Clock
 from ._attempt import Phase
 from ._attempts import Attempt, AttemptShell, Registry
-from ._clock import WorkerClock
 
 __all__ = ["CLOSE_ALLOWANCE", "AttemptPhases"]
 
@@ -26,7 +26,7 @@ CLOSE_ALLOWANCE = 0.5
 class AttemptPhases:
     """The phases of shutdown that act on the attempts (see the module's docstring)."""
 
-    def __init__(self, registry: Registry, time: WorkerClock, shell: AttemptShell) -> None:
+    def __init__(self, registry: Registry, time: Clock, shell: AttemptShell) -> None:
         self._reg = registry
         self._time = time
         self._shell = shell
