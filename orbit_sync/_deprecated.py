@@ -13,11 +13,13 @@ from typing import Any
 __all__ = ["moved"]
 
 
-def moved(old: str, name: str, new: str) -> Any:
-    """``new.name``, with a DeprecationWarning naming where to import it from instead of *old*."""
+def moved(old: str, name: str, new: str, new_name: str | None = None) -> Any:
+    """``new.name`` (or ``new.new_name``, for a name that was also renamed), with a
+    DeprecationWarning naming where to import it from instead of *old*."""
+    where = f"import it from {new}" if new_name is None else f"use {new}.{new_name}"
     warnings.warn(
-        f"{old}.{name} is deprecated and goes in the next release: import it from {new}",
+        f"{old}.{name} is deprecated and goes in the next release: {where}",
         DeprecationWarning,
         stacklevel=3,
     )
-    return getattr(importlib.import_module(new), name)
+    return getattr(importlib.import_module(new), new_name or name)

@@ -122,3 +122,15 @@ def test_a_function_as_dial_clock_is_deprecated_but_still_anchors_leases() -> No
         assert len(server.sessions()) == sessions  # refused before any hello
         with pytest.raises(TypeError, match=r"orbit_sync\.Clock"):
             orbit_sync.Worker(client, queue_id=server.queue_id, clock=time.monotonic)  # type: ignore[arg-type]
+
+
+def test_the_mock_servers_clock_protocol_is_server_clock() -> None:
+    """testing.Clock (the mock server's now/advance protocol) is now testing.ServerClock: the
+    old name warns and gives it, so orbit_sync.Clock is the only public Clock."""
+    import orbit_sync.testing as testing
+
+    assert "Clock" not in testing.__all__ and "ServerClock" in testing.__all__
+    with pytest.warns(DeprecationWarning, match=r"use orbit_sync\.testing\.ServerClock"):
+        old = testing.Clock
+    assert old is testing.ServerClock
+    assert isinstance(testing.SystemClock(), testing.ServerClock)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from ..worker._environment import HandlerEnvironment
     from ._admin import AdminAPI
     from ._admin_client import AdminClient, AdminError
-    from ._clock import Clock, ManualClock, SystemClock
+    from ._clock import ManualClock, ServerClock, SystemClock
     from ._cutlink import CuttingLink
     from ._faults import Fault, Faults
     from ._server import AdminHandler, MockOrbitServer
@@ -53,7 +53,6 @@ _EXPORTS: dict[str, str] = {
     "AdminError": "._admin_client",
     "AdminHandler": "._server",
     "AttemptSnapshot": "._snapshots",
-    "Clock": "._clock",
     "CuttingLink": "._cutlink",
     "EventLog": "._snapshots",
     "EventRecord": "._snapshots",
@@ -65,6 +64,7 @@ _EXPORTS: dict[str, str] = {
     "ManualClock": "._clock",
     "MockOrbitServer": "._server",
     "RetrySafety": "._snapshots",
+    "ServerClock": "._clock",
     "SessionSnapshot": "._snapshots",
     "SystemClock": "._clock",
     "TaskPolicy": "._snapshots",
@@ -79,7 +79,6 @@ __all__ = [
     "AdminError",
     "AdminHandler",
     "AttemptSnapshot",
-    "Clock",
     "CuttingLink",
     "EventLog",
     "EventRecord",
@@ -91,6 +90,7 @@ __all__ = [
     "ManualClock",
     "MockOrbitServer",
     "RetrySafety",
+    "ServerClock",
     "SessionSnapshot",
     "SystemClock",
     "TaskPolicy",
@@ -99,6 +99,9 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Clock":
+        # Renamed: orbit_sync.Clock is the one clock the client and the worker take.
+        return moved(__name__, name, __name__, "ServerClock")
     if name in _MOVED:
         return moved(__name__, name, f"{__name__}._state")
     module = _EXPORTS.get(name)

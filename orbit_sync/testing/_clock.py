@@ -25,15 +25,16 @@ from typing import Protocol, runtime_checkable
 from .._seconds import seconds as check_seconds
 from ..worker._clock import ManualWaits
 
-__all__ = ["DEFAULT_START", "Clock", "ManualClock", "SystemClock"]
+__all__ = ["DEFAULT_START", "ManualClock", "ServerClock", "SystemClock"]
 
 #: Where a :class:`ManualClock` starts unless told otherwise: a fixed, readable instant.
 DEFAULT_START = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
 
 
 @runtime_checkable
-class Clock(Protocol):
-    """What the mock server needs from a clock."""
+class ServerClock(Protocol):
+    """What the mock server needs from a clock (the client and the worker take an
+    :class:`orbit_sync.Clock`, which :class:`ManualClock` also is)."""
 
     def now(self) -> float:
         """Current server time in POSIX seconds."""

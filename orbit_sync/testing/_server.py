@@ -48,7 +48,7 @@ from .._json import MAX_FRAME_BYTES
 from .._protocol import READ_IDLE_TIMEOUT
 from ..models import TaskState, new_message_id
 from . import _http
-from ._clock import Clock, ManualClock, SystemClock
+from ._clock import ManualClock, ServerClock, SystemClock
 from ._conn import Conn
 from ._faults import PUSH_TYPES, Fault, Faults
 from ._listener import Admission, Listener
@@ -125,7 +125,7 @@ class MockOrbitServer:
         port: int = 0,
         lease_duration: float = 30.0,
         session_window: float = 45.0,
-        clock: Clock | None = None,
+        clock: ServerClock | None = None,
         assignment_rate: float | None = 4.0,
         ssl_context: ssl.SSLContext | None = None,
         request_rate: float | None = None,
@@ -184,7 +184,7 @@ class MockOrbitServer:
         self._host = host
         self._port = port
         self._ssl = ssl_context
-        self._clock: Clock = SystemClock() if clock is None else clock
+        self._clock: ServerClock = SystemClock() if clock is None else clock
         self._real_time = bool(getattr(self._clock, "real_time", False))
         self._state = OrbitState(
             clock=self._clock,
@@ -363,7 +363,7 @@ class MockOrbitServer:
         return self._state.namespace_id
 
     @property
-    def clock(self) -> Clock:
+    def clock(self) -> ServerClock:
         """The server's clock."""
         return self._clock
 

@@ -40,7 +40,7 @@ from ..models import (
     TaskState,
     new_id,
 )
-from ._clock import Clock
+from ._clock import ServerClock
 from ._inspect import Inspection
 from ._options import TOKEN_RE
 from ._records import (
@@ -107,7 +107,7 @@ class OrbitState(Requests, Inspection):
     def __init__(
         self,
         *,
-        clock: Clock,
+        clock: ServerClock,
         lease_duration: float = 30.0,
         session_window: float = 45.0,
         assignment_rate: float | None = 4.0,
