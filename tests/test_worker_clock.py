@@ -221,3 +221,20 @@ def test_one_manual_clock_drives_the_server_a_dial_and_a_worker() -> None:
             )
             # The idle handler thread parks on the same clock, to retire when it moves on.
             assert manual.wait_for_sleepers(1, "orbit-handler")
+
+
+def test_handler_environment_takes_the_same_clock() -> None:
+    """HandlerEnvironment's context counts its lease down on the Clock it is given."""
+    from orbit_sync.testing import HandlerEnvironment
+
+    clock = FakeClock(100.0)
+    env = HandlerEnvironment(lease_seconds=30.0, clock=clock)
+
+    def handler(ctx: TaskContext, payload: Any) -> Any:
+        before = ctx.remaining()
+        clock.advance(10.0)
+        return [before, ctx.remaining()]
+
+    assert env.run(handler, {}).result == [30.0, 20.0]
+    with pytest.warns(DeprecationWarning, match=r"orbit_sync\.Clock"):
+        HandlerEnvironment(clock=clock.now)

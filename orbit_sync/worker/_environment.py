@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import cattrs
 
+from ..clock import Clock, now_reader
 from ..models import Task, TaskState, new_id
 from ._context import TaskContext
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
@@ -30,7 +30,11 @@ __all__ = ["HandlerEnvironment"]
 
 class HandlerEnvironment:
     """Builds a :class:`TaskContext` for a made-up task, calls the handler on this thread, and
-    maps its ending to the :class:`Verdict` (outcome, result, error code) the worker would send."""
+    maps its ending to the :class:`Verdict` (outcome, result, error code) the worker would send.
+
+    *clock* (an :class:`orbit_sync.Clock`, real time when left out; a plain function still works
+    with a ``DeprecationWarning`` until the next release) is the time of the lease deadline that
+    ``ctx.remaining()`` counts down to."""
 
     def __init__(
         self,
@@ -39,7 +43,7 @@ class HandlerEnvironment:
         attempt: int = 1,
         max_attempts: int = 3,
         lease_seconds: float = 30.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
         logger: logging.Logger | None = None,
         result_converter: cattrs.BaseConverter | None = None,
     ) -> None:
@@ -50,7 +54,7 @@ class HandlerEnvironment:
         self._attempt = attempt
         self._max_attempts = max_attempts
         self._lease = lease_seconds
-        self._clock = clock
+        self._clock = now_reader(clock)
         self._logger = logger
         self._lock = threading.Lock()
         self._pending: str | None = None
