@@ -13,8 +13,9 @@ with a Python API to enqueue tasks, inspect them, move server time and inject fa
         snap = server.wait_for(task_id, {"SUCCEEDED", "NEEDS_REVIEW"})
 
 Also here for tests of code that uses the worker: :class:`HandlerEnvironment` (run a handler
-without a server) and :class:`FakeClock` (the worker's time, moved by hand or following a
-``ManualClock``).
+without a server) and :class:`FakeClock` (moved by hand or following a ``ManualClock``). Both
+clocks are an :class:`orbit_sync.Clock`: pass the server's ``ManualClock`` to ``Worker(clock=...)``
+and ``dial_worker(clock=...)`` and ``server.advance()`` moves the worker's time too.
 """
 
 from __future__ import annotations

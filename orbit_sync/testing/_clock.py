@@ -9,9 +9,10 @@ seconds). Two clocks ship with the package:
 * :class:`ManualClock` — time moves only when told to. ``MockOrbitServer.advance()`` steps it
   through every due moment (lease expiry, recovery scans, backoff) before returning.
 
-Any object with ``now() -> float`` and ``advance(seconds) -> None`` works; one whose
+Any :class:`ServerClock` (``now() -> float`` and ``advance(seconds) -> None``) works; one whose
 ``real_time`` attribute is true is treated as moving by itself (the server then wakes on its own
-to run due work).
+to run due work). A :class:`ManualClock` is also an :class:`orbit_sync.Clock`, the clock the
+client and the worker take, so one object can drive the server and the worker under test.
 """
 
 from __future__ import annotations
