@@ -29,11 +29,12 @@ import logging
 
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Outcome, Registration, new_message_id
+from ._backoff import Backoff
 from ._errors import is_fatal_dial_error, is_transient
-from ._link import Dialer
+from ._link import Dialer, Link
 from ._outbox import Outbox, Pending
 
-__all__ = ["WORKER_LOST", "replay"]
+__all__ = ["WORKER_LOST", "replay", "replay_until_done"]
 
 #: The outcome code of an attempt whose process stopped while its handler ran.
 WORKER_LOST = "WORKER_LOST"
@@ -41,6 +42,44 @@ WORKER_LOST = "WORKER_LOST"
 #: How long one try waits for a dead instance's handler processes to be gone (they exit within
 #: ``cancel_grace`` of their worker's death; on Linux at once).
 LOCK_WAIT = 1.0
+
+
+def replay_until_done(
+    outbox: Outbox,
+    dialer: Dialer,
+    *,
+    link: Link,
+    backoff: Backoff,
+    exclude: str,
+    log: logging.Logger,
+    dial_timeout: float,
+    call_timeout: float,
+) -> None:
+    """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per
+    *backoff* between tries; ends early when *link* is closed (shutdown)."""
+    failures = 0
+    while not link.is_closed():
+        try:
+            done = replay(
+                outbox,
+                dialer,
+                exclude=exclude,
+                log=log,
+                dial_timeout=dial_timeout,
+                call_timeout=call_timeout,
+            )
+        except OrbitError:  # the outbox file (OutboxError): try again later
+            log.exception("outbox replay failed; retrying")
+            done = False
+        except Exception:  # a bug of ours: retrying would repeat it
+            log.exception(
+                "outbox replay stopped by a worker error; stored results wait for a restart"
+            )
+            return
+        if done:
+            return
+        failures += 1
+        link.pause(backoff.delay(failures))
 
 
 def replay(

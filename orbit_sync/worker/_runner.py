@@ -1,71 +1,41 @@
-"""Worker: the public class, its lifecycle (start, run, stop), registration and the assignments'
-admission; the rest lives in modules of one concern each (docs/architecture.md). Over 600 lines
-because the public surface is here: the class and method docstrings and the constructor's
-signature are about half of it; the machinery is in:
+"""Worker: the public class, its lifecycle (start, run, stop) and registration; the rest lives
+in modules of one concern each (see docs/architecture.md for the threads and their owners):
 
-- :mod:`._options`: every option, checked once;
+- :mod:`._options`: every option, checked once; :mod:`._registration`: the handler table;
 - :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
+- :mod:`._admission`: the reader thread's assignments and cancel notices;
 - :mod:`._attempt`: one attempt's pure state machine; :mod:`._attempts`: its threaded shell;
 - :mod:`._renewals` / :mod:`._watchdog`: lease renewals; :mod:`._outbox` / :mod:`._replay`:
   the durable outbox; :mod:`._signals`: SIGTERM/SIGINT for :meth:`Worker.run`;
-- :mod:`._shutdown`: the bounded shutdown phases (this module adds the last one, close).
-
-Threads (all daemons, so the process can always exit; each ends when the link is closed or its
-wait's deadline passes):
-
-- ``orbit-worker-connection`` (:mod:`._session`), and per session ``orbit-worker-watch``, which
-  turns "the connection ended" into a wake-up of it (joined by it when the session ends);
-- ``orbit-sync-reader-*`` (the connection's own): hands each assignment to
-  :meth:`Worker._dispatch`, which records it and sends its start (never blocking), and handles
-  every answer (:mod:`._attempts`);
-- ``orbit-handler-N`` (:mod:`._pool`, up to ``capacity``): run handlers and send their
-  finishes, and the outbox writes and listeners of answers;
-- ``orbit-lease-watchdog``: renews running attempts (:mod:`._watchdog`);
-- ``orbit-worker-outbox`` (with an outbox): delivers what earlier processes left (:mod:`._replay`);
-- ``orbit-worker-supervisor``: waits for a stop request, then drains and shuts down in bounded
-  phases (drain → cancel → abandon → flush → close), joining the threads above.
+- :mod:`._supervisor`: the bounded shutdown (its attempt phases in :mod:`._shutdown`).
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
-import inspect
 import logging
 import os
-import signal
 import threading
-import weakref
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, TypeVar
 
 import cattrs
 
 from ..client import DialCut
 from ..clock import Clock, WorkerClock
-from ..errors import OrbitError
 from ..models import (
-    Assignment,
-    CancelNotice,
-    Capability,
     Outcome,
     Registration,
-    new_id,
-    new_secret,
 )
-from ._attempt import (
-    AttemptMachine,
-)
+from ._admission import Admission
 from ._attempts import (
-    Attempt,
     AttemptShell,
     Handler,
     Registry,
-    attempt_event,
 )
 from ._backoff import Backoff
 from ._clock import Wakeup
-from ._context import TaskContext, task_logger
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._hooks import (
     DrainEvent,
@@ -75,59 +45,23 @@ from ._link import Dialer, Link
 from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox
 from ._pool import DaemonPool
-from ._process import ProcessHandler, ProcessPool, check_process_handler
-from ._process_limits import ChildLimits, MemoryLimited
+from ._process import ProcessPool
+from ._process_limits import ChildLimits
+from ._registration import Handlers
 from ._renewals import Renewals
-from ._replay import replay
+from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
 from ._session import SessionLoop
-from ._shutdown import CLOSE_ALLOWANCE, AttemptPhases
-from ._signals import StopSignals
+from ._shutdown import AttemptPhases
+from ._signals import StopSignals, announce
+from ._supervisor import Supervisor
 from ._watchdog import LeaseWatchdog, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
 
-T = TypeVar("T")
 H = TypeVar("H", bound=Handler)
 
 _LOG = logging.getLogger("orbit_sync.worker")
-
-#: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
-_SEEN_LIMIT = 65_536
-
-
-def _check_handler_signature(fn: object) -> None:
-    """Refuse at registration what would only fail at run time as ``HANDLER_ERROR``."""
-    if not callable(fn):
-        raise TypeError(f"handler must be callable as fn(ctx, payload), not {type(fn).__name__}")
-    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
-        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
-    ):
-        raise TypeError("handlers run on threads: use a plain def, not async def")
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # a builtin without a signature: nothing to check
-    try:
-        signature.bind(None, None)
-    except TypeError:
-        name = getattr(fn, "__qualname__", repr(fn))
-        raise TypeError(f"handler {name}{signature} cannot be called as fn(ctx, payload)") from None
-
-
-#: Every Worker of this process, so a forked child can give each a new identity.
-_WORKERS: weakref.WeakSet[Worker] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    # PROTOCOL §3: instance_id is new for every process. A child that kept its parent's identity
-    # would fence it (or be fenced) with STALE_SESSION on every reconnect.
-    for worker in list(_WORKERS):
-        worker._new_identity()
-
-
-if hasattr(os, "register_at_fork"):  # POSIX only
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Worker:
@@ -215,43 +149,34 @@ class Worker:
         opts = WorkerOptions(**{k: v for k, v in self._options.items() if k != "client"})
         self._opts = opts
         self._client = client
-        self._queue_id = opts.queue_id
-        self._capacity = opts.capacity
         self._drain_timeout = opts.drain_timeout
-        self._cancel_grace = opts.cancel_grace
-        self._flush_timeout = opts.flush_timeout
         self._dial_timeout = opts.dial_timeout
         self._call_timeout = opts.request_timeout
         self._backoff = opts.reconnect_backoff or Backoff()
         self._retry_delay = float(opts.renew_retry_delay)
-        self._notifications = opts.cancellation_notifications
         self._handle_signals = opts.handle_signals
         self._log = opts.logger or _LOG
-        self._encoder = (
-            DEFAULT_ENCODER
-            if opts.result_converter is None
-            else ResultEncoder(opts.result_converter)
-        )
         self._time = opts.clock or WorkerClock()
         self._clock = self._time.now
         self._hooks = Hooks(listeners, logger=self._log)
-        # instance_id is new for this Worker (so two Workers of one process never fence each
-        # other); instance_secret is kept across all its reconnects (PROTOCOL §3). A forked
-        # child gets new ones (_after_fork_in_child).
-        self._instance_id = new_id()
-        self._instance_secret = new_secret()
-        _WORKERS.add(self)
 
-        self._handlers: dict[tuple[str, str, str], Handler] = {}
-        self._task_logs: dict[str, logging.Logger] = {}
-        # The attempts and counters (the same objects as the registry's, named here for the
-        # session and shutdown code that reads them).
+        # The attempts and counters, under the worker's lock (the registry's condition).
         self._reg = Registry()
         self._cond = self._reg.cond
-        self._attempts = self._reg.attempts
-        self._counts = self._reg.counts
-        self._unreported = self._reg.unreported
-        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._registered = Handlers(
+            self._cond,
+            queue_id=opts.queue_id,
+            capacity=opts.capacity,
+            notifications=opts.cancellation_notifications,
+            cancel_grace=opts.cancel_grace,
+            process_pool=opts.process_pool,
+            process_limits=ChildLimits(
+                max_tasks=opts.process_max_tasks_per_child,
+                max_memory_mb=opts.process_max_memory_per_child,
+            ),
+        )
+        #: The handlers by (name, version, payload version), as registered.
+        self._handlers = self._registered.table
         self._started = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
@@ -266,7 +191,6 @@ class Worker:
         self._dial_cut = DialCut()
 
         self._link = Link(self._time, slots=opts.handler_slots)
-        self._registration: Registration | None = None
         renewals = Renewals(self._reg, self._link, self._hooks, self._call_timeout)
         self._watchdog = LeaseWatchdog(
             renewals.send_renew,
@@ -288,18 +212,48 @@ class Worker:
             hooks=self._hooks,
             log=self._log,
             clock=self._clock,
-            encoder=self._encoder,
+            encoder=DEFAULT_ENCODER
+            if opts.result_converter is None
+            else ResultEncoder(opts.result_converter),
             call_timeout=self._call_timeout,
             wake=self._serve_wake.set,
-            instance_id=lambda: self._instance_id,
+            instance_id=lambda: self._registered.instance_id,
             own_thread=self._owns_current_thread,
         )
-        self._phases = AttemptPhases(self._reg, self._time, self._shell)
+        self._admission = Admission(
+            self._reg,
+            self._registered,
+            self._shell,
+            self._hooks,
+            clock=self._clock,
+            retry_delay=self._retry_delay,
+            log=self._log,
+        )
+        self._threads: list[threading.Thread] = []
+        self._supervisor = Supervisor(
+            self._reg,
+            AttemptPhases(self._reg, self._time, self._shell),
+            self._time,
+            link=self._link,
+            dial_cut=self._dial_cut,
+            wake=self._serve_wake,
+            watchdog=self._watchdog_thread,
+            pool=self._pool,
+            handlers=self._registered,
+            threads=self._threads,
+            drain_deadline=lambda: self._drain_deadline,
+            cancel_grace=opts.cancel_grace,
+            flush_timeout=opts.flush_timeout,
+            error=self._first_error,
+            hooks=self._hooks,
+            log=self._log,
+            stopped=self._stopped,
+        )
         self._sessions = SessionLoop(
             client,
             registration=lambda: self.registration,
             capacity=opts.capacity,
-            notifications=self._notifications,
+            notifications=opts.cancellation_notifications,
             dial_timeout=self._dial_timeout,
             call_timeout=self._call_timeout,
             retry_delay=self._retry_delay,
@@ -314,23 +268,14 @@ class Worker:
             wake=self._serve_wake,
             ready=self._ready,
             dial_cut=self._dial_cut,
-            on_cancel=self._on_cancel,
-            on_assignment=self._dispatch,
+            on_cancel=self._admission.on_cancel,
+            on_assignment=self._admission.dispatch,
             fail=self._fail,
         )
-        # Child processes for handlers registered with executor="process"; none start before
-        # the first such task. Sized apart from capacity: CPU-bound work wants about one per core.
-        self._process_pool_size = opts.process_pool
-        self._process_limits = ChildLimits(
-            max_tasks=opts.process_max_tasks_per_child,
-            max_memory_mb=opts.process_max_memory_per_child,
-        )
-        self._processes: ProcessPool | None = None
         # Opened by start(), not here: a process-executor child imports the module that builds
         # this Worker, and must not contend for the parent's outbox lock.
         self._outbox_path = opts.outbox
         self._outbox: Outbox | None = None
-        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------ registration
 
@@ -390,33 +335,16 @@ class Worker:
         ``executor="process"``, when it cannot be sent to a child process by reference (a lambda
         or nested function; whether its module binds its name is checked by :meth:`start`).
         """
-        if executor not in ("thread", "process"):
-            raise ValueError('executor must be "thread" or "process"')
-        _check_handler_signature(fn)
-        if memory_limit is not None:
-            if executor != "process":
-                raise ValueError('memory_limit needs executor="process"')
-            fn = MemoryLimited(fn, memory_limit, retryable=memory_limit_retryable)
-        if executor == "process":
-            check_process_handler(fn)
-        cap = Capability(name, version, payload_version)  # validates the names
-        key = (cap.handler, cap.handler_version, cap.payload_version)
-        with self._cond:
-            if self._started:
-                raise RuntimeError("register handlers before the worker starts")
-            if key in self._handlers:
-                raise ValueError(
-                    f"handler {name!r} version {key[1]}/{key[2]} is already registered"
-                )
-            if executor == "process":
-                if self._processes is None:
-                    size = self._process_pool_size or os.cpu_count() or 1
-                    self._processes = ProcessPool(
-                        size, cancel_grace=self._cancel_grace, limits=self._process_limits
-                    )
-                fn = ProcessHandler(fn, self._processes)
-            self._handlers[key] = fn
-            self._task_logs.setdefault(cap.handler, task_logger(cap.handler))
+        self._registered.add(
+            name,
+            fn,
+            version=version,
+            payload_version=payload_version,
+            executor=executor,
+            memory_limit=memory_limit,
+            memory_limit_retryable=memory_limit_retryable,
+            started=lambda: self._started,
+        )
 
     @property
     def options(self) -> dict[str, Any]:
@@ -427,14 +355,9 @@ class Worker:
         """A new, unstarted Worker with this one's handlers and constructor arguments, except
         *changes* (e.g. ``capacity=4``, ``client=Client(...)``); used by ``orbit-sync worker``
         to apply its command-line options to the Worker a module defines."""
-        with self._cond:
-            handlers = dict(self._handlers)
         # Listeners added with add_listener() (a health probe, metrics) come along too.
         worker = Worker(**{**self._options, "listeners": self._hooks.listeners, **changes})
-        for (name, version, payload_version), fn in handlers.items():
-            executor = "thread"
-            if isinstance(fn, ProcessHandler):  # bound to this worker's pool: wrap it anew
-                fn, executor = fn.fn, "process"
+        for (name, version, payload_version), fn, executor in self._registered.specs():
             worker.register(
                 name, fn, version=version, payload_version=payload_version, executor=executor
             )
@@ -443,40 +366,19 @@ class Worker:
     @property
     def registration(self) -> Registration:
         """The ``worker.hello`` body this worker sends (secrets are redacted in its repr)."""
-        with self._cond:  # built once, by whichever thread asks first
-            if self._registration is None:
-                if not self._handlers:
-                    raise ValueError("register at least one handler before starting the worker")
-                self._registration = Registration(
-                    queue_id=self._queue_id,
-                    capabilities=[Capability(*key) for key in self._handlers],
-                    capacity=self._capacity,
-                    instance_id=self._instance_id,
-                    instance_secret=self._instance_secret,
-                    cancellation_notifications=self._notifications,
-                )
-            return self._registration
+        return self._registered.registration()
 
     def add_listener(self, listener: object) -> None:
         """Subscribe *listener* (a :class:`~orbit_sync.worker.WorkerListener`) to this worker's
         events; safe at any time, from any thread. A listener that raises is logged and skipped."""
         self._hooks.add(listener)
 
-    def _new_identity(self) -> None:
-        """A new instance_id and instance_secret (in a forked child: a new process). No lock:
-        the child has one thread, and a lock a parent's thread held is never released in it."""
-        self._instance_id = new_id()
-        self._instance_secret = new_secret()
-        self._registration = None
-
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Worker:
         """Start in the background and return at once (see :meth:`wait_ready`, :meth:`stop`)."""
         registration = self.registration
-        for fn in self._handlers.values():
-            if isinstance(fn, ProcessHandler):
-                fn.bind()  # by now the handler's module has bound its name (decorator form)
+        self._registered.bind()
         with self._cond:
             if self._started:
                 raise RuntimeError("a Worker can be started only once")
@@ -490,20 +392,32 @@ class Worker:
         if self._outbox_path is not None:
             try:
                 # Raises OutboxError (before anything is sent) for a file we must not use.
-                self._outbox = self._shell.outbox = Outbox.open(self._outbox_path, registration)
+                self._outbox = Outbox.open(self._outbox_path, registration)
             except BaseException:
                 with self._cond:
                     self._started = False  # nothing ran: a later start() may try again
                 raise
+            self._shell.outbox = self._supervisor.outbox = self._outbox
             if self._processes is not None:
-                self._processes.guard(self._outbox.lock_path, self._instance_id)
+                self._processes.guard(self._outbox.lock_path, self._registered.instance_id)
         self._watchdog_thread.start()
         targets = [
             (self._sessions.run, "orbit-worker-connection"),
-            (self._supervisor_main, "orbit-worker-supervisor"),
+            (self._supervisor.run, "orbit-worker-supervisor"),
         ]
         if self._outbox is not None:
-            targets.append((self._replay_main, "orbit-worker-outbox"))
+            replay = partial(
+                replay_until_done,
+                self._outbox,
+                self._client,
+                link=self._link,
+                backoff=self._backoff,
+                exclude=self._registered.instance_id,
+                log=self._log,
+                dial_timeout=self._dial_timeout,
+                call_timeout=self._call_timeout,
+            )
+            targets.append((replay, "orbit-worker-outbox"))
         for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
             self._threads.append(thread)
@@ -542,26 +456,10 @@ class Worker:
         return report
 
     def _on_stop_signal(self, number: int, count: int) -> None:
-        self._announce_signal(number, first=count == 1)
-        self.request_stop(drain=count == 1)
-
-    def _announce_signal(self, number: int, *, first: bool) -> None:
-        # WARNING, so that an operator sees at the default level what a signal started and how to
-        # cut it short (a supervisor's stop timeout may be shorter than the drain).
-        name = signal.Signals(number).name
         with self._cond:
-            running = len(self._attempts)
-        tasks = f"{running} task{'' if running == 1 else 's'}"
-        if first:
-            self._log.warning(
-                "%s received: draining %s (up to %gs), %s again to stop now",
-                name,
-                tasks,
-                self._drain_timeout,
-                name,
-            )
-        else:
-            self._log.warning("%s received again: stopping now, cancelling %s", name, tasks)
+            running = len(self._reg.attempts)
+        announce(self._log, number, count=count, running=running, drain=self._drain_timeout)
+        self.request_stop(drain=count == 1)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the first session is established; True when it is."""
@@ -639,7 +537,7 @@ class Worker:
         """A snapshot of the worker's counters."""
         wd = self._watchdog.stats()
         with self._cond:
-            counts = self._counts.copy()
+            counts = self._reg.counts.copy()
             running = self._reg.running
         return WorkerStats(
             connected=self._link.current() is not None,
@@ -660,87 +558,14 @@ class Worker:
             skipped_assignments=counts["skipped"],
         )
 
+    @property
+    def _processes(self) -> ProcessPool | None:
+        """The child processes of ``executor="process"`` handlers (None: no such handler)."""
+        return self._registered.processes
+
     def __repr__(self) -> str:
         state = "stopped" if self._done.is_set() else "running" if self._started else "new"
-        return f"<Worker queue={self._queue_id} capacity={self._capacity} {state}>"
-
-    # ------------------------------------------------------------------ dispatch
-
-    def _on_cancel(self, notice: CancelNotice) -> None:
-        # Runs on the connection's reader thread: only flag the context, never block.
-        with self._cond:
-            att = self._attempts.get(notice.attempt_id)
-        if att is None or att.ref.epoch != notice.epoch:
-            return
-        if att.ctx._cancel("cancel_requested"):
-            att.ctx._log.info("cancel requested by the server")
-
-    def _dispatch(self, assignment: Assignment) -> None:
-        # Runs on the connection's reader thread (on_assignment): it must never block nor wait
-        # for an answer. It takes the worker's lock (never held across a wait for the network),
-        # records the attempt and sends its start pipelined (or queues it for a request slot).
-        task = assignment.task
-        key = (task.handler, task.handler_version, task.payload_version)
-        with self._cond:
-            if assignment.attempt_id in self._seen:
-                self._log.warning("attempt %s assigned twice; ignored", assignment.attempt_id)
-                return
-            self._seen[assignment.attempt_id] = None
-            if len(self._seen) > _SEEN_LIMIT:
-                self._seen.popitem(last=False)
-            handler = self._handlers.get(key)
-            if self._reg.stop_requested or handler is None:
-                # Draining takes no new work: the unstarted reservation returns to the queue
-                # when its lease expires on the server.
-                self._counts["skipped"] += 1
-                self._log.info(
-                    "attempt %s of task %s not started: worker is stopping",
-                    assignment.attempt_id,
-                    task.task_id,
-                )
-                return
-            ctx = TaskContext(
-                task,
-                assignment.attempt_id,
-                clock=self._clock,
-                logger=self._task_logs[task.handler],
-                worker_logger=self._log,
-            )
-            att = Attempt(assignment, ctx, handler, self._retry_delay)
-            self._attempts[att.id] = att
-        ctx._log.debug(
-            "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
-        )
-        if self._hooks:
-            self._hooks.emit("attempt_received", attempt_event(att))
-        self._shell.step(att, AttemptMachine.begin)
-
-    def _replay_main(self) -> None:
-        """Deliver what earlier processes left in the outbox; retry with backoff until done."""
-        assert self._outbox is not None
-        failures = 0
-        while not self._link.is_closed():
-            try:
-                done = replay(
-                    self._outbox,
-                    self._client,
-                    exclude=self._instance_id,
-                    log=self._log,
-                    dial_timeout=self._dial_timeout,
-                    call_timeout=self._call_timeout,
-                )
-            except OrbitError:  # the outbox file (OutboxError): try again later
-                self._log.exception("outbox replay failed; retrying")
-                done = False
-            except Exception:  # a bug of ours: retrying would repeat it
-                self._log.exception(
-                    "outbox replay stopped by a worker error; stored results wait for a restart"
-                )
-                return
-            if done:
-                return
-            failures += 1
-            self._link.pause(self._backoff.delay(failures))
+        return f"<Worker queue={self._opts.queue_id} capacity={self._opts.capacity} {state}>"
 
     # ------------------------------------------------------------------ shutdown
 
@@ -753,72 +578,15 @@ class Worker:
             job()  # a kept request: it finds the link closed and gives up (unreported)
         self._serve_wake.set()
 
-    def _supervisor_main(self) -> None:
+    def _first_error(self) -> BaseException | None:
+        """The error that stopped the worker, if one did."""
         with self._cond:
-            while not self._reg.stop_requested:
-                self._cond.wait()
-        try:
-            report = self._shutdown()
-        except BaseException as exc:  # never leave stop() waiting forever
-            self._log.exception("worker shutdown failed")
-            report = ShutdownReport(drained=False, error=exc)
+            return self._error
+
+    def _stopped(self, report: ShutdownReport) -> None:
+        """The supervisor's last step: *report* is final; wake whoever waits for it."""
         self._report = report
-        if self._hooks:
-            self._hooks.emit("stopped", report)
         self._done.set()
         if self._signals is not None:
             self._signals.wake()
         atexit.unregister(self._at_exit)
-        self._log.info(
-            "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d",
-            report.drained,
-            len(report.cancelled),
-            len(report.abandoned),
-            len(report.unreported),
-        )
-
-    def _shutdown(self) -> ShutdownReport:
-        # A plan over the clock (see ._shutdown): at most drain + cancel_grace + flush_timeout,
-        # plus the close allowance.
-        phases = self._phases
-        # 1. Drain: meanwhile the connection thread tells the server (drain: true) so it assigns
-        #    nothing more. Once nothing runs, the close below ends the session anyway: the drain
-        #    report's answer is not waited for.
-        drained = phases.drain(lambda: self._drain_deadline)
-        # 2. Cancel what is still running, and give it a grace period to return.
-        cancelled = phases.cancel(self._cancel_grace)
-        # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
-        gave_up = phases.abandon()
-        # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
-        phases.settled(self._clock() + self._flush_timeout)
-
-        # 5. Close: every remaining waiter gives up (a dial in progress is cut); the threads,
-        #    woken by that, wind down within the close allowance.
-        close_end = self._clock() + CLOSE_ALLOWANCE
-        current = self._link.current()
-        for job in self._link.close():
-            job()  # a kept request: it finds the link closed and gives up (unreported)
-        self._dial_cut.cut()
-        self._serve_wake.set()
-        if current is not None:
-            current[0].close()
-        phases.settled(close_end)
-        self._watchdog_thread.stop(timeout=max(0.0, close_end - self._clock()))
-        self._pool.shutdown(close_end, stuck=phases.stuck(gave_up))
-        if self._processes is not None:
-            self._processes.close()
-        for thread in self._threads:
-            if thread is not threading.current_thread():
-                thread.join(max(0.0, close_end - self._clock()))
-        if self._outbox is not None:
-            self._outbox.close()  # after the replay thread: it writes to the file
-        with self._cond:
-            unreported = tuple(self._unreported)
-            error = self._error
-        return ShutdownReport(
-            drained=drained,
-            cancelled=tuple(a.info for a in cancelled if a not in gave_up),
-            abandoned=tuple(a.info for a in gave_up),
-            unreported=unreported,
-            error=error,
-        )

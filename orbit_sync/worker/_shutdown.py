@@ -2,9 +2,9 @@
 
 Each phase ends at its deadline, or as soon as what it waits for has happened; the next phase's
 budget starts from there, so the whole shutdown takes at most drain + cancel_grace +
-flush_timeout (plus the close allowance of the Worker's last phase, which closes the link, the
-pool and the worker's threads). Run by the supervisor thread only; every wait here is on the
-registry's condition with a deadline.
+flush_timeout (plus the close allowance of the last phase, close, in :mod:`._supervisor`,
+which closes the link, the pool and the worker's threads). Run by the supervisor thread only;
+every wait here is on the registry's condition with a deadline.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ that may take locks. The end of shutdown writes a byte too, so the read always e
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["STOP_SIGNALS", "StopSignals"]
+__all__ = ["STOP_SIGNALS", "StopSignals", "announce"]
 
 #: The signals :meth:`Worker.run` handles: the first drains, the second stops at once.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -87,3 +88,17 @@ class StopSignals:
         if self._handler_writes and fd is not None:
             with contextlib.suppress(OSError):
                 os.write(fd, bytes([signum]))
+
+
+def announce(log: logging.Logger, number: int, *, count: int, running: int, drain: float) -> None:
+    """Log the *count*-th stop signal *number* received while *running* tasks run."""
+    # WARNING, so that an operator sees at the default level what a signal started and how to
+    # cut it short (a supervisor's stop timeout may be shorter than the drain).
+    name = signal.Signals(number).name
+    tasks = f"{running} task{'' if running == 1 else 's'}"
+    if count == 1:
+        log.warning(
+            "%s received: draining %s (up to %gs), %s again to stop now", name, tasks, drain, name
+        )
+    else:
+        log.warning("%s received again: stopping now, cancelling %s", name, tasks)

@@ -1,0 +1,98 @@
+"""Admission: what the connection's reader thread does with the server's pushes.
+
+:class:`Admission` records each ``task.assign`` as an attempt and starts its machine (PROTOCOL
+§6.1: an attempt assigned twice runs once; nothing new starts once the worker is stopping), and
+turns each ``task.cancel`` into its attempt's cancellation. Both run on the reader thread, so
+neither blocks nor waits for an answer: the registry's lock they take is never held across a
+wait for the network, and the start goes out pipelined (or queued for a request slot).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable
+
+from ..models import Assignment, CancelNotice
+from ._attempt import AttemptMachine
+from ._attempts import Attempt, AttemptShell, Registry, attempt_event
+from ._context import TaskContext
+from ._hooks import Hooks
+from ._registration import Handlers
+
+__all__ = ["SEEN_LIMIT", "Admission"]
+
+#: Attempt ids remembered to refuse a repeated assignment (a handler runs once per attempt).
+SEEN_LIMIT = 65_536
+
+
+class Admission:
+    """The ``on_assignment`` and ``on_cancel`` callbacks of the worker's connections."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        handlers: Handlers,
+        shell: AttemptShell,
+        hooks: Hooks,
+        *,
+        clock: Callable[[], float],
+        retry_delay: float,
+        log: logging.Logger,
+    ) -> None:
+        self._reg = registry
+        self._handlers = handlers
+        self._shell = shell
+        self._hooks = hooks
+        self._clock = clock
+        self._retry_delay = retry_delay
+        self._log = log
+        #: Attempt ids seen, oldest first (under the registry's lock).
+        self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def on_cancel(self, notice: CancelNotice) -> None:
+        """A ``task.cancel`` push: only flag the attempt's context."""
+        att = self._reg.get(notice.attempt_id)
+        if att is None or att.ref.epoch != notice.epoch:
+            return
+        if att.ctx._cancel("cancel_requested"):
+            att.ctx._log.info("cancel requested by the server")
+
+    def dispatch(self, assignment: Assignment) -> None:
+        """A ``task.assign`` push: record the attempt and send its start."""
+        task = assignment.task
+        key = (task.handler, task.handler_version, task.payload_version)
+        with self._reg.cond:
+            if assignment.attempt_id in self._seen:
+                self._log.warning("attempt %s assigned twice; ignored", assignment.attempt_id)
+                return
+            self._seen[assignment.attempt_id] = None
+            if len(self._seen) > SEEN_LIMIT:
+                self._seen.popitem(last=False)
+            found = self._handlers.find(key)
+            if self._reg.stop_requested or found is None:
+                # Draining takes no new work: the unstarted reservation returns to the queue
+                # when its lease expires on the server.
+                self._reg.counts["skipped"] += 1
+                self._log.info(
+                    "attempt %s of task %s not started: worker is stopping",
+                    assignment.attempt_id,
+                    task.task_id,
+                )
+                return
+            handler, task_log = found
+            ctx = TaskContext(
+                task,
+                assignment.attempt_id,
+                clock=self._clock,
+                logger=task_log,
+                worker_logger=self._log,
+            )
+            att = Attempt(assignment, ctx, handler, self._retry_delay)
+            self._reg.attempts[att.id] = att
+        ctx._log.debug(
+            "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
+        )
+        if self._hooks:
+            self._hooks.emit("attempt_received", attempt_event(att))
+        self._shell.step(att, AttemptMachine.begin)

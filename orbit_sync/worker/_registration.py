@@ -1,0 +1,188 @@
+"""The Worker's registered handlers and identity, and the ``worker.hello`` body built from them.
+
+:class:`Handlers` owns the handler table (keyed by name, handler version and payload version),
+each handler's task logger, the process pool that ``executor="process"`` handlers share
+(created at the first such registration, started lazily by the pool itself), the worker's
+identity (``instance_id`` and ``instance_secret``, new in a forked child) and the
+:class:`~orbit_sync.models.Registration`. Everything here is read and changed under the lock it
+is given (the worker's registry condition): registration happens before start, lookups on the
+connection's reader thread after it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+from ..models import Capability, Registration, new_id, new_secret
+from ._attempts import Handler
+from ._context import task_logger
+from ._process import ProcessHandler, ProcessPool, check_process_handler
+from ._process_limits import ChildLimits, MemoryLimited
+
+__all__ = ["Handlers", "check_handler_signature"]
+
+#: A handler's key: (name, handler version, payload version).
+Key = tuple[str, str, str]
+
+
+def check_handler_signature(fn: object) -> None:
+    """Refuse at registration what would only fail at run time as ``HANDLER_ERROR``."""
+    if not callable(fn):
+        raise TypeError(f"handler must be callable as fn(ctx, payload), not {type(fn).__name__}")
+    if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004 - a callable object's async __call__
+    ):
+        raise TypeError("handlers run on threads: use a plain def, not async def")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # a builtin without a signature: nothing to check
+    try:
+        signature.bind(None, None)
+    except TypeError:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise TypeError(f"handler {name}{signature} cannot be called as fn(ctx, payload)") from None
+
+
+#: Every handler table of this process, so a forked child can give each worker a new identity.
+_TABLES: weakref.WeakSet[Handlers] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # PROTOCOL §3: instance_id is new for every process. A child that kept its parent's identity
+    # would fence it (or be fenced) with STALE_SESSION on every reconnect.
+    for table in list(_TABLES):
+        table.new_identity()
+
+
+if hasattr(os, "register_at_fork"):  # POSIX only
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Handlers:
+    """The handler table of one Worker (see the module's docstring)."""
+
+    def __init__(
+        self,
+        lock: threading.Condition,
+        *,
+        queue_id: str,
+        capacity: int,
+        notifications: bool,
+        cancel_grace: float,
+        process_pool: int | None,
+        process_limits: ChildLimits,
+    ) -> None:
+        self._lock = lock
+        self._queue_id = queue_id
+        self._capacity = capacity
+        self._notifications = notifications
+        self._cancel_grace = cancel_grace
+        self._process_pool_size = process_pool
+        self._process_limits = process_limits
+        #: The handlers by key (``executor="process"`` ones wrapped in a ProcessHandler).
+        self.table: dict[Key, Handler] = {}
+        self._loggers: dict[str, logging.Logger] = {}
+        #: Child processes for the ``executor="process"`` handlers; none before the first one.
+        self.processes: ProcessPool | None = None
+        self._registration: Registration | None = None
+        # instance_id is new for each Worker (so two Workers of one process never fence each
+        # other); instance_secret is kept across all its reconnects (PROTOCOL §3).
+        self.instance_id = new_id()
+        self._instance_secret = new_secret()
+        _TABLES.add(self)
+
+    def add(
+        self,
+        name: str,
+        fn: Handler,
+        *,
+        version: str | int,
+        payload_version: str | int,
+        executor: str,
+        memory_limit: int | None,
+        memory_limit_retryable: bool,
+        started: Callable[[], bool],
+    ) -> None:
+        """Register *fn* (see :meth:`Worker.register`); *started()*, read under the lock, says
+        whether registering is too late."""
+        if executor not in ("thread", "process"):
+            raise ValueError('executor must be "thread" or "process"')
+        check_handler_signature(fn)
+        if memory_limit is not None:
+            if executor != "process":
+                raise ValueError('memory_limit needs executor="process"')
+            fn = MemoryLimited(fn, memory_limit, retryable=memory_limit_retryable)
+        if executor == "process":
+            check_process_handler(fn)
+        cap = Capability(name, version, payload_version)  # validates the names
+        key = (cap.handler, cap.handler_version, cap.payload_version)
+        with self._lock:
+            if started():
+                raise RuntimeError("register handlers before the worker starts")
+            if key in self.table:
+                raise ValueError(
+                    f"handler {name!r} version {key[1]}/{key[2]} is already registered"
+                )
+            if executor == "process":
+                if self.processes is None:
+                    # Sized apart from capacity: CPU-bound work wants about one per core.
+                    size = self._process_pool_size or os.cpu_count() or 1
+                    self.processes = ProcessPool(
+                        size, cancel_grace=self._cancel_grace, limits=self._process_limits
+                    )
+                fn = ProcessHandler(fn, self.processes)
+            self.table[key] = fn
+            self._loggers.setdefault(cap.handler, task_logger(cap.handler))
+
+    def find(self, key: Key) -> tuple[Handler, logging.Logger] | None:
+        """The handler registered for *key* and its task logger (None: not registered)."""
+        with self._lock:
+            fn = self.table.get(key)
+            return None if fn is None else (fn, self._loggers[key[0]])
+
+    def specs(self) -> Iterator[tuple[Key, Handler, str]]:
+        """Each registration as (key, the function as registered, executor), so another Worker
+        can register it anew (a process handler is bound to this worker's pool)."""
+        with self._lock:
+            items = list(self.table.items())
+        for key, fn in items:
+            if isinstance(fn, ProcessHandler):
+                yield key, fn.fn, "process"
+            else:
+                yield key, fn, "thread"
+
+    def bind(self) -> None:
+        """Look up every process handler by its name (by start, the handler's module has bound
+        it, decorator form included)."""
+        for fn in list(self.table.values()):
+            if isinstance(fn, ProcessHandler):
+                fn.bind()
+
+    def registration(self) -> Registration:
+        """The ``worker.hello`` body, built once, by whichever thread asks first."""
+        with self._lock:
+            if self._registration is None:
+                if not self.table:
+                    raise ValueError("register at least one handler before starting the worker")
+                self._registration = Registration(
+                    queue_id=self._queue_id,
+                    capabilities=[Capability(*key) for key in self.table],
+                    capacity=self._capacity,
+                    instance_id=self.instance_id,
+                    instance_secret=self._instance_secret,
+                    cancellation_notifications=self._notifications,
+                )
+            return self._registration
+
+    def new_identity(self) -> None:
+        """A new instance_id and instance_secret (in a forked child: a new process). No lock:
+        the child has one thread, and a lock a parent's thread held is never released in it."""
+        self.instance_id = new_id()
+        self._instance_secret = new_secret()
+        self._registration = None
