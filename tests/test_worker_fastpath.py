@@ -180,31 +180,3 @@ def test_gate_hands_freed_slots_to_queued_jobs_in_arrival_order() -> None:
     job()
     assert gate.release() is None and gate._free == 1
     assert ran == ["a", "b"]
-
-
-def test_gate_grants_a_released_slot_to_a_parked_thread() -> None:
-    """A thread blocked in acquire() gets the slot a release frees (without a poll), and a
-    thread parked when the gate closes gives up."""
-    from orbit_sync.worker._link import Gate, GaveUp
-
-    gate = Gate(1)
-    gate.acquire()
-    outcomes: list[str] = []
-
-    def take() -> None:
-        try:
-            gate.acquire()
-            outcomes.append("granted")
-        except GaveUp:
-            outcomes.append("gave up")
-
-    first = threading.Thread(target=take, daemon=True)
-    first.start()
-    assert gate.release() is None  # to the parked thread, or free for it to take
-    first.join(WAIT)
-    assert outcomes == ["granted"] and gate._free == 0
-    second = threading.Thread(target=take, daemon=True)
-    second.start()
-    gate.close()
-    second.join(WAIT)
-    assert outcomes == ["granted", "gave up"]

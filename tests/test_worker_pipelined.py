@@ -84,39 +84,67 @@ def test_resumes_are_all_in_flight_before_the_capacity_report(server: MockOrbitS
     assert all(probe.runs[t] == 1 for t in tasks)
 
 
-def test_gate_blocks_past_its_slots_and_close_releases_waiters() -> None:
-    """The handlers' request gate: a slot frees a waiter; closing it makes waiters give up."""
+def test_gate_free_runs_the_queued_request_on_the_freeing_thread() -> None:
+    """The request gate: past its slots a request is queued, holding no thread; freeing a slot
+    runs it on the freeing thread; with nothing queued the slot becomes free again."""
     import threading
 
-    from orbit_sync.worker._link import Gate, GaveUp
+    from orbit_sync.worker._link import Gate
 
-    gate = Gate(2)
-    gate.acquire()
-    gate.acquire()
-    got: list[str] = []
-    entered = threading.Event()
+    gate = Gate(1)
+    ran: list[str] = []
+    assert gate.acquire_or_queue(lambda: ran.append("never"))
+    assert not gate.acquire_or_queue(lambda: ran.append(threading.current_thread().name))
+    assert ran == [] and gate._free == 0
+    freer = threading.Thread(target=gate.free, name="freer")
+    freer.start()
+    freer.join(5.0)
+    assert ran == ["freer"] and gate._free == 0, "the queued request took the freed slot"
+    gate.free()
+    assert ran == ["freer"] and gate._free == 1
 
-    def wait_for_slot() -> None:
-        entered.set()
-        try:
-            gate.acquire()
-            got.append("slot")
-        except GaveUp:
-            got.append("gave up")
 
-    first = threading.Thread(target=wait_for_slot)
-    first.start()
-    assert entered.wait(5.0)
-    gate.release()
-    first.join(5.0)
-    assert got == ["slot"]
-    entered.clear()
-    second = threading.Thread(target=wait_for_slot)
-    second.start()
-    assert entered.wait(5.0)
-    gate.close()
-    second.join(5.0)
-    assert got == ["slot", "gave up"] and not second.is_alive()
+def _sessions_resuming(server: MockOrbitServer) -> list[str]:
+    """The sessions that resumed attempts, in order."""
+    return list(dict.fromkeys(e.session_id for e in events(server, "attempt.resumed")))
+
+
+def test_reconnect_resumes_within_the_gates_slots(server: MockOrbitServer) -> None:
+    """Resumes take the attempts' request slots: past them a resume waits for an answer, and
+    the capacity report follows the last resume."""
+    probe = Probe()
+    # max_in_flight=4 leaves the attempts two request slots.
+    worker = make_worker(server, capacity=3, max_in_flight=4, call_timeout=1.0)
+    _blocked(worker, probe)
+    tasks = [server.enqueue("work", {}) for _ in range(3)]
+
+    def reported_after_resumes(s: MockOrbitServer) -> bool:
+        sessions = _sessions_resuming(s)
+        return len(sessions) >= 2 and bool(
+            [e for e in events(s, "session.capacity") if e.session_id == sessions[1]]
+        )
+
+    with running(worker):
+        probe.wait_started(3)
+        lost = server.faults.drop_reply("worker.resume", count=2)
+        assert server.disconnect() == 1
+        assert lost.wait(10.0)
+        # Both slots hold a resume whose answer never comes: the third waits for a slot, so
+        # that session ends on their call timeout with two resumes and no report; the next
+        # session resumes all three, then reports.
+        server.wait_until(reported_after_resumes, timeout=10)
+        probe.release.set()
+        for task_id in tasks:
+            assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+    log = server.events()
+    cut, again = _sessions_resuming(server)[:2]
+    assert len([e for e in log if e.kind == "attempt.resumed" and e.session_id == cut]) == 2
+    assert not [e for e in log if e.kind == "session.capacity" and e.session_id == cut]
+    in_again = [e for e in log if e.session_id == again]
+    report = next(e for e in in_again if e.kind == "session.capacity")
+    before = in_again[: in_again.index(report)]
+    assert len([e for e in before if e.kind == "attempt.resumed"]) == 3
+    assert all(probe.runs[t] == 1 for t in tasks)
 
 
 @pytest.mark.parametrize(
@@ -130,5 +158,5 @@ def test_handler_share_of_the_request_budget(
     worker = make_worker(server, **kwargs)
     gate = worker._link.gate
     for _ in range(slots):
-        gate.acquire()
+        assert gate.acquire_or_queue(lambda: None)
     assert gate._free == 0

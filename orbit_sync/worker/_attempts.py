@@ -293,7 +293,7 @@ class AttemptShell:
         """Send *request*, whose request slot is taken, on the current connection."""
         current = self._link.current()
         if current is None:
-            self._free_slot()
+            self._link.gate.free()  # a request queued for the slot goes now
             self.step(att, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
             return
         conn, gen = current
@@ -307,23 +307,17 @@ class AttemptShell:
             )
         except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
             refused = exc
-            self._free_slot()
+            self._link.gate.free()  # a request queued for the slot goes now
             self.step(att, lambda m: m.failed(request, refused, gen=gen))
         except BaseException:
-            self._free_slot()
+            self._link.gate.free()  # a request queued for the slot goes now
             raise
-
-    def _free_slot(self) -> None:
-        """Give a request slot back; a request queued for one is sent now, from this thread."""
-        successor = self._link.gate.release()
-        if successor is not None:
-            successor()
 
     def _answered(
         self, att: Attempt, request: Request, gen: int, value: Any, error: OrbitError | None
     ) -> None:
         # On the reader thread (or the thread that ended the connection): never blocks.
-        self._free_slot()
+        self._link.gate.free()  # a request queued for the slot goes now
         if error is not None:
             self.step(att, lambda m: m.failed(request, error, gen=gen))
         elif request.request_type == "task.start":

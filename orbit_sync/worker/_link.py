@@ -84,47 +84,19 @@ class GaveUp(Exception):
     """The link was closed for good while waiting for a connection: shutdown is over."""
 
 
-class _Parked:
-    """A thread blocked in :meth:`Gate.acquire`: its lock is released when a slot is granted
-    (``granted``) or the gate closes (not granted)."""
-
-    __slots__ = ("granted", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.granted = False
-
-
 class Gate:
-    """A counting semaphore whose waiters give up (:class:`GaveUp`) when it is closed, so a
-    wait for a slot ends on an event, never on a polling timeout.
-
-    Besides blocked threads (:meth:`acquire`), *jobs* can wait for a slot without holding a
-    thread (:meth:`acquire_or_queue`): :meth:`release` hands the freed slot to the first waiter
-    in arrival order, and returns a job to its caller, who then runs it (the slot is the job's).
+    """A counting semaphore for requests whose waiters hold no thread: a request that finds no
+    free slot is queued as a *job* (:meth:`acquire_or_queue`), and :meth:`free` hands the
+    freed slot to the first queued job, in arrival order, and runs it. Once closed, no new
+    request takes a slot (:class:`GaveUp`), so nothing waits for one past shutdown.
     """
 
     def __init__(self, slots: int) -> None:
         self._lock = threading.Lock()
         self._free = slots
-        #: Waiters in arrival order (only while no slot is free): parked threads and jobs.
-        self._queue: collections.deque[_Parked | Callable[[], None]] = collections.deque()
+        #: Jobs waiting for a slot, in arrival order (only while no slot is free).
+        self._queue: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
-
-    def acquire(self) -> None:
-        """Take a slot, waiting for one; raise :class:`GaveUp` once closed."""
-        with self._lock:
-            if self._closed:
-                raise GaveUp("worker stopped")
-            if self._free > 0:
-                self._free -= 1
-                return
-            parked = _Parked()
-            self._queue.append(parked)
-        parked.lock.acquire()  # released by release() (granted) or close()
-        if not parked.granted:
-            raise GaveUp("worker stopped")
 
     def acquire_or_queue(self, job: Callable[[], None]) -> bool:
         """Take a slot (True), or queue *job* for the next slot freed (False: a later
@@ -139,35 +111,30 @@ class Gate:
             return False
 
     def release(self) -> Callable[[], None] | None:
-        """Give a slot back: to the first waiter (a parked thread is woken; a job is returned,
-        and the caller must run it), else to the free slots."""
+        """Give a slot back: to the first queued job (returned: the caller must run it, the
+        slot is its), else to the free slots."""
         with self._lock:
             if self._queue:
-                first = self._queue.popleft()
-                if not isinstance(first, _Parked):
-                    return first
-                first.granted = True
-                first.lock.release()
-                return None
+                return self._queue.popleft()
             self._free += 1
             return None
 
+    def free(self) -> None:
+        """Give a slot back; a job queued for one runs now, on this thread."""
+        job = self.release()
+        if job is not None:
+            job()
+
     def close(self) -> None:
-        """Wake every parked thread: they give up. Queued jobs stay: slots still in use are
-        released as their requests end, and each goes to a job (which then finds no
-        connection)."""
+        """Refuse new requests. Queued jobs stay: slots still in use are released as their
+        requests end, and each goes to a job (which then finds no connection)."""
         with self._lock:
             self._closed = True
-            parked = [w for w in self._queue if isinstance(w, _Parked)]
-            jobs = [w for w in self._queue if not isinstance(w, _Parked)]
-            self._queue = collections.deque(jobs)
-        for waiter in parked:
-            waiter.lock.release()
 
 
 class Link:
     """The current connection and its generation number, under one condition variable, and the
-    gate that bounds the handler threads' requests on it."""
+    gate that bounds the attempts' requests on it (starts, finishes and resumes)."""
 
     def __init__(self, clock: Clock | None = None, *, slots: int = 24) -> None:
         self._clock = clock or WorkerClock()
@@ -178,7 +145,7 @@ class Link:
         #: Kept requests: (not before, tie-breaker, newer than generation, re-send job).
         self._kept: list[tuple[float, int, int, Callable[[], None]]] = []
         self._order = itertools.count()
-        #: Bounds the starts and finishes in flight (see :class:`Gate`).
+        #: Bounds the starts, finishes and resumes in flight (see :class:`Gate`).
         self.gate = Gate(slots)
 
     def is_closed(self) -> bool:

@@ -115,8 +115,8 @@ class WorkerOptions:
 
     @property
     def handler_slots(self) -> int:
-        """Starts and finishes get the connection's request budget but a reserve: renewals,
-        resumes and capacity reports never wait behind handler traffic for a slot. A quarter of
-        the budget, 2 to 8 slots: a small explicit bound keeps its old split."""
+        """Starts, finishes and resumes get the connection's request budget but a reserve:
+        renewals and capacity reports never wait behind them for a slot. A quarter of the
+        budget, 2 to 8 slots: a small explicit bound keeps its old split."""
         budget = MAX_IN_FLIGHT if self.max_in_flight is None else self.max_in_flight
         return budget - min(RESERVED_SLOTS, max(2, budget // 4))

@@ -88,8 +88,8 @@ class Worker:
     Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded);
     *dial_timeout* and *call_timeout* bound one dial and one request (after which the request is
     re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32, default 32)
-    bounds the requests outstanding at once, of which a quarter (2 to 8) are kept for renewals,
-    resumes and capacity reports;
+    bounds the requests outstanding at once, of which a quarter (2 to 8) are kept for renewals
+    and capacity reports;
     *renew_retry_delay* (0.1-5 s) spaces retries of a failed renewal. *cancellation_notifications*
     asks the server for ``task.cancel`` pushes. *handle_signals* lets :meth:`run` on the main
     thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``);

@@ -21,7 +21,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, TypeVar
 
-from .._protocol import MAX_IN_FLIGHT
 from ..client import Client, DialCut
 from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
@@ -30,9 +29,15 @@ from ._attempt import BUSY_DELAY, SETTLED
 from ._attempts import Attempt, AttemptShell, Registry
 from ._backoff import Backoff
 from ._clock import Wakeup
-from ._errors import EndpointCheck, is_fatal_dial_error, is_link_failure, is_transient
+from ._errors import (
+    EndpointCheck,
+    NotConnected,
+    is_fatal_dial_error,
+    is_link_failure,
+    is_transient,
+)
 from ._hooks import DisconnectEvent, Hooks, SessionEvent
-from ._link import Connection, Dialer, Link
+from ._link import Connection, Dialer, GaveUp, Link
 from ._redial import Redial
 from ._shutdown import CLOSE_ALLOWANCE
 from ._watchdog import LeaseWatchdog
@@ -310,10 +315,11 @@ class SessionLoop:
         """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
         §5.5) without waiting for the resumes' answers; return once every resume is answered.
 
-        The resumes are pipelined: all of them are in flight at once (up to the connection's
-        32-request budget, one kept for the report), so reconnecting costs one round trip, not
-        one per attempt. The report follows the last resume on the wire: the server handles a
-        connection's frames in order, so every resume is applied before assignments can start.
+        The resumes are pipelined: as many in flight at once as the gate's request slots allow
+        (24 of the connection's 32 by default; the reserve keeps one for the report), so
+        reconnecting costs one round trip per that many attempts, not one per attempt. The report
+        follows the last resume on the wire: the server handles a connection's frames in order,
+        so every resume is applied before assignments can start.
         Resumes answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are
         retried on this same connection; a link failure raises (reconnect).
         """
@@ -353,34 +359,52 @@ class SessionLoop:
     def _resume_all(
         self, conn: Connection, atts: list[Attempt], *, then: Callable[[], None] | None = None
     ) -> list[tuple[Attempt, Lease | None, OrbitError | None]]:
-        """Send a ``resume`` for each of *atts*, at most 31 in flight, then call *then* (it
-        sends one more request: the budget's last slot is kept for it); return every answer."""
+        """Send a ``resume`` for each of *atts* within the gate's request slots, call *then*
+        once every one has gone out (it sends one more request, from the reserve, right behind
+        them on the wire), and return every answer.
+
+        The gate is the one count of the attempts' requests in flight: a resume that finds no
+        free slot is queued in it, and goes out from the thread whose answer frees one. No start
+        or finish competes: they use a connection only once it is published, after this.
+        """
         answers: list[tuple[Attempt, Lease | None, OrbitError | None]] = []
         window = threading.Condition()
-        in_flight = [0]
+        sent = [0]
+        gate = self._link.gate
 
-        def answered(att: Attempt) -> Callable[[Any, OrbitError | None], None]:
-            def done(lease: Any, error: OrbitError | None) -> None:
+        def answered(att: Attempt, lease: Any, error: OrbitError | None) -> None:
+            try:
+                gate.free()  # the next queued resume goes out now, from this thread
+            finally:
                 with window:
                     answers.append((att, lease, error))
-                    in_flight[0] -= 1
                     window.notify()
 
-            return done
+        def send(att: Attempt) -> None:
+            try:
+                conn._submit(
+                    "worker.resume", att.ref, partial(answered, att), timeout=self._call_timeout
+                )
+            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
+                answered(att, None, exc)
+            finally:
+                with window:
+                    sent[0] += 1
+                    window.notify()
 
         for att in atts:
-            with window:
-                while in_flight[0] >= MAX_IN_FLIGHT - 1:
-                    self._await_answers(window)
-                in_flight[0] += 1
             try:
-                conn._submit("worker.resume", att.ref, answered(att), timeout=self._call_timeout)
-            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-                answered(att)(None, exc)
+                if gate.acquire_or_queue(partial(send, att)):
+                    send(att)
+            except GaveUp:
+                raise NotConnected("worker stopped") from None
+        with window:
+            while sent[0] < len(atts):
+                self._await_answers(window)
         if then is not None:
             then()
         with window:
-            while in_flight[0]:
+            while len(answers) < len(atts):
                 self._await_answers(window)
         return answers
 
