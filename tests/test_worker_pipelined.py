@@ -109,9 +109,16 @@ def _sessions_resuming(server: MockOrbitServer) -> list[str]:
     return list(dict.fromkeys(e.session_id for e in events(server, "attempt.resumed")))
 
 
-def test_reconnect_resumes_within_the_gates_slots(server: MockOrbitServer) -> None:
+def test_reconnect_resumes_within_the_gates_slots() -> None:
     """Resumes take the attempts' request slots: past them a resume waits for an answer, and
     the capacity report follows the last resume."""
+    # Leases long enough to outlast a session ended by a call timeout.
+    with MockOrbitServer(assignment_rate=None, lease_duration=10.0) as server:
+        _resume_window(server)
+        server.check_invariants()
+
+
+def _resume_window(server: MockOrbitServer) -> None:
     probe = Probe()
     # max_in_flight=4 leaves the attempts two request slots.
     worker = make_worker(server, capacity=3, max_in_flight=4, call_timeout=1.0)

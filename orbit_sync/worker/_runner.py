@@ -245,7 +245,6 @@ class Worker:
             cancel_grace=opts.cancel_grace,
             flush_timeout=opts.flush_timeout,
             error=self._first_error,
-            hooks=self._hooks,
             log=self._log,
             stopped=self._stopped,
         )
@@ -584,8 +583,11 @@ class Worker:
             return self._error
 
     def _stopped(self, report: ShutdownReport) -> None:
-        """The supervisor's last step: *report* is final; wake whoever waits for it."""
+        """The supervisor's last step: *report* is final; tell the listeners, then wake whoever
+        waits for it."""
         self._report = report
+        if self._hooks:
+            self._hooks.emit("stopped", report)
         self._done.set()
         if self._signals is not None:
             self._signals.wake()

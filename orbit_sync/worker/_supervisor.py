@@ -19,7 +19,6 @@ from ..client import DialCut
 from ..clock import Clock
 from ._attempts import Attempt, Registry
 from ._clock import Wakeup
-from ._hooks import Hooks
 from ._link import Link
 from ._outbox import Outbox
 from ._pool import DaemonPool
@@ -51,7 +50,6 @@ class Supervisor:
         cancel_grace: float,
         flush_timeout: float,
         error: Callable[[], BaseException | None],
-        hooks: Hooks,
         log: logging.Logger,
         stopped: Callable[[ShutdownReport], None],
     ) -> None:
@@ -70,14 +68,14 @@ class Supervisor:
         self._cancel_grace = cancel_grace
         self._flush_timeout = flush_timeout
         self._error = error
-        self._hooks = hooks
         self._log = log
         self._stopped = stopped
         #: Set by Worker.start when the worker has an outbox; closed last.
         self.outbox: Outbox | None = None
 
     def run(self) -> None:
-        """The thread: wait for a stop request, shut down, hand the report to *stopped*."""
+        """The thread: wait for a stop request, shut down, hand the report to *stopped* (which
+        publishes it and tells the listeners)."""
         with self._reg.cond:
             while not self._reg.stop_requested:
                 self._reg.cond.wait()
@@ -86,8 +84,6 @@ class Supervisor:
         except BaseException as exc:  # never leave stop() waiting forever
             self._log.exception("worker shutdown failed")
             report = ShutdownReport(drained=False, error=exc)
-        if self._hooks:
-            self._hooks.emit("stopped", report)
         self._stopped(report)
         self._log.info(
             "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d",
