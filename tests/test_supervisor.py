@@ -12,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -284,23 +285,30 @@ def test_metrics_of_every_child_are_summed_on_one_port(
     except TimeoutError:
         raise AssertionError(proc.stderr) from None
     assert len(pids) >= 3  # a child runs at most 4 + 2 in flight: some were recycled
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    match = re.search(
-        r'^orbit_attempts_total\{handler="echo",outcome="SUCCEEDED"\} (\S+)$', text, re.M
+    succeeded = re.compile(
+        r'^orbit_attempts_total\{handler="echo",outcome="SUCCEEDED"\} (\S+)$', re.M
     )
-    assert match and float(match.group(1)) == 20.0, text
-    # Gauges count live processes only: two connected once recycling settles (scraped a few
-    # times, as Prometheus does).
-    stop = threading.Event()
-    for _ in range(100):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-            text = response.read().decode()
-        if re.search(r"^orbit_connected 2\.0$", text, re.M):
-            break
-        stop.wait(0.1)
-    else:
+
+    def scrape_until(done: Callable[[str], bool]) -> str:
+        # A child counts a finish once the server has acknowledged it, a moment after the
+        # server's own state changed: scrape a few times, as Prometheus does.
+        stop = threading.Event()
+        for _ in range(100):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            if done(text):
+                return text
+            stop.wait(0.1)
         raise AssertionError(text)
+
+    def counted(text: str) -> float:
+        match = succeeded.search(text)
+        return float(match.group(1)) if match else 0.0
+
+    text = scrape_until(lambda text: counted(text) >= 20.0)
+    assert counted(text) == 20.0, text  # every child's finishes, recycled ones included, once
+    # Gauges count live processes only: two connected once recycling settles.
+    scrape_until(lambda text: re.search(r"^orbit_connected 2\.0$", text, re.M) is not None)
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
 
 
