@@ -40,6 +40,7 @@ from orbit_sync.worker._attempt import (
     TrackLease,
     UntrackLease,
 )
+from orbit_sync.worker._errors import NotConnected
 from orbit_sync.worker._outcomes import outcome_of
 
 _T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -193,6 +194,22 @@ def test_link_failure_keeps_the_request_for_the_next_connection() -> None:
     assert m.resend(request) == [Send(request)]
     # Nothing was sent (no connection): only wait.
     assert m.failed(request, WorkerDisconnected("none"), gen=0) == [AwaitConnection(0, request)]
+
+
+def test_no_connection_waits_for_the_first_one_published() -> None:
+    """A start or finish that found no connection waits for one, not for a retry delay."""
+    m = _machine()
+    m.begin()
+    start = m.request
+    assert start is not None
+    # An assignment read while its connection is still being reconciled (not yet published).
+    assert m.failed(start, NotConnected("no connection"), gen=0) == [AwaitConnection(0, start)]
+    assert m.request is start and m.phase is Phase.STARTING
+    m = _machine()
+    _finishing(m)
+    finish = m.request
+    assert finish is not None and m.phase is Phase.FINISHING
+    assert m.failed(finish, NotConnected("no connection"), gen=0) == [AwaitConnection(0, finish)]
 
 
 def test_stale_session_is_a_link_failure() -> None:

@@ -28,15 +28,19 @@ __all__ = [
 
 
 class NotConnected(OrbitError):
-    """The worker has no usable connection right now; nothing was sent."""
+    """The worker has no usable connection right now; nothing was sent. A link failure: the
+    request waits for the next connection published, not for a retry delay (an assignment can
+    arrive while its connection is still being reconciled, and a worker's clock may stand
+    still until then)."""
 
 
 #: Server error codes after which the same operation may succeed later. ``STALE_SESSION`` only
 #: means the connection it was sent on is dead: the operation is re-sent after the reconnect.
 RETRY_CODES = TRANSIENT_CODES | {"STALE_SESSION"}
 
-#: Errors after which the connection they happened on is unusable.
+#: Errors after which the connection they happened on is unusable (or there was none).
 _LINK_ERRORS = (
+    NotConnected,
     WorkerDisconnected,
     CallTimeout,
     WorkerClosed,
@@ -56,7 +60,7 @@ def is_transient(exc: BaseException) -> bool:
     """True when the same operation may succeed if tried again later."""
     if isinstance(exc, WorkerError):
         return exc.code in RETRY_CODES
-    return isinstance(exc, WorkerBusy | NotConnected) or is_link_failure(exc)
+    return isinstance(exc, WorkerBusy) or is_link_failure(exc)
 
 
 def is_fatal_dial_error(exc: BaseException, *, stored_identity: bool = False) -> bool:
