@@ -3,6 +3,7 @@ follows the resumes without waiting for their answers, and every resume answer s
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ from _scripted import (
 )
 
 from orbit_sync.client import Client
+from orbit_sync.testing import FakeClock
 from orbit_sync.worker import Backoff, TaskContext, Worker
 
 OTHER_TASK = "66666666666666666666666666666666"
@@ -49,9 +51,12 @@ class _Handlers:
         return {"ok": True}
 
 
-@pytest.fixture
-def scripted() -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
-    """A scripted server and a Worker (capacity 2) connected to it; stopped at once at the end."""
+@contextlib.contextmanager
+def _scripted(
+    clock: FakeClock | None = None, listeners: list[object] | None = None
+) -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
+    """A scripted server and a Worker (capacity 2, on *clock*) connected to it; stopped at once
+    at the end."""
     handlers = _Handlers()
     with ScriptedServer() as server:
         worker = Worker(
@@ -64,6 +69,8 @@ def scripted() -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
             drain_timeout=0,
             cancel_grace=0,
             flush_timeout=0.5,
+            clock=clock,
+            listeners=listeners or [],
         )
         worker.register("resize", handlers.resize)
         worker.start()
@@ -73,6 +80,13 @@ def scripted() -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
             worker.request_stop(drain=False)
             server.close()
             worker.stop(drain=False)
+
+
+@pytest.fixture
+def scripted() -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
+    """A scripted server and a Worker on real time (see :func:`_scripted`)."""
+    with _scripted() as setup:
+        yield setup
 
 
 def _first_session(server: ScriptedServer, handlers: _Handlers) -> Peer:
@@ -165,3 +179,39 @@ def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again(
     assert handlers.runs == {ATTEMPT_ID: 1}
     # The session cut during its resumes was never established: one reconnect, not two.
     assert worker.stats().reconnects == 1
+
+
+def test_an_assignment_read_before_the_connection_is_published_starts_once_it_is() -> None:
+    """An assignment read while the resumes are unanswered (the connection not yet published)
+    sends its start once they are: it waits for the connection, not for a retry delay on the
+    worker's clock, which never moves here."""
+    clock = FakeClock()
+    cut = threading.Event()
+
+    class Cut:
+        def disconnected(self, event: object) -> None:
+            cut.set()
+
+    with _scripted(clock=clock, listeners=[Cut()]) as (server, _, handlers):
+        _first_session(server, handlers).close()
+        # The reconnect's backoff is the only wait let pass on the worker's clock.
+        assert cut.wait(WAIT)
+        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+        clock.advance(1.0)
+        peer, resume = _reconnected(server, "2")
+        report = peer.recv()
+        assert report["type"] == "worker.capacity"
+        peer.ack(report, welcome_body(epoch="2"))
+        # Read before the resume's answer (frames are read in order): its start finds no
+        # connection published yet.
+        peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
+        peer.ack(resume, lease_body())
+        start = peer.recv()
+        assert start["type"] == "task.start"
+        assert start["body"]["attempt_id"] == OTHER_ATTEMPT
+        peer.ack(start, command_body("start"))
+        assert handlers.started.get(timeout=WAIT) == OTHER_ATTEMPT
+        handlers.release.set()
+        finishes = _answer_until_finished(peer, {ATTEMPT_ID, OTHER_ATTEMPT})
+        assert finishes[OTHER_ATTEMPT]["outcome"] == "SUCCEEDED"
+        assert handlers.runs == {ATTEMPT_ID: 1, OTHER_ATTEMPT: 1}
