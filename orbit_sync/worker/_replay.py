@@ -278,9 +278,9 @@ class ReplayShell(RequestPath[_Stored]):
                 next_at = self.resend_due()
                 self._wakeup.wait(min(next_at, deadline) - self._clock.now())
         finally:
-            self._close(conn)
             if unsubscribe is not None:
                 unsubscribe()
+            self._close(conn)
         if self._open or self._kept:
             self._log.warning("outbox: delivery interrupted; will retry")
             return False
