@@ -327,3 +327,25 @@ def test_shutdown_ends_a_try_waiting_for_an_answer(server: MockOrbitServer, box:
         dead.conn.close()
     assert server.task(dead.task_id).attempts[0].outcome is None
     assert box.counts()["launched"] == 1
+
+
+def test_a_refused_stored_identity_keeps_its_records(
+    server: MockOrbitServer, box: Outbox, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Credentials the server refuses: no later try can help (done), nothing is sent, and the
+    records stay in the file, said at ERROR without the token."""
+    dead = _Dead(server, box)
+    dead.conn.close()
+    caplog.set_level(logging.ERROR, LOG.name)
+    done = replay(
+        box,
+        Client(server.url, "not-the-token"),
+        exclude="",
+        log=LOG,
+        dial_timeout=10,
+        call_timeout=10,
+    )
+    assert done is True
+    assert box.counts() == {"instances": 1, "launched": 1, "finishes": 0}
+    assert "kept undelivered" in caplog.text and "not-the-token" not in caplog.text
+    assert server.task(dead.task_id).attempts[0].outcome is None
