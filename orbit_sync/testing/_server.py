@@ -41,7 +41,7 @@ from .._protocol import READ_IDLE_TIMEOUT
 from ..models import TaskState
 from ._admin_gate import AdminGate, AdminHandler
 from ._clock import ManualClock, ServerClock, SystemClock
-from ._front import CONNECT_PATH, FrontDoor
+from ._front import FrontDoor
 from ._hub import Hub
 from ._listener import Listener
 from ._options import EnqueueOptions
@@ -62,7 +62,7 @@ from ._state import (
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-__all__ = ["CONNECT_PATH", "AdminHandler", "MockOrbitServer"]
+__all__ = ["AdminHandler", "MockOrbitServer"]
 
 
 class MockOrbitServer:
