@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 from _scripted import WAIT
-from _worker_helpers import make_worker, running
+from _worker_helpers import leased_task, make_worker, running
 
 from orbit_sync.contrib.health import HealthProbe
-from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
+from orbit_sync.models import AttemptState, Lease, TaskState, new_id
 from orbit_sync.testing import FakeClock, HandlerEnvironment, ManualClock, MockOrbitServer
 from orbit_sync.worker import SessionEvent, TaskContext
 
@@ -25,22 +25,6 @@ def _lease() -> Lease:
     now = dt.datetime(2026, 9, 17, 8, 0, tzinfo=dt.timezone.utc)
     return Lease(True, AttemptState.RUNNING, now + dt.timedelta(seconds=30), now).with_deadline(
         100.0
-    )
-
-
-def _task() -> Task:
-    return Task(
-        task_id=new_id(),
-        queue_id=new_id(),
-        namespace_id=new_id(),
-        handler="resize",
-        handler_version="1",
-        payload_version="1",
-        payload={},
-        state=TaskState.LEASED,
-        revision=1,
-        attempt=1,
-        max_attempts=3,
     )
 
 
@@ -68,7 +52,7 @@ def test_lease_takes_a_function_with_a_warning_and_refuses_a_non_clock() -> None
 def test_task_context_counts_down_on_its_clock() -> None:
     """TaskContext(clock=Clock): remaining() follows the fake clock, not real time."""
     clock = FakeClock(50.0)
-    ctx = TaskContext(_task(), new_id(), deadline=80.0, clock=clock)
+    ctx = TaskContext(leased_task(), new_id(), deadline=80.0, clock=clock)
     assert ctx.remaining() == 30.0
     clock.advance(29.5)
     assert ctx.remaining() == 0.5
@@ -80,12 +64,12 @@ def test_task_context_takes_a_function_with_a_warning_and_refuses_a_non_clock() 
     """TaskContext(clock=function) warns at the caller and still counts down on it."""
     now = [50.0]
     with pytest.warns(DeprecationWarning, match=DEPRECATED) as caught:
-        ctx = TaskContext(_task(), new_id(), deadline=80.0, clock=lambda: now[0])
+        ctx = TaskContext(leased_task(), new_id(), deadline=80.0, clock=lambda: now[0])
     assert caught[0].filename == __file__
     now[0] = 70.0
     assert ctx.remaining() == 10.0
     with pytest.raises(TypeError, match=NOT_A_CLOCK):
-        TaskContext(_task(), new_id(), clock=42.0)  # type: ignore[arg-type]
+        TaskContext(leased_task(), new_id(), clock=42.0)  # type: ignore[arg-type]
 
 
 def test_health_probe_measures_ages_on_its_clock() -> None:

@@ -9,8 +9,9 @@ import threading
 import time
 
 import pytest
+from _worker_helpers import leased_task
 
-from orbit_sync.models import Outcome, Task, TaskState, new_id
+from orbit_sync.models import Outcome, Task, new_id
 from orbit_sync.testing import FakeClock, HandlerEnvironment
 from orbit_sync.worker import (
     Backoff,
@@ -25,19 +26,7 @@ from orbit_sync.worker._pool import DaemonPool
 
 
 def _task() -> Task:
-    return Task(
-        task_id=new_id(),
-        queue_id=new_id(),
-        namespace_id=new_id(),
-        handler="resize",
-        handler_version="1",
-        payload_version="1",
-        payload={"w": 1},
-        state=TaskState.LEASED,
-        revision=1,
-        attempt=2,
-        max_attempts=3,
-    )
+    return leased_task(attempt=2)
 
 
 # ----------------------------------------------------------------------------- outcomes

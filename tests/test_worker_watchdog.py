@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from _worker_helpers import Probe, make_worker, running
+from _worker_helpers import Probe, leased_task, make_worker, running
 
 from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
-from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
+from orbit_sync.models import AttemptState, Lease, Task, new_id
 from orbit_sync.testing import FakeClock as WorkerFakeClock
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import LeaseEvent, WorkerListener
@@ -45,19 +45,7 @@ class FakeClock(WorkerFakeClock):
 
 
 def _task() -> Task:
-    return Task(
-        task_id=new_id(),
-        queue_id=new_id(),
-        namespace_id=new_id(),
-        handler="resize",
-        handler_version="1",
-        payload_version="1",
-        payload={"w": 1},
-        state=TaskState.LEASED,
-        revision=1,
-        attempt=1,
-        max_attempts=3,
-    )
+    return leased_task()
 
 
 def lease(
