@@ -225,7 +225,7 @@ class Worker:
             self._registered,
             self._shell,
             self._hooks,
-            clock=self._clock,
+            clock=self._time,
             retry_delay=self._retry_delay,
             log=self._log,
         )
