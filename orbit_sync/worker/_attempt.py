@@ -47,7 +47,15 @@ from collections.abc import Callable
 import attrs
 
 from ..errors import OrbitError, WorkerBusy
-from ..models import AttemptRef, AttemptState, CommandResult, Disposition, Finish, Lease
+from ..models import (
+    AttemptRef,
+    AttemptState,
+    CommandResult,
+    Disposition,
+    Finish,
+    Lease,
+    may_run_at,
+)
 from ._errors import is_link_failure, is_transient
 from ._outcomes import (
     Verdict,
@@ -323,7 +331,7 @@ class AttemptMachine:
             actions.append(CancelContext("cancel_requested"))
             cancel_reason = cancel_reason or "cancel_requested"
             cancel_requested = True
-        if cancel_reason is None and lease.deadline is not None and lease.may_run(lambda: now):
+        if cancel_reason is None and lease.deadline is not None and may_run_at(lease, now):
             self.phase = Phase.RUNNING
             return [*actions, TrackLease(lease.deadline), RunHandler()]
         receipt = result.receipt
@@ -467,7 +475,7 @@ class AttemptMachine:
             return []  # starting/finishing: their own request is re-sent; nothing to renew
         if lease is not None and lease.cancel_requested:
             return [UntrackLease(), CancelContext("cancel_requested")]
-        if lease is not None and lease.deadline is not None and lease.may_run(lambda: now):
+        if lease is not None and lease.deadline is not None and may_run_at(lease, now):
             return [RefreshLease(lease.deadline)]
         reason = "lease_expired" if remaining <= 0 else "session_replaced"
         return [UntrackLease(), CancelContext(reason), LeaseLost(reason)]
