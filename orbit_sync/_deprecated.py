@@ -1,16 +1,23 @@
-"""Old import paths kept for one release: each resolves to the same object, with a warning.
+"""Old forms kept for one release: each still works, with a DeprecationWarning.
 
-A package's module-level ``__getattr__`` (PEP 562) calls :func:`moved` for a name that left its
-``__all__``, so ``from orbit_sync.worker import FakeClock`` keeps working until the next release.
+* Names that left a package's ``__all__``: the package's module-level ``__getattr__`` (PEP 562)
+  calls :func:`moved`, so ``from orbit_sync.worker import FakeClock`` keeps working.
+* A bare function returning seconds where an :class:`orbit_sync.Clock` is now taken
+  (``dial_worker``, ``Lease.may_run``, ``TaskContext``, ``HealthProbe``, ...):
+  :func:`function_clock` wraps it into a clock. :func:`orbit_sync.clock.as_clock` is the one
+  place that calls it.
 """
 
 from __future__ import annotations
 
 import importlib
 import warnings
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["moved"]
+from .clock import WorkerClock
+
+__all__ = ["FunctionClock", "function_clock", "moved"]
 
 
 def moved(old: str, name: str, new: str, new_name: str | None = None) -> Any:
@@ -23,3 +30,33 @@ def moved(old: str, name: str, new: str, new_name: str | None = None) -> Any:
         stacklevel=3,
     )
     return getattr(importlib.import_module(new), new_name or name)
+
+
+class FunctionClock(WorkerClock):
+    """The old form of a clock, a function returning monotonic seconds, as an
+    :class:`orbit_sync.Clock`: its time is the function's; its timed waits are real time's (such a
+    function could only ever follow real time)."""
+
+    __slots__ = ("_now",)
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+
+    def now(self) -> float:
+        """The function's reading."""
+        return self._now()
+
+    def __repr__(self) -> str:
+        return f"FunctionClock({getattr(self._now, '__qualname__', 'function')})"
+
+
+def function_clock(now: Callable[[], float], stacklevel: int) -> FunctionClock:
+    """*now* as a clock, with a DeprecationWarning pointing *stacklevel* frames up from the
+    caller of this function (at the code that passed the function)."""
+    warnings.warn(
+        "a function as clock is deprecated and goes in the next release: pass an "
+        "orbit_sync.Clock (orbit_sync.testing.ManualClock or FakeClock in tests)",
+        DeprecationWarning,
+        stacklevel=stacklevel + 1,
+    )
+    return FunctionClock(now)

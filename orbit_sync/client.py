@@ -316,7 +316,7 @@ class Client:
         connection with ``WorkerBackpressure``).
 
         ``clock`` (an :class:`orbit_sync.Clock`, real time when left out) anchors every lease's
-        local ``deadline`` (pass its ``now`` to ``lease.may_run()``); a worker given the same
+        local ``deadline`` (pass the same clock to ``lease.may_run()``); a worker given the same
         clock runs its schedule on it. A plain function returning seconds still works, with a
         ``DeprecationWarning``, until the next release. ``max_call_timeout`` (≤ 10 s) and
         ``read_idle_timeout`` (≤ 60 s) may only tighten the protocol's bounds. ``cut`` (a

@@ -1,8 +1,10 @@
 """Time for the client and the worker: one :class:`Clock` protocol and its real-time clock.
 
-``Client.dial_worker(clock=...)`` (it anchors each lease's local deadline) and
-``Worker(clock=...)`` (lease deadlines, heartbeats, retry delays, drain and idle periods) take the
-same kind of object, so one clock drives a connection and a worker alike. Leave it out for real
+``Client.dial_worker(clock=...)`` (it anchors each lease's local deadline),
+``Worker(clock=...)`` (lease deadlines, heartbeats, retry delays, drain and idle periods),
+``Lease.may_run(clock)`` / ``Lease.remaining(clock)``, ``TaskContext(clock=...)``,
+``HandlerEnvironment(clock=...)`` and ``HealthProbe(clock=...)`` take the same kind of object, so
+one clock drives a connection, a worker and what observes them alike. Leave it out for real
 time (:class:`WorkerClock`); in tests pass ``orbit_sync.testing.ManualClock`` (the mock server's
 clock: ``server.advance(30)`` then moves the server's time and yours together) or
 ``orbit_sync.testing.FakeClock`` (moved by hand, or following a ``ManualClock``).
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
 
@@ -77,23 +78,31 @@ class WorkerClock:
         return "WorkerClock()"
 
 
-def now_reader(clock: Clock | Callable[[], float] | None) -> Callable[[], float]:
-    """What reads *clock*'s time: ``time.monotonic`` itself for real time (no extra call on the
-    hot paths that stamp every request), else the clock's ``now``.
+def as_clock(clock: Clock | Callable[[], float] | None, *, _frames: int = 0) -> Clock:
+    """*clock* as a :class:`Clock`: real time (:class:`WorkerClock`) when ``None``.
 
     A bare function returning seconds was the old form of a clock: it still works for one
-    release, with a DeprecationWarning pointing at the caller of the function that took it.
+    release, wrapped by :func:`orbit_sync._deprecated.function_clock`, with a DeprecationWarning
+    pointing at the code that called the public function that took it (*_frames*: the calls
+    between that function and this one). Anything else raises ``TypeError``.
     """
+    if clock is None:
+        return WorkerClock()
+    # A clock has a `now`; asked first because a protocol's isinstance() costs ~10 us for an
+    # object that is not one, on paths that may still pass a function per call.
+    if hasattr(clock, "now") and isinstance(clock, Clock):
+        return clock
+    if callable(clock):
+        # Imported here: only the deprecated path needs it, and _deprecated builds on this module.
+        from ._deprecated import function_clock
+
+        return function_clock(clock, stacklevel=3 + _frames)
+    raise TypeError("clock must be an orbit_sync.Clock")
+
+
+def now_reader(clock: Clock | Callable[[], float] | None) -> Callable[[], float]:
+    """What reads *clock*'s time (see :func:`as_clock`): ``time.monotonic`` itself for real time
+    (no extra call on the hot paths that stamp every request), else the clock's ``now``."""
     if clock is None or type(clock) is WorkerClock:
         return time.monotonic
-    if isinstance(clock, Clock):
-        return clock.now
-    if callable(clock):
-        warnings.warn(
-            "a function as clock is deprecated and goes in the next release: pass an "
-            "orbit_sync.Clock (orbit_sync.testing.ManualClock or FakeClock in tests)",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return clock
-    raise TypeError("clock must be an orbit_sync.Clock")
+    return as_clock(clock, _frames=1).now

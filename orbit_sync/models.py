@@ -18,13 +18,13 @@ import enum
 import os
 import random
 import secrets
-import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import attrs
 
 from . import _rules
+from .clock import Clock, now_reader
 
 __all__ = [
     "Assignment",
@@ -402,7 +402,8 @@ RUNNABLE = (AttemptState.LEASED, AttemptState.RUNNING)
 class Lease:
     """The server's current authority over an attempt (a LeaseStatus).
 
-    ``deadline`` is local: a ``time.monotonic()`` value computed by the connection as
+    ``deadline`` is local: a reading of the connection's clock (``time.monotonic()`` unless
+    ``dial_worker`` was given a :class:`~orbit_sync.Clock`) computed by the connection as
     ``t_sent + (lease_until - server_time) - 250 ms`` (PROTOCOL §6.6), or ``None`` when the lease
     grants nothing. It is never sent or compared with the server's wall clock.
     """
@@ -443,19 +444,27 @@ class Lease:
         anchor_lease(clone, t_sent)
         return clone
 
-    def may_run(self, clock: Callable[[], float] = time.monotonic) -> bool:
+    def may_run(self, clock: Clock | Callable[[], float] | None = None) -> bool:
         """May the handler run (or keep running) now? (PROTOCOL §6.5)
 
-        Active, ``RUNNING``, no cancel request, and the local deadline not passed. A ``LEASED``
-        active lease is only a reservation.
+        Active, ``RUNNING``, no cancel request, and the local deadline not passed on *clock* (the
+        :class:`~orbit_sync.Clock` the connection was dialled with; real time when left out; a
+        plain function still works, with a ``DeprecationWarning``, until the next release). A
+        ``LEASED`` active lease is only a reservation.
         """
-        return grants_run(self) and self.deadline is not None and clock() < self.deadline
+        return may_run_at(self, now_reader(clock)())
 
-    def remaining(self, clock: Callable[[], float] = time.monotonic) -> float:
-        """Seconds left before the local deadline (0 when none or passed)."""
+    def remaining(self, clock: Clock | Callable[[], float] | None = None) -> float:
+        """Seconds left before the local deadline on *clock* (0 when none or passed)."""
         if self.deadline is None:
             return 0.0
-        return max(0.0, self.deadline - clock())
+        return max(0.0, self.deadline - now_reader(clock)())
+
+
+def may_run_at(lease: Lease, now: float) -> bool:
+    """:meth:`Lease.may_run` at *now*, a reading of the clock the lease's deadline is on (for
+    code that has already read it)."""
+    return grants_run(lease) and lease.deadline is not None and now < lease.deadline
 
 
 def grants_run(lease: Lease) -> bool:

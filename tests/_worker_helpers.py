@@ -27,6 +27,7 @@ if __name__ == "__main__":  # the child process: make the package importable fro
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from orbit_sync.client import Client
+from orbit_sync.models import Task, TaskState, new_id
 from orbit_sync.testing import EventRecord, MockOrbitServer
 from orbit_sync.worker import Backoff, TaskContext, Worker
 
@@ -39,6 +40,23 @@ WORKER_THREAD_PREFIXES = (
     "orbit-sync-reader",
     "orbit-sync-deadlines",
 )
+
+
+def leased_task(*, attempt: int = 1) -> Task:
+    """A made-up LEASED ``resize`` task (payload ``{"w": 1}``), for a context without a server."""
+    return Task(
+        task_id=new_id(),
+        queue_id=new_id(),
+        namespace_id=new_id(),
+        handler="resize",
+        handler_version="1",
+        payload_version="1",
+        payload={"w": 1},
+        state=TaskState.LEASED,
+        revision=1,
+        attempt=attempt,
+        max_attempts=3,
+    )
 
 
 class Probe:

@@ -20,7 +20,7 @@ from orbit_sync.client import Client
 from orbit_sync.models import Capability, CapacityReport, Registration, new_id, new_secret
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.testing._admin import AdminAPI, AdminClient, AdminError, admin_url
-from orbit_sync.testing._server import ADMIN_BODY_BUDGET, MAX_ADMIN_BODY
+from orbit_sync.testing._admin_gate import ADMIN_BODY_BUDGET, MAX_ADMIN_BODY
 
 ADMIN_TOKEN = "admin-token-for-tests-0123456789"
 MARKER = "s3cr3t-marker-never-echoed"

@@ -579,15 +579,18 @@ def test_lease_deadline_uses_only_the_server_difference(
     raw: RawServer, conns: list[WorkerConnection]
 ) -> None:
     """deadline = t_sent + (lease_until - server_time) - 250 ms, never the wall clock (§6.6)."""
-    conn, peer = session(raw, conns, clock=FakeClock(1000.0))
+    clock = FakeClock(1000.0)
+    conn, peer = session(raw, conns, clock=clock)
     call = Background(conn.start, REF)
     req = peer.recv()
     old = T0 - 10**9 * 86_400 * 365 * 20  # twenty years ago: only the difference counts
     peer.reply(req, command_body("start", lease=lease_body(now=old, window=12.5)))
     lease = call.result().lease
     assert lease.deadline == pytest.approx(1000.0 + 12.5 - 0.25)
-    assert lease.may_run(lambda: 1012.2)
-    assert not lease.may_run(lambda: 1012.25)
+    clock.advance(12.2)
+    assert lease.may_run(clock) and lease.remaining(clock) == pytest.approx(0.05)
+    clock.advance(lease.deadline - clock.now())
+    assert not lease.may_run(clock) and lease.remaining(clock) == 0.0
 
 
 def _lease_at(server_time: str, lease_until: str) -> dict[str, Any]:

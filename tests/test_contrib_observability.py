@@ -24,7 +24,7 @@ from orbit_sync.contrib.health import HealthProbe, check_heartbeat
 from orbit_sync.contrib.otel import OpenTelemetryListener
 from orbit_sync.contrib.prometheus import PrometheusListener
 from orbit_sync.models import Outcome
-from orbit_sync.testing import MockOrbitServer
+from orbit_sync.testing import FakeClock, MockOrbitServer
 from orbit_sync.worker import (
     AttemptEvent,
     AttemptFinished,
@@ -139,31 +139,21 @@ def test_prometheus_example_runs() -> None:
     assert 'orbit_attempts_in_flight{handler="resize"} 0.0' in lines
 
 
-class FakeClock:
-    """A monotonic clock the test moves by hand."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_health_probe_states() -> None:
     """Ready needs a session and no drain; live fails when running work sees no renewal."""
-    clock = FakeClock()
+    clock = FakeClock(100.0)
     probe = HealthProbe(stale_after=10.0, clock=clock)
     assert probe.state()["live"] and not probe.state()["ready"]
     probe.connected(SessionEvent("s" * 32, reconnect=False))
-    clock.now += 4
+    clock.advance(4)
     state = probe.state()
     assert state["ready"] and state["connected"] and state["session_age_s"] == 4.0
     probe.attempt_started(AttemptEvent("t" * 32, "a" * 32, "resize", 1, 3))
-    clock.now += 8
+    clock.advance(8)
     probe.lease_renewed(LeaseEvent("t" * 32, "a" * 32, "resize"))
-    clock.now += 9
+    clock.advance(9)
     assert probe.state()["live"] and probe.state()["last_renewal_age_s"] == 9.0
-    clock.now += 2  # 11 s with a handler running and no renewal: wedged
+    clock.advance(2)  # 11 s with a handler running and no renewal: wedged
     assert not probe.state()["live"]
     probe.attempt_finished(
         AttemptFinished("t" * 32, "a" * 32, "resize", 1, Outcome.SUCCEEDED, None, 1.0, True, True)

@@ -24,6 +24,7 @@ from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth
 from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, worst
 from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
+from orbit_sync.testing import FakeClock
 from orbit_sync.worker import AttemptFinished
 
 
@@ -92,23 +93,12 @@ def test_statuses_that_restarting_cannot_fix_give_up_at_once(status: int) -> Non
     assert Restarts().after_exit(status, was_ready=False) is None
 
 
-class Clock:
-    """A hand-moved monotonic clock."""
-
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 READY = {"live": True, "ready": True, "connected": True, "in_flight": 2, "reconnects": 1}
 
 
 def test_host_is_ready_only_when_every_slot_is() -> None:
     """Two slots: starting, one ready, both ready; a replacement starting makes it unready."""
-    clock = Clock()
-    health = HostHealth(2, clock=clock)
+    health = HostHealth(2, clock=FakeClock(100.0))
     assert health.state()["ready"] is False and health.state()["live"] is True
     health.child_started(0, 10)
     health.child_started(1, 11)
@@ -131,13 +121,13 @@ def test_host_is_ready_only_when_every_slot_is() -> None:
 
 def test_a_silent_or_unlive_child_makes_the_host_unlive() -> None:
     """A child's own live=false, or no report for STALE_REPORT seconds, is not live."""
-    clock = Clock()
+    clock = FakeClock(100.0)
     health = HostHealth(1, clock=clock)
     health.child_started(0, 10)
     health.child_reported(0, 10, READY)
-    clock.now += STALE_REPORT
+    clock.advance(STALE_REPORT)
     assert health.state()["live"] is True
-    clock.now += 0.1
+    clock.advance(0.1)
     assert health.state()["live"] is False
     health.child_reported(0, 10, {**READY, "live": False})
     assert health.state()["live"] is False

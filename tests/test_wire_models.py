@@ -32,6 +32,7 @@ from orbit_sync.models import (
     Welcome,
     new_secret,
 )
+from orbit_sync.testing import FakeClock
 from tests.test_wire_bodies import INDEPENDENT
 
 ids = st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)
@@ -372,17 +373,17 @@ def test_lease_deadline_and_may_run() -> None:
     lease = Lease(True, AttemptState.RUNNING, now + dt.timedelta(seconds=30), now)
     anchored = lease.with_deadline(100.0)
     assert anchored.deadline == pytest.approx(129.75)
-    assert anchored.may_run(lambda: 129.7)
-    assert not anchored.may_run(lambda: 129.75)
-    assert anchored.remaining(lambda: 120.0) == pytest.approx(9.75)
+    assert anchored.may_run(FakeClock(129.7))
+    assert not anchored.may_run(FakeClock(129.75))
+    assert anchored.remaining(FakeClock(120.0)) == pytest.approx(9.75)
     reserved = attrs.evolve(anchored, state=AttemptState.LEASED)
-    assert not reserved.may_run(lambda: 100.0)
+    assert not reserved.may_run(FakeClock(100.0))
     cancelled = attrs.evolve(anchored, cancel_requested_at=now)
-    assert not cancelled.may_run(lambda: 100.0)
+    assert not cancelled.may_run(FakeClock(100.0))
     inactive = Lease(False, AttemptState.EXPIRED, now, now).with_deadline(100.0)
     assert inactive.deadline is None
-    assert not inactive.may_run(lambda: 100.0)
-    assert lease.may_run(lambda: 0.0) is False  # never anchored: grants nothing
+    assert not inactive.may_run(FakeClock(100.0))
+    assert lease.may_run(FakeClock(0.0)) is False  # never anchored: grants nothing
 
 
 def test_errors_pickle_with_attributes() -> None:

@@ -128,3 +128,18 @@ def test_keep_and_publish_racing_lose_nothing() -> None:
     for job in jobs:
         job()
     assert sorted(ran) == sorted(k * 1000 + n for k in range(4) for n in range(200))
+
+
+def test_on_close_runs_once_at_close_or_at_once_when_already_closed() -> None:
+    """A subscriber runs once when the link closes (an unsubscribed one never), and a late
+    subscriber runs at once: a replay try started during shutdown still ends."""
+    link, _ = _link()
+    ran: list[str] = []
+    link.on_close(_job(ran, "a"))
+    unsubscribe = link.on_close(_job(ran, "b"))
+    unsubscribe()
+    link.close()
+    link.close()
+    assert ran == ["a"]
+    link.on_close(_job(ran, "late"))
+    assert ran == ["a", "late"]

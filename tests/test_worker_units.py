@@ -9,9 +9,10 @@ import threading
 import time
 
 import pytest
+from _worker_helpers import leased_task
 
-from orbit_sync.models import Outcome, Task, TaskState, new_id
-from orbit_sync.testing import HandlerEnvironment
+from orbit_sync.models import Outcome, Task, new_id
+from orbit_sync.testing import FakeClock, HandlerEnvironment
 from orbit_sync.worker import (
     Backoff,
     Fail,
@@ -25,19 +26,7 @@ from orbit_sync.worker._pool import DaemonPool
 
 
 def _task() -> Task:
-    return Task(
-        task_id=new_id(),
-        queue_id=new_id(),
-        namespace_id=new_id(),
-        handler="resize",
-        handler_version="1",
-        payload_version="1",
-        payload={"w": 1},
-        state=TaskState.LEASED,
-        revision=1,
-        attempt=2,
-        max_attempts=3,
-    )
+    return leased_task(attempt=2)
 
 
 # ----------------------------------------------------------------------------- outcomes
@@ -171,10 +160,10 @@ def test_context_cancel_first_reason_wins() -> None:
 
 def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -> None:
     """The context exposes the task; remaining() follows the deadline; its logger names ids."""
-    now = [50.0]
+    clock = FakeClock(50.0)
     task = _task()
     attempt_id = new_id()
-    ctx = TaskContext(task, attempt_id, deadline=60.0, clock=lambda: now[0])
+    ctx = TaskContext(task, attempt_id, deadline=60.0, clock=clock)
     assert (ctx.task_id, ctx.attempt, ctx.max_attempts, ctx.payload, ctx.handler) == (
         task.task_id,
         2,
@@ -183,7 +172,7 @@ def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -
         "resize",
     )
     assert ctx.remaining() == 10.0
-    now[0] = 70.0
+    clock.advance(20.0)
     assert ctx.remaining() == 0.0
     with caplog.at_level(logging.INFO, logger="orbit_sync"):
         ctx.logger.info("hello")

@@ -10,11 +10,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
-from _worker_helpers import Probe, make_worker, running
+from _worker_helpers import Probe, leased_task, make_worker, running
 
 from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
-from orbit_sync.models import AttemptState, Lease, Task, TaskState, new_id
+from orbit_sync.models import AttemptState, Lease, Task, new_id
 from orbit_sync.testing import FakeClock as WorkerFakeClock
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import LeaseEvent, WorkerListener
@@ -30,33 +30,22 @@ from orbit_sync.worker._watchdog import (
 T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
 
 
-class FakeClock:
-    """A monotonic clock that only moves when told to."""
+class FakeClock(WorkerFakeClock):
+    """The worker's fake clock, also callable: the watchdog core reads time through a function."""
 
     def __init__(self) -> None:
-        self.now = 1000.0
+        super().__init__(1000.0)
 
     def __call__(self) -> float:
-        return self.now
+        return self.now()
 
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
+    def set(self, now: float) -> None:
+        """Move forward to *now*."""
+        self.advance(now - self.now())
 
 
 def _task() -> Task:
-    return Task(
-        task_id=new_id(),
-        queue_id=new_id(),
-        namespace_id=new_id(),
-        handler="resize",
-        handler_version="1",
-        payload_version="1",
-        payload={"w": 1},
-        state=TaskState.LEASED,
-        revision=1,
-        attempt=1,
-        max_attempts=3,
-    )
+    return leased_task()
 
 
 def lease(
@@ -173,7 +162,7 @@ def test_one_heap_for_many_attempts(clock: FakeClock, renewer: Renewer) -> None:
     for _ in range(3):
         nxt = wd.run_due()
         assert nxt is not None
-        clock.now = nxt
+        clock.set(nxt)
         wd.run_due()
         order.append(renewer.calls[-1][0])
     # Due at +5 (10 s lease), +10 (20 s), +15 (30 s): the earliest deadline first.
@@ -191,7 +180,7 @@ def test_deadline_passing_cancels_with_lease_expired(clock: FakeClock, renewer: 
         nxt = wd.run_due()
         assert nxt is not None or ctx.cancelled.is_set()
         if nxt is not None:
-            clock.now = max(clock.now, nxt)
+            clock.set(max(clock(), nxt))
     assert ctx.cancel_reason == "lease_expired"
     assert clock() == pytest.approx(1004.0)
     assert wd.stats().lease_losses == 1
@@ -472,7 +461,7 @@ def test_nearly_due_renewals_join_a_batch(clock: FakeClock, batcher: BatchRenewe
     assert batcher.batches == [[a, near]]
     assert lags == {a: pytest.approx(0.25), near: 0.0}
     assert wd.stats().lag_last == pytest.approx(0.25)
-    clock.now = 1015.0
+    clock.set(1015.0)
     wd.run_due()
     assert batcher.batches == [[a, near], [far]]
 
@@ -488,7 +477,7 @@ def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
     # Granted 39 ms before A's batch, 40 ms left: due at its deadline (+10.0), 1 ms after the
     # batch and well within a quarter of its wait; only the minimum interval keeps it out.
     wd.track(fresh, _ctx(clock), clock() + 0.04)
-    clock.now = 1009.999
+    clock.set(1009.999)
     wd.run_due()
     assert batcher.batches == [[a]]
 

@@ -23,10 +23,9 @@ from __future__ import annotations
 import shutil
 import tempfile
 import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
+from ..clock import Clock
 from ..contrib.health import HealthProbe
 
 __all__ = ["STALE_REPORT", "HostHealth", "MetricsTarget"]
@@ -41,7 +40,7 @@ class HostHealth(HealthProbe):
     """The host's health from its children's reports (a probe for ``HealthServer``; it listens to
     no worker itself)."""
 
-    def __init__(self, processes: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, processes: int, *, clock: Clock | None = None) -> None:
         super().__init__(clock=clock)
         self._processes = processes
         self._host_lock = threading.Lock()

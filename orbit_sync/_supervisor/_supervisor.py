@@ -27,13 +27,13 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 
 from .._cli_worker import EXIT_FAILED, EXIT_OK
+from ..clock import Clock, now_reader
 from ._observe import HostHealth, MetricsTarget
 from ._policy import Restarts, status_of, worst
 from ._wire import DRAIN, ENV, STOP_NOW, ChildSettings, LineReader
@@ -105,11 +105,11 @@ class Supervisor:
         options: SupervisorOptions,
         *,
         out: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | None = None,
     ) -> None:
         self.options = options
         self._say = out or _stderr
-        self._clock = clock
+        self._clock = now_reader(clock)
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, _Child] = {}  # by pid
         self._current: dict[int, _Child] = {}  # slot -> its child (not a retiring one)

@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._seconds import parse_seconds, seconds
+from ..clock import Clock, now_reader
 from ..worker import (
     AttemptEvent,
     AttemptFinished,
@@ -58,13 +59,18 @@ __all__ = ["FileHeartbeat", "HealthProbe", "HealthServer", "check_heartbeat"]
 
 
 class HealthProbe(WorkerListener):
-    """A :class:`~orbit_sync.worker.WorkerListener` that knows whether the worker is healthy."""
+    """A :class:`~orbit_sync.worker.WorkerListener` that knows whether the worker is healthy.
+
+    Ages (the session's, the last renewal's, a running handler's) are read on *clock*, an
+    :class:`orbit_sync.Clock` (real time when left out; give it the worker's clock in tests; a plain
+    function still works, with a ``DeprecationWarning``, until the next release).
+    """
 
     def __init__(
-        self, *, stale_after: float = 60.0, clock: Callable[[], float] = time.monotonic
+        self, *, stale_after: float = 60.0, clock: Clock | Callable[[], float] | None = None
     ) -> None:
         self._stale_after = seconds(stale_after, "stale_after", positive=True)
-        self._clock = clock
+        self._clock = now_reader(clock)
         self._lock = threading.Lock()
         self._session_id: str | None = None
         self._session_since: float | None = None

@@ -9,6 +9,7 @@ descriptor for a short, known time.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import email.utils
 import http
@@ -29,6 +30,7 @@ __all__ = [
     "AdminExchange",
     "HttpError",
     "HttpRequest",
+    "answer_and_close",
     "body_length",
     "json_response",
     "linger_close",
@@ -221,6 +223,14 @@ def linger_close(sock: socket.socket, *, drain_bytes: int = 1 << 20, timeout: fl
         pass
     finally:
         sock.close()
+
+
+def answer_and_close(sock: socket.socket, response: Response, timeout: float) -> None:
+    """Send a final answer within *timeout* seconds, then close (:func:`linger_close`): a peer
+    that takes nothing is cut."""
+    with contextlib.suppress(OSError, TimeoutError):
+        send_all(sock, serialize(response), time.monotonic() + timeout)
+    linger_close(sock)
 
 
 def send_all(sock: socket.socket, data: bytes, deadline: float) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
 
+from ..clock import Clock
 from ..models import Assignment, CancelNotice
 from ._attempt import AttemptMachine
 from ._attempts import Attempt, AttemptShell, Registry, attempt_event
@@ -36,7 +36,7 @@ class Admission:
         shell: AttemptShell,
         hooks: Hooks,
         *,
-        clock: Callable[[], float],
+        clock: Clock,
         retry_delay: float,
         log: logging.Logger,
     ) -> None:

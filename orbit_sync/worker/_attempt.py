@@ -22,8 +22,20 @@ listeners: never under a lock). Unit tests drive every transition directly.
               --finish refused---> REFUSED
               --worker stopped---> UNREPORTED
 
-A request (start or finish) keeps its ``message_id`` for as long as it lives, so every re-send
-is the same operation to the server (PROTOCOL §7). The retry/fatal classification is
+The outbox replay feeds a dead process's stored attempts to the same machine, on a session of
+its own (docs/protocol.md §13), and sends their requests through the same path:
+
+::
+
+    ASSIGNED --replay--> RESUMING --resume answered or refused, finish stored--> FINISHING
+                                  |   (the stored finish, its original message_id)
+                                  |--active lease, no finish stored----------> FINISHING
+                                  |   (UNKNOWN WORKER_LOST, recorded before it is sent)
+                                  |--refused / inactive lease, no finish stored--> ENDED
+                                  \\--the replay stopped first----------------> UNREPORTED
+
+A request (start, resume or finish) keeps its ``message_id`` for as long as it lives, so every
+re-send is the same operation to the server (PROTOCOL §7). The retry/fatal classification is
 :mod:`._errors`'s, shared with the outbox replay.
 """
 
@@ -35,9 +47,25 @@ from collections.abc import Callable
 import attrs
 
 from ..errors import OrbitError, WorkerBusy
-from ..models import AttemptRef, AttemptState, CommandResult, Disposition, Finish, Lease
+from ..models import (
+    AttemptRef,
+    AttemptState,
+    CommandResult,
+    Disposition,
+    Finish,
+    Lease,
+    may_run_at,
+)
 from ._errors import is_link_failure, is_transient
-from ._outcomes import Verdict, abandoned, not_run, outbox_unavailable, worker_error
+from ._outcomes import (
+    Verdict,
+    abandoned,
+    not_run,
+    outbox_unavailable,
+    worker_error,
+    worker_lost,
+)
+from ._outcomes import stored as stored_verdict
 
 __all__ = [
     "BUSY_DELAY",
@@ -46,6 +74,7 @@ __all__ = [
     "AwaitConnection",
     "BreakConnection",
     "CancelContext",
+    "Ended",
     "LeaseLost",
     "NotStarted",
     "Phase",
@@ -68,6 +97,8 @@ BUSY_DELAY = 0.05
 class Phase(enum.Enum):
     ASSIGNED = "assigned"
     STARTING = "starting"
+    #: Replay: a stored attempt's lease is being resumed on the replay session.
+    RESUMING = "resuming"
     RUNNING = "running"
     FINISHING = "finishing"
     #: Settled phases: the worker is done with the attempt.
@@ -75,9 +106,11 @@ class Phase(enum.Enum):
     REFUSED = "refused"
     NOT_RUN = "not_run"
     UNREPORTED = "unreported"
+    #: Replay: the server had already ended the attempt and nothing was stored to send.
+    ENDED = "ended"
 
 
-SETTLED = frozenset({Phase.DELIVERED, Phase.REFUSED, Phase.NOT_RUN, Phase.UNREPORTED})
+SETTLED = frozenset({Phase.DELIVERED, Phase.REFUSED, Phase.NOT_RUN, Phase.UNREPORTED, Phase.ENDED})
 
 
 @attrs.frozen(eq=False)
@@ -192,6 +225,15 @@ class Reported:
 
 
 @attrs.frozen
+class Ended:
+    """Replay: the server already ended the attempt (lease expired, or a finish the dead process
+    delivered but could not record) and nothing was stored to send: drop its record, since
+    reporting it lost would only contradict what the server knows."""
+
+    why: str
+
+
+@attrs.frozen
 class Release:
     """The worker is done with the attempt."""
 
@@ -210,6 +252,7 @@ Action = (
     | RecordFinish
     | NotStarted
     | Reported
+    | Ended
     | Release
 )
 
@@ -228,6 +271,7 @@ class AttemptMachine:
         "ref",
         "request",
         "retry_delay",
+        "stored",
         "verdict",
     )
 
@@ -250,6 +294,8 @@ class AttemptMachine:
         self.abandoned = False
         #: The handler's thread is done with the attempt (an abandoned handler may never be).
         self.handler_done = False
+        #: Replay: the finish the dead process stored, with its original message_id.
+        self.stored: Request | None = None
 
     @property
     def settled(self) -> bool:
@@ -285,7 +331,7 @@ class AttemptMachine:
             actions.append(CancelContext("cancel_requested"))
             cancel_reason = cancel_reason or "cancel_requested"
             cancel_requested = True
-        if cancel_reason is None and lease.deadline is not None and lease.may_run(lambda: now):
+        if cancel_reason is None and lease.deadline is not None and may_run_at(lease, now):
             self.phase = Phase.RUNNING
             return [*actions, TrackLease(lease.deadline), RunHandler()]
         receipt = result.receipt
@@ -321,6 +367,8 @@ class AttemptMachine:
             delay = BUSY_DELAY if isinstance(error, WorkerBusy) else self.retry_delay
             return [RetryAfter(delay, error, request)]
         self.request = None
+        if self.phase is Phase.RESUMING:
+            return self._resumed(None)  # refused: the lease is gone
         if self.phase is Phase.STARTING:
             self.phase = Phase.NOT_RUN
             code = getattr(error, "code", type(error).__name__)
@@ -340,6 +388,9 @@ class AttemptMachine:
         if request is not self.request or self.settled:
             return []
         self.request = None
+        if self.phase is Phase.RESUMING:
+            self.phase = Phase.UNREPORTED  # still stored: a later replay resumes it again
+            return [Release()]
         if self.phase is Phase.STARTING:
             self.phase = Phase.NOT_RUN
             return [
@@ -349,6 +400,43 @@ class AttemptMachine:
         assert self.verdict is not None
         self.phase = Phase.UNREPORTED
         return [Reported(self.verdict), Release()]
+
+    # ------------------------------------------------------------------ outbox replay
+
+    def replay(self, finish: Finish | None, message_id: str | None) -> list[Action]:
+        """A stored attempt of a dead instance, on the replay session: resume its lease first
+        (the session takes it over); *finish* and *message_id*: its stored finish, if any."""
+        if self.phase is not Phase.ASSIGNED:
+            return []
+        if finish is not None and message_id is not None:
+            self.stored = Request("task.finish", finish, message_id)
+        self.phase = Phase.RESUMING
+        self.request = Request("worker.resume", self.ref, self._new_id())
+        return [Send(self.request)]
+
+    def resume_answered(self, request: Request, lease: Lease) -> list[Action]:
+        """The replay's resume was answered with *lease*."""
+        if request is not self.request or self.phase is not Phase.RESUMING:
+            return []
+        self.request = None
+        return self._resumed(lease)
+
+    def _resumed(self, lease: Lease | None) -> list[Action]:
+        stored = self.stored
+        if stored is not None:
+            # Sent either way: the server applies it within the lease, keeps it as evidence
+            # after, and answers a repeat with the original receipt.
+            assert isinstance(stored.body, Finish)
+            self.phase = Phase.FINISHING
+            self.verdict = stored_verdict(stored.body)
+            self.request = stored
+            return [Send(stored)]
+        if lease is not None and lease.active:
+            # Launched, never finished, still leased: its effect is uncertain; say so now
+            # rather than at lease expiry. Recorded first: a cut replay re-sends the same one.
+            return self._finish(worker_lost())
+        self.phase = Phase.ENDED
+        return [Ended("refused" if lease is None else f"lease {lease.state}"), Release()]
 
     # ------------------------------------------------------------------ the handler
 
@@ -387,7 +475,7 @@ class AttemptMachine:
             return []  # starting/finishing: their own request is re-sent; nothing to renew
         if lease is not None and lease.cancel_requested:
             return [UntrackLease(), CancelContext("cancel_requested")]
-        if lease is not None and lease.deadline is not None and lease.may_run(lambda: now):
+        if lease is not None and lease.deadline is not None and may_run_at(lease, now):
             return [RefreshLease(lease.deadline)]
         reason = "lease_expired" if remaining <= 0 else "session_replaced"
         return [UntrackLease(), CancelContext(reason), LeaseLost(reason)]

@@ -1,10 +1,11 @@
 """The attempts' threaded shell: performs what each attempt's state machine (:mod:`._attempt`)
 decides, on whichever thread the event arrives.
 
-One request path: every start and finish is pipelined (:meth:`AttemptShell.send`); a request
-whose connection fails is kept by the link and re-sent with its ``message_id`` by the connection
-thread once a newer connection is published (:meth:`AttemptShell.resend_due`); a transient error
-answer is kept for its retry delay the same way. No thread waits for an answer.
+One request path (:mod:`._requests`, shared with the outbox replay): every start and finish is
+pipelined; a request whose connection fails is kept by the link and re-sent with its
+``message_id`` by the connection thread once a newer connection is published
+(:meth:`~._requests.RequestPath.resend_due`); a transient error answer is kept for its retry
+delay the same way. No thread waits for an answer.
 
 Threads: an assignment's start goes out from the connection's reader thread (``on_assignment``);
 answers are handled on the reader thread without blocking; the handler runs on a pool thread,
@@ -25,7 +26,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..errors import OrbitError
 from ..models import (
     Assignment,
     AttemptRef,
@@ -38,8 +38,6 @@ from ..models import (
 from ._attempt import (
     Action,
     AttemptMachine,
-    AwaitConnection,
-    BreakConnection,
     CancelContext,
     LeaseLost,
     NotStarted,
@@ -49,7 +47,6 @@ from ._attempt import (
     Release,
     Reported,
     Request,
-    RetryAfter,
     RunHandler,
     Send,
     TrackLease,
@@ -57,13 +54,13 @@ from ._attempt import (
 )
 from ._context import TaskContext
 from ._encoding import ResultEncoder
-from ._errors import NotConnected
 from ._hooks import AttemptEvent, AttemptFinished, Hooks, LeaseEvent
-from ._link import GaveUp, Link
+from ._link import Link
 from ._outbox import Outbox, OutboxError
 from ._outcomes import HANDLER_ERROR, Verdict, not_run, outcome_of
 from ._pool import DaemonPool
 from ._report import AttemptInfo
+from ._requests import Event, RequestPath
 from ._watchdog import LeaseWatchdog
 
 __all__ = ["Attempt", "AttemptShell", "Handler", "Registry", "attempt_event", "lease_event"]
@@ -154,9 +151,9 @@ def lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) ->
     return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
 
 
-class AttemptShell:
-    """Performs the attempts' actions: sends, re-sends, runs handlers, writes the outbox, counts,
-    logs and tells the listeners."""
+class AttemptShell(RequestPath[Attempt]):
+    """Performs the attempts' actions: sends and re-sends (:class:`~._requests.RequestPath`),
+    runs handlers, writes the outbox, counts, logs and tells the listeners."""
 
     def __init__(
         self,
@@ -174,24 +171,21 @@ class AttemptShell:
         instance_id: Callable[[], str],
         own_thread: Callable[[], bool],
     ) -> None:
+        # *wake* wakes the connection thread, which drives the link (a request was kept).
+        super().__init__(link, call_timeout=call_timeout, log=log, wake=wake)
         self._reg = registry
-        self._link = link
         self._pool = pool
         self._watchdog = watchdog
         self._hooks = hooks
-        self._log = log
         self._clock = clock
         self._encoder = encoder
-        self._call_timeout = call_timeout
-        #: Wakes the connection thread (a request was kept for it to re-send).
-        self._wake = wake
         self._instance_id = instance_id
         #: Is the current thread one of the worker's own (pool, connection, supervisor, ...)?
         self._own_thread = own_thread
         #: The durable outbox, once start() opened it.
         self.outbox: Outbox | None = None
 
-    def step(self, att: Attempt, event: Callable[[AttemptMachine], list[Action]]) -> None:
+    def step(self, att: Attempt, event: Event) -> None:
         """Feed *event* to the attempt's machine and perform the actions it returns. An
         unexpected error (a bug of ours) finishes the attempt UNKNOWN instead of dropping it."""
         try:
@@ -250,10 +244,6 @@ class AttemptShell:
                 self._run_handler_on_pool(att)
             elif isinstance(action, RecordFinish):
                 self._record_finish(att, action.request)
-            elif isinstance(action, BreakConnection):
-                self._link.broken(action.gen)
-            elif isinstance(action, AwaitConnection | RetryAfter):
-                self._keep(att, action)
             elif isinstance(action, Reported):
                 self._reported(att, action)
             elif isinstance(action, NotStarted):
@@ -262,7 +252,8 @@ class AttemptShell:
                 self._resume_lost(att, action.reason)
             elif isinstance(action, Release):
                 self.settle(att)
-            else:  # RefreshLease comes only from _after_resume, which performs it itself
+            elif not self.perform_request(att, action):
+                # RefreshLease comes only from after_resume, which performs it itself.
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
     @property
@@ -278,87 +269,17 @@ class AttemptShell:
         except RuntimeError:
             job()
 
-    def _send(self, att: Attempt, request: Request) -> None:
-        """Send *request* within the handlers' share of the connection's request budget (or
-        queue it for the next free slot); never blocks."""
-        try:
-            if not self._link.gate.acquire_or_queue(partial(self._transmit, att, request)):
-                return  # a freed slot sends it
-        except GaveUp:
-            self.step(att, lambda m: m.gave_up(request))
-            return
-        self._transmit(att, request)
-
-    def _transmit(self, att: Attempt, request: Request) -> None:
-        """Send *request*, whose request slot is taken, on the current connection."""
-        current = self._link.current()
-        if current is None:
-            self._link.gate.free()  # a request queued for the slot goes now
-            self.step(att, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
-            return
-        conn, gen = current
-        try:
-            conn._submit(
-                request.request_type,
-                request.body,
-                partial(self._answered, att, request, gen),
-                message_id=request.message_id,
-                timeout=self._call_timeout,
-            )
-        except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
-            refused = exc
-            self._link.gate.free()  # a request queued for the slot goes now
-            self.step(att, lambda m: m.failed(request, refused, gen=gen))
-        except BaseException:
-            self._link.gate.free()  # a request queued for the slot goes now
-            raise
-
-    def _answered(
-        self, att: Attempt, request: Request, gen: int, value: Any, error: OrbitError | None
-    ) -> None:
-        # On the reader thread (or the thread that ended the connection): never blocks.
-        self._link.gate.free()  # a request queued for the slot goes now
-        if error is not None:
-            self.step(att, lambda m: m.failed(request, error, gen=gen))
-        elif request.request_type == "task.start":
-            ctx = att.ctx
-            self.step(
-                att,
-                lambda m: m.start_answered(
-                    request,
-                    value,
-                    now=self._clock(),
-                    cancel_reason=ctx.cancel_reason,
-                    cancel_requested=ctx.cancel_requested,
-                ),
-            )
-        else:
-            self.step(att, lambda m: m.finish_answered(request, value))
-
-    def _keep(self, att: Attempt, action: AwaitConnection | RetryAfter) -> None:
-        """Keep the attempt's request for the connection thread to re-send (same message_id)."""
-        request = action.request
-        if isinstance(action, RetryAfter):
-            self._log.info(
-                "request answered %s; retrying",
-                getattr(action.error, "code", type(action.error).__name__),
-            )
-            newer_than, delay = 0, action.delay
-        else:
-            newer_than, delay = action.gen, 0.0
-        job = partial(self.step, att, lambda m: m.resend(request))
-        if self._link.keep(job, newer_than=newer_than, delay=delay):
-            self._wake()
-        else:
-            self.step(att, lambda m: m.gave_up(request))
-
-    def resend_due(self) -> float:
-        """Re-send the kept requests whose connection and time have come (connection thread);
-        return when the next one is due."""
-        jobs, next_at = self._link.take_due()
-        for job in jobs:
-            job()
-        return next_at
+    def answer(self, att: Attempt, request: Request, value: Any) -> Event:
+        if request.request_type != "task.start":
+            return super().answer(att, request, value)
+        ctx = att.ctx
+        return lambda m: m.start_answered(
+            request,
+            value,
+            now=self._clock(),
+            cancel_reason=ctx.cancel_reason,
+            cancel_requested=ctx.cancel_requested,
+        )
 
     def _run_handler_on_pool(self, att: Attempt) -> None:
         try:

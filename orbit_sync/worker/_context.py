@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from ..clock import Clock, now_reader
 from ..models import Task
 from ._outcomes import CANCEL_REASONS, TaskCancelled
 
@@ -45,6 +45,10 @@ class TaskContext:
 
     ``logger`` logs under ``orbit_sync.task.<handler>`` (or the *logger* given), with the task and
     attempt ids in each line and as ``extra`` fields (``task_id``, ``attempt_id``, ``handler``).
+
+    *deadline* (the local lease deadline) and :meth:`remaining` read *clock*, an
+    :class:`orbit_sync.Clock` (real time when left out; the worker passes its own; a plain function
+    still works, with a ``DeprecationWarning``, until the next release).
     """
 
     __slots__ = (
@@ -67,7 +71,7 @@ class TaskContext:
         attempt_id: str,
         *,
         deadline: float | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Clock | Callable[[], float] | None = None,
         logger: logging.Logger | None = None,
         worker_logger: logging.Logger | None = None,
     ) -> None:
@@ -82,7 +86,7 @@ class TaskContext:
         )
         # The worker's lines about this attempt stay under the library's logger.
         self._log: logging.LoggerAdapter[logging.Logger] = _TaskLogger(worker_logger or _LOG, extra)
-        self._clock = clock
+        self._clock = now_reader(clock)
         self._deadline = deadline
         self._reason: str | None = None
         self._cancel_requested = False

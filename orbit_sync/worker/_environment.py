@@ -19,7 +19,7 @@ from typing import Any
 
 import cattrs
 
-from ..clock import Clock, now_reader
+from ..clock import Clock, as_clock
 from ..models import Task, TaskState, new_id
 from ._context import TaskContext
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
@@ -54,7 +54,7 @@ class HandlerEnvironment:
         self._attempt = attempt
         self._max_attempts = max_attempts
         self._lease = lease_seconds
-        self._clock = now_reader(clock)
+        self._clock = as_clock(clock)
         self._logger = logger
         self._lock = threading.Lock()
         self._pending: str | None = None
@@ -89,7 +89,7 @@ class HandlerEnvironment:
         ctx = TaskContext(
             task,
             new_id(),
-            deadline=self._clock() + self._lease,
+            deadline=self._clock.now() + self._lease,
             clock=self._clock,
             logger=self._logger,
         )

@@ -145,6 +145,8 @@ class Link:
         #: Kept requests: (not before, tie-breaker, newer than generation, re-send job).
         self._kept: list[tuple[float, int, int, Callable[[], None]]] = []
         self._order = itertools.count()
+        #: Called once the link is closed (see :meth:`on_close`).
+        self._on_close: list[Callable[[], None]] = []
         #: Bounds the starts, finishes and resumes in flight (see :class:`Gate`).
         self.gate = Gate(slots)
 
@@ -174,9 +176,29 @@ class Link:
             self._closed = True
             self._conn = None
             kept, self._kept = self._kept, []
+            callbacks, self._on_close = self._on_close, []
             self._cond.notify_all()
         self.gate.close()
+        for callback in callbacks:
+            callback()
         return [k[3] for k in sorted(kept)]
+
+    def on_close(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call *callback* (quick, non-blocking: it runs on the closing thread) once the link is
+        closed, at once if it already is; return what unsubscribes it."""
+        with self._cond:
+            closed = self._closed
+            if not closed:
+                self._on_close.append(callback)
+        if closed:
+            callback()
+
+        def unsubscribe() -> None:
+            with self._cond:
+                if callback in self._on_close:
+                    self._on_close.remove(callback)
+
+        return unsubscribe
 
     def keep(self, job: Callable[[], None], *, newer_than: int = 0, delay: float = 0.0) -> bool:
         """Keep *job* (a request's re-send) until a connection newer than *newer_than* is

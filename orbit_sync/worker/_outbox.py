@@ -228,31 +228,61 @@ class Outbox:
         return f"<Outbox {self.path!r}>"
 
     @contextlib.contextmanager
-    def _tx(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+    def _using(self) -> Iterator[sqlite3.Connection]:
+        """The open connection, under the lock, for one read or transaction.
+
+        The one place SQLite failures of an open outbox become ``OutboxError`` (disk full, I/O
+        error, a file damaged or changed under us): the caller decides, and the replay retries
+        rather than taking them for a bug of ours. SQLite's reason is the cause; its messages hold
+        no stored values (every value is a bound parameter), so no secret.
+        """
         with self._lock:
             if self._closed:
                 raise OutboxError("the outbox is closed")
             try:
+                yield self._db
+            except sqlite3.Error as exc:
+                raise OutboxError(f"outbox {self.path}: {exc}") from exc
+
+    @contextlib.contextmanager
+    def _tx(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
+        with self._using() as db:
+            try:
                 if not durable:
                     # A delete that may be lost: the next replay re-sends the same message_id.
-                    self._db.execute("PRAGMA synchronous = OFF")
-                self._db.execute("BEGIN IMMEDIATE")
+                    db.execute("PRAGMA synchronous = OFF")
+                db.execute("BEGIN IMMEDIATE")
                 try:
-                    yield self._db
+                    yield db
                 except BaseException:
-                    if self._db.in_transaction:
-                        self._db.execute("ROLLBACK")
+                    if db.in_transaction:
+                        db.execute("ROLLBACK")
                     raise
                 else:
-                    self._db.execute("COMMIT")
+                    db.execute("COMMIT")
                 finally:
                     if not durable:
-                        self._db.execute("PRAGMA synchronous = FULL")
-            except sqlite3.Error as exc:  # disk full, I/O error: the caller decides
-                if self._db.in_transaction:
+                        db.execute("PRAGMA synchronous = FULL")
+            except sqlite3.Error:
+                if db.in_transaction:
                     with contextlib.suppress(sqlite3.Error):
-                        self._db.execute("ROLLBACK")
-                raise OutboxError(f"outbox {self.path}: {exc}") from exc
+                        db.execute("ROLLBACK")
+                raise
+
+    def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
+        with self._using() as db:
+            return db.execute(sql, params).fetchall()
+
+    @contextlib.contextmanager
+    def _decoding(self, what: str) -> Iterator[None]:
+        """Rows read back that this release cannot decode (a file changed by hand or damaged)
+        raise ``OutboxError``; the message names the table, never a stored value."""
+        try:
+            yield
+        except (ValueError, TypeError) as exc:  # json, enums, the models' validators
+            raise OutboxError(
+                f"outbox {self.path} holds {what} that cannot be read; it was left as is"
+            ) from exc
 
     # ------------------------------------------------------------------ this run
 
@@ -313,53 +343,54 @@ class Outbox:
 
     def instances(self, *, exclude: str | None = None) -> list[StoredInstance]:
         """Stored identities (other than *exclude*, this run's)."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
-                "FROM instances ORDER BY rowid"
-            ).fetchall()
+        rows = self._read(
+            "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
+            "FROM instances ORDER BY rowid"
+        )
         out = []
-        for instance_id, secret, queue_id, caps, capacity in rows:
-            if instance_id == exclude:
-                continue
-            out.append(
-                StoredInstance(
-                    Registration(
-                        queue_id=queue_id,
-                        capabilities=[Capability(*c) for c in json.loads(caps)],
-                        capacity=capacity,
-                        instance_id=instance_id,
-                        instance_secret=secret,
+        with self._decoding("an instance"):
+            for instance_id, secret, queue_id, caps, capacity in rows:
+                if instance_id == exclude:
+                    continue
+                out.append(
+                    StoredInstance(
+                        Registration(
+                            queue_id=queue_id,
+                            capabilities=[Capability(*c) for c in json.loads(caps)],
+                            capacity=capacity,
+                            instance_id=instance_id,
+                            instance_secret=secret,
+                        )
                     )
                 )
-            )
         return out
 
     def pending(self, instance_id: str) -> list[Pending]:
         """What *instance_id* left: every launched attempt, with its finish when decided."""
-        with self._lock:
-            rows = self._db.execute(
-                "SELECT l.attempt_id, l.task_id, l.epoch, l.lease_secret, l.handler, "
-                "f.message_id, f.outcome, f.result, f.error_code, f.retryable "
-                "FROM launched l LEFT JOIN finishes f ON f.attempt_id = l.attempt_id "
-                "WHERE l.instance_id = ? ORDER BY l.rowid",
-                (instance_id,),
-            ).fetchall()
+        rows = self._read(
+            "SELECT l.attempt_id, l.task_id, l.epoch, l.lease_secret, l.handler, "
+            "f.message_id, f.outcome, f.result, f.error_code, f.retryable "
+            "FROM launched l LEFT JOIN finishes f ON f.attempt_id = l.attempt_id "
+            "WHERE l.instance_id = ? ORDER BY l.rowid",
+            (instance_id,),
+        )
         out = []
-        for attempt_id, task_id, epoch, secret, handler, mid, outcome, result, code, retry in rows:
-            ref = AttemptRef(
-                task_id=task_id, attempt_id=attempt_id, epoch=epoch, lease_secret=secret
-            )
-            finish = None
-            if mid is not None:
-                finish = Finish(
-                    ref=ref,
-                    outcome=Outcome(outcome),
-                    result=json.loads(result),
-                    error_code=code,
-                    retryable=None if retry is None else bool(retry),
+        with self._decoding("an attempt"):
+            for row in rows:
+                attempt_id, task_id, epoch, secret, handler, mid, outcome, result, code, retry = row
+                ref = AttemptRef(
+                    task_id=task_id, attempt_id=attempt_id, epoch=epoch, lease_secret=secret
                 )
-            out.append(Pending(ref, handler, mid, finish))
+                finish = None
+                if mid is not None:
+                    finish = Finish(
+                        ref=ref,
+                        outcome=Outcome(outcome),
+                        result=json.loads(result),
+                        error_code=code,
+                        retryable=None if retry is None else bool(retry),
+                    )
+                out.append(Pending(ref, handler, mid, finish))
         return out
 
     def forget_instance(self, instance_id: str) -> None:
@@ -373,8 +404,8 @@ class Outbox:
 
     def counts(self) -> dict[str, Any]:
         """How many rows each table holds (for tests and diagnostics; no secrets)."""
-        with self._lock:
+        with self._using() as db:
             return {
-                table: self._db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                table: db.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
                 for table in ("instances", "launched", "finishes")
             }

@@ -40,6 +40,7 @@ __all__ = [
     "CANCEL_REASONS",
     "RESULT_NOT_JSON",
     "RESULT_TOO_LARGE",
+    "WORKER_LOST",
     "Fail",
     "TaskCancelled",
     "UnknownEffect",
@@ -47,7 +48,9 @@ __all__ = [
     "not_run",
     "outbox_unavailable",
     "outcome_of",
+    "stored",
     "worker_error",
+    "worker_lost",
 ]
 
 #: Why a TaskContext was cancelled (the first reason wins).
@@ -304,3 +307,22 @@ def worker_error() -> Verdict:
         {"error": WORKER_ERROR, "message": "the worker failed while processing the attempt"},
         WORKER_ERROR,
     )
+
+
+#: The outcome code of an attempt whose process stopped while its handler ran.
+WORKER_LOST = "WORKER_LOST"
+
+
+def worker_lost() -> Verdict:
+    """The finish the outbox replay sends for an attempt a dead process launched and never
+    finished: whether its effect happened is not known."""
+    return Verdict(
+        Outcome.UNKNOWN,
+        {"error": WORKER_LOST, "message": "the worker process stopped while the handler ran"},
+        WORKER_LOST,
+    )
+
+
+def stored(finish: Finish) -> Verdict:
+    """The verdict a finish stored in the outbox carries (its result as it was sent)."""
+    return Verdict(finish.outcome, finish.result, finish.error_code, finish.retryable)

@@ -15,6 +15,15 @@ grows), ``worker.resume``s each stored attempt, then sends:
   on a full disk): reporting it lost would only contradict what the server knows, so its
   record is dropped.
 
+Each stored attempt is an :class:`~._attempt.AttemptMachine` entered by its ``replay`` step,
+and its requests go out through the worker's one request path (:mod:`._requests`), with the
+same retry/fatal classification as a live attempt's: a transient error answer is re-sent after
+the retry delay on the same connection; a connection that fails ends the try, and the next try
+(after the backoff) re-sends the same operations, their ``message_id`` read from the outbox.
+:class:`ReplayShell` drives one try: it owns the machines, steps them on the replay thread
+(answers arriving on the connection's reader are queued for it), and ends by
+:data:`TRY_LIMIT` at the latest.
+
 No attempt is reported lost while a handler process of the dead instance may still run it: the
 replay first takes the instance's lock, which every such process holds while it lives
 (``_locks``); while it cannot, the instance waits for the next try.
@@ -25,23 +34,36 @@ handler: replay cannot run anything twice.
 
 from __future__ import annotations
 
+import collections
 import logging
+from functools import partial
 
+from ..clock import Clock, WorkerClock
 from ..errors import HTTPError, OrbitError, WorkerError
-from ..models import Finish, Outcome, Registration, new_message_id
+from ..models import Finish, Registration, new_message_id
+from ._attempt import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
 from ._backoff import Backoff
-from ._errors import is_fatal_dial_error, is_transient
-from ._link import Dialer, Link
+from ._clock import Wakeup
+from ._errors import is_fatal_dial_error
+from ._link import Connection, Dialer, Link
 from ._outbox import Outbox, Pending
+from ._outcomes import WORKER_LOST
+from ._requests import Event, RequestPath
+from ._shutdown import CLOSE_ALLOWANCE
 
-__all__ = ["WORKER_LOST", "replay", "replay_until_done"]
-
-#: The outcome code of an attempt whose process stopped while its handler ran.
-WORKER_LOST = "WORKER_LOST"
+__all__ = ["TRY_LIMIT", "WORKER_LOST", "ReplayShell", "replay", "replay_until_done"]
 
 #: How long one try waits for a dead instance's handler processes to be gone (they exit within
 #: ``cancel_grace`` of their worker's death; on Linux at once).
 LOCK_WAIT = 1.0
+
+#: The longest one try delivers on its connection: a server answering a transient error for
+#: longer (or a request never answered, without a call timeout) waits for the next try, after
+#: the backoff. What a try delivered is done; the rest stays stored.
+TRY_LIMIT = 30.0
+
+#: Spacing of re-sends after a transient error answer (the worker's ``renew_retry_delay``).
+RETRY_DELAY = 1.0
 
 
 def replay_until_done(
@@ -53,10 +75,13 @@ def replay_until_done(
     exclude: str,
     log: logging.Logger,
     dial_timeout: float,
-    call_timeout: float,
+    call_timeout: float | None,
+    retry_delay: float = RETRY_DELAY,
+    clock: Clock | None = None,
 ) -> None:
     """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per
-    *backoff* between tries; ends early when *link* is closed (shutdown)."""
+    *backoff* between tries; ends early when *link* (the worker's) is closed: shutdown also
+    ends a try in progress."""
     failures = 0
     while not link.is_closed():
         try:
@@ -67,6 +92,9 @@ def replay_until_done(
                 log=log,
                 dial_timeout=dial_timeout,
                 call_timeout=call_timeout,
+                retry_delay=retry_delay,
+                clock=clock,
+                stop=link,
             )
         except OrbitError:  # the outbox file (OutboxError): try again later
             log.exception("outbox replay failed; retrying")
@@ -89,16 +117,23 @@ def replay(
     exclude: str,
     log: logging.Logger,
     dial_timeout: float,
-    call_timeout: float,
+    call_timeout: float | None,
     lock_wait: float = LOCK_WAIT,
+    retry_delay: float = RETRY_DELAY,
+    clock: Clock | None = None,
+    stop: Link | None = None,
 ) -> bool:
     """Deliver every stored outcome of instances other than *exclude* (this run's).
 
     Returns True when nothing is left that a later try could deliver; False after a transient
     failure (the caller retries with backoff). Never raises for a server or network problem.
+    Closing *stop* (the worker's link, at shutdown) ends a try in progress.
     """
+    clock = clock or WorkerClock()
     complete = True
     for stored in outbox.instances(exclude=exclude):
+        if stop is not None and stop.is_closed():
+            return False
         registration = stored.registration
         instance = registration.instance_id
         pending = outbox.pending(instance)
@@ -118,108 +153,206 @@ def replay(
                 len(pending),
                 instance,
             )
-            if not _deliver(outbox, dialer, registration, pending, log, dial_timeout, call_timeout):
+            conn, refused = _dial(outbox, dialer, registration, len(pending), log, dial_timeout)
+            if conn is None:
+                complete = complete and refused
+                continue
+            shell = ReplayShell(
+                outbox,
+                registration,
+                pending,
+                clock=clock,
+                log=log,
+                call_timeout=call_timeout,
+                retry_delay=retry_delay,
+            )
+            if not shell.run(conn, stop):
                 complete = False
+            outbox.forget_instance(instance)
     return complete
 
 
-def _deliver(
+def _dial(
     outbox: Outbox,
     dialer: Dialer,
     registration: Registration,
-    pending: list[Pending],
+    count: int,
     log: logging.Logger,
     dial_timeout: float,
-    call_timeout: float,
-) -> bool:
-    """Deliver what one dead instance left; False when a later try has something to do."""
-    instance = registration.instance_id
+) -> tuple[Connection | None, bool]:
+    """A session as the dead instance, or ``None`` and whether no later try can get one (the
+    server refuses the stored identity: its outcomes are kept, undelivered)."""
     try:
-        conn = dialer.dial_worker(registration, dial_timeout)
+        conn: Connection = dialer.dial_worker(registration, dial_timeout)
     except (WorkerError, HTTPError) as exc:
-        code = getattr(exc, "code", None) or getattr(exc, "status_code", None)
-        if is_fatal_dial_error(exc, stored_identity=True):
-            log.error(
-                "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
-                "undelivered in %s",
-                instance,
-                code,
-                len(pending),
-                outbox.path,
-            )
-            return True
-        return False
+        if not is_fatal_dial_error(exc, stored_identity=True):
+            return None, False
+        log.error(
+            "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
+            "undelivered in %s",
+            registration.instance_id,
+            getattr(exc, "code", None) or getattr(exc, "status_code", None),
+            count,
+            outbox.path,
+        )
+        return None, True
     except (OrbitError, OSError) as exc:
         log.warning("outbox: cannot connect to deliver stored outcomes (%s)", exc)
-        return False
-    complete = True
-    try:
-        # Every lease first (those still running become this session's), then the finishes.
-        ended: set[str] = set()
-        for item in pending:
-            try:
-                lease = conn.resume(item.ref, timeout=call_timeout)
-            except WorkerError as exc:
-                if is_transient(exc):
-                    raise
-                ended.add(item.ref.attempt_id)  # refused: the lease is gone
-                continue
-            if not lease.active:  # the attempt is over (finished or expired)
-                ended.add(item.ref.attempt_id)
-        # A stored finish is sent either way: after the lease it becomes evidence.
-        for item in pending:
-            finish, message_id = item.finish, item.message_id
-            if finish is None or message_id is None:
-                if item.ref.attempt_id in ended:
-                    log.info(
-                        "outbox: attempt %s (task %s) was already ended by the server; its "
-                        "launch record is dropped",
-                        item.ref.attempt_id,
-                        item.ref.task_id,
+        return None, False
+    return conn, False
+
+
+class _Stored:
+    """One stored attempt on the replay session: its record and its machine (stepped only on
+    the replay thread)."""
+
+    __slots__ = ("item", "machine")
+
+    def __init__(self, item: Pending, retry_delay: float) -> None:
+        self.item = item
+        self.machine = AttemptMachine(item.ref, new_id=new_message_id, retry_delay=retry_delay)
+
+
+class ReplayShell(RequestPath[_Stored]):
+    """One try at delivering what one dead instance left, on one connection (see the module's
+    docstring). Events reach the machines through a queue that only :meth:`run`'s thread
+    drains, so a machine is never stepped by two threads and outbox writes never run on the
+    connection's reader."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        registration: Registration,
+        pending: list[Pending],
+        *,
+        clock: Clock,
+        log: logging.Logger,
+        call_timeout: float | None,
+        retry_delay: float,
+    ) -> None:
+        self._wakeup = Wakeup(clock)
+        super().__init__(Link(clock), call_timeout=call_timeout, log=log, wake=self._wakeup.set)
+        self._outbox = outbox
+        self._instance = registration.instance_id
+        self._clock = clock
+        self._stored = [_Stored(item, retry_delay) for item in pending]
+        #: Events for the machines, from any thread; drained by run()'s thread only.
+        self._events: collections.deque[tuple[_Stored, Event]] = collections.deque()
+        #: Stored attempts not yet settled, and those the try gave up (still stored).
+        self._open = len(self._stored)
+        self._kept = 0
+        self._stopping = False
+
+    def step(self, subject: _Stored, event: Event) -> None:
+        # Any thread (the connection's reader for answers): queued for run()'s thread.
+        self._events.append((subject, event))
+        self._wakeup.set()
+
+    def _stop(self) -> None:
+        self._stopping = True
+        self._wakeup.set()
+
+    def run(self, conn: Connection, stop: Link | None = None) -> bool:
+        """Deliver on *conn* (then closed); True when every stored attempt is settled for good,
+        False when some wait for a later try."""
+        unsubscribe = stop.on_close(self._stop) if stop is not None else None
+        try:
+            self._link.publish(conn)
+            for s in self._stored:
+                item = s.item
+                self.step(
+                    s,
+                    partial(AttemptMachine.replay, finish=item.finish, message_id=item.message_id),
+                )
+            deadline = self._clock.now() + TRY_LIMIT
+            while True:
+                self._wakeup.clear()  # before the checks: a wake-up after them is not lost
+                self._drain()
+                if not self._open or self._stopping or conn.done.is_set():
+                    break
+                if self._clock.now() >= deadline:
+                    self._log.warning(
+                        "outbox: delivery not done within %.0f s; will retry", TRY_LIMIT
                     )
-                    outbox.done(item.ref.attempt_id)
-                    continue
-                finish = Finish(
-                    ref=item.ref,
-                    outcome=Outcome.UNKNOWN,
-                    result={
-                        "error": WORKER_LOST,
-                        "message": "the worker process stopped while the handler ran",
-                    },
-                    error_code=WORKER_LOST,
-                )
-                message_id = new_message_id()
-                outbox.record_finish(instance, item.handler, finish, message_id)
-            try:
-                result = conn.finish(finish, message_id=message_id, timeout=call_timeout)
-            except WorkerError as exc:
-                if is_transient(exc):
-                    complete = False
-                    continue
-                log.error(
-                    "outbox: stored finish %s of attempt %s (task %s) refused (%s); dropped",
-                    finish.outcome,
-                    item.ref.attempt_id,
-                    item.ref.task_id,
-                    exc.code,
-                )
-                outbox.done(item.ref.attempt_id)
+                    break
+                next_at = self.resend_due()
+                self._wakeup.wait(min(next_at, deadline) - self._clock.now())
+        finally:
+            if unsubscribe is not None:
+                unsubscribe()
+            self._close(conn)
+        if self._open or self._kept:
+            self._log.warning("outbox: delivery interrupted; will retry")
+            return False
+        return True
+
+    def _close(self, conn: Connection) -> None:
+        """End the try: every kept or queued request gives up, every request in flight fails
+        with the connection (its record stays for the next try)."""
+        for job in self._link.close():
+            job()
+        conn.close()  # completes what is in flight (on this thread)
+        end = self._clock.now() + CLOSE_ALLOWANCE
+        while True:
+            self._wakeup.clear()
+            self._drain()
+            if not self._open or self._clock.now() >= end:
+                return
+            self._wakeup.wait(end - self._clock.now())
+
+    def _drain(self) -> None:
+        while self._events:
+            subject, event = self._events.popleft()
+            self._perform(subject, event(subject.machine))
+
+    def _perform(self, s: _Stored, actions: list[Action]) -> None:
+        for action in actions:
+            if self.perform_request(s, action):
                 continue
-            log.info(
+            if isinstance(action, RecordFinish):
+                finish = action.request.body
+                assert isinstance(finish, Finish)
+                # Before it is sent; an OutboxError ends the try with nothing sent for it.
+                self._outbox.record_finish(
+                    self._instance, s.item.handler, finish, action.request.message_id
+                )
+            elif isinstance(action, Reported):
+                self._reported(s, action)
+            elif isinstance(action, Ended):
+                self._log.info(
+                    "outbox: attempt %s (task %s) was already ended by the server; its "
+                    "launch record is dropped",
+                    s.item.ref.attempt_id,
+                    s.item.ref.task_id,
+                )
+                self._outbox.done(s.item.ref.attempt_id)
+            elif isinstance(action, Release):
+                self._open -= 1
+                if s.machine.phase is Phase.UNREPORTED:
+                    self._kept += 1
+            else:
+                raise AssertionError(f"unexpected replay action {action!r}")
+
+    def _reported(self, s: _Stored, reported: Reported) -> None:
+        ref, outcome = s.item.ref, reported.verdict.outcome
+        result, error = reported.result, reported.error
+        if result is not None:
+            self._log.info(
                 "outbox: delivered %s of attempt %s (task %s): %s%s",
-                finish.outcome,
-                item.ref.attempt_id,
-                item.ref.task_id,
+                outcome,
+                ref.attempt_id,
+                ref.task_id,
                 result.receipt.disposition.value,
                 " (deduplicated)" if result.deduplicated else "",
             )
-            outbox.done(item.ref.attempt_id)
-    except OrbitError as exc:
-        # Disconnected, timed out, a transient refusal, or the server broke the protocol: try
-        # again later with the same message_ids.
-        log.warning("outbox: delivery interrupted (%s); will retry", type(exc).__name__)
-        complete = False
-    finally:
-        conn.close()
-    outbox.forget_instance(instance)
-    return complete
+        elif error is not None:
+            self._log.error(
+                "outbox: stored finish %s of attempt %s (task %s) refused (%s); dropped",
+                outcome,
+                ref.attempt_id,
+                ref.task_id,
+                getattr(error, "code", type(error).__name__),
+            )
+        else:
+            return  # the try ended first: still stored, re-sent by the next one
+        self._outbox.done(ref.attempt_id)

@@ -225,7 +225,7 @@ class Worker:
             self._registered,
             self._shell,
             self._hooks,
-            clock=self._clock,
+            clock=self._time,
             retry_delay=self._retry_delay,
             log=self._log,
         )
@@ -415,6 +415,8 @@ class Worker:
                 log=self._log,
                 dial_timeout=self._dial_timeout,
                 call_timeout=self._call_timeout,
+                retry_delay=self._retry_delay,
+                clock=self._time,
             )
             targets.append((replay, "orbit-worker-outbox"))
         for target, name in targets:

@@ -1,0 +1,161 @@
+"""The one request path of the attempts' machines: every start, resume and finish an
+:class:`~._attempt.AttemptMachine` decides goes out here, pipelined, and comes back here.
+
+:class:`RequestPath` sends a request within the link's request slots (or queues it for the next
+free one) on the link's current connection, and turns its answer or failure into an event for
+the machine that sent it. What the machine answers to a failure (:mod:`._errors`' one
+classification) comes back as an action this class performs too: a request whose connection
+failed is *kept* by the link and re-sent, same ``message_id``, once a newer connection is
+published; a transient error answer is kept for its retry delay the same way; the thread that
+drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer.
+
+Two drivers share it: the live worker's :class:`~._attempts.AttemptShell` (its connection
+thread drives the link) and the outbox replay's :class:`~._replay.ReplayShell` (its own thread,
+link and connection). Each says how an event reaches a machine (:meth:`RequestPath.step`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import partial
+from typing import Any, Generic, Protocol, TypeVar
+
+from ..errors import OrbitError
+from ._attempt import (
+    Action,
+    AttemptMachine,
+    AwaitConnection,
+    BreakConnection,
+    Request,
+    RetryAfter,
+    Send,
+)
+from ._errors import NotConnected
+from ._link import GaveUp, Link
+
+__all__ = ["Event", "RequestPath"]
+
+#: Something that happened to an attempt, as a call of its machine returning the actions.
+Event = Callable[[AttemptMachine], list[Action]]
+
+
+class _Subject(Protocol):
+    @property
+    def machine(self) -> AttemptMachine: ...
+
+
+S = TypeVar("S", bound=_Subject)
+
+
+class RequestPath(Generic[S]):
+    """Sends the requests of the machines of *S* (one attempt each) on *link*."""
+
+    def __init__(
+        self,
+        link: Link,
+        *,
+        call_timeout: float | None,
+        log: logging.Logger,
+        wake: Callable[[], None],
+    ) -> None:
+        self._link = link
+        self._call_timeout = call_timeout
+        self._log = log
+        #: Wakes the thread that drives the link (a request was kept for it to re-send).
+        self._wake = wake
+
+    def step(self, subject: S, event: Event) -> None:
+        """Feed *event* to *subject*'s machine and perform the actions it returns."""
+        raise NotImplementedError
+
+    def answer(self, subject: S, request: Request, value: Any) -> Event:
+        """The event *request*'s answer *value* is to its machine (a start's needs the
+        attempt's context: the live shell says how)."""
+        if request.request_type == "task.finish":
+            return lambda m: m.finish_answered(request, value)
+        if request.request_type == "worker.resume":
+            return lambda m: m.resume_answered(request, value)
+        raise AssertionError(f"no answer event for {request.request_type}")
+
+    def perform_request(self, subject: S, action: Action) -> bool:
+        """Perform *action* if it is about a request (send, keep, break); False if not."""
+        if isinstance(action, Send):
+            self._send(subject, action.request)
+        elif isinstance(action, AwaitConnection | RetryAfter):
+            self._keep(subject, action)
+        elif isinstance(action, BreakConnection):
+            self._link.broken(action.gen)
+        else:
+            return False
+        return True
+
+    def _send(self, subject: S, request: Request) -> None:
+        """Send *request* within the link's request slots (or queue it for the next free
+        slot); never blocks."""
+        try:
+            if not self._link.gate.acquire_or_queue(partial(self._transmit, subject, request)):
+                return  # a freed slot sends it
+        except GaveUp:
+            self.step(subject, lambda m: m.gave_up(request))
+            return
+        self._transmit(subject, request)
+
+    def _transmit(self, subject: S, request: Request) -> None:
+        """Send *request*, whose request slot is taken, on the current connection."""
+        current = self._link.current()
+        if current is None:
+            self._link.gate.free()  # a request queued for the slot goes now
+            self.step(subject, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
+            return
+        conn, gen = current
+        try:
+            conn._submit(
+                request.request_type,
+                request.body,
+                partial(self._answered, subject, request, gen),
+                message_id=request.message_id,
+                timeout=self._call_timeout,
+            )
+        except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
+            refused = exc
+            self._link.gate.free()  # a request queued for the slot goes now
+            self.step(subject, lambda m: m.failed(request, refused, gen=gen))
+        except BaseException:
+            self._link.gate.free()  # a request queued for the slot goes now
+            raise
+
+    def _answered(
+        self, subject: S, request: Request, gen: int, value: Any, error: OrbitError | None
+    ) -> None:
+        # On the reader thread (or the thread that ended the connection): never blocks.
+        self._link.gate.free()  # a request queued for the slot goes now
+        if error is not None:
+            self.step(subject, lambda m: m.failed(request, error, gen=gen))
+        else:
+            self.step(subject, self.answer(subject, request, value))
+
+    def _keep(self, subject: S, action: AwaitConnection | RetryAfter) -> None:
+        """Keep the request for the link's driver to re-send (same message_id)."""
+        request = action.request
+        if isinstance(action, RetryAfter):
+            self._log.info(
+                "request answered %s; retrying",
+                getattr(action.error, "code", type(action.error).__name__),
+            )
+            newer_than, delay = 0, action.delay
+        else:
+            newer_than, delay = action.gen, 0.0
+        job = partial(self.step, subject, lambda m: m.resend(request))
+        if self._link.keep(job, newer_than=newer_than, delay=delay):
+            self._wake()
+        else:
+            self.step(subject, lambda m: m.gave_up(request))
+
+    def resend_due(self) -> float:
+        """Re-send the kept requests whose connection and time have come (the link's driver);
+        return when the next one is due."""
+        jobs, next_at = self._link.take_due()
+        for job in jobs:
+            job()
+        return next_at
