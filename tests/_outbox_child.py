@@ -70,6 +70,7 @@ def main(url: str, queue_id: str, outbox: str, directory: str, mode: str) -> int
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
         Path(directory, f"started-{os.getpid()}").write_text("")
+        print(f"started-{os.getpid()}", flush=True)  # what the test waits for
         if mode == "fork":
             _fork_grandchild(directory)
         if mode == "diskfull":

@@ -29,6 +29,9 @@ def _started(payload: dict[str, Any]) -> None:
     # The parent re-emits this record (WARNING: at the default level children forward) and the
     # test waits on it: an event, not a poll of the file.
     logging.getLogger(STARTED_LOGGER).warning("started")
+    # A worker run as its own process (tests/_outbox_child.py) gets the same event on its stdout,
+    # which its executor children share.
+    print(f"started-{os.getpid()}", flush=True)
 
 
 def facts(ctx: TaskContext, payload: dict[str, Any]) -> Any:

@@ -18,7 +18,7 @@ from pathlib import Path
 import _process_handlers as handlers
 import attrs
 import pytest
-from test_worker_outbox import _spawn
+from test_worker_outbox import _await_started, _spawn
 from test_worker_units import _task as unit_task
 
 from orbit_sync.client import Client
@@ -75,7 +75,7 @@ def test_killed_worker_leaves_no_handler_running(
             retry_safety="IDEMPOTENT",
             backoff_initial=0.05,
         )
-        server.wait_until(lambda _: bool(_child_pids(tmp_path)), timeout=30)
+        _await_started(first, timeout=30)
     finally:
         first.send_signal(signal.SIGKILL)
         first.communicate(timeout=15)
@@ -156,7 +156,7 @@ def test_replay_reports_lost_only_once_no_handler_process_holds_the_instance(
         first = _spawn(server, outbox, tmp_path, "hang")
         try:
             task_id = server.enqueue("work", {"n": 1})
-            server.wait_until(lambda _: bool(list(tmp_path.glob("started-*"))), timeout=20)
+            _await_started(first)
         finally:
             first.send_signal(signal.SIGKILL)
             first.communicate(timeout=15)

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import sqlite3
 import stat
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +23,7 @@ from orbit_sync import OutboxError
 from orbit_sync.client import Client
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import TaskContext
+from orbit_sync.worker import AttemptFinished, TaskContext, WorkerListener
 from orbit_sync.worker._outbox import Outbox
 from orbit_sync.worker._replay import replay
 
@@ -96,10 +99,17 @@ def test_records_are_cleared_once_acknowledged(server: MockOrbitServer, tmp_path
     def work(ctx: TaskContext, payload: Any) -> Any:
         return {"ok": True}
 
+    answered = threading.Event()
+
+    class Finished(WorkerListener):
+        def attempt_finished(self, event: AttemptFinished) -> None:
+            answered.set()
+
+    worker.add_listener(Finished())
     with running(worker):
         task_id = server.enqueue("work", {})
         assert server.wait_for(task_id, DONE, timeout=15).state is TaskState.SUCCEEDED
-        server.wait_until(lambda _: worker.stats().succeeded == 1, timeout=15)
+        assert answered.wait(15), "the finish's answer never reached the worker"
         assert worker._outbox is not None
         assert worker._outbox.counts() == {"instances": 1, "launched": 0, "finishes": 0}
     # The secret is in the file, never in what the outbox or the worker print.
@@ -128,10 +138,28 @@ def _spawn(
             mode,
         ],
         env=env,
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,  # the handler says "started-<pid>" here (_await_started)
         stderr=subprocess.PIPE,
         text=True,
     )
+
+
+def _await_started(proc: subprocess.Popen[str], timeout: float = 20.0) -> None:
+    """Block until a handler of *proc* (or of its executor child) has started: it writes a
+    ``started-<pid>`` line on the worker's stdout. Read from the descriptor, so that
+    ``communicate()`` later finds the text wrapper's buffer empty."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    deadline = time.monotonic() + timeout
+    seen = b""
+    while b"started-" not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"no handler started within {timeout} s")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError("the worker exited before a handler started")
+        seen += chunk
 
 
 def _kill(proc: subprocess.Popen[str]) -> str:
@@ -163,7 +191,7 @@ def test_kill_while_handler_runs_is_reported_unknown_at_once(
     first = _spawn(server, outbox, tmp_path, "hang")
     try:
         task_id = server.enqueue("work", {"n": 1}, retry_safety=policy, backoff_initial=0.05)
-        server.wait_until(lambda _: bool(_started(tmp_path)), timeout=20)
+        _await_started(first)
     finally:
         _kill(first)
     second = _spawn(server, outbox, tmp_path, "return")
