@@ -849,6 +849,28 @@ def test_unauthenticated_connections_beyond_the_limit_are_closed_at_once() -> No
         client.close()
 
 
+def test_wait_until_sees_connections_admitted_and_released() -> None:
+    """``wait_until`` re-checks when a connection is admitted or released, not only at its
+    timeout: a waiter on ``pending_connections`` wakes for each change."""
+    with MockOrbitServer(handshake_timeout=30) as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
+        for want in (1, 0):
+            seen = threading.Event()
+
+            def wait(want: int = want, seen: threading.Event = seen) -> None:
+                srv.wait_until(lambda s: s.pending_connections == want, timeout=60)
+                seen.set()
+
+            waiter = threading.Thread(target=wait)
+            waiter.start()
+            if want == 1:
+                idle = socket.create_connection(("127.0.0.1", port), timeout=5)
+            else:
+                idle.close()
+            assert seen.wait(10), f"no wake-up when pending_connections became {want}"
+            waiter.join(10)
+
+
 def test_handshake_deadline_closes_silent_connections() -> None:
     """A connection that sends no request head within handshake_timeout is closed."""
     with MockOrbitServer(handshake_timeout=0.2) as srv:

@@ -66,7 +66,7 @@ class Listener:
         serve: Serve,
         on_refused: Callable[[], None],
         on_accept_error: Callable[[str], None],
-        on_released: Callable[[], None],
+        on_pending: Callable[[], None],
     ) -> None:
         self.socket = socket.create_server((host, port))
         # select() says a peer is waiting; it may be gone before accept() runs: never block there.
@@ -75,7 +75,8 @@ class Listener:
         self._serve = serve
         self._on_refused = on_refused
         self._on_accept_error = on_accept_error
-        self._on_released = on_released
+        # Called after the number of pending connections changed (waiters re-check it).
+        self._on_pending = on_pending
         self._wake_r, self._wake_w = socket.socketpair()
         self._lock = threading.Lock()
         self._pending: dict[Admission, None] = {}
@@ -191,7 +192,9 @@ class Listener:
             if admitted:
                 admission = Admission(self, sock)
                 self._pending[admission] = None
-        if not admitted:
+        if admitted:
+            self._on_pending()
+        else:
             # Recorded before the close, so a peer that sees its socket closed finds the event.
             if not self._stopping.is_set():
                 self._on_refused()
@@ -227,4 +230,4 @@ class Listener:
                 return
             admission.released = True
             self._pending.pop(admission, None)
-        self._on_released()
+        self._on_pending()

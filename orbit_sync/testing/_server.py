@@ -196,7 +196,7 @@ class MockOrbitServer:
                 serve=self._front.serve_socket,
                 on_refused=self._front.pending_refused,
                 on_accept_error=self._front.accept_failed,
-                on_released=self._hub.wake,
+                on_pending=self._hub.wake,
             )
             host, port = self._listener.socket.getsockname()[:2]
             scheme = "wss" if self._ssl is not None else "ws"
