@@ -456,14 +456,6 @@ class WorkerConnection:
             # protocol violation; the failure completes the calls in flight with its error.
             self._send_failed(exc)
             return False
-        except BaseException as exc:
-            # Ctrl-C (or another signal handler's exception) on the writing thread: how much of
-            # the frame went out is unknown, and a stream with half a frame in it corrupts every
-            # later request, so the connection ends before the exception goes on. Holding the
-            # signal back around each write instead cost two system calls per frame, and a
-            # stuck write then kept Ctrl-C waiting for the call bound.
-            self._fail(_caused(WorkerDisconnected("interrupted while sending"), exc))
-            raise
         return True
 
     # ------------------------------------------------------------------ failure
