@@ -1,12 +1,8 @@
-"""The WebSocket transport: websocket-client for the dial, our own frame path afterwards.
+"""The WebSocket transport: our own frame path on the socket :mod:`._dial` upgraded.
 
-websocket-client performs the opening handshake only (the HTTP upgrade on a socket we opened and,
-for ``wss://``, wrapped in TLS ourselves). From then on every frame is read and written here, on the
-raw socket: websocket-client's per-frame machinery (a lock, a frame object, a header parse in 2-3
-``recv`` calls per frame) cost more than the rest of a call. Supported: ``websocket-client
->=1.0,<1.10`` (``SUPPORTED_WEBSOCKET_CLIENT``). Only its public API is used; the one behaviour we
-rely on beyond it (the upgrade answer is read line by line, never past its blank line, so the first
-frame stays on the socket for us) is pinned by ``tests/test_client_transport.py``.
+websocket-client performs the opening handshake only. From then on every frame is read and
+written here, on the raw socket: websocket-client's per-frame machinery (a lock, a frame object, a
+header parse in 2-3 ``recv`` calls per frame) cost more than the rest of a call.
 
 Frames (RFC 6455, client side):
 
@@ -22,18 +18,6 @@ Frames (RFC 6455, client side):
   frame of ``abort`` share, so frames never interleave. ``send_texts`` writes several frames in one
   ``sendall``. Mask keys come from ``os.urandom``, drawn for many frames at a time.
 
-Other choices:
-
-* We open the TCP socket and wrap TLS ourselves and hand the socket to ``WebSocket.connect``. So
-  the dial is bounded by our own deadline, certificates and host names are always verified with the
-  caller's ``ssl.SSLContext`` (re-checked at every dial: the caller may have weakened it since), and
-  websocket-client's own environment variables (``http_proxy``/``https_proxy``,
-  ``WEBSOCKET_CLIENT_CA_BUNDLE``) change nothing: proxies are not used.
-* Trust does follow the standard library's environment: the default context
-  (``ssl.create_default_context()``) loads the OpenSSL default verify paths, which
-  ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` replace. Whoever sets those variables for the process
-  chooses which certificate authorities it trusts; pass an explicit ``ssl_context`` to pin them.
-* ``redirect_limit=0``: a redirect would re-send ``Authorization`` to another host.
 * No UTF-8 validation here; the payload stays bytes and the strict JSON layer decodes it.
 * After the dial the socket timeout is ``None``: over TLS a socket timeout breaks concurrent
   read + send. Bounds are enforced by the connection's own deadlines, teardown by
@@ -49,31 +33,17 @@ import os
 import select
 import signal
 import socket
-import ssl
 import struct
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Final
-
-import websocket
 
 from ._foreign import kept, mapped
 from ._json import MAX_FRAME_BYTES
-from .errors import CallTimeout, HTTPError, WorkerDisconnected, WorkerProtocolError
+from .errors import WorkerDisconnected, WorkerProtocolError
 
-__all__ = [
-    "SUPPORTED_WEBSOCKET_CLIENT",
-    "DialGuard",
-    "FrameRejected",
-    "Transport",
-    "check_internals",
-    "connect",
-    "dial_stage",
-]
-
-#: The websocket-client versions this module was tested against: [low, high).
-SUPPORTED_WEBSOCKET_CLIENT = ((1, 0, 0), (1, 10, 0))
+__all__ = ["FrameRejected", "Transport", "frame_header", "shutdown_socket"]
 
 _OP_CONT = 0x0
 _OP_TEXT = 0x1
@@ -81,7 +51,6 @@ _OP_BINARY = 0x2
 _OP_CLOSE = 0x8
 _OP_PING = 0x9
 _OP_PONG = 0xA
-_REDIRECTS = range(300, 400)
 _CLOSE_WAIT = 5.0  # bound on waiting for woken writers before the descriptor is closed
 _CHUNK = 65536  # bytes asked of each recv: one call holds a burst of small frames
 _KEYS = 256  # bytes of mask keys drawn per os.urandom call (64 frames)
@@ -89,17 +58,6 @@ _KEYS = 256  # bytes of mask keys drawn per os.urandom call (64 frames)
 
 class FrameRejected(WorkerProtocolError):
     """A server frame header broke the rules; raised before its payload is read."""
-
-
-def check_internals() -> None:
-    """Raise RuntimeError unless websocket-client still has the API the dial uses."""
-    ws_class = getattr(websocket, "WebSocket", None)
-    needed = ("connect", "getheaders", "getstatus")
-    if ws_class is None or not all(callable(getattr(ws_class, name, None)) for name in needed):
-        raise RuntimeError(
-            "websocket-client API changed (WebSocket.connect/getheaders/getstatus); orbit-sync "
-            "cannot dial with this version"
-        )
 
 
 def _mask(key: bytes, payload: bytes) -> bytes:
@@ -124,55 +82,6 @@ def frame_header(opcode: int, n: int, mask_bit: int = 0x80) -> bytes:
     return struct.pack("!BBQ", 0x80 | opcode, mask_bit | 127, n)
 
 
-class DialGuard:
-    """Bounds a whole dial (TCP + TLS + upgrade + hello/welcome) by one deadline.
-
-    Socket timeouts bound each read, not the sum of them (a server trickling one header byte at a
-    time never trips them), so a timer shuts the socket down when the deadline passes.
-    """
-
-    def __init__(self, timeout: float) -> None:
-        self.deadline = time.monotonic() + timeout
-        self.fired = False
-        self._lock = threading.Lock()
-        self._sock: socket.socket | None = None
-        self._timer = threading.Timer(timeout, self._fire)
-        self._timer.name = "orbit-sync-dial-guard"
-        self._timer.daemon = True
-        self._timer.start()
-
-    def remaining(self) -> float:
-        """Seconds left; raises CallTimeout once none are."""
-        left = self.deadline - time.monotonic()
-        if left <= 0 or self.fired:
-            raise CallTimeout("dial did not complete in time")
-        return left
-
-    def watch(self, sock: socket.socket) -> None:
-        """Shut *sock* down if the deadline passes (at once if it already has)."""
-        with self._lock:
-            self._sock = sock
-            fired = self.fired
-        if fired:
-            _shutdown(sock)
-
-    def _fire(self) -> None:
-        with self._lock:
-            self.fired = True
-            sock = self._sock
-        if sock is not None:
-            _shutdown(sock)
-
-    def cut(self) -> None:
-        """End the dial now, from any thread, as if its deadline had passed."""
-        self._fire()
-
-    def stop(self) -> None:
-        """Disarm and join the timer thread."""
-        self._timer.cancel()
-        self._timer.join()
-
-
 #: Ctrl-C, whose handler raises KeyboardInterrupt, held back during a write where POSIX can. A
 #: short tuple: converting a larger set costs far more than the write (about 150 us for all).
 _SIGNALS: Final = (signal.SIGINT,) if hasattr(signal, "pthread_sigmask") else None
@@ -186,50 +95,25 @@ def _sendall(sock: socket.socket, data: bytes) -> None:
     if _SIGNALS is None or threading.current_thread() is not threading.main_thread():
         sock.sendall(data)
         return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
+    held: set[int | signal.Signals] | None = None
     try:
+        # A Ctrl-C that lands before the mask takes effect raises as this call returns, before
+        # ``held`` is set: nothing is sent then, and the finally clause unblocks SIGINT (its
+        # handler ran, so it was not blocked before).
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
         sock.sendall(data)
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if held is None:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
+        else:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
-def _shutdown(sock: socket.socket) -> None:
+def shutdown_socket(sock: socket.socket) -> None:
     # socket.socket.shutdown, not SSLSocket.shutdown: the latter drops the SSL object while
     # another thread may be inside it; the plain call only wakes that thread with EOF.
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
-
-
-def _open_tcp(host: str, port: int, guard: DialGuard) -> socket.socket:
-    # getaddrinfo is not interruptible; the system resolver's own timeouts bound it.
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP)
-    except OSError as exc:
-        raise mapped(exc, f"cannot resolve the Orbit host: {exc.strerror}") from kept(exc)
-    last: OSError | None = None
-    for family, kind, proto, _, address in infos:
-        sock = socket.socket(family, kind, proto)
-        try:
-            guard.watch(sock)
-            sock.settimeout(guard.remaining())
-            sock.connect(address)
-        except CallTimeout:
-            sock.close()
-            raise
-        except OSError as exc:
-            sock.close()
-            if guard.fired or isinstance(exc, TimeoutError):
-                raise CallTimeout("dial did not complete in time") from None
-            last = exc
-            continue
-        # Small control frames: do not wait for Nagle.
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        return sock
-    if last is None:
-        raise WorkerDisconnected("cannot connect to the Orbit server: no address")
-    reason = last.strerror or "no address"
-    raise mapped(last, f"cannot connect to the Orbit server: {reason}") from kept(last)
 
 
 class Transport:
@@ -483,7 +367,7 @@ class Transport:
                 return  # the descriptor may already belong to another socket
             if close_code is not None:
                 self._try_close_frame(close_code)
-            _shutdown(self._sock)
+            shutdown_socket(self._sock)
 
     def close(self) -> None:
         """Release the file descriptor, once the reader is done and no writer is left.
@@ -494,7 +378,7 @@ class Transport:
         with self._state:
             closed = self._closed
             if not closed:
-                _shutdown(self._sock)
+                shutdown_socket(self._sock)
         if closed:
             return
         held = self._write_lock.acquire(timeout=_CLOSE_WAIT)
@@ -510,139 +394,3 @@ class Transport:
                 self._write_lock.release()
         self._ws.sock = None
         self._ws.connected = False
-
-
-@contextlib.contextmanager
-def dial_stage(stage: str) -> Iterator[None]:
-    """Mark a ``WorkerDisconnected`` raised inside (a lost connection: every one raised there
-    is) with the stage of the dial it broke (the reconnect backoff tells a link that cut a dial
-    from a server that refused it)."""
-    try:
-        yield
-    except WorkerDisconnected as exc:
-        if exc.dial_stage is None:
-            exc.dial_stage = stage
-        raise
-
-
-def _new_websocket() -> Any:
-    check_internals()
-    # Its frame machinery is never used: only connect() (the upgrade) and the answer's headers.
-    return websocket.WebSocket(skip_utf8_validation=True)
-
-
-def connect(
-    url: str,
-    *,
-    host: str,
-    port: int,
-    ssl_context: ssl.SSLContext | None,
-    headers: Mapping[str, str],
-    subprotocol: str,
-    guard: DialGuard,
-) -> Transport:
-    """TCP (+ TLS) + WebSocket upgrade under *guard*'s deadline; checks the subprotocol.
-
-    Raises HTTPError (non-101 answer, redirects included: never followed), WorkerProtocolError
-    (bad upgrade answer or subprotocol), WorkerDisconnected (network or TLS failure) or
-    CallTimeout (deadline).
-    """
-    sock = _open_tcp(host, port, guard)
-    try:
-        if ssl_context is not None:
-            sock = _wrap_tls(sock, host, ssl_context, guard)
-        ws = _new_websocket()
-        sock.settimeout(guard.remaining())
-        with dial_stage("upgrade"):
-            _upgrade(ws, url, headers, subprotocol, sock, guard)
-        transport = Transport(ws, sock)
-        if transport.subprotocol_header != subprotocol:
-            raise WorkerProtocolError(f"the server did not select subprotocol {subprotocol}")
-        return transport
-    except BaseException:
-        _shutdown(sock)
-        sock.close()
-        raise
-
-
-def _wrap_tls(
-    sock: socket.socket, host: str, context: ssl.SSLContext, guard: DialGuard
-) -> ssl.SSLSocket:
-    try:
-        tls = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
-    except (OSError, ValueError):
-        sock.close()
-        raise WorkerDisconnected("TLS setup failed") from None
-    guard.watch(tls)
-    try:
-        tls.settimeout(guard.remaining())
-        tls.do_handshake()
-    except ssl.SSLCertVerificationError as exc:
-        tls.close()
-        reason = f"TLS certificate verification failed: {exc.verify_message}"
-        raise mapped(exc, reason) from kept(exc)
-    except CallTimeout:
-        tls.close()
-        raise
-    except OSError as exc:
-        tls.close()
-        if guard.fired:
-            raise CallTimeout("dial did not complete in time") from exc
-        if isinstance(exc, TimeoutError):
-            raise mapped(exc, "dial did not complete in time") from kept(exc)
-        failed = mapped(exc, "TLS handshake failed")
-        if isinstance(failed, WorkerDisconnected) and isinstance(
-            exc, ConnectionError | ssl.SSLEOFError
-        ):
-            failed.dial_stage = "tls"  # reset or closed mid-handshake, not a TLS refusal
-        raise failed from kept(exc)
-    return tls
-
-
-def _upgrade(
-    ws: Any,
-    url: str,
-    headers: Mapping[str, str],
-    subprotocol: str,
-    sock: socket.socket,
-    guard: DialGuard,
-) -> None:
-    try:
-        ws.connect(
-            url,
-            socket=sock,
-            header=dict(headers),
-            subprotocols=[subprotocol],
-            redirect_limit=0,
-            suppress_origin=True,
-        )
-    except websocket.WebSocketBadStatusException as exc:
-        # The table drops the cause: the library's message carries the response headers and body.
-        raise mapped(exc, int(exc.status_code)) from kept(exc)
-    except websocket.WebSocketTimeoutException as exc:
-        raise mapped(exc, "dial did not complete in time") from kept(exc)
-    except websocket.WebSocketConnectionClosedException as exc:
-        # Cut before the whole 101 answer arrived: the network, not the server's protocol.
-        if guard.fired:
-            raise CallTimeout("dial did not complete in time") from exc
-        raise mapped(exc, "connection lost before the upgrade was answered") from kept(exc)
-    except websocket.WebSocketException as exc:
-        status = ws.getstatus()
-        if isinstance(status, int) and status in _REDIRECTS:
-            # redirect_limit=0: the redirect is reported, never followed. Not the table's row
-            # (that would be a protocol error), and the cause may quote the answer: dropped.
-            raise HTTPError(status) from None
-        if guard.fired:
-            raise CallTimeout("dial did not complete in time") from None
-        raise mapped(
-            exc, f"invalid WebSocket upgrade answer (subprotocol {subprotocol} required)"
-        ) from kept(exc)
-    except OSError as exc:
-        if guard.fired:
-            raise CallTimeout("dial did not complete in time") from exc
-        raise mapped(exc, "connection lost during the WebSocket upgrade") from kept(exc)
-    status = ws.getstatus()
-    if isinstance(status, int) and status in _REDIRECTS:
-        # websocket-client before 1.9.1 returns a redirect answer under redirect_limit=0 instead
-        # of raising: report it the same way, never followed.
-        raise HTTPError(status)

@@ -24,7 +24,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Final
 
-from . import _codec, _transport
+from . import _codec, _dial, _transport
 from ._protocol import call_timeout
 from ._seconds import seconds
 from .clock import Clock, now_reader
@@ -170,7 +170,7 @@ class DialCut:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._guard: _transport.DialGuard | None = None
+        self._guard: _dial.DialGuard | None = None
         self._cut = False
 
     def cut(self) -> None:
@@ -186,7 +186,7 @@ class DialCut:
         """True once :meth:`cut` was called."""
         return self._cut
 
-    def _attach(self, guard: _transport.DialGuard | None) -> None:
+    def _attach(self, guard: _dial.DialGuard | None) -> None:
         with self._lock:
             self._guard = guard
             cut = self._cut
@@ -344,12 +344,12 @@ class Client:
         hello_id = new_message_id()
         hello = _codec.encode_request("worker.hello", hello_id, None, registration)
         log.debug("dialing %s (hello message_id=%s)", self._base_url, hello_id)
-        guard = _transport.DialGuard(bound)
+        guard = _dial.DialGuard(bound)
         if cut is not None:
             cut._attach(guard)
         transport: _transport.Transport | None = None
         try:
-            transport = _transport.connect(
+            transport = _dial.connect(
                 self._url,
                 host=self._host,
                 port=self._port,
@@ -399,10 +399,10 @@ class Client:
 
 
 def _handshake(
-    transport: _transport.Transport, hello: str, hello_id: str, guard: _transport.DialGuard
+    transport: _transport.Transport, hello: str, hello_id: str, guard: _dial.DialGuard
 ) -> Welcome:
     """Send ``worker.hello`` and read its answer, under the dial's deadline."""
-    with _transport.dial_stage("hello"):
+    with _dial.dial_stage("hello"):
         transport.set_timeout(guard.remaining())
         transport.send_text(hello)  # WorkerDisconnected on a network failure; a bug stays itself
         transport.set_timeout(guard.remaining())

@@ -19,7 +19,7 @@ from _scripted import (
     open_pair,
 )
 
-from orbit_sync import _transport
+from orbit_sync import _dial, _transport
 from orbit_sync._json import MAX_FRAME_BYTES
 from orbit_sync.errors import WorkerProtocolError
 from orbit_sync.models import AttemptRef
@@ -31,13 +31,13 @@ REF = AttemptRef("1" * 32, "2" * 32, 1, "L" * 42 + "A")
 def test_websocket_client_version_is_in_the_pinned_range() -> None:
     """The installed websocket-client is one whose internals _transport was written against."""
     installed = tuple(int(part) for part in websocket.__version__.split(".")[:3])
-    low, high = _transport.SUPPORTED_WEBSOCKET_CLIENT
+    low, high = _dial.SUPPORTED_WEBSOCKET_CLIENT
     assert low <= installed < high, f"websocket-client {websocket.__version__} is not pinned"
 
 
 def test_upgrade_answer_is_read_line_by_line() -> None:
     """websocket-client reads the 101 answer a byte at a time: the first frame stays ours."""
-    _transport.check_internals()
+    _dial.check_internals()
     from websocket import _handshake, _http, _socket
 
     assert "recv(sock, 1)" in inspect.getsource(_socket.recv_line)
@@ -49,7 +49,7 @@ def test_check_internals_fails_closed_without_the_dial_api(monkeypatch: Any) -> 
     """A websocket-client without the API the dial uses is refused before any dial."""
     monkeypatch.delattr(websocket.WebSocket, "getheaders")
     with pytest.raises(RuntimeError, match="websocket-client API changed"):
-        _transport.check_internals()
+        _dial.check_internals()
 
 
 def _socket_transport(sock: socket.socket) -> _transport.Transport:

@@ -305,6 +305,34 @@ def test_ctrl_c_in_a_waiting_request_abandons_only_its_slot(
     assert conn.err is None
 
 
+def test_ctrl_c_as_the_write_holds_it_sends_nothing_and_leaves_ctrl_c_working(
+    pair: tuple[WorkerConnection, Peer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C that lands just before the main thread's write holds it raises as the mask call
+    returns: nothing is sent, SIGINT is not left blocked, and the next request is answered."""
+    conn, peer = pair
+    real = signal.pthread_sigmask
+    landed: list[bool] = []
+
+    def mask_then_interrupt(how: int, mask: Any) -> Any:
+        previous = real(how, mask)
+        if how == signal.SIG_BLOCK and not landed:
+            landed.append(True)
+            raise KeyboardInterrupt  # raised where a pending Ctrl-C is: as the call returns
+        return previous
+
+    monkeypatch.setattr(signal, "pthread_sigmask", mask_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        conn.renew(REF, timeout=WAIT)
+    assert signal.SIGINT not in real(signal.SIG_BLOCK, []), "Ctrl-C left blocked"
+    thread, out = _run(lambda: conn.renew(REF))
+    request = peer.recv()  # the first frame on the wire is the second request's
+    peer.send_raw(_ack(request))
+    thread.join(WAIT)
+    assert isinstance(out.get("result"), CommandResult), out
+    assert conn.err is None
+
+
 def test_ctrl_c_in_next_assignment_leaves_the_stream_in_frame(
     pair: tuple[WorkerConnection, Peer], interruptible: Callable[[], None]
 ) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from orbit_sync import _transport
+from orbit_sync import _dial
 
 ROOT = Path(__file__).resolve().parent.parent
 _SKIP = shutil.ignore_patterns(
@@ -184,6 +184,6 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     requires = meta.get_all("Requires-Dist") or []
     (ws,) = [r for r in requires if r.startswith("websocket-client")]
     # The range the internals check and transport tests were run against (see _transport.py).
-    low, high = _transport.SUPPORTED_WEBSOCKET_CLIENT
+    low, high = _dial.SUPPORTED_WEBSOCKET_CLIENT
     bounds = set(ws.replace(" ", "").removeprefix("websocket-client").split(","))
     assert bounds == {f">={_dotted(low)}", f"<{_dotted(high)}"}, ws

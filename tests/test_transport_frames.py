@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 from _scripted import SUBPROTOCOL, WAIT, Peer, ScriptedServer, raw_frame
 
-from orbit_sync import _transport
+from orbit_sync import _dial, _transport
 from orbit_sync.errors import CallTimeout, WorkerDisconnected
 
 TEXT, CONT, CLOSE, PING, PONG = 0x1, 0x0, 0x8, 0x9, 0xA
@@ -21,9 +21,9 @@ def pair() -> Iterator[tuple[_transport.Transport, Peer]]:
     """A transport dialled to a scripted server (no hello), its peer, and a bounded read."""
     with ScriptedServer() as server:
         port = int(server.url.rsplit(":", 1)[1])
-        guard = _transport.DialGuard(WAIT)
+        guard = _dial.DialGuard(WAIT)
         try:
-            transport = _transport.connect(
+            transport = _dial.connect(
                 server.url,
                 host="127.0.0.1",
                 port=port,
