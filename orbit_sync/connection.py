@@ -23,9 +23,9 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
 On any failure the connection records one error (``err``), releases every call in flight at once
 with that error bound to the call's own ``message_id``, and sets ``done`` once the reader exited.
 
-Why one module of about 600 lines: it is the public API's docstrings (about half of it) around
-the one lock, the two threads and the send path, which must be read together to check that no
-wait can outlive its deadline and no callback runs under the lock.
+Why one module of about 600 lines: the public request methods, the one lock, the two threads and
+the send path must be read together to check that no wait can outlive its deadline and no
+callback runs under the lock; a fifth of it is the public methods' docstrings.
 """
 
 from __future__ import annotations
