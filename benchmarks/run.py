@@ -289,6 +289,11 @@ def run_noop(
 # --------------------------------------------------------------------------- sections
 
 
+def _p50_ratio(sides: dict[str, Any]) -> float:
+    base = sides["base"]["p50"]
+    return float(sides["ours"]["p50"] / base) if base else float("nan")
+
+
 def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
     server, info = servers.open(lease=60.0)
     try:
@@ -298,7 +303,7 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
     out["calls"] = r
     one, turns, many = r["one"], r["one_mixed"], r["many"]
     n = many["threads"]
-    halves = one["ours"]["p50"] / one["base"]["p50"] if one["base"]["p50"] else float("nan")
+    halves, in_blocks = (_p50_ratio(one), _p50_ratio(r["one_blocks"]))
     return [
         # The two sides take turns call by call: each sample of one side finds the machine (CPU
         # idle states, thread placement) as the other left it. Measured in halves of the run, a
@@ -309,7 +314,10 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
             turns["base"]["p50"],
             "us",
             target=1.4,
-            note=f"sides taking turns per call; measured in halves of the run: {halves:.2f}x",
+            note=(
+                f"sides taking turns per call; in turns of {roundtrip.BLOCK} calls: "
+                f"{in_blocks:.2f}x; in halves of the run: {halves:.2f}x"
+            ),
         ),
         row(
             "renew p99, 1 thread vs raw round trip",
