@@ -18,8 +18,9 @@ from _worker_helpers import Probe, events, has_event, make_worker, running, work
 from orbit_sync.client import Client
 from orbit_sync.errors import HTTPError
 from orbit_sync.models import Outcome, TaskState
-from orbit_sync.testing import MockOrbitServer
+from orbit_sync.testing import FakeClock, MockOrbitServer
 from orbit_sync.worker import DrainEvent, ShutdownReport, TaskContext, Worker, WorkerListener
+from orbit_sync.worker._outbox import Outbox
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 HELPER = Path(__file__).with_name("_worker_helpers.py")
@@ -366,3 +367,63 @@ def test_abandoned_finishes_go_out_while_every_handler_thread_is_held(
     assert sorted(e.task_id for e in finished if e.delivered) == sorted(ids)
     for task_id in ids:
         probe.threads[task_id].join(5)
+
+
+@pytest.mark.parametrize("with_outbox", [False, True], ids=["no-outbox", "outbox"])
+def test_stop_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothing(
+    server: MockOrbitServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, with_outbox: bool
+) -> None:
+    """A finish the server never answers, on a worker clock nobody moves: stop() still returns
+    within its bound in real time, the attempt reported unreported (and kept in the outbox: the
+    worker cannot know the server applied it)."""
+    dropped = server.faults.drop_reply("task.finish", count=1_000)
+    path = tmp_path / "outbox.sqlite"
+    worker = make_worker(
+        server,
+        clock=FakeClock(),
+        cancel_grace=0.2,
+        flush_timeout=0.3,
+        outbox=path if with_outbox else None,
+    )
+    worker.register("quick", lambda ctx, payload: {"ok": True})
+    task_id = server.enqueue("quick", {})
+    worker.start()
+    assert worker.wait_ready(10)
+    server.wait_until(lambda _: dropped.fired >= 1)
+    thread, out = _stop_in_background(worker, drain=False)
+    thread.join(10)  # the bound is 0.2 + 0.3 s plus the close allowance: well inside
+    assert not thread.is_alive(), "stop() hangs on a clock that never moves"
+    (report,) = out
+    assert [a.task_id for a in report.unreported] == [task_id]
+    assert "overran its bound" in caplog.text
+    if with_outbox:
+        with Outbox(path) as box:
+            assert box.counts()["finishes"] == 1  # the next start delivers it
+    assert not [t for t in worker_threads() if t.startswith("orbit-worker")]
+
+
+def test_stop_returns_when_a_stopped_listener_never_does(
+    server: MockOrbitServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A listener whose stopped() never returns cannot hold stop() past its bound: it returns
+    the published report and logs that the shutdown is stuck."""
+    release = threading.Event()
+
+    class Blocking(WorkerListener):
+        def stopped(self, report: ShutdownReport) -> None:
+            """Block until the test ends."""
+            release.wait(30)
+
+    worker = make_worker(server, cancel_grace=0.1, flush_timeout=0.1, listeners=[Blocking()])
+    worker.register("quick", lambda ctx, payload: None)
+    worker.start()
+    try:
+        assert worker.wait_ready(10)
+        thread, out = _stop_in_background(worker, drain=False)
+        thread.join(10)
+        assert not thread.is_alive(), "stop() waits for a listener that never returns"
+        (report,) = out
+        assert report.error is None and report.unreported == ()
+        assert "shutdown is stuck" in caplog.text
+    finally:
+        release.set()

@@ -13,6 +13,7 @@ import collections
 import itertools
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from ..clock import Clock, WorkerClock
@@ -97,17 +98,22 @@ class DaemonPool:
         with self._cond:
             return len(self._threads)
 
-    def shutdown(self, deadline: float, *, stuck: int = 0) -> list[str]:
+    def shutdown(self, timeout: float, *, stuck: int = 0) -> list[str]:
         """Refuse new jobs and let every thread exit once its job is done; wait until at most
         *stuck* threads are left (handlers known to ignore cancellation, never waited for) or
-        until *deadline* (clock time). Return the names of the threads still running."""
+        for *timeout* real seconds (threads end on events, not on the pool's clock, which may be
+        a test's clock that nobody moves). Return the names of the threads still running."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             self._closed = True
             for parked in self._parked:  # no job: the thread exits
                 self._clock.unpark(parked.lock)
             self._parked.clear()
-            while len(self._threads) > stuck and self._clock.now() < deadline:
-                self._clock.wait(self._cond, deadline)
+            while len(self._threads) > stuck:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
             return sorted(t.name for t in self._threads)
 
     def _main(self) -> None:

@@ -501,6 +501,11 @@ class Worker:
         from a handler). Returns after at most ``timeout + cancel_grace + flush_timeout`` (with
         ``timeout`` 0 when not draining), plus up to half a second for the worker's threads to
         exit once their connection is closed; a dial in progress is cut.
+
+        That bound holds in real time whatever *clock* does, give or take a second: past it, the
+        shutdown is cut short and what was not delivered is reported ``unreported`` (and kept
+        in the outbox, if any). A shutdown stuck in a listener yields a report of the attempts
+        still live, with a ``TimeoutError`` as its ``error``.
         """
         with self._cond:
             started = self._started
@@ -513,9 +518,11 @@ class Worker:
         if self._owns_current_thread():
             raise RuntimeError("stop() would wait for itself here; use request_stop()")
         self.request_stop(drain=drain, timeout=timeout)
-        self._done.wait()
-        assert self._report is not None
-        return self._report
+        window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
+        report = self._supervisor.await_report(window, self._done, lambda: self._report)
+        with self._cond:
+            self._report = self._report or report
+            return self._report
 
     def _owns_current_thread(self) -> bool:
         """Is this one of the worker's own threads (not a connection's or the user's)?"""
@@ -587,7 +594,9 @@ class Worker:
     def _stopped(self, report: ShutdownReport) -> None:
         """The supervisor's last step: *report* is final; tell the listeners, then wake whoever
         waits for it."""
-        self._report = report
+        with self._cond:
+            if self._report is None:  # else stop() gave up waiting and reported already
+                self._report = report
         if self._hooks:
             self._hooks.emit("stopped", report)
         self._done.set()

@@ -5,22 +5,38 @@ budget starts from there, so the whole shutdown takes at most drain + cancel_gra
 flush_timeout (plus the close allowance of the last phase, close, in :mod:`._supervisor`,
 which closes the link, the pool and the worker's threads). Run by the supervisor thread only;
 every wait here is on the registry's condition with a deadline.
+
+The phases also have a bound in real time (:func:`real_time_bound`): a clock that does not reach
+their deadlines (a test's clock that nobody moves) must not keep a process from exiting. Past it,
+:meth:`AttemptPhases.overdue` ends every phase at once; the close then runs (in real time, see
+:mod:`._supervisor`) and what was not delivered is reported unreported, its finish kept in the
+outbox when there is one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..clock import Clock
+from ..clock import Clock, WorkerClock
 from ._attempt import Phase
 from ._attempts import Attempt, AttemptShell, Registry
 
-__all__ = ["CLOSE_ALLOWANCE", "AttemptPhases"]
+__all__ = ["CLOSE_ALLOWANCE", "AttemptPhases", "real_time_bound"]
 
-#: After the last shutdown phase: how long the worker's own threads get to exit once everything
-#: they wait on was closed (they end on those events, in milliseconds; this only bounds a stuck
-#: one). Also the slack a thread gives its own request past its call timeout.
+#: After the last shutdown phase: how long (real seconds) the worker's own threads get to exit
+#: once everything they wait on was closed (they end on those events, in milliseconds; this only
+#: bounds a stuck one). Also the slack a thread gives its own request past its call timeout.
 CLOSE_ALLOWANCE = 0.5
+
+#: The real-time clock of what runs in real time whatever the worker's clock: the close.
+REAL_TIME: Clock = WorkerClock()
+
+
+def real_time_bound(window: float, cancel_grace: float, flush_timeout: float) -> float:
+    """The real seconds the phases of a shutdown may take: their budget on the worker's clock
+    (a drain *window*, *cancel_grace*, *flush_timeout*), plus the close allowance as slack for
+    their own work, so that on a real clock the bound never cuts a phase short."""
+    return window + cancel_grace + flush_timeout + CLOSE_ALLOWANCE
 
 
 class AttemptPhases:
@@ -30,15 +46,34 @@ class AttemptPhases:
         self._reg = registry
         self._time = time
         self._shell = shell
+        #: Set by overdue(): the phases overran their real-time bound (under the condition).
+        self._overdue = False
 
-    def wait_until(self, done: Callable[[], bool], deadline: float) -> bool:
-        """Wait (on the registry's condition) until *done()* or *deadline* (clock time);
-        return *done()*."""
+    def overdue(self) -> None:
+        """The phases overran their real-time bound (the worker's clock did not reach their
+        deadlines in time): the phase waiting now ends, and those to come do not wait."""
+        with self._reg.cond:
+            self._overdue = True
+            self._reg.cond.notify_all()
+
+    @property
+    def overran(self) -> bool:
+        """True once :meth:`overdue` was called."""
+        with self._reg.cond:
+            return self._overdue
+
+    def wait_until(
+        self, done: Callable[[], bool], deadline: float, *, real_time: bool = False
+    ) -> bool:
+        """Wait (on the registry's condition) until *done()* or *deadline* (on the worker's
+        clock, ended early by :meth:`overdue`; with *real_time*, on a real clock and never
+        ended early: the close's wait); return *done()*."""
+        clock = REAL_TIME if real_time else self._time
         with self._reg.cond:
             while not done():
-                if self._time.now() >= deadline:
+                if clock.now() >= deadline or (self._overdue and not real_time):
                     return False
-                self._time.wait(self._reg.cond, deadline)
+                clock.wait(self._reg.cond, deadline)
             return True
 
     def drain(self, deadline: Callable[[], float]) -> bool:
@@ -46,7 +81,7 @@ class AttemptPhases:
         request_stop may shorten it); True when nothing is left."""
         reg = self._reg
         with reg.cond:
-            while reg.attempts and self._time.now() < deadline():
+            while reg.attempts and not self._overdue and self._time.now() < deadline():
                 self._time.wait(reg.cond, deadline())
             return not reg.attempts
 
@@ -78,10 +113,10 @@ class AttemptPhases:
             self._shell.perform(att, actions)
         return gave_up
 
-    def settled(self, deadline: float) -> bool:
+    def settled(self, deadline: float, *, real_time: bool = False) -> bool:
         """Wait until every attempt is settled (its finish delivered, refused or given up), or
-        *deadline*."""
-        return self.wait_until(lambda: not self._reg.attempts, deadline)
+        *deadline* (see :meth:`wait_until` for *real_time*)."""
+        return self.wait_until(lambda: not self._reg.attempts, deadline, real_time=real_time)
 
     @staticmethod
     def stuck(gave_up: list[Attempt]) -> int:
