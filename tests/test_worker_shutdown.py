@@ -369,37 +369,78 @@ def test_abandoned_finishes_go_out_while_every_handler_thread_is_held(
         probe.threads[task_id].join(5)
 
 
-@pytest.mark.parametrize("with_outbox", [False, True], ids=["no-outbox", "outbox"])
-def test_stop_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothing(
-    server: MockOrbitServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, with_outbox: bool
-) -> None:
-    """A finish the server never answers, on a worker clock nobody moves: stop() still returns
-    within its bound in real time, the attempt reported unreported (and kept in the outbox: the
-    worker cannot know the server applied it)."""
+class _Stopped(WorkerListener):
+    """Hands the shutdown report over to the test."""
+
+    def __init__(self) -> None:
+        self.report: ShutdownReport | None = None
+        self.event = threading.Event()
+
+    def stopped(self, report: ShutdownReport) -> None:
+        """Keep the report."""
+        self.report = report
+        self.event.set()
+
+
+def _unanswered_finish(
+    server: MockOrbitServer, clock: FakeClock, **kwargs: Any
+) -> tuple[Worker, str, _Stopped]:
+    """A started worker on a FakeClock nobody moves, whose one finish the server never answers."""
     dropped = server.faults.drop_reply("task.finish", count=1_000)
-    path = tmp_path / "outbox.sqlite"
+    stopped = _Stopped()
     worker = make_worker(
         server,
-        clock=FakeClock(),
+        clock=clock,
         cancel_grace=0.2,
         flush_timeout=0.3,
-        outbox=path if with_outbox else None,
+        listeners=[stopped],
+        **kwargs,
     )
     worker.register("quick", lambda ctx, payload: {"ok": True})
     task_id = server.enqueue("quick", {})
     worker.start()
     assert worker.wait_ready(10)
     server.wait_until(lambda _: dropped.fired >= 1)
-    thread, out = _stop_in_background(worker, drain=False)
-    thread.join(10)  # the bound is 0.2 + 0.3 s plus the close allowance: well inside
-    assert not thread.is_alive(), "stop() hangs on a clock that never moves"
-    (report,) = out
-    assert [a.task_id for a in report.unreported] == [task_id]
+    return worker, task_id, stopped
+
+
+@pytest.mark.parametrize("with_outbox", [False, True], ids=["no-outbox", "outbox"])
+def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothing(
+    server: MockOrbitServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, with_outbox: bool
+) -> None:
+    """A finish the server never answers, on a worker clock nobody moves: the shutdown still
+    ends within its bound in real time (its own alarm: nobody waits in stop()), the attempt
+    reported unreported and kept in the outbox (the worker cannot know the server applied it)."""
+    path = tmp_path / "outbox.sqlite"
+    worker, task_id, stopped = _unanswered_finish(
+        server, FakeClock(), outbox=path if with_outbox else None
+    )
+    worker.request_stop(drain=False)
+    # The bound is 0.2 + 0.3 s plus the close allowance: well inside.
+    assert stopped.event.wait(10), "the shutdown hangs on a clock that never moves"
+    assert stopped.report is not None
+    assert [a.task_id for a in stopped.report.unreported] == [task_id]
     assert "overran its bound" in caplog.text
     if with_outbox:
         with Outbox(path) as box:
             assert box.counts()["finishes"] == 1  # the next start delivers it
+    assert worker.stop() is stopped.report
     assert not [t for t in worker_threads() if t.startswith("orbit-worker")]
+
+
+def test_stop_that_shortens_a_drain_ends_in_real_time(server: MockOrbitServer) -> None:
+    """stop(drain=False) after a 30 s drain was asked, on a clock nobody moves: stop() cuts the
+    shutdown short past its own bound, though the shutdown's alarm was set for the drain."""
+    clock = FakeClock()
+    worker, task_id, _ = _unanswered_finish(server, clock)
+    worker.request_stop(drain=True)
+    assert clock.wait_for_sleepers(1, "orbit-worker-supervisor")  # draining, alarm set
+    thread, out = _stop_in_background(worker, drain=False)
+    thread.join(10)
+    assert not thread.is_alive(), "stop() hangs on a clock that never moves"
+    (report,) = out
+    assert [a.task_id for a in report.unreported] == [task_id]
+    assert report.error is None  # the supervisor's own report: its close ran, none was stuck
 
 
 def test_stop_returns_when_a_stopped_listener_never_does(
