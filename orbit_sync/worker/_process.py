@@ -276,6 +276,7 @@ class _Spawner:
         self._thread.start()
 
     def _main(self) -> None:
+        # No timeout: close() queues the None that ends this thread (after the requests before it).
         while (request := self._requests.get()) is not None:
             request()
 
@@ -295,7 +296,7 @@ class _Spawner:
             if self._closed:
                 raise RuntimeError("the process pool is closed")
             self._requests.put(request)  # before close()'s None: it will be served
-        done.wait()
+        done.wait()  # bounded by make(): a process start, which does not wait for the child
         result = box[0]
         if isinstance(result, BaseException):
             raise result
@@ -364,7 +365,7 @@ class ProcessPool:
                 if self._live < self.size:
                     self._live += 1
                     break
-                self._cond.wait()
+                self._cond.wait()  # a release or close() notifies; a child's run is bounded
             if self._spawner is None:
                 self._spawner = _Spawner()
             spawner, guard = self._spawner, self._guard

@@ -440,6 +440,8 @@ class Worker:
             self._signals = signals
         try:
             self.start()
+            # No deadline until a stop is asked for (the worker runs until then); after it, the
+            # supervisor's alarm bounds the shutdown in real time (see _supervisor).
             if signals is not None:
                 signals.wait(self._done)
             else:

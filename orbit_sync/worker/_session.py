@@ -272,7 +272,7 @@ class SessionLoop:
             if gen is not None:
                 self._link.retract(gen)
             conn.close()
-            watcher.join()
+            watcher.join()  # at once: close() returns once the reader exited and set conn.done
         if not self._link.is_closed() and self._hooks:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
 
