@@ -8,7 +8,7 @@ import pytest
 from _worker_helpers import Probe, events, make_worker, running
 
 from orbit_sync.models import TaskState
-from orbit_sync.testing import MockOrbitServer
+from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
 from orbit_sync.worker import TaskContext
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
@@ -30,22 +30,30 @@ def server(request: pytest.FixtureRequest) -> Any:
         srv.check_invariants()
 
 
-def test_a_held_renewal_does_not_delay_another_attempts_renewal(server: MockOrbitServer) -> None:
-    """With one renewal's answer lost, the other attempt is renewed on the same connection."""
-    probe = Probe()
-    worker = make_worker(server, capacity=2)
-    _blocked(worker, probe)
-    lost = server.faults.drop_reply("task.renew")
-    tasks = [server.enqueue("work", {}) for _ in range(2)]
-    with running(worker):
-        probe.wait_started(2)
-        assert lost.wait(10.0)
-        server.wait_until(lambda s: all(events(s, "attempt.renewed", t) for t in tasks), timeout=10)
-        # The lost answer times its connection out only later; the other renewal did not wait.
-        assert worker.stats().reconnects == 0
-        probe.release.set()
-        for task_id in tasks:
-            assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+def test_a_held_renewal_does_not_delay_another_attempts_renewal() -> None:
+    """With one renewal's answer lost, the other attempt is renewed on the same connection
+    (fake time: the server's clock, followed by the worker's, moves to the renewals)."""
+    manual = ManualClock()
+    with MockOrbitServer(clock=manual, assignment_rate=None, lease_duration=2.0) as server:
+        probe = Probe()
+        worker = make_worker(server, capacity=2, clock=FakeClock(follow=manual))
+        _blocked(worker, probe)
+        lost = server.faults.drop_reply("task.renew")
+        tasks = [server.enqueue("work", {}) for _ in range(2)]
+        with running(worker):
+            probe.wait_started(2)
+            server.advance(server.lease_duration / 2)  # both renewals fall due
+            assert lost.wait(10.0)
+            server.wait_until(
+                lambda s: all(events(s, "attempt.renewed", t) for t in tasks), timeout=10
+            )
+            # The lost answer times its connection out only later; the other renewal did not
+            # wait.
+            assert worker.stats().reconnects == 0
+            probe.release.set()
+            for task_id in tasks:
+                assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+        server.check_invariants()
     assert all(probe.runs[t] == 1 for t in tasks)
 
 

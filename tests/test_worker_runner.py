@@ -124,24 +124,28 @@ def test_long_handler_kept_alive_across_short_leases() -> None:
         server.check_invariants()
 
 
-@pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)
-def test_lease_loss_cancels_handler_and_late_result_is_evidence(server: MockOrbitServer) -> None:
-    """The server losing the lease cancels the handler (lease_lost); its late result is evidence."""
+def test_lease_loss_cancels_handler_and_late_result_is_evidence() -> None:
+    """The server losing the lease cancels the handler (lease_lost); its late result is evidence.
+    Fake time: the server's clock jumps past the lease, the worker's only to its renewal."""
     probe = Probe()
-    worker = make_worker(server)
+    clock = FakeClock()
+    with MockOrbitServer(clock=ManualClock(), lease_duration=2.0, assignment_rate=None) as server:
+        worker = make_worker(server, clock=clock)
 
-    @worker.handler("work")
-    def work(ctx: TaskContext, payload: Any) -> Any:
-        probe.enter(ctx)
-        ctx.cancelled.wait(10)
-        probe.reasons[ctx.task_id] = ctx.cancel_reason
-        return {"late": True}  # ignores the cancel: a truthful, late SUCCEEDED
+        @worker.handler("work")
+        def work(ctx: TaskContext, payload: Any) -> Any:
+            probe.enter(ctx)
+            ctx.cancelled.wait(10)
+            probe.reasons[ctx.task_id] = ctx.cancel_reason
+            return {"late": True}  # ignores the cancel: a truthful, late SUCCEEDED
 
-    task_id = server.enqueue("work", {})
-    with running(worker):
-        probe.wait_started()
-        server.advance(5.0)  # the server's lease expires; recovery marks the attempt UNKNOWN
-        server.wait_until(lambda s: bool(s.task(task_id).evidence), timeout=10)
+        task_id = server.enqueue("work", {})
+        with running(worker):
+            probe.wait_started()
+            server.advance(5.0)  # the server's lease expires; recovery marks the attempt UNKNOWN
+            clock.advance(1.0)  # the worker's renewal is due (its own deadline is not yet)
+            server.wait_until(lambda s: bool(s.task(task_id).evidence), timeout=10)
+        server.check_invariants()
     snap = server.task(task_id)
     assert probe.reasons[task_id] == "lease_lost"
     assert snap.state is TaskState.NEEDS_REVIEW
@@ -301,10 +305,13 @@ def test_lease_not_surviving_reconnect_cancels_handler(server: MockOrbitServer) 
     assert stats.lease_losses == 1
 
 
-def _cancel_running_task(server: MockOrbitServer, notifications: bool) -> tuple[Probe, Any]:
-    """Run one handler, request its task's cancel, return the probe and the worker's stats."""
+def _cancel_running_task(
+    server: MockOrbitServer, notifications: bool, **kwargs: Any
+) -> tuple[Probe, Any]:
+    """Run one handler, request its task's cancel, return the probe and the worker's stats; on
+    a ManualClock server, then move time by half a lease (a renewal falls due)."""
     probe = Probe()
-    worker = make_worker(server, cancellation_notifications=notifications)
+    worker = make_worker(server, cancellation_notifications=notifications, **kwargs)
 
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
@@ -319,6 +326,8 @@ def _cancel_running_task(server: MockOrbitServer, notifications: bool) -> tuple[
     with running(worker):
         probe.wait_started()
         server.request_cancel(task_id)
+        if isinstance(server.clock, ManualClock):
+            server.advance(server.lease_duration / 2)
         snap = server.wait_for(task_id, DONE, timeout=10)
     assert probe.reasons[task_id] == "cancel_requested"
     assert snap.state is TaskState.CANCELLED
@@ -336,10 +345,13 @@ def test_cancel_push_stops_handler(server: MockOrbitServer) -> None:
     assert stats.cancelled == 1 and stats.renewals == 0 and stats.lease_losses == 0
 
 
-@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None)
-def test_cancel_seen_on_renewal_stops_handler(server: MockOrbitServer) -> None:
-    """Without notifications, the renewal's cancel_requested_at cancels the context."""
-    _, stats = _cancel_running_task(server, notifications=False)
+def test_cancel_seen_on_renewal_stops_handler() -> None:
+    """Without notifications, the renewal's cancel_requested_at cancels the context (fake time:
+    the server's clock, followed by the worker's, moves to the renewal)."""
+    manual = ManualClock()
+    with MockOrbitServer(clock=manual, lease_duration=1.0, assignment_rate=None) as server:
+        _, stats = _cancel_running_task(server, notifications=False, clock=FakeClock(follow=manual))
+        server.check_invariants()
     assert stats.cancelled == 1 and stats.renewals >= 1 and stats.lease_losses == 0
 
 

@@ -18,7 +18,7 @@ from _worker_helpers import Probe, events, has_event, make_worker, running, work
 from orbit_sync.client import Client
 from orbit_sync.errors import HTTPError
 from orbit_sync.models import Outcome, TaskState
-from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
 from orbit_sync.worker import DrainEvent, ShutdownReport, TaskContext, Worker, WorkerListener
 from orbit_sync.worker._outbox import Outbox
 
@@ -41,10 +41,18 @@ def _stop_in_background(worker: Worker, **kwargs: Any) -> tuple[threading.Thread
     return thread, out
 
 
-def test_drain_keeps_leases_renewed_and_takes_no_new_work(server: MockOrbitServer) -> None:
-    """stop(drain=True): drain is reported, the running handler keeps renewing and finishes."""
+def test_drain_keeps_leases_renewed_and_takes_no_new_work() -> None:
+    """stop(drain=True): drain is reported, the running handler keeps renewing and finishes
+    (fake time: the server's clock, followed by the worker's, moves to the next renewal)."""
+    manual = ManualClock()
+    with MockOrbitServer(clock=manual, lease_duration=2.0, assignment_rate=None) as server:
+        worker = make_worker(server, drain_timeout=20.0, clock=FakeClock(follow=manual))
+        _drain_keeps_renewing(server, worker)
+        server.check_invariants()
+
+
+def _drain_keeps_renewing(server: MockOrbitServer, worker: Worker) -> None:
     probe = Probe()
-    worker = make_worker(server, drain_timeout=20.0)
 
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
@@ -61,7 +69,7 @@ def test_drain_keeps_leases_renewed_and_takes_no_new_work(server: MockOrbitServe
         server.wait_until(lambda s: any(x.draining for x in s.sessions()), timeout=10)
         drained_at = events(server, "instance.draining")[-1].at
         later = server.enqueue("work", {})
-        # Still renewed while draining (2 s leases: a renewal about every second).
+        server.advance(server.lease_duration / 2)  # still renewed while draining
         server.wait_until(
             lambda s: any(e.at > drained_at for e in events(s, "attempt.renewed", first)),
             timeout=10,
@@ -391,8 +399,8 @@ def _unanswered_finish(
     worker = make_worker(
         server,
         clock=clock,
-        cancel_grace=0.2,
-        flush_timeout=0.3,
+        cancel_grace=0.05,
+        flush_timeout=0.05,
         listeners=[stopped],
         **kwargs,
     )
@@ -416,7 +424,7 @@ def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothin
         server, FakeClock(), outbox=path if with_outbox else None
     )
     worker.request_stop(drain=False)
-    # The bound is 0.2 + 0.3 s plus the close allowance: well inside.
+    # The bound is 0.05 + 0.05 s plus the close allowance: well inside.
     assert stopped.event.wait(10), "the shutdown hangs on a clock that never moves"
     assert stopped.report is not None
     assert [a.task_id for a in stopped.report.unreported] == [task_id]
@@ -455,7 +463,7 @@ def test_stop_returns_when_a_stopped_listener_never_does(
             """Block until the test ends."""
             release.wait(30)
 
-    worker = make_worker(server, cancel_grace=0.1, flush_timeout=0.1, listeners=[Blocking()])
+    worker = make_worker(server, cancel_grace=0.05, flush_timeout=0.05, listeners=[Blocking()])
     worker.register("quick", lambda ctx, payload: None)
     worker.start()
     try:
