@@ -28,8 +28,15 @@ if __name__ == "__main__":  # the child process: make the package importable fro
 
 from orbit_sync.client import Client
 from orbit_sync.models import Task, TaskState, new_id
-from orbit_sync.testing import EventRecord, MockOrbitServer
-from orbit_sync.worker import Backoff, TaskContext, Worker
+from orbit_sync.testing import EventRecord, FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.worker import (
+    Backoff,
+    DisconnectEvent,
+    SessionEvent,
+    TaskContext,
+    Worker,
+    WorkerListener,
+)
 
 #: Prefixes of the threads a worker (and its connections) create; never the mock server's.
 WORKER_THREAD_PREFIXES = (
@@ -82,9 +89,53 @@ class Probe:
         return [self.started.get(timeout=timeout) for _ in range(count)]
 
 
+#: make_worker's reconnect backoff: fast, and on a fake clock one move of its maximum covers it.
+FAST_BACKOFF = Backoff(initial=0.05, maximum=0.2)
+
+
+class Sessions(WorkerListener):
+    """Counts the sessions a worker established and saw end, for :func:`let_reconnect`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self.established = 0
+        self.ended = 0
+
+    def connected(self, event: SessionEvent) -> None:
+        """A session was established: its resumes were answered."""
+        with self._cond:
+            self.established += 1
+            self._cond.notify_all()
+
+    def disconnected(self, event: DisconnectEvent) -> None:
+        """A session ended: the connection thread is about to wait out its reconnect delay."""
+        with self._cond:
+            self.ended += 1
+            self._cond.notify_all()
+
+    def wait(self, done: Callable[[Sessions], bool], timeout: float = 10.0) -> bool:
+        """Wait (real time, at most *timeout*) until *done(self)*."""
+        with self._cond:
+            return self._cond.wait_for(lambda: done(self), timeout)
+
+
+def let_reconnect(server: MockOrbitServer, clock: FakeClock, sessions: Sessions) -> None:
+    """After a cut, on *server*'s ManualClock followed by the worker's *clock*: wait until the
+    worker saw its session end and sleeps out its reconnect delay, move time past the delay
+    (the longest of :data:`FAST_BACKOFF`), and wait for the next session (its resumes answered:
+    the leases they renewed are what the worker's clock schedules from)."""
+    assert isinstance(server.clock, ManualClock)
+    assert sessions.wait(lambda s: 0 < s.established <= s.ended), "the session never ended"
+    # The session's own waits on the clock ended before "disconnected": this is the delay (or,
+    # when it was 0, already the next session's wait for its heartbeat: moving on is harmless).
+    assert clock.wait_for_sleepers(1, "orbit-worker-connection")
+    server.advance(FAST_BACKOFF.maximum)
+    assert sessions.wait(lambda s: s.established > s.ended), "the worker never reconnected"
+
+
 def make_worker(server: MockOrbitServer, *, capacity: int = 4, **kwargs: Any) -> Worker:
     """A Worker for *server*'s default queue that reconnects fast and leaves signals alone."""
-    kwargs.setdefault("reconnect_backoff", Backoff(initial=0.05, maximum=0.2))
+    kwargs.setdefault("reconnect_backoff", FAST_BACKOFF)
     kwargs.setdefault("handle_signals", False)
     return Worker(
         Client(server.url, server.token), queue_id=server.queue_id, capacity=capacity, **kwargs

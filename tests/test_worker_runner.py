@@ -9,7 +9,15 @@ import threading
 from typing import Any
 
 import pytest
-from _worker_helpers import Probe, events, has_event, make_worker, running
+from _worker_helpers import (
+    Probe,
+    Sessions,
+    events,
+    has_event,
+    let_reconnect,
+    make_worker,
+    running,
+)
 
 from orbit_sync.models import SECRET_RE, AttemptState, Outcome, TaskState
 from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
@@ -160,14 +168,19 @@ def test_lease_loss_cancels_handler_and_late_result_is_evidence() -> None:
     assert probe.runs[task_id] == 1
 
 
-@pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)
+@pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None, clock=ManualClock())
 def test_connection_cut_mid_handler(
     server: MockOrbitServer, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A cut connection: reconnect with the same instance, resume, keep renewing, one finish."""
+    """A cut connection: reconnect with the same instance, resume, keep renewing, one finish
+    (fake time: the server's clock, followed by the worker's, moves past the reconnect delay
+    and to the next renewal)."""
     caplog.set_level(logging.DEBUG)
     probe = Probe()
-    worker = make_worker(server)
+    sessions = Sessions()
+    assert isinstance(server.clock, ManualClock)
+    clock = FakeClock(follow=server.clock)
+    worker = make_worker(server, clock=clock, listeners=[sessions])
 
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
@@ -180,9 +193,11 @@ def test_connection_cut_mid_handler(
     with running(worker):
         probe.wait_started()
         assert server.disconnect() == 1
+        let_reconnect(server, clock, sessions)
         server.wait_until(has_event("attempt.resumed", task_id), timeout=10)
         # Renewals go on over the new session before the handler is released.
         resumed_at = events(server, "attempt.resumed", task_id)[-1].at
+        server.advance(server.lease_duration / 2)
         server.wait_until(
             lambda s: any(e.at > resumed_at for e in events(s, "attempt.renewed", task_id)),
             timeout=10,
@@ -251,11 +266,16 @@ def test_finish_answer_lost_is_resent_and_deduplicated(server: MockOrbitServer) 
     assert stats.succeeded == 1 and stats.reconnects >= 1
 
 
-@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None)
+@pytest.mark.orbit_server(lease_duration=1.0, assignment_rate=None, clock=ManualClock())
 def test_renew_answer_lost_is_resent(server: MockOrbitServer) -> None:
-    """A renew cut off before its answer is re-sent with the same message_id after reconnect."""
+    """A renew cut off before its answer is re-sent with the same message_id after reconnect
+    (fake time: the server's clock, followed by the worker's, moves to the renewal and past the
+    reconnect delay)."""
     probe = Probe()
-    worker = make_worker(server)
+    sessions = Sessions()
+    assert isinstance(server.clock, ManualClock)
+    clock = FakeClock(follow=server.clock)
+    worker = make_worker(server, clock=clock, listeners=[sessions])
 
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
@@ -268,6 +288,8 @@ def test_renew_answer_lost_is_resent(server: MockOrbitServer) -> None:
     task_id = server.enqueue("work", {})
     with running(worker):
         probe.wait_started()
+        server.advance(server.lease_duration / 2)
+        let_reconnect(server, clock, sessions)
         server.wait_until(has_event("request.deduplicated", task_id, "task.renew"), timeout=10)
         probe.release.set()
         snap = server.wait_for(task_id, DONE, timeout=10)
