@@ -176,12 +176,16 @@ def test_stop_from_a_handler_is_refused_but_request_stop_works(server: MockOrbit
 
 
 def test_request_stop_returns_while_a_capacity_report_is_unanswered() -> None:
-    """request_stop() returns at once even while a capacity report waits for its answer."""
+    """request_stop() returns at once even while a capacity report waits for its answer (fake
+    time: the server's clock, followed by the worker's, moves to the next heartbeat)."""
     probe = Probe()
     returned = threading.Event()
+    manual = ManualClock()
     # 1.5 s sessions: the report is repeated (a heartbeat) every half second.
-    with MockOrbitServer(lease_duration=2.0, session_window=1.5, assignment_rate=None) as server:
-        worker = make_worker(server, call_timeout=5.0)
+    with MockOrbitServer(
+        clock=manual, lease_duration=2.0, session_window=1.5, assignment_rate=None
+    ) as server:
+        worker = make_worker(server, call_timeout=5.0, clock=FakeClock(follow=manual))
 
         @worker.handler("work")
         def work(ctx: TaskContext, payload: Any) -> Any:
@@ -195,6 +199,7 @@ def test_request_stop_returns_while_a_capacity_report_is_unanswered() -> None:
             probe.wait_started()
             # The next heartbeat is sent and never answered: that call waits up to 5 s.
             dropped = server.faults.drop_reply("worker.capacity")
+            server.advance(server.session_window / 3)
             assert dropped.wait(10), "the worker never repeated its capacity report"
             asker = threading.Thread(
                 target=lambda: (worker.request_stop(), returned.set()), daemon=True
