@@ -440,8 +440,7 @@ class Worker:
             self._signals = signals
         try:
             self.start()
-            # No deadline until a stop is asked for (the worker runs until then); after it, the
-            # supervisor's alarm bounds the shutdown in real time (see _supervisor).
+            # Unbounded until a stop is asked for; then the supervisor's alarm bounds the wait.
             if signals is not None:
                 signals.wait(self._done)
             else:
@@ -504,10 +503,8 @@ class Worker:
         ``timeout`` 0 when not draining), plus up to half a second for the worker's threads to
         exit once their connection is closed; a dial in progress is cut.
 
-        That bound holds in real time whatever *clock* does, give or take a second: past it, the
-        shutdown is cut short and what was not delivered is reported ``unreported`` (and kept
-        in the outbox, if any). A shutdown stuck in a listener yields a report of the attempts
-        still live, with a ``TimeoutError`` as its ``error``.
+        It holds in real time whatever *clock* does, give or take a second: past it, what was not
+        delivered is reported ``unreported`` (see ``docs/architecture.md``).
         """
         with self._cond:
             started = self._started
@@ -597,8 +594,7 @@ class Worker:
         """The supervisor's last step: *report* is final; tell the listeners, then wake whoever
         waits for it."""
         with self._cond:
-            if self._report is None:  # else stop() gave up waiting and reported already
-                self._report = report
+            self._report = self._report or report  # stop() may have given up and reported
         if self._hooks:
             self._hooks.emit("stopped", report)
         self._done.set()
