@@ -87,6 +87,11 @@ __all__ = [
 
 log = logging.getLogger("orbit_sync.connection")
 
+#: How long ``close()`` waits for the reader thread. Once the socket is shut down the reader
+#: ends at once, unless a callback of the connection is blocking it (callbacks must not block);
+#: then ``close()`` returns without it, and ``done`` is set when the callback returns.
+READER_EXIT_WAIT = 5.0
+
 T = TypeVar("T")
 
 
@@ -211,11 +216,20 @@ class WorkerConnection:
         """Close the transport at once and wait for the reader to exit. Idempotent, any thread.
 
         Waiting callers are released with ``WorkerClosed``. Called from the ``on_cancel`` or
-        ``on_assignment`` callback (the reader thread), it does not wait for the reader.
+        ``on_assignment`` callback (the reader thread), it does not wait for the reader; from
+        another thread it waits at most :data:`READER_EXIT_WAIT` seconds (only a blocking
+        callback keeps the reader that long; ``done`` is set once it has exited).
         """
         self._fail(WorkerClosed("the connection was closed by close()"))
         if threading.current_thread() not in (self._reader, self._deadlines):
-            self._reader.join()
+            self._reader.join(READER_EXIT_WAIT)
+            if self._reader.is_alive():
+                log.warning(
+                    "connection %s: its reader is still inside a callback %g s after close(); "
+                    "not waiting for it (callbacks must not block)",
+                    self.session_id,
+                    READER_EXIT_WAIT,
+                )
 
     def __enter__(self) -> WorkerConnection:
         return self

@@ -390,3 +390,32 @@ def test_ctrl_c_during_a_stuck_write_never_leaves_half_a_frame_on_an_open_connec
             assert conn.done.wait(WAIT)
         finally:
             conn.close()
+
+
+def test_close_does_not_wait_for_ever_on_a_callback_that_blocks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An on_assignment callback that blocks keeps the reader: close() from another thread
+    still returns after its bound, says why, and ``done`` is set once the callback returns."""
+    import orbit_sync.connection as connection_module
+
+    monkeypatch.setattr(connection_module, "READER_EXIT_WAIT", 0.2)
+    entered, release = threading.Event(), threading.Event()
+
+    def stuck(assignment: object) -> None:
+        entered.set()
+        release.wait(WAIT)
+
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server, on_assignment=stuck)
+        try:
+            peer.send_raw(_text(frame("task.assign", body=assignment_body())))
+            assert entered.wait(WAIT)
+            closer, out = _run(conn.close)
+            closer.join(WAIT)
+            assert not closer.is_alive() and "error" not in out, "close() waited on the callback"
+            assert not conn.done.is_set()  # the reader is still inside the callback
+            assert "still inside a callback" in caplog.text
+        finally:
+            release.set()
+        assert conn.done.wait(WAIT)
