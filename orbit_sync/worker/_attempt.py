@@ -22,6 +22,17 @@ listeners: never under a lock). Unit tests drive every transition directly.
               --finish refused---> REFUSED
               --worker stopped---> UNREPORTED
 
+A new connection resumes every held attempt first (PROTOCOL §5.5), beside its phase:
+
+::
+
+    held --reconnected--> resume on the new connection, before it is published
+      RUNNING: lease lets it run --> lease refreshed (renewed at once if a renew was unanswered)
+               cancel requested ---> handler cancelled
+               refused / lost -----> handler cancelled, lease reported lost
+      STARTING, FINISHING: nothing; the kept start or finish goes out once published
+      connection failed: the next connection resumes it; transient: re-sent after the delay
+
 The outbox replay feeds a dead process's stored attempts to the same machine, on a session of
 its own (docs/protocol.md §13), and sends their requests through the same path:
 
@@ -47,24 +58,9 @@ from collections.abc import Callable
 import attrs
 
 from ..errors import OrbitError, WorkerBusy
-from ..models import (
-    AttemptRef,
-    AttemptState,
-    CommandResult,
-    Disposition,
-    Finish,
-    Lease,
-    may_run_at,
-)
+from ..models import AttemptRef, AttemptState, CommandResult, Disposition, Finish, Lease, may_run_at
 from ._errors import is_link_failure, is_transient
-from ._outcomes import (
-    Verdict,
-    abandoned,
-    not_run,
-    outbox_unavailable,
-    worker_error,
-    worker_lost,
-)
+from ._outcomes import Verdict, abandoned, not_run, outbox_unavailable, worker_error, worker_lost
 from ._outcomes import stored as stored_verdict
 
 __all__ = [
@@ -76,6 +72,7 @@ __all__ = [
     "CancelContext",
     "Ended",
     "LeaseLost",
+    "LeaseView",
     "NotStarted",
     "Phase",
     "RecordFinish",
@@ -83,6 +80,7 @@ __all__ = [
     "Release",
     "Reported",
     "Request",
+    "ResumeEnded",
     "RetryAfter",
     "RunHandler",
     "Send",
@@ -115,11 +113,29 @@ SETTLED = frozenset({Phase.DELIVERED, Phase.REFUSED, Phase.NOT_RUN, Phase.UNREPO
 
 @attrs.frozen(eq=False)
 class Request:
-    """A start or a finish, with the ``message_id`` every send of it carries."""
+    """A start, resume or finish, with the ``message_id`` every send of it carries."""
 
     request_type: str
     body: AttemptRef | Finish
     message_id: str
+
+    @property
+    def early(self) -> bool:
+        """A resume: it may go out on a connection not yet published, since publishing waits
+        for it (every other request of the attempts waits for the publishing)."""
+        return self.request_type == "worker.resume"
+
+
+@attrs.frozen
+class LeaseView:
+    """What the shell knows of an attempt's lease when a live resume's outcome arrives: the
+    clock's time, the seconds left before the local deadline, whether the handler's context is
+    already cancelled, and whether a renew was (maybe) sent and never answered."""
+
+    now: float
+    remaining: float
+    cancelled: bool
+    renewal_pending: bool
 
 
 # ---------------------------------------------------------------------------------- actions
@@ -165,9 +181,11 @@ class TrackLease:
 
 @attrs.frozen
 class RefreshLease:
-    """The lease survived a reconnect: watch *deadline*; renew at once if a renewal was pending."""
+    """The lease survived a reconnect: watch *deadline*; renew at once with *renew_now* (a
+    renew left unanswered by the old connection)."""
 
     deadline: float
+    renew_now: bool = False
 
 
 @attrs.frozen
@@ -234,6 +252,15 @@ class Ended:
 
 
 @attrs.frozen
+class ResumeEnded:
+    """The live resume *request* is over (answered, refused, or its connection failed): the
+    connection waiting for its resumes counts it; *refused*: the server's refusal, to log."""
+
+    request: Request
+    refused: OrbitError | None = None
+
+
+@attrs.frozen
 class Release:
     """The worker is done with the attempt."""
 
@@ -253,6 +280,7 @@ Action = (
     | NotStarted
     | Reported
     | Ended
+    | ResumeEnded
     | Release
 )
 
@@ -270,6 +298,7 @@ class AttemptMachine:
         "phase",
         "ref",
         "request",
+        "resume",
         "retry_delay",
         "stored",
         "verdict",
@@ -296,6 +325,9 @@ class AttemptMachine:
         self.handler_done = False
         #: Replay: the finish the dead process stored, with its original message_id.
         self.stored: Request | None = None
+        #: The live resume on its way on a new connection, beside ``request`` (which may hold
+        #: a start or finish kept for that connection).
+        self.resume: Request | None = None
 
     @property
     def settled(self) -> bool:
@@ -355,17 +387,30 @@ class AttemptMachine:
         self.phase = Phase.DELIVERED
         return [Reported(self.verdict, result=result), Release()]
 
-    def failed(self, request: Request, error: OrbitError, *, gen: int) -> list[Action]:
-        """*request*, sent on connection *gen* (0: it could not be sent), failed with *error*."""
-        if request is not self.request or self.settled:
+    def failed(
+        self, request: Request, error: OrbitError, *, gen: int, view: LeaseView | None = None
+    ) -> list[Action]:
+        """*request*, sent on connection *gen* (0: it could not be sent), failed with *error*.
+        *view*: the lease as the shell knows it (needed for a live resume's refusal)."""
+        live_resume = request is self.resume
+        if not live_resume and (request is not self.request or self.settled):
             return []
         if is_link_failure(error):
-            # Maybe sent, maybe applied: the same operation goes out again after the reconnect.
-            keep = AwaitConnection(gen, request)
-            return [BreakConnection(gen), keep] if gen else [keep]
+            if live_resume:
+                # The next connection resumes the attempt again with a resume of its own.
+                self.resume = None
+                over: Action = ResumeEnded(request)
+            else:
+                # Maybe sent, maybe applied: the same operation goes out again after the
+                # reconnect.
+                over = AwaitConnection(gen, request)
+            return [BreakConnection(gen), over] if gen else [over]
         if is_transient(error):
             delay = BUSY_DELAY if isinstance(error, WorkerBusy) else self.retry_delay
             return [RetryAfter(delay, error, request)]
+        if live_resume:
+            assert view is not None, "a live resume's refusal is judged on the lease"
+            return self._live_resumed(request, None, view, refused=error)
         self.request = None
         if self.phase is Phase.RESUMING:
             return self._resumed(None)  # refused: the lease is gone
@@ -379,12 +424,16 @@ class AttemptMachine:
 
     def resend(self, request: Request) -> list[Action]:
         """A connection (or the retry delay) came for *request*: send it again, same id."""
-        if request is not self.request or self.settled:
+        if request is self.resume and self.settled:
+            return self._end_resume()  # nothing left to resume it for
+        if request is not self.resume and (request is not self.request or self.settled):
             return []
         return [Send(request)]
 
     def gave_up(self, request: Request) -> list[Action]:
         """The worker stopped before *request* was answered."""
+        if request is self.resume:
+            return self._end_resume()
         if request is not self.request or self.settled:
             return []
         self.request = None
@@ -414,8 +463,14 @@ class AttemptMachine:
         self.request = Request("worker.resume", self.ref, self._new_id())
         return [Send(self.request)]
 
-    def resume_answered(self, request: Request, lease: Lease) -> list[Action]:
-        """The replay's resume was answered with *lease*."""
+    def resume_answered(
+        self, request: Request, lease: Lease, view: LeaseView | None = None
+    ) -> list[Action]:
+        """A resume was answered with *lease*: a live one (*view*: the lease as the shell
+        knows it), or the replay's."""
+        if request is self.resume:
+            assert view is not None, "a live resume's answer is judged on the lease"
+            return self._live_resumed(request, lease, view)
         if request is not self.request or self.phase is not Phase.RESUMING:
             return []
         self.request = None
@@ -454,7 +509,10 @@ class AttemptMachine:
     def crashed(self) -> list[Action]:
         """A step of this attempt raised unexpectedly (a bug of ours): finish it UNKNOWN rather
         than drop it; if its finish was already decided, keep it for a re-send (same
-        ``message_id``: a copy that did go out is answered as a duplicate)."""
+        ``message_id``: a copy that did go out is answered as a duplicate). A live resume on
+        its way is over: its connection must not wait for it."""
+        if self.resume is not None:
+            return [*self._end_resume(), *self.crashed()]
         if self.phase in (Phase.STARTING, Phase.RUNNING):
             self.handler_done = True
             return [*_TRACK_END, *self._finish(worker_error())]
@@ -467,16 +525,33 @@ class AttemptMachine:
 
     # ------------------------------------------------------------------ leases and cancels
 
+    def reconnected(self) -> list[Action]:
+        """A new connection is open (not yet published) while the worker holds the attempt:
+        resume its lease there first (PROTOCOL §5.5). A start or finish kept for the new
+        connection stays kept: it goes out, same ``message_id``, once the connection is
+        published, which waits for every resume to be over."""
+        if self.settled or self.phase is Phase.RESUMING:
+            return []  # settled: nothing to resume; RESUMING: the replay's own session
+        self.resume = Request("worker.resume", self.ref, self._new_id())
+        return [Send(self.resume)]
+
     def resumed(
-        self, lease: Lease | None, *, now: float, remaining: float, cancelled: bool
+        self,
+        lease: Lease | None,
+        *,
+        now: float,
+        remaining: float,
+        cancelled: bool,
+        renew_now: bool = False,
     ) -> list[Action]:
-        """The answer to ``worker.resume`` after a reconnect (``None``: refused)."""
+        """What a live resume's answer means for the attempt (``None``: refused); *renew_now*:
+        a renew the old connection left unanswered."""
         if self.phase is not Phase.RUNNING or cancelled:
             return []  # starting/finishing: their own request is re-sent; nothing to renew
         if lease is not None and lease.cancel_requested:
             return [UntrackLease(), CancelContext("cancel_requested")]
         if lease is not None and lease.deadline is not None and may_run_at(lease, now):
-            return [RefreshLease(lease.deadline)]
+            return [RefreshLease(lease.deadline, renew_now)]
         reason = "lease_expired" if remaining <= 0 else "session_replaced"
         return [UntrackLease(), CancelContext(reason), LeaseLost(reason)]
 
@@ -494,6 +569,29 @@ class AttemptMachine:
         return [*_TRACK_END, *self._finish(abandoned())]
 
     # ------------------------------------------------------------------ internal
+
+    def _live_resumed(
+        self,
+        request: Request,
+        lease: Lease | None,
+        view: LeaseView,
+        *,
+        refused: OrbitError | None = None,
+    ) -> list[Action]:
+        """A live resume is over: its answer's meaning, then the end the connection counts."""
+        self.resume = None
+        meaning = self.resumed(
+            lease,
+            now=view.now,
+            remaining=view.remaining,
+            cancelled=view.cancelled,
+            renew_now=view.renewal_pending,
+        )
+        return [*meaning, ResumeEnded(request, refused)]
+
+    def _end_resume(self) -> list[Action]:
+        request, self.resume = self.resume, None
+        return [] if request is None else [ResumeEnded(request)]
 
     def _finish(self, verdict: Verdict) -> list[Action]:
         self.phase = Phase.FINISHING

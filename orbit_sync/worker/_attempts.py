@@ -1,11 +1,13 @@
 """The attempts' threaded shell: performs what each attempt's state machine (:mod:`._attempt`)
 decides, on whichever thread the event arrives.
 
-One request path (:mod:`._requests`, shared with the outbox replay): every start and finish is
-pipelined; a request whose connection fails is kept by the link and re-sent with its
+One request path (:mod:`._requests`, shared with the outbox replay): every start, resume and
+finish is pipelined; a request whose connection fails is kept by the link and re-sent with its
 ``message_id`` by the connection thread once a newer connection is published
 (:meth:`~._requests.RequestPath.resend_due`); a transient error answer is kept for its retry
-delay the same way. No thread waits for an answer.
+delay the same way. No thread waits for an answer. On a new connection, :meth:`resume_all` steps
+every held attempt's machine, which resumes its lease; the outcomes of those resumes are stepped
+by the connection thread (:mod:`._resumes`), which publishes the connection once all are over.
 
 Threads: an assignment's start goes out from the connection's reader thread (``on_assignment``);
 answers are handled on the reader thread without blocking; the handler runs on a pool thread,
@@ -26,12 +28,12 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from ..errors import OrbitError
 from ..models import (
     Assignment,
     AttemptRef,
     Disposition,
     Finish,
-    Lease,
     Outcome,
     new_message_id,
 )
@@ -40,6 +42,7 @@ from ._attempt import (
     AttemptMachine,
     CancelContext,
     LeaseLost,
+    LeaseView,
     NotStarted,
     Phase,
     RecordFinish,
@@ -47,6 +50,7 @@ from ._attempt import (
     Release,
     Reported,
     Request,
+    ResumeEnded,
     RunHandler,
     Send,
     TrackLease,
@@ -61,6 +65,7 @@ from ._outcomes import HANDLER_ERROR, Verdict, not_run, outcome_of
 from ._pool import DaemonPool
 from ._report import AttemptInfo
 from ._requests import Event, RequestPath
+from ._resumes import Resumes
 from ._watchdog import LeaseWatchdog
 
 __all__ = ["Attempt", "AttemptShell", "Handler", "Registry", "attempt_event", "lease_event"]
@@ -184,6 +189,8 @@ class AttemptShell(RequestPath[Attempt]):
         self._own_thread = own_thread
         #: The durable outbox, once start() opened it.
         self.outbox: Outbox | None = None
+        #: The resumes of the newest connection (the connection thread waits for them).
+        self.resumes: Resumes[Attempt] = Resumes(wake)
 
     def step(self, att: Attempt, event: Event) -> None:
         """Feed *event* to the attempt's machine and perform the actions it returns. An
@@ -216,6 +223,8 @@ class AttemptShell(RequestPath[Attempt]):
         for action in actions:
             if isinstance(action, TrackLease):
                 self._watchdog.track(att.id, att.ctx, action.deadline)
+            elif isinstance(action, RefreshLease):
+                self._watchdog.refresh(att.id, action.deadline, renew_now=action.renew_now)
             elif isinstance(action, UntrackLease):
                 self._watchdog.untrack(att.id)
             elif isinstance(action, CancelContext):
@@ -239,6 +248,8 @@ class AttemptShell(RequestPath[Attempt]):
     def _perform_now(self, att: Attempt, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
+                if action.request.early:
+                    self.resumes.add(action.request)
                 self._send(att, action.request)
             elif isinstance(action, RunHandler):
                 self._run_handler_on_pool(att)
@@ -250,10 +261,11 @@ class AttemptShell(RequestPath[Attempt]):
                 self._not_started(att, action)
             elif isinstance(action, LeaseLost):
                 self._resume_lost(att, action.reason)
+            elif isinstance(action, ResumeEnded):
+                self._resume_ended(att, action)
             elif isinstance(action, Release):
                 self.settle(att)
             elif not self.perform_request(att, action):
-                # RefreshLease comes only from after_resume, which performs it itself.
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
     @property
@@ -269,7 +281,24 @@ class AttemptShell(RequestPath[Attempt]):
         except RuntimeError:
             job()
 
+    def outcome(self, att: Attempt, request: Request, event: Event) -> None:
+        if request.early:
+            self.resumes.deliver(att, event)  # stepped by the connection thread
+        else:
+            self.step(att, event)
+
+    def sent(self, att: Attempt, request: Request) -> None:
+        if request.early:
+            self.resumes.sent(request)
+
+    def failure(self, att: Attempt, request: Request, error: OrbitError, gen: int) -> Event:
+        if not request.early:
+            return super().failure(att, request, error, gen)
+        return lambda m: m.failed(request, error, gen=gen, view=self._lease_view(att))
+
     def answer(self, att: Attempt, request: Request, value: Any) -> Event:
+        if request.early:
+            return lambda m: m.resume_answered(request, value, self._lease_view(att))
         if request.request_type != "task.start":
             return super().answer(att, request, value)
         ctx = att.ctx
@@ -440,20 +469,38 @@ class AttemptShell(RequestPath[Attempt]):
             with self._reg.cond:
                 self._reg.cond.notify_all()
 
-    def after_resume(self, att: Attempt, lease: Lease | None, *, renew_now: bool) -> None:
+    # ------------------------------------------------------------------ a new connection
+
+    def resume_all(self, atts: list[Attempt]) -> None:
+        """A new connection is open (not yet published): step each of *atts*' machines, which
+        resumes its lease on it (within the gate's request slots). The connection thread then
+        drives them: :meth:`drive_resumes`, :attr:`resumes`."""
+        self.resumes.begin()
+        for att in atts:
+            self.step(att, lambda m: m.reconnected())
+
+    def drive_resumes(self) -> bool:
+        """Step the resumes' queued outcomes (the connection thread); True if there were any."""
+        taken = self.resumes.take()
+        for att, event in taken:
+            self.step(att, event)
+        return bool(taken)
+
+    def _lease_view(self, att: Attempt) -> LeaseView:
+        """The attempt's lease as the shell knows it now (read under the attempt's lock)."""
         ctx = att.ctx
-        with att.lock:
-            actions = att.machine.resumed(
-                lease,
-                now=self._clock(),
-                remaining=ctx.remaining(),
-                cancelled=ctx.cancelled.is_set(),
-            )
-            for action in actions:
-                if isinstance(action, RefreshLease):
-                    self._watchdog.refresh(att.id, action.deadline, renew_now=renew_now)
-            rest = self.lease_actions(att, [a for a in actions if not isinstance(a, RefreshLease)])
-        self.perform(att, rest)
+        return LeaseView(
+            now=self._clock(),
+            remaining=ctx.remaining(),
+            cancelled=ctx.cancelled.is_set(),
+            renewal_pending=self._watchdog.renewal_pending(att.id),
+        )
+
+    def _resume_ended(self, att: Attempt, ended: ResumeEnded) -> None:
+        if ended.refused is not None:
+            code = getattr(ended.refused, "code", type(ended.refused).__name__)
+            self._log.warning("resume of attempt %s refused (%s)", att.id, code)
+        self.resumes.ended(ended.request)
 
     def _resume_lost(self, att: Attempt, reason: str) -> None:
         """The lease did not survive the reconnect: count it, say so, tell the listeners."""

@@ -1,7 +1,9 @@
 """The worker's current connection, shared by its threads, and what they need to know about it.
 
-The connection thread *publishes* a connection once it is reconciled (every live attempt
-resumed), and *retracts* it when it breaks. A request that failed on connection number ``n`` is
+The connection thread *opens* a new connection on the link (from then on the attempts' resumes,
+and only they, may use it), *publishes* it once it is reconciled (every live attempt's resume is
+over: now every request may use it), and *retracts* it when it breaks. A request that failed on
+connection number ``n`` is
 *kept* (:meth:`Link.keep`) until a connection newer than ``n`` is published (and, after a
 transient error answer, until its retry delay has passed); the connection thread then takes it
 (:meth:`Link.take_due`) and re-sends the same operation with the same ``message_id`` (PROTOCOL
@@ -141,9 +143,11 @@ class Link:
         self._cond = threading.Condition()
         self._conn: Connection | None = None
         self._gen = 0
+        #: May every request use ``_conn`` (or only the early ones: see :meth:`open`)?
+        self._published = False
         self._closed = False
-        #: Kept requests: (not before, tie-breaker, newer than generation, re-send job).
-        self._kept: list[tuple[float, int, int, Callable[[], None]]] = []
+        #: Kept requests: (not before, tie-breaker, newer than generation, early, re-send job).
+        self._kept: list[tuple[float, int, int, bool, Callable[[], None]]] = []
         self._order = itertools.count()
         #: Called once the link is closed (see :meth:`on_close`).
         self._on_close: list[Callable[[], None]] = []
@@ -154,11 +158,24 @@ class Link:
         """True once :meth:`close` was called."""
         return self._closed
 
-    def publish(self, conn: Connection) -> int:
-        """Make *conn* current (it is reconciled); return its generation number."""
+    def open(self, conn: Connection) -> int:
+        """Make *conn* the newest connection, for *early* requests only (the resumes that
+        reconcile it: see :meth:`current`) until :meth:`publish`; return its generation."""
         with self._cond:
             self._gen += 1
             self._conn = conn
+            self._published = False
+            self._cond.notify_all()
+            return self._gen
+
+    def publish(self, conn: Connection) -> int:
+        """Make *conn* current for every request (it is reconciled); return its generation
+        number (the one :meth:`open` gave it, if it was opened)."""
+        with self._cond:
+            if conn is not self._conn:
+                self._gen += 1
+                self._conn = conn
+            self._published = True
             self._cond.notify_all()
             return self._gen
 
@@ -167,6 +184,7 @@ class Link:
         with self._cond:
             if self._gen == gen:
                 self._conn = None
+                self._published = False
             self._cond.notify_all()
 
     def close(self) -> list[Callable[[], None]]:
@@ -181,7 +199,7 @@ class Link:
         self.gate.close()
         for callback in callbacks:
             callback()
-        return [k[3] for k in sorted(kept)]
+        return [k[4] for k in sorted(kept)]
 
     def on_close(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call *callback* (quick, non-blocking: it runs on the closing thread) once the link is
@@ -200,37 +218,45 @@ class Link:
 
         return unsubscribe
 
-    def keep(self, job: Callable[[], None], *, newer_than: int = 0, delay: float = 0.0) -> bool:
+    def keep(
+        self,
+        job: Callable[[], None],
+        *,
+        newer_than: int = 0,
+        delay: float = 0.0,
+        early: bool = False,
+    ) -> bool:
         """Keep *job* (a request's re-send) until a connection newer than *newer_than* is
-        current and *delay* seconds have passed; False (nothing kept) once the link is closed.
-        The connection thread runs it (see :meth:`take_due`)."""
+        current (*early*: or only opened) and *delay* seconds have passed; False (nothing
+        kept) once the link is closed. The connection thread runs it (see :meth:`take_due`)."""
         with self._cond:
             if self._closed:
                 return False
             not_before = self._clock.now() + delay if delay > 0 else 0.0
-            self._kept.append((not_before, next(self._order), newer_than, job))
+            self._kept.append((not_before, next(self._order), newer_than, early, job))
             return True
 
     def take_due(self) -> tuple[list[Callable[[], None]], float]:
         """The kept jobs whose connection and time have come (to run now, in the order they
         were kept), and when the next one is due on the clock (``inf``: none before a newer
-        connection)."""
+        connection, or its publishing)."""
         with self._cond:
             if self._conn is None or self._closed or not self._kept:
                 return [], math.inf
             now = self._clock.now()
-            ready = [k for k in self._kept if self._gen > k[2]]
+            ready = [k for k in self._kept if self._gen > k[2] and (self._published or k[3])]
             due = [k for k in ready if k[0] <= now]
             if due:
                 taken = {id(k) for k in due}
                 self._kept = [k for k in self._kept if id(k) not in taken]
             next_at = min((k[0] for k in ready if k[0] > now), default=math.inf)
-        return [k[3] for k in sorted(due)], next_at
+        return [k[4] for k in sorted(due)], next_at
 
-    def current(self) -> tuple[Connection, int] | None:
-        """The current connection, without waiting."""
+    def current(self, *, early: bool = False) -> tuple[Connection, int] | None:
+        """The current (published) connection, without waiting; *early*: also one only opened
+        (see :meth:`open`)."""
         with self._cond:
-            if self._conn is None or self._closed:
+            if self._conn is None or self._closed or not (self._published or early):
                 return None
             return self._conn, self._gen
 

@@ -9,9 +9,14 @@ failed is *kept* by the link and re-sent, same ``message_id``, once a newer conn
 published; a transient error answer is kept for its retry delay the same way; the thread that
 drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer.
 
+A resume (:attr:`~._attempt.Request.early`) may go out on a connection the link has only
+opened, not yet published: publishing waits for the resumes, every other request for the
+publishing.
+
 Two drivers share it: the live worker's :class:`~._attempts.AttemptShell` (its connection
 thread drives the link) and the outbox replay's :class:`~._replay.ReplayShell` (its own thread,
-link and connection). Each says how an event reaches a machine (:meth:`RequestPath.step`).
+link and connection). Each says how an event reaches a machine (:meth:`RequestPath.step`,
+:meth:`RequestPath.outcome`).
 """
 
 from __future__ import annotations
@@ -69,6 +74,18 @@ class RequestPath(Generic[S]):
         """Feed *event* to *subject*'s machine and perform the actions it returns."""
         raise NotImplementedError
 
+    def outcome(self, subject: S, request: Request, event: Event) -> None:
+        """Feed *event*, an outcome of *request* (answer, failure, given up), to *subject*'s
+        machine; a driver may hand some to another thread."""
+        self.step(subject, event)
+
+    def sent(self, subject: S, request: Request) -> None:
+        """*request* went out (or was refused before the wire): a driver may count it."""
+
+    def failure(self, subject: S, request: Request, error: OrbitError, gen: int) -> Event:
+        """The event *request*'s failure on connection *gen* (0: none) is to its machine."""
+        return lambda m: m.failed(request, error, gen=gen)
+
     def answer(self, subject: S, request: Request, value: Any) -> Event:
         """The event *request*'s answer *value* is to its machine (a start's needs the
         attempt's context: the live shell says how)."""
@@ -97,16 +114,18 @@ class RequestPath(Generic[S]):
             if not self._link.gate.acquire_or_queue(partial(self._transmit, subject, request)):
                 return  # a freed slot sends it
         except GaveUp:
-            self.step(subject, lambda m: m.gave_up(request))
+            self.outcome(subject, request, lambda m: m.gave_up(request))
             return
         self._transmit(subject, request)
 
     def _transmit(self, subject: S, request: Request) -> None:
         """Send *request*, whose request slot is taken, on the current connection."""
-        current = self._link.current()
+        current = self._link.current(early=request.early)
         if current is None:
             self._link.gate.free()  # a request queued for the slot goes now
-            self.step(subject, lambda m: m.failed(request, NotConnected("no connection"), gen=0))
+            self.sent(subject, request)
+            unsent = NotConnected("no connection")
+            self.outcome(subject, request, self.failure(subject, request, unsent, 0))
             return
         conn, gen = current
         try:
@@ -118,12 +137,14 @@ class RequestPath(Generic[S]):
                 timeout=self._call_timeout,
             )
         except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
-            refused = exc
             self._link.gate.free()  # a request queued for the slot goes now
-            self.step(subject, lambda m: m.failed(request, refused, gen=gen))
+            self.sent(subject, request)
+            self.outcome(subject, request, self.failure(subject, request, exc, gen))
+            return
         except BaseException:
             self._link.gate.free()  # a request queued for the slot goes now
             raise
+        self.sent(subject, request)
 
     def _answered(
         self, subject: S, request: Request, gen: int, value: Any, error: OrbitError | None
@@ -131,9 +152,9 @@ class RequestPath(Generic[S]):
         # On the reader thread (or the thread that ended the connection): never blocks.
         self._link.gate.free()  # a request queued for the slot goes now
         if error is not None:
-            self.step(subject, lambda m: m.failed(request, error, gen=gen))
+            self.outcome(subject, request, self.failure(subject, request, error, gen))
         else:
-            self.step(subject, self.answer(subject, request, value))
+            self.outcome(subject, request, self.answer(subject, request, value))
 
     def _keep(self, subject: S, action: AwaitConnection | RetryAfter) -> None:
         """Keep the request for the link's driver to re-send (same message_id)."""
@@ -147,10 +168,10 @@ class RequestPath(Generic[S]):
         else:
             newer_than, delay = action.gen, 0.0
         job = partial(self.step, subject, lambda m: m.resend(request))
-        if self._link.keep(job, newer_than=newer_than, delay=delay):
+        if self._link.keep(job, newer_than=newer_than, delay=delay, early=request.early):
             self._wake()
         else:
-            self.step(subject, lambda m: m.gave_up(request))
+            self.outcome(subject, request, lambda m: m.gave_up(request))
 
     def resend_due(self) -> float:
         """Re-send the kept requests whose connection and time have come (the link's driver);

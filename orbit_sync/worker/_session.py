@@ -1,11 +1,13 @@
 """The connection thread: dial, reconcile, resume, report capacity, serve, reconnect.
 
 :class:`SessionLoop` owns the ``orbit-worker-connection`` thread's work and the capacity
-reports. One session: ``resume`` every live attempt (pipelined), send the first capacity report
-right behind them, publish the connection on the link (handler requests may use it from then
-on; requests kept for a newer connection are re-sent first), then repeat the report before the
-session expires and re-send kept requests when they are due, until the connection ends. On loss,
-back off with jitter (:mod:`._backoff`) and start again with the same registration.
+reports. One session: open the connection on the link and let every held attempt's machine
+resume its lease there (:meth:`~._attempts.AttemptShell.resume_all`: the machines decide, the
+resumes take the one request path), send the first capacity report right behind them, step
+their outcomes until every one is over, publish the connection (handler requests may use it from
+then on; requests kept for a newer connection are re-sent first), then repeat the report before
+the session expires and re-send kept requests when they are due, until the connection ends. On
+loss, back off with jitter (:mod:`._backoff`) and start again with the same registration.
 
 Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
 that never spoke the protocol, stop the worker; an unexpected exception (a bug of ours) is
@@ -16,6 +18,7 @@ call timeout plus :data:`~._shutdown.CLOSE_ALLOWANCE`) or ends when the link is 
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable
 from functools import partial
@@ -24,9 +27,9 @@ from typing import Any, TypeVar
 from ..client import Client, DialCut
 from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
-from ..models import Assignment, CancelNotice, CapacityReport, Lease, Registration, Welcome
-from ._attempt import BUSY_DELAY, SETTLED
-from ._attempts import Attempt, AttemptShell, Registry
+from ..models import Assignment, CancelNotice, CapacityReport, Registration, Welcome
+from ._attempt import BUSY_DELAY
+from ._attempts import AttemptShell, Registry
 from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import (
@@ -37,7 +40,7 @@ from ._errors import (
     is_transient,
 )
 from ._hooks import DisconnectEvent, Hooks, SessionEvent
-from ._link import Connection, Dialer, GaveUp, Link
+from ._link import Connection, Dialer, Link
 from ._redial import Redial
 from ._shutdown import CLOSE_ALLOWANCE
 from ._watchdog import LeaseWatchdog
@@ -226,9 +229,10 @@ class SessionLoop:
                 return
             # The first capacity report goes out right behind the resumes (the server answers a
             # connection's frames in order), so a reconnect costs one round trip less; handler
-            # requests may use the connection once the resumes are answered.
+            # requests may use the connection once the resumes are over.
+            gen = self._link.open(conn)
             first = self._reconcile(conn)
-            gen = self._link.publish(conn)
+            self._link.publish(conn)
             self._shell.resend_due()  # requests kept for a newer connection go out first
             self._first_capacity(conn, first)
             with self._reg.cond:
@@ -271,7 +275,8 @@ class SessionLoop:
         finally:
             if gen is not None:
                 self._link.retract(gen)
-            conn.close()
+            conn.close()  # completes what is still in flight on it
+            self._shell.drive_resumes()  # resumes it failed end now, not on a later connection
             watcher.join()  # at once: close() returns once the reader exited and set conn.done
         if not self._link.is_closed() and self._hooks:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
@@ -312,108 +317,53 @@ class SessionLoop:
         self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
 
     def _reconcile(self, conn: Connection) -> _FirstReport:
-        """``resume`` every live attempt, then send the session's first capacity report (PROTOCOL
-        §5.5) without waiting for the resumes' answers; return once every resume is answered.
+        """Resume every held attempt on *conn* (opened, not yet published), send the session's
+        first capacity report right behind the last resume without waiting for their answers
+        (PROTOCOL §5.5), and return once every resume is over.
 
-        The resumes are pipelined: as many in flight at once as the gate's request slots allow
-        (24 of the connection's 32 by default; the reserve keeps one for the report), so
-        reconnecting costs one round trip per that many attempts, not one per attempt. The report
-        follows the last resume on the wire: the server handles a connection's frames in order,
-        so every resume is applied before assignments can start.
-        Resumes answered with a transient error (``RATE_LIMITED``, ``UNAVAILABLE``, busy) are
-        retried on this same connection; a link failure raises (reconnect).
+        Each attempt's machine decides its resume and what its outcome means (the lease holds,
+        is cancelled or lost; a transient answer is re-sent on this connection after the retry
+        delay; a link failure ends the session, and the next connection resumes again). The
+        resumes take the gate's request slots like every request of the attempts (the reserve
+        keeps one for the report): past them a resume goes out when an answer frees a slot, so
+        reconnecting costs one round trip per that many attempts. The report follows the last
+        resume on the wire: the server handles a connection's frames in order, so every resume
+        is applied before assignments can start.
         """
         with self._reg.cond:
-            live = list(self._reg.attempts.values())
-        todo = [a for a in live if a.phase() not in SETTLED]
-        pending = set(self._watchdog.pending_renewals())
+            held = list(self._reg.attempts.values())
+        resumes = self._shell.resumes
+        self._shell.resume_all(held)
+        self._drive_resumes(conn, resumes.all_sent)
         first = _FirstReport()
-        then: Callable[[], None] | None = partial(self._submit_first_capacity, conn, first)
+        self._submit_first_capacity(conn, first)
+        self._drive_resumes(conn, resumes.all_over)
+        return first
+
+    def _drive_resumes(self, conn: Connection, done: Callable[[], bool]) -> None:
+        """Step the resumes' outcomes and re-send those due (a transient answer's retry) until
+        *done*; raise if the connection ends first, or if nothing moves for a call timeout plus
+        the close allowance (each resume completes by its own call timeout: past that, the
+        connection is broken)."""
+        limit = self._call_timeout + CLOSE_ALLOWANCE
+        quiet_until = self._clock() + limit
         while True:
-            retry: list[Attempt] = []
-            failure: OrbitError | None = None
-            for att, lease, error in self._resume_all(conn, todo, then=then):
-                if error is not None and is_transient(error):
-                    if is_link_failure(error) or self._link.is_closed() or conn.done.is_set():
-                        failure = failure or error  # resumed again on the next connection
-                    else:
-                        retry.append(att)
-                    continue
-                if error is not None:
-                    self._log.warning(
-                        "resume of attempt %s refused (%s)", att.id, getattr(error, "code", "")
-                    )
-                self._shell.after_resume(att, lease, renew_now=att.id in pending)
-            then = None
-            if failure is not None:
-                raise failure
-            if not retry:
-                return first
-            self._log.info(
-                "%d resume(s) answered with a transient error; retrying on the same connection",
-                len(retry),
-            )
-            self._link.pause(self._retry_delay)
-            todo = retry
-
-    def _resume_all(
-        self, conn: Connection, atts: list[Attempt], *, then: Callable[[], None] | None = None
-    ) -> list[tuple[Attempt, Lease | None, OrbitError | None]]:
-        """Send a ``resume`` for each of *atts* within the gate's request slots, call *then*
-        once every one has gone out (it sends one more request, from the reserve, right behind
-        them on the wire), and return every answer.
-
-        The gate is the one count of the attempts' requests in flight: a resume that finds no
-        free slot is queued in it, and goes out from the thread whose answer frees one. No start
-        or finish competes: they use a connection only once it is published, after this.
-        """
-        answers: list[tuple[Attempt, Lease | None, OrbitError | None]] = []
-        window = threading.Condition()
-        sent = [0]
-        gate = self._link.gate
-
-        def answered(att: Attempt, lease: Any, error: OrbitError | None) -> None:
-            try:
-                gate.free()  # the next queued resume goes out now, from this thread
-            finally:
-                with window:
-                    answers.append((att, lease, error))
-                    window.notify()
-
-        def send(att: Attempt) -> None:
-            try:
-                conn._submit(
-                    "worker.resume", att.ref, partial(answered, att), timeout=self._call_timeout
-                )
-            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-                answered(att, None, exc)
-            finally:
-                with window:
-                    sent[0] += 1
-                    window.notify()
-
-        for att in atts:
-            try:
-                if gate.acquire_or_queue(partial(send, att)):
-                    send(att)
-            except GaveUp:
-                raise NotConnected("worker stopped") from None
-        with window:
-            while sent[0] < len(atts):
-                self._await_answers(window)
-        if then is not None:
-            then()
-        with window:
-            while len(answers) < len(atts):
-                self._await_answers(window)
-        return answers
-
-    def _await_answers(self, cond: threading.Condition) -> None:
-        """Wait (holding *cond*) for a request of the connection thread to complete. Each
-        completes by its own call timeout (answer, failure or deadline, on the connection's
-        real-time timer); past that and the close allowance, the connection is broken."""
-        if not cond.wait(self._call_timeout + CLOSE_ALLOWANCE):
-            raise CallTimeout("a request of the connection thread was never completed")
+            self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
+            moved = self._shell.drive_resumes()
+            next_resend = self._shell.resend_due()
+            # First: a resume whose connection failed is over too, and broke the connection.
+            if self._link.is_closed() or conn.done.is_set():
+                raise conn.err or NotConnected("the connection ended during its resumes")
+            if done():
+                return
+            now = self._clock()
+            if moved:
+                quiet_until = now + limit
+            if next_resend < math.inf:
+                quiet_until = max(quiet_until, next_resend + limit)
+            if now >= quiet_until:
+                raise CallTimeout("a resume of the connection thread was never completed")
+            self._serve_wake.wait(min(next_resend, quiet_until) - now)
 
     def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
         """Send the session's first report without waiting; its answer lands in *first*."""

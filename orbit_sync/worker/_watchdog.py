@@ -216,6 +216,12 @@ class LeaseWatchdog:
         with self._lock:
             return [e.attempt_id for e in self._entries.values() if e.pending_id is not None]
 
+    def renewal_pending(self, attempt_id: str) -> bool:
+        """Has *attempt_id* a renew that was (maybe) sent and never answered?"""
+        with self._lock:
+            entry = self._entries.get(attempt_id)
+            return entry is not None and entry.pending_id is not None
+
     def is_tracked(self, attempt_id: str) -> bool:
         """True while *attempt_id* is being renewed."""
         with self._lock:
