@@ -1,0 +1,108 @@
+"""A reconnect in the middle of an attempt, against a scripted server: every held attempt is
+resumed first, then its kept start or finish goes out with its message_id, or its unanswered
+renew is sent at once."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from _scripted import ATTEMPT_ID, WAIT, assignment_body, command_body, lease_body, welcome_body
+from test_worker_session_setup import _first_session, _reconnected, _scripted
+
+from orbit_sync.testing import FakeClock
+from orbit_sync.worker import Worker
+
+
+def _resumed_then(peer: Any, resume: dict[str, Any], worker: Worker) -> dict[str, Any]:
+    """Answer the new session's report, check nothing else of the attempt may go out while its
+    resume is unanswered, answer the resume; return the next request."""
+    report = peer.recv()
+    assert report["type"] == "worker.capacity"
+    peer.ack(report, welcome_body(epoch="2"))
+    # Only resumes may use a connection before it is published, and it is published once
+    # every resume is over.
+    assert worker._link.current() is None
+    peer.ack(resume, lease_body())
+    request: dict[str, Any] = peer.recv()
+    return request
+
+
+def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() -> None:
+    """The connection drops before the finish is answered: on the next one the attempt is
+    resumed first, then the same finish (same message_id) is re-sent, and delivered."""
+    with _scripted() as (server, worker, handlers):
+        peer = _first_session(server, handlers)
+        handlers.release.set()
+        finish = peer.recv()
+        assert finish["type"] == "task.finish"
+        peer.close()  # cut before the answer
+        peer, resume = _reconnected(server, "2")
+        again = _resumed_then(peer, resume, worker)
+        assert again["type"] == "task.finish"
+        assert again["message_id"] == finish["message_id"] and again["body"] == finish["body"]
+        done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
+        peer.ack(again, {**done, "deduplicated": True})
+        assert worker.wait_ready(WAIT)
+        assert handlers.runs == {ATTEMPT_ID: 1}
+    stats = worker.stats()
+    assert stats.succeeded == 1 and stats.reconnects == 1
+
+
+def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None:
+    """The connection drops before the start is answered: the attempt is resumed first, then
+    the same start (same message_id) is re-sent; its answer runs the handler, once."""
+    with _scripted() as (server, worker, handlers):
+        peer = server.accept()
+        peer.handshake()
+        report = peer.recv()
+        peer.ack(report, welcome_body())
+        peer.push("task.assign", assignment_body())
+        start = peer.recv()
+        assert start["type"] == "task.start"
+        peer.close()  # cut before the answer
+        peer, resume = _reconnected(server, "2")
+        again = _resumed_then(peer, resume, worker)
+        assert again["type"] == "task.start"
+        assert again["message_id"] == start["message_id"] and again["body"] == start["body"]
+        peer.ack(again, command_body("start", deduplicated=True))
+        assert handlers.started.get(timeout=WAIT) == ATTEMPT_ID
+        handlers.release.set()
+        finish = peer.recv()
+        assert finish["type"] == "task.finish" and finish["body"]["outcome"] == "SUCCEEDED"
+        assert handlers.runs == {ATTEMPT_ID: 1}
+
+
+def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
+    """A renew lost with its connection is re-sent (same message_id) as soon as the resume
+    says the lease holds, not half a lease later: the worker's clock never reaches that."""
+    clock = FakeClock()
+    cut = threading.Event()
+
+    class Cut:
+        def disconnected(self, event: object) -> None:
+            cut.set()
+
+    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
+        peer = _first_session(server, handlers)
+        clock.advance(16.0)  # past half the 30 s lease: a renew is due
+        renew = peer.recv()
+        while renew["type"] != "task.renew":  # the session's own report repeats too
+            peer.ack(renew, welcome_body())
+            renew = peer.recv()
+        peer.close()  # cut before the renew is answered
+        assert cut.wait(WAIT)
+        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+        clock.advance(1.0)  # the reconnect's backoff
+        peer, resume = _reconnected(server, "2")
+        again = _resumed_then(peer, resume, worker)
+        assert again["type"] == "task.renew"
+        assert again["message_id"] == renew["message_id"] and again["body"] == renew["body"]
+        peer.ack(again, command_body("renew"))
+        handlers.release.set()
+        finish = peer.recv()
+        assert finish["type"] == "task.finish" and finish["body"]["outcome"] == "SUCCEEDED"
+        done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
+        peer.ack(finish, done)
+        assert handlers.reasons == {ATTEMPT_ID: None}, "the lease held: never cancelled"
+    assert worker.stats().lease_losses == 0
