@@ -5,18 +5,38 @@ renew is sent at once."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
-from _scripted import ATTEMPT_ID, WAIT, assignment_body, command_body, lease_body, welcome_body
+from _scripted import (
+    ATTEMPT_ID,
+    WAIT,
+    Peer,
+    ScriptedServer,
+    assignment_body,
+    command_body,
+    lease_body,
+    welcome_body,
+)
 from test_worker_session_setup import _first_session, _reconnected, _scripted
 
 from orbit_sync.testing import FakeClock
 from orbit_sync.worker import Worker
 
 
-def _resumed_then(peer: Any, resume: dict[str, Any], worker: Worker) -> dict[str, Any]:
-    """Answer the new session's report, check nothing else of the attempt may go out while its
-    resume is unanswered, answer the resume; return the next request."""
+def _sent_again(
+    server: ScriptedServer,
+    peer: Peer,
+    sent: dict[str, Any],
+    worker: Worker,
+    backoff: Callable[[], None] = lambda: None,
+) -> tuple[Peer, dict[str, Any]]:
+    """Cut *peer* before *sent* is answered and welcome the next connection (after *backoff*);
+    answer its report and, once nothing else of the attempt may go out, its resume; return the
+    new connection and the request that follows: *sent* again, same message_id."""
+    peer.close()
+    backoff()
+    peer, resume = _reconnected(server, "2")
     report = peer.recv()
     assert report["type"] == "worker.capacity"
     peer.ack(report, welcome_body(epoch="2"))
@@ -24,8 +44,10 @@ def _resumed_then(peer: Any, resume: dict[str, Any], worker: Worker) -> dict[str
     # every resume is over.
     assert worker._link.current() is None
     peer.ack(resume, lease_body())
-    request: dict[str, Any] = peer.recv()
-    return request
+    again: dict[str, Any] = peer.recv()
+    assert again["type"] == sent["type"]
+    assert again["message_id"] == sent["message_id"] and again["body"] == sent["body"]
+    return peer, again
 
 
 def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() -> None:
@@ -36,11 +58,7 @@ def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() 
         handlers.release.set()
         finish = peer.recv()
         assert finish["type"] == "task.finish"
-        peer.close()  # cut before the answer
-        peer, resume = _reconnected(server, "2")
-        again = _resumed_then(peer, resume, worker)
-        assert again["type"] == "task.finish"
-        assert again["message_id"] == finish["message_id"] and again["body"] == finish["body"]
+        peer, again = _sent_again(server, peer, finish, worker)
         done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
         peer.ack(again, {**done, "deduplicated": True})
         assert worker.wait_ready(WAIT)
@@ -60,11 +78,7 @@ def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None
         peer.push("task.assign", assignment_body())
         start = peer.recv()
         assert start["type"] == "task.start"
-        peer.close()  # cut before the answer
-        peer, resume = _reconnected(server, "2")
-        again = _resumed_then(peer, resume, worker)
-        assert again["type"] == "task.start"
-        assert again["message_id"] == start["message_id"] and again["body"] == start["body"]
+        peer, again = _sent_again(server, peer, start, worker)
         peer.ack(again, command_body("start", deduplicated=True))
         assert handlers.started.get(timeout=WAIT) == ATTEMPT_ID
         handlers.release.set()
@@ -90,14 +104,13 @@ def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
         while renew["type"] != "task.renew":  # the session's own report repeats too
             peer.ack(renew, welcome_body())
             renew = peer.recv()
-        peer.close()  # cut before the renew is answered
-        assert cut.wait(WAIT)
-        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
-        clock.advance(1.0)  # the reconnect's backoff
-        peer, resume = _reconnected(server, "2")
-        again = _resumed_then(peer, resume, worker)
-        assert again["type"] == "task.renew"
-        assert again["message_id"] == renew["message_id"] and again["body"] == renew["body"]
+
+        def backoff() -> None:
+            assert cut.wait(WAIT)
+            assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+            clock.advance(1.0)  # the reconnect's backoff
+
+        peer, again = _sent_again(server, peer, renew, worker, backoff)
         peer.ack(again, command_body("renew"))
         handlers.release.set()
         finish = peer.recv()
