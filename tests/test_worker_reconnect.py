@@ -18,7 +18,13 @@ from _scripted import (
     lease_body,
     welcome_body,
 )
-from test_worker_session_setup import _first_session, _reconnected, _scripted
+from test_worker_session_setup import (
+    OTHER_ATTEMPT,
+    OTHER_TASK,
+    _first_session,
+    _reconnected,
+    _scripted,
+)
 
 from orbit_sync.testing import FakeClock
 from orbit_sync.worker import Worker
@@ -119,3 +125,55 @@ def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
         peer.ack(finish, done)
         assert handlers.reasons == {ATTEMPT_ID: None}, "the lease held: never cancelled"
     assert worker.stats().lease_losses == 0
+
+
+def test_two_held_attempts_send_their_renew_and_finish_once_every_resume_is_over() -> None:
+    """Two held attempts, one running with a renew left unanswered, one finishing: the
+    connection is not published while a resume is unanswered; once both are over, the renew
+    (same message_id, on a worker clock that never reaches a retry delay) and the kept finish
+    (same message_id) go out."""
+    clock = FakeClock()
+    cut = threading.Event()
+
+    class Cut:
+        def disconnected(self, event: object) -> None:
+            cut.set()
+
+    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
+        peer = _first_session(server, handlers)
+        peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
+        start = peer.recv()
+        peer.ack(start, command_body("start"))
+        finish = peer.recv()  # the other handler returns at once; its finish is not answered
+        assert finish["type"] == "task.finish"
+        clock.advance(16.0)  # past half the 30 s lease: the held attempt's renew is due
+        renew = peer.recv()
+        while renew["type"] != "task.renew":  # the session's own report repeats too
+            peer.ack(renew, welcome_body())
+            renew = peer.recv()
+        peer.close()
+        assert cut.wait(WAIT)
+        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+        clock.advance(1.0)  # the reconnect's backoff
+        peer = server.accept()
+        peer.handshake(epoch="2")
+        frames = [peer.recv(), peer.recv(), peer.recv()]
+        assert [f["type"] for f in frames] == ["worker.resume", "worker.resume", "worker.capacity"]
+        resumes = {f["body"]["attempt_id"]: f for f in frames[:2]}
+        peer.ack(frames[2], welcome_body(epoch="2"))
+        peer.ack(resumes[ATTEMPT_ID], lease_body())
+        assert worker._link.current() is None, "published only once every resume is over"
+        peer.ack(resumes[OTHER_ATTEMPT], lease_body())
+        sent = {f["type"]: f for f in (peer.recv(), peer.recv())}
+        assert sent.keys() == {"task.renew", "task.finish"}
+        assert sent["task.renew"]["message_id"] == renew["message_id"]
+        assert sent["task.finish"]["message_id"] == finish["message_id"]
+        done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
+        peer.ack(sent["task.finish"], done)
+        peer.ack(sent["task.renew"], command_body("renew"))
+        handlers.release.set()
+        last = peer.recv()
+        assert last["type"] == "task.finish" and last["body"]["ref"]["attempt_id"] == ATTEMPT_ID
+        peer.ack(last, done)
+        assert handlers.reasons == {ATTEMPT_ID: None}, "the lease held: never cancelled"
+        assert handlers.runs == {ATTEMPT_ID: 1, OTHER_ATTEMPT: 1}

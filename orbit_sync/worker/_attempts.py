@@ -224,7 +224,9 @@ class AttemptShell(RequestPath[Attempt]):
             if isinstance(action, TrackLease):
                 self._watchdog.track(att.id, att.ctx, action.deadline)
             elif isinstance(action, RefreshLease):
-                self._watchdog.refresh(att.id, action.deadline, renew_now=action.renew_now)
+                self._watchdog.refresh(att.id, action.deadline)
+                if action.renew_now:
+                    self.resumes.renew_when_published(att.id)
             elif isinstance(action, UntrackLease):
                 self._watchdog.untrack(att.id)
             elif isinstance(action, CancelContext):
@@ -478,6 +480,12 @@ class AttemptShell(RequestPath[Attempt]):
         self.resumes.begin()
         for att in atts:
             self.step(att, lambda m: m.reconnected())
+
+    def published(self) -> None:
+        """The new connection is published: renew at once the leases whose renew the old
+        connection left unanswered (the resumes said so)."""
+        for attempt_id in self.resumes.take_renewals():
+            self._watchdog.kick(attempt_id)
 
     def drive_resumes(self) -> bool:
         """Step the resumes' queued outcomes (the connection thread); True if there were any."""

@@ -38,6 +38,8 @@ class Resumes(Generic[T]):
         self._unsent: set[Request] = set()
         self._open: set[Request] = set()
         self._events: collections.deque[tuple[T, Event]] = collections.deque()
+        #: Attempts whose lease to renew once the connection is published.
+        self._renew: list[str] = []
 
     def begin(self) -> None:
         """A new connection: forget the older one's resumes (a late outcome of one of them is
@@ -45,6 +47,19 @@ class Resumes(Generic[T]):
         with self._lock:
             self._unsent.clear()
             self._open.clear()
+            self._renew.clear()
+
+    def renew_when_published(self, attempt_id: str) -> None:
+        """Renew *attempt_id*'s lease once the connection is published: asked now, the renewal
+        would find no connection and wait for its retry delay."""
+        with self._lock:
+            self._renew.append(attempt_id)
+
+    def take_renewals(self) -> list[str]:
+        """The attempts to renew now that the connection is published."""
+        with self._lock:
+            taken, self._renew = self._renew, []
+        return taken
 
     def add(self, request: Request) -> None:
         """*request*, a resume, is about to be sent (or re-sent after a transient answer)."""

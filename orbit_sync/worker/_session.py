@@ -233,6 +233,7 @@ class SessionLoop:
             gen = self._link.open(conn)
             first = self._reconcile(conn)
             self._link.publish(conn)
+            self._shell.published()  # renewals the old connection left unanswered
             self._shell.resend_due()  # requests kept for a newer connection go out first
             self._first_capacity(conn, first)
             with self._reg.cond:
