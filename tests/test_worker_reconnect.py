@@ -4,8 +4,9 @@ renew is sent at once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from _scripted import (
@@ -56,6 +57,38 @@ def _sent_again(
     return peer, again
 
 
+@contextlib.contextmanager
+def _on_still_time() -> Iterator[tuple[ScriptedServer, Worker, Any, FakeClock, Callable[[], None]]]:
+    """:func:`_scripted` on a worker clock only the test moves; also yields what, after a cut,
+    lets the reconnect's backoff pass."""
+    clock = FakeClock()
+    cut = threading.Event()
+
+    class Cut:
+        def disconnected(self, event: object) -> None:
+            cut.set()
+
+    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
+
+        def backoff() -> None:
+            assert cut.wait(WAIT)
+            assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+            clock.advance(1.0)
+
+        yield server, worker, handlers, clock, backoff
+
+
+def _renew_due(peer: Peer, clock: FakeClock) -> dict[str, Any]:
+    """Move the clock past half the 30 s lease; return the renew that follows (the session's
+    own report, repeated meanwhile, is answered)."""
+    clock.advance(16.0)
+    renew: dict[str, Any] = peer.recv()
+    while renew["type"] != "task.renew":
+        peer.ack(renew, welcome_body())
+        renew = peer.recv()
+    return renew
+
+
 def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() -> None:
     """The connection drops before the finish is answered: on the next one the attempt is
     resumed first, then the same finish (same message_id) is re-sent, and delivered."""
@@ -96,26 +129,9 @@ def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None
 def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
     """A renew lost with its connection is re-sent (same message_id) as soon as the resume
     says the lease holds, not half a lease later: the worker's clock never reaches that."""
-    clock = FakeClock()
-    cut = threading.Event()
-
-    class Cut:
-        def disconnected(self, event: object) -> None:
-            cut.set()
-
-    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
+    with _on_still_time() as (server, worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
-        clock.advance(16.0)  # past half the 30 s lease: a renew is due
-        renew = peer.recv()
-        while renew["type"] != "task.renew":  # the session's own report repeats too
-            peer.ack(renew, welcome_body())
-            renew = peer.recv()
-
-        def backoff() -> None:
-            assert cut.wait(WAIT)
-            assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
-            clock.advance(1.0)  # the reconnect's backoff
-
+        renew = _renew_due(peer, clock)
         peer, again = _sent_again(server, peer, renew, worker, backoff)
         peer.ack(again, command_body("renew"))
         handlers.release.set()
@@ -132,29 +148,16 @@ def test_two_held_attempts_send_their_renew_and_finish_once_every_resume_is_over
     connection is not published while a resume is unanswered; once both are over, the renew
     (same message_id, on a worker clock that never reaches a retry delay) and the kept finish
     (same message_id) go out."""
-    clock = FakeClock()
-    cut = threading.Event()
-
-    class Cut:
-        def disconnected(self, event: object) -> None:
-            cut.set()
-
-    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
+    with _on_still_time() as (server, worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
         peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
         start = peer.recv()
         peer.ack(start, command_body("start"))
         finish = peer.recv()  # the other handler returns at once; its finish is not answered
         assert finish["type"] == "task.finish"
-        clock.advance(16.0)  # past half the 30 s lease: the held attempt's renew is due
-        renew = peer.recv()
-        while renew["type"] != "task.renew":  # the session's own report repeats too
-            peer.ack(renew, welcome_body())
-            renew = peer.recv()
+        renew = _renew_due(peer, clock)
         peer.close()
-        assert cut.wait(WAIT)
-        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
-        clock.advance(1.0)  # the reconnect's backoff
+        backoff()
         peer = server.accept()
         peer.handshake(epoch="2")
         frames = [peer.recv(), peer.recv(), peer.recv()]
