@@ -232,16 +232,17 @@ class SessionLoop:
             # requests may use the connection once the resumes are over.
             gen = self._link.open(conn)
             first = self._reconcile(conn)
+            with self._reg.cond:
+                # A reconnect is a session established (its resumes over) after an earlier one,
+                # not a dial. Counted before the connection is published, so whoever sees a
+                # request sent on it at the server (or waited for ready) reads the new count.
+                again = self._reg.counts["sessions"] > 0
+                self._reg.counts["sessions"] += 1
+                self._reg.counts["reconnects"] += again
             self._link.publish(conn)
             self._shell.published()  # renewals the old connection left unanswered
             self._shell.resend_due()  # requests kept for a newer connection go out first
             self._first_capacity(conn, first)
-            with self._reg.cond:
-                # A reconnect is a session established after an earlier one, not a dial. Counted
-                # before ready is set, so a caller that waited for ready reads the new count.
-                again = self._reg.counts["sessions"] > 0
-                self._reg.counts["sessions"] += 1
-                self._reg.counts["reconnects"] += again
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
             if self._hooks:
