@@ -3,9 +3,10 @@
 
 For each handler (``noop``: the worker's own cost per task; ``spin``: a few ms of Python CPU,
 the work a second process is for) and each process count, a fresh server holds the tasks; the
-supervisor starts, its children connect, then the tasks are enqueued and drained. Figures: tasks
-per second (from the enqueue to the last SUCCEEDED), CPU per task of the supervisor and its
-children together (``/proc``, every thread), and the RSS of each idle child before the run.
+supervisor starts, its children connect, then each handler's tasks in turn are enqueued and
+drained. Figures: tasks per second (from the enqueue to the last SUCCEEDED), CPU per task of the
+supervisor and its children together (``/proc``, every thread), and the RSS of each idle child
+before the first handler's run.
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ def _children(pid: int) -> list[int]:
     return found
 
 
-def run_once(handler: str, tasks: int, processes: int, settle: float = 1.0) -> dict[str, Any]:
-    """One supervisor with *processes* children draining *tasks* tasks of *handler*, on a server
-    of its own (even in quick mode: no task of another section may be waiting there)."""
+def run_handlers(
+    handlers: list[tuple[str, int]], processes: int, settle: float = 1.0
+) -> dict[str, dict[str, Any]]:
+    """One supervisor with *processes* children draining, handler after handler, *n* tasks of
+    each ``(handler, n)`` of *handlers*, on a server of its own (even in quick mode: no task of
+    another section may be waiting there). One start for every handler: the figures are taken
+    from the enqueue of a handler's tasks to the last of them SUCCEEDED."""
     server, info = _server_proc.start()
     env = {
         **child_env(),
@@ -52,6 +57,8 @@ def run_once(handler: str, tasks: int, processes: int, settle: float = 1.0) -> d
     proc = subprocess.Popen(
         argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )
+    results: dict[str, dict[str, Any]] = {}
+    ok = True
     try:
         if not server.send({"op": "sessions", "n": processes, "timeout": 60})["ok"]:
             raise RuntimeError("the worker processes did not connect")
@@ -59,28 +66,31 @@ def run_once(handler: str, tasks: int, processes: int, settle: float = 1.0) -> d
         children = _children(proc.pid)
         idle_rss = [proc_status(pid)["VmRSS"] for pid in children]
         pids = [proc.pid, *children]
-        cpu0, t0 = sum(proc_cpu(pid) for pid in pids), time.perf_counter()
-        server.send({"op": "enqueue", "n": tasks, "handler": handler})
-        ok = server.send({"op": "done", "timeout": 600})["ok"]
-        wall, cpu = time.perf_counter() - t0, sum(proc_cpu(pid) for pid in pids) - cpu0
-        supervisor_rss = proc_status(proc.pid)["VmRSS"]
+        for handler, tasks in handlers:
+            cpu0, t0 = sum(proc_cpu(pid) for pid in pids), time.perf_counter()
+            server.send({"op": "enqueue", "n": tasks, "handler": handler})
+            ok = server.send({"op": "done", "timeout": 600})["ok"]
+            wall, cpu = time.perf_counter() - t0, sum(proc_cpu(pid) for pid in pids) - cpu0
+            results[handler] = {
+                "handler": handler,
+                "processes": processes,
+                "tasks": tasks,
+                "wall": wall,
+                "cpu": cpu,
+                "per_s": tasks / wall,
+                "per_task": cpu / tasks,
+                "idle_rss": idle_rss,
+                "supervisor_rss": proc_status(proc.pid)["VmRSS"],
+            }
+            if not ok:
+                break
     finally:
         proc.send_signal(signal.SIGTERM)
         _, stderr = proc.communicate(timeout=60)
         server.close()
     if not ok or proc.returncode != 0:
         raise RuntimeError(f"run failed (exit {proc.returncode}):\n{stderr[-3000:]}")
-    return {
-        "handler": handler,
-        "processes": processes,
-        "tasks": tasks,
-        "wall": wall,
-        "cpu": cpu,
-        "per_s": tasks / wall,
-        "per_task": cpu / tasks,
-        "idle_rss": idle_rss,
-        "supervisor_rss": supervisor_rss,
-    }
+    return results
 
 
 def bench_processes(servers: Any, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
@@ -89,11 +99,11 @@ def bench_processes(servers: Any, o: dict[str, Any], out: dict[str, Any]) -> lis
     quick = not o["peers"]
     rows: list[dict[str, Any]] = []
     results: dict[str, Any] = {}
-    for handler, (full, small) in TASKS.items():
-        n = small if quick else full
-        settle = 0.2 if quick else 1.0
-        one = run_once(handler, n, 1, settle)
-        two = run_once(handler, n, 2, settle)
+    handlers = [(handler, small if quick else full) for handler, (full, small) in TASKS.items()]
+    settle = 0.2 if quick else 1.0
+    runs = {n: run_handlers(handlers, n, settle) for n in (1, 2)}
+    for handler, _ in handlers:
+        one, two = runs[1][handler], runs[2][handler]
         results[handler] = {"1": one, "2": two}
         rows.append(
             row(

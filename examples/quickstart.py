@@ -66,7 +66,7 @@ def build_worker(server: MockOrbitServer) -> Worker:
     @worker.handler("report")
     def report(ctx: TaskContext, payload: dict[str, Any]) -> dict[str, Any]:
         report_started.set()
-        for _ in range(40):  # about 2 s: long enough to live through a reconnect
+        for _ in range(24):  # about 1.2 s: long enough to live through a reconnect and a renewal
             ctx.sleep(0.05)
         return {"pages": 12}
 

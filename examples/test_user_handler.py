@@ -134,9 +134,23 @@ def test_lost_acknowledgement_charges_once(
     assert snap.state.value == "SUCCEEDED"
     assert len(snap.attempts) == 1 and not snap.evidence
     assert gateway.charges == ["inv-2"]
-    # The worker reconnected and re-sent the finish under its original message_id.
-    orbit_server.wait_until(lambda s: worker.stats().reconnects >= 1, timeout=10.0)
+    # The worker reconnected and re-sent the finish under its original message_id: the server
+    # answered the repeat from its record, on a session other than the one it was assigned on.
+    # (A wait_until predicate reads the server: it is re-checked only when the server changes.)
+    orbit_server.wait_until(lambda s: bool(repeats(s, task_id)), timeout=10.0)
+    events = orbit_server.events()
+    (assigned,) = [e for e in events if e.kind == "attempt.assigned" and e.task_id == task_id]
+    assert repeats(orbit_server, task_id)[0].session_id != assigned.session_id
     orbit_server.check_invariants()
+
+
+def repeats(server: MockOrbitServer, task_id: str) -> list[Any]:
+    """The task's finishes the server answered from its record (the same message_id again)."""
+    return [
+        e
+        for e in server.events()
+        if e.kind == "request.deduplicated" and e.detail == "task.finish" and e.task_id == task_id
+    ]
 
 
 @pytest.mark.orbit_server(lease_duration=2.0, assignment_rate=None)

@@ -122,6 +122,15 @@ class Run:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def _server() -> MockOrbitServer:
+    """The mock server of a run. The supervisor is under test, not the server's recovery scan:
+    the lease of an attempt a killed or recycled child held is recovered as it expires
+    (*exact_recovery*), not at the next 2 s scan, so a run does not wait out scan periods."""
+    return MockOrbitServer(
+        assignment_rate=None, lease_duration=2.0, session_window=6.0, exact_recovery=True
+    )
+
+
 def _enqueue(server: MockOrbitServer, handler: str, n: int) -> list[str]:
     return [
         server.enqueue(
@@ -170,7 +179,7 @@ def chaos(
     SIGKILLed every *kill_every* seconds; the figures and what broke."""
     rng = random.Random(seed)
     kills: list[int] = []
-    with MockOrbitServer(assignment_rate=None, lease_duration=2.0, session_window=6.0) as server:
+    with _server() as server:
         ids = _enqueue(server, "echo", tasks)
         run = Run(
             server,
@@ -230,7 +239,7 @@ def leak(
     *, tasks: int, limit: int = 100, processes: int = 2, capacity: int = 2, time_limit: float = 600
 ) -> dict[str, Any]:
     """*tasks* tasks of a handler that leaks 1 MB each under ``--max-memory-per-child limit``."""
-    with MockOrbitServer(assignment_rate=None, lease_duration=2.0, session_window=6.0) as server:
+    with _server() as server:
         ids = _enqueue(server, "leak", tasks)
         run = Run(
             server,

@@ -4,6 +4,7 @@ against the mock server, stopped with SIGTERM; the rows are read back from the S
 
 from __future__ import annotations
 
+import shutil
 import signal
 import sqlite3
 import subprocess
@@ -20,14 +21,23 @@ from orbit_sync.testing import MockOrbitServer
 PROJECT = Path(__file__).resolve().parent.parent / "examples" / "django_project"
 
 
-@pytest.fixture
-def database(tmp_path: Path) -> Path:
-    """A migrated SQLite database for the example project."""
-    db = tmp_path / "db.sqlite3"
+@pytest.fixture(scope="module")
+def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The example project's SQLite database after ``manage.py migrate`` (run once a module)."""
+    db = tmp_path_factory.mktemp("django") / "db.sqlite3"
     done = run_in_project(
         [sys.executable, "manage.py", "migrate", "--verbosity", "0"], project_env(None, db)
     )
     assert done.returncode == 0, done.stderr
+    return db
+
+
+@pytest.fixture
+def database(migrated: Path, tmp_path: Path) -> Path:
+    """A migrated SQLite database of this test's own: a copy of :func:`migrated`'s (closed by
+    the migrate process, so the file alone is the whole database)."""
+    db = tmp_path / "db.sqlite3"
+    shutil.copyfile(migrated, db)
     return db
 
 

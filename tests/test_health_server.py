@@ -63,8 +63,15 @@ def test_idle_connections_are_capped_on_one_thread(probe: HealthProbe) -> None:
     with probe.serve(port=0, max_connections=4, timeout=60.0) as endpoint:
         threads = threading.active_count()
         fds = len(os.listdir("/proc/self/fd"))
-        idle = list(_idle(endpoint.port, 40))
+        idle: list[socket.socket] = []
         try:
+            for sock in _idle(endpoint.port, 40):
+                idle.append(sock)
+                if len(idle) > 4:
+                    # Once all 4 slots hold idle sockets, each new one evicts the oldest: wait
+                    # for that (it also keeps the connects from overflowing the listen queue,
+                    # which the kernel would make wait out SYN retransmits of a second or more).
+                    assert idle[-5].recv(1) == b""
             # Served in order of arrival: once this answer is in, every idle one was accepted.
             assert _get(endpoint.port)[0] == 200
             assert endpoint.open_connections <= 4

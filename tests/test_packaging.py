@@ -53,9 +53,10 @@ def dists(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
     shutil.copytree(ROOT, src, ignore=_SKIP)
     out = work / "out"
     # --no-isolation: build with this environment's setuptools and wheel (the test extra), so no
-    # package index is contacted.
+    # package index is contacted; -x: without asking the backend for its build requirements first
+    # (two more interpreters that import setuptools) when the test extra has installed them.
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(src)],
+        [sys.executable, "-m", "build", "--no-isolation", "-x", "--outdir", str(out), str(src)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
 import urllib.error
@@ -42,11 +43,32 @@ def env_for(server: MockOrbitServer, **extra: str) -> dict[str, str]:
     return clean_env(**{**orbit, **extra})
 
 
+#: ``orbit-sync`` whose supervisor restarts children after 0.05-0.4 s instead of 0.5-16 s: for
+#: tests of *whether* it restarts (the delays themselves: test_supervisor_units.py).
+SHORT_RESTART_BACKOFF = """
+from orbit_sync._supervisor import _policy
+from orbit_sync.cli import main
+from orbit_sync.worker import Backoff
+
+_policy.RESTART_BACKOFF = Backoff(initial=0.05, maximum=0.4)
+raise SystemExit(main())
+"""
+
+
 def start(
-    procs: list[Proc], server: MockOrbitServer, project: Path, *args: str, **env: str
+    procs: list[Proc],
+    server: MockOrbitServer,
+    project: Path,
+    *args: str,
+    short_backoff: bool = False,
+    **env: str,
 ) -> Proc:
-    """``orbit-sync worker app:make *args`` for *server*, stopped at teardown if still running."""
-    proc = Proc(command("worker", "app:make", *args), env=env_for(server, **env), cwd=project)
+    """``orbit-sync worker app:make *args`` for *server*, stopped at teardown if still running
+    (*short_backoff*: with :data:`SHORT_RESTART_BACKOFF`)."""
+    argv = command("worker", "app:make", *args)
+    if short_backoff:
+        argv = [sys.executable, "-c", SHORT_RESTART_BACKOFF, "worker", "app:make", *args]
+    proc = Proc(argv, env=env_for(server, **env), cwd=project)
     procs.append(proc)
     return proc
 
@@ -143,7 +165,8 @@ def test_a_killed_child_is_restarted_and_work_goes_on(
     procs: list[Proc],
 ) -> None:
     """SIGKILL of a running child: the supervisor restarts it; the queue is served again."""
-    proc = start(procs, orbit_server, project, "--processes", "2", "--health-port", "0")
+    argv = ("--processes", "2", "--health-port", "0")
+    proc = start(procs, orbit_server, project, *argv, short_backoff=True)
     probe(f"http://127.0.0.1:{port_line(proc, 'health')}/readyz", 200)  # both seen ready
     (victim, *_) = sorted(children_of(proc.popen.pid))
     os.kill(victim, signal.SIGKILL)
@@ -182,7 +205,8 @@ def test_a_child_that_cannot_load_the_app_is_retried_then_given_up(
     procs: list[Proc],
 ) -> None:
     """An import error (status 1) is retried with backoff, then the supervisor stops with 1."""
-    proc = start(procs, orbit_server, project, "--processes", "1", APP_IMPORT_ERROR="1")
+    argv = ("--processes", "1")
+    proc = start(procs, orbit_server, project, *argv, short_backoff=True, APP_IMPORT_ERROR="1")
     assert proc.wait(30) == 1
     assert proc.stderr.count("exited with status 1 before it was ready: cannot load app:make") == 3
     assert proc.stderr.count("; restarting it in") == 2
@@ -267,8 +291,9 @@ def test_recycling_starts_the_replacement_before_the_old_child_exits(
 
 
 # A recycled child skips assignments already on their way when it drained: they return to the
-# queue when their lease expires, so short leases keep the test short.
-@pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0)
+# queue when their lease expires (as it expires, not at the next 2 s scan: exact_recovery) and
+# are retried after a short backoff, so short leases and backoffs keep the test short.
+@pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0, exact_recovery=True)
 def test_metrics_of_every_child_are_summed_on_one_port(
     orbit_server: MockOrbitServer,
     project: Path,
@@ -279,12 +304,17 @@ def test_metrics_of_every_child_are_summed_on_one_port(
     proc = start(procs, orbit_server, project, *argv)
     port = port_line(proc, "metrics")
     serving(orbit_server, 2)
-    ids = [orbit_server.enqueue("echo", {"n": n}) for n in range(20)]
+    # A child runs at most 4 + 2 in flight: two children cannot run 13 tasks, so some recycled
+    # child ran a part of them.
+    ids = [
+        orbit_server.enqueue("echo", {"n": n}, backoff_initial=0.05, max_attempts=10)
+        for n in range(13)
+    ]
     try:
         pids = {orbit_server.wait_for(t, {"SUCCEEDED"}, 15).result["pid"] for t in ids}
     except TimeoutError:
         raise AssertionError(proc.stderr) from None
-    assert len(pids) >= 3  # a child runs at most 4 + 2 in flight: some were recycled
+    assert len(pids) >= 3
     succeeded = re.compile(
         r'^orbit_attempts_total\{handler="echo",outcome="SUCCEEDED"\} (\S+)$', re.M
     )
@@ -305,8 +335,8 @@ def test_metrics_of_every_child_are_summed_on_one_port(
         match = succeeded.search(text)
         return float(match.group(1)) if match else 0.0
 
-    text = scrape_until(lambda text: counted(text) >= 20.0)
-    assert counted(text) == 20.0, text  # every child's finishes, recycled ones included, once
+    text = scrape_until(lambda text: counted(text) >= len(ids))
+    assert counted(text) == len(ids), text  # every child's finishes, recycled ones included, once
     # Gauges count live processes only: two connected once recycling settles.
     scrape_until(lambda text: re.search(r"^orbit_connected 2\.0$", text, re.M) is not None)
     assert proc.stop(signal.SIGTERM, timeout=30) == 0

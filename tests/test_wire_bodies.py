@@ -8,7 +8,6 @@ by the field's path, without the value.
 
 from __future__ import annotations
 
-import copy
 import datetime as dt
 import json
 import threading
@@ -97,9 +96,19 @@ INDEPENDENT: dict[type[Any], Callable[[Any], Any]] = {
 }
 
 
+def _copy(value: Any) -> Any:
+    """A copy of a JSON value (dicts and lists copied, atoms shared): what copy.deepcopy does
+    for these trees, several times faster (the odd-value test copies ~70,000 bodies)."""
+    if isinstance(value, dict):
+        return {key: _copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_copy(item) for item in value]
+    return value
+
+
 def _reference(value: Any, cls: type[Any]) -> tuple[bool, str]:
     try:
-        INDEPENDENT[cls](copy.deepcopy(value))
+        INDEPENDENT[cls](_copy(value))
     except ind.Violation as exc:
         return False, str(exc)
     return True, ""
@@ -108,11 +117,11 @@ def _reference(value: Any, cls: type[Any]) -> tuple[bool, str]:
 def _decode(value: Any, cls: type[Any]) -> tuple[bool, Any]:
     if cls is Capability:  # nested only: its decoder is reached through a registration's list
         try:
-            return True, _bodies.capability(copy.deepcopy(value))
+            return True, _bodies.capability(_copy(value))
         except _bodies.Fault as exc:
             return False, f"invalid Capability: {exc.describe('Capability')}"
     try:
-        decoded = _codec.decode_body(copy.deepcopy(value), cls)
+        decoded = _codec.decode_body(_copy(value), cls)
     except FrameError as exc:
         return False, str(exc)
     if cls is Finish:  # the result's size is the frame's rule (decode_client_frame checks it)
@@ -333,7 +342,7 @@ OPTIONAL_KEYS += ["extra"]
 @st.composite
 def mutated(draw: st.DrawFn, body: dict[str, Any]) -> dict[str, Any]:
     """*body* with a few fields (nested ones too) replaced, removed or added."""
-    result = copy.deepcopy(body)
+    result = _copy(body)
     for _ in range(draw(st.integers(1, 4))):
         target = result
         nested = [v for k, v in sorted(target.items()) if isinstance(v, dict) and k != "payload"]
@@ -347,16 +356,17 @@ def mutated(draw: st.DrawFn, body: dict[str, Any]) -> dict[str, Any]:
         if action == "delete":
             target.pop(key, None)
         else:
-            target[key] = copy.deepcopy(draw(VALUES))  # never alias the shared samples
+            target[key] = _copy(draw(VALUES))  # never alias the shared samples
     return result
 
 
 def _valid_bodies() -> list[tuple[Any, type[Any]]]:
-    out = []
+    """The valid top-level vector bodies, each once (several vectors share a body)."""
+    out: dict[tuple[str, type[Any]], Any] = {}
     for name, body, cls in VECTOR_BODIES:
         if "/" not in name and _reference(body, cls)[0]:
-            out.append((body, cls))
-    return out
+            out.setdefault((json.dumps(body), cls), body)
+    return [(body, cls) for (_, cls), body in out.items()]
 
 
 VALID = _valid_bodies()
@@ -379,14 +389,14 @@ def test_each_field_with_each_odd_value_agrees() -> None:
     checked = 0
     for body, cls in VALID:
         for index, target in enumerate(_objects(body)):
-            for key in [*target, *OPTIONAL_KEYS]:
+            for key in dict.fromkeys([*target, *OPTIONAL_KEYS]):  # an optional key once
                 for value in [*samples, _MISSING]:
-                    changed = copy.deepcopy(body)
+                    changed = _copy(body)
                     place = _objects(changed)[index]
                     if value is _MISSING:
                         place.pop(key, None)
                     else:
-                        place[key] = copy.deepcopy(value)
+                        place[key] = _copy(value)
                     assert_agree(changed, cls)
                     checked += 1
     assert checked > 10_000

@@ -37,8 +37,9 @@ CANCEL_GRACE = 1.0
 
 @pytest.fixture
 def server() -> Iterator[MockOrbitServer]:
-    """A mock server with a short lease, so a retry without an outbox comes soon."""
-    with MockOrbitServer(assignment_rate=None, lease_duration=3.0) as srv:
+    """A mock server with a short lease, recovered as it expires (not at the next 2 s scan), so
+    a retry without an outbox comes soon."""
+    with MockOrbitServer(assignment_rate=None, lease_duration=3.0, exact_recovery=True) as srv:
         yield srv
         srv.check_invariants()
 

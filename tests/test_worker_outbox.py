@@ -293,10 +293,11 @@ def test_path_that_is_no_file_is_refused_clearly(tmp_path: Path, kind: str) -> N
 
 _FAILING_START = """
 import os, resource, signal, sqlite3, sys
-from orbit_sync.worker import OutboxError, Worker
+from orbit_sync.worker import OutboxError, Worker, _outbox
 from orbit_sync.client import Client
 
 url, path, how = sys.argv[1:4]
+_outbox.BUSY_TIMEOUT = 0.2  # the write lock is held for good: no need to wait SQLite's 5 s
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 worker = Worker(Client(url, "t"), queue_id="a" * 32, outbox=path, handle_signals=False)
 worker.register("work", lambda ctx, payload: None)

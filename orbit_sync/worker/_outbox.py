@@ -40,6 +40,9 @@ __all__ = ["Outbox", "OutboxError", "Pending", "StoredInstance"]
 #: ``PRAGMA application_id``: marks the file as ours ("ORBT").
 APPLICATION_ID = 0x4F524254
 SCHEMA_VERSION = 1
+#: Seconds a write waits for another connection's SQLite lock before it fails (SQLite's busy
+#: timeout; Python's default). Read at each open, so a test can lower it for a child process.
+BUSY_TIMEOUT = 5.0
 
 _SCHEMA = """
 CREATE TABLE instances (
@@ -158,7 +161,9 @@ class Outbox:
 
     def _connect(self) -> sqlite3.Connection:
         try:
-            db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            db = sqlite3.connect(
+                self.path, timeout=BUSY_TIMEOUT, check_same_thread=False, isolation_level=None
+            )
         except sqlite3.Error as exc:
             raise OutboxError(f"outbox {self.path} cannot be opened: {exc}") from exc
         try:
