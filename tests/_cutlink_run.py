@@ -1,8 +1,10 @@
 """A Worker through a CuttingLink: tasks over a slow link that keeps cutting, then the same run
 without cuts, compared. Used by ``tests/test_worker_cutlink.py`` (a small fixed seed) and, as a
-script, by ``make chaos`` (long runs)::
+script, by ``make chaos`` (long runs, the Worker's default settings)::
 
-    python tests/_cutlink_run.py --tasks 1000 --rtt 0.09 --mean-cut 0.3 --seeds 1,2,3
+    python tests/_cutlink_run.py --tasks 1000 --rtt 0.09 --mean-cut 0.3 --seeds 1,2,3 \
+        --capacity 16 --lease 3 --task-max 1.5 --defaults --cut-for 230 \
+        --min-ratio 0.2 --max-gap 10 --max-settle 30
 
 Every run checks what must hold whatever the cuts hit: every task ends terminal, a handler runs
 at most once per attempt, and every SUCCEEDED task stores what its handler returned. The script
@@ -12,7 +14,9 @@ prints, per seed, the throughput with cuts over the throughput of the same run w
 timeouts); ``--task-max S`` makes each handler take a seeded 0-S seconds; ``--cut-for S`` stops
 the cuts after S seconds (then the link is calm until every task is terminal). The script then
 also prints the longest time without a finished task while the link was cutting and the time
-from the end of the cuts to the last task terminal.
+from the end of the cuts to the last task terminal. ``--min-ratio``, ``--max-gap`` and
+``--max-settle`` make those three figures targets: a seed that misses one fails the run (exit 1),
+as a broken guarantee does.
 """
 
 from __future__ import annotations
@@ -220,6 +224,25 @@ def run(
     )
 
 
+def settled(cut: RunResult) -> str:
+    """When the last task ended, said against the end of the cuts."""
+    if cut.done_while_cutting == cut.tasks:
+        return f"all terminal while cutting (none left when the cuts stopped, {cut.seconds:.1f} s)"
+    return f"all terminal {cut.settle_seconds:.1f} s after the cuts stopped"
+
+
+def missed_targets(args: argparse.Namespace, ratio: float, cut: RunResult) -> list[str]:
+    """The targets asked for on the command line that the run with cuts missed."""
+    missed = []
+    if args.min_ratio is not None and ratio < args.min_ratio:
+        missed.append(f"ratio {ratio:.3f} < {args.min_ratio}")
+    if args.max_gap is not None and cut.longest_gap >= args.max_gap:
+        missed.append(f"{cut.longest_gap:.1f} s without a finish while cutting")
+    if args.max_settle is not None and cut.settle_seconds > args.max_settle:
+        missed.append(f"all terminal {cut.settle_seconds:.1f} s after the cuts stopped")
+    return missed
+
+
 def main(argv: list[str] | None = None) -> int:
     """``make chaos``: run each seed with and without cuts; print the throughput ratios."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -237,6 +260,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--task-max", type=float, default=0.0, help="handlers take 0-S s")
     parser.add_argument("--cut-for", type=float, help="stop the cuts after S s")
+    parser.add_argument("--min-ratio", type=float, help="fail below this throughput ratio")
+    parser.add_argument(
+        "--max-gap", type=float, help="fail at this many s or more without a finish while cutting"
+    )
+    parser.add_argument(
+        "--max-settle", type=float, help="fail if tasks end more than S s after the cuts stop"
+    )
     parser.add_argument("--json", help="also write the results to this file")
     parser.add_argument("--verbose", action="store_true", help="show the worker's log lines")
     args = parser.parse_args(argv)
@@ -279,18 +309,20 @@ def main(argv: list[str] | None = None) -> int:
             "attempts": cut.attempts,
             "expired_unstarted": cut.expired,
             "violations": calm.violations + cut.violations,
+            "missed": missed_targets(args, ratio, cut),
         }
         rows.append(row)
-        failed = failed or bool(row["violations"])
+        failed = failed or bool(row["violations"]) or bool(row["missed"])
         print(
             f"seed {seed}: {args.tasks} tasks, rtt {row['rtt_ms']} ms, cut every "
             f"~{args.mean_cut} s ({cut.cuts} cuts, {cut.connections} connections): "
             f"{row['cut_tasks_per_s']} tasks/s vs {row['calm_tasks_per_s']} without cuts, "
             f"ratio {row['ratio']}; longest {row['longest_gap_s']} s without a finish while "
-            f"cutting ({row['cut_seconds']} s), all terminal {row['settle_s']} s after the cuts "
-            f"stopped; {cut.attempts} attempts ({cut.expired} expired unstarted); "
+            f"cutting ({row['cut_seconds']} s), {settled(cut)}; "
+            f"{cut.attempts} attempts ({cut.expired} expired unstarted); "
             f"states {cut.states}"
-            + (f"; VIOLATIONS {row['violations']}" if row["violations"] else ""),
+            + (f"; VIOLATIONS {row['violations']}" if row["violations"] else "")
+            + (f"; MISSED {row['missed']}" if row["missed"] else ""),
             flush=True,
         )
     if args.json:

@@ -3,10 +3,12 @@ seed; ``make chaos`` runs the long ones)."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import socket
 import threading
 
-from _cutlink_run import run
+from _cutlink_run import RunResult, missed_targets, run
 from _scripted import WAIT
 
 from orbit_sync.testing import CuttingLink
@@ -53,3 +55,31 @@ def test_worker_through_a_cutting_link_loses_nothing_and_runs_nothing_twice() ->
     assert result.cuts >= 3, "the link must really have cut the worker's connections"
     assert result.reconnects >= 2, "and the worker must have come back through it"
     assert result.states == {"SUCCEEDED": 50}, result.states
+
+
+def test_chaos_targets_fail_the_run_that_misses_them() -> None:
+    """make chaos fails a seed whose ratio, longest gap or settle time misses its target."""
+    args = argparse.Namespace(min_ratio=0.2, max_gap=10.0, max_settle=30.0)
+    result = RunResult(
+        tasks=10,
+        seconds=50.0,
+        states={"SUCCEEDED": 10},
+        not_terminal=0,
+        cuts=1,
+        connections=2,
+        reconnects=1,
+        repeated=[],
+        wrong_results=[],
+        unreported=0,
+        longest_gap=9.9,
+        settle_seconds=30.0,
+    )
+    assert missed_targets(args, 0.2, result) == []
+    slow = dataclasses.replace(result, longest_gap=10.0, settle_seconds=30.1)
+    assert missed_targets(args, 0.19, slow) == [
+        "ratio 0.190 < 0.2",
+        "10.0 s without a finish while cutting",
+        "all terminal 30.1 s after the cuts stopped",
+    ]
+    unchecked = argparse.Namespace(min_ratio=None, max_gap=None, max_settle=None)
+    assert missed_targets(unchecked, 0.0, slow) == []
