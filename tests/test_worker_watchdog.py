@@ -323,6 +323,50 @@ def test_refresh_and_kick(clock: FakeClock, renewer: Renewer) -> None:
     assert len(renewer.calls) == 1
 
 
+def test_reconnects_never_put_off_a_renewal(clock: FakeClock, renewer: Renewer) -> None:
+    """Resumes that leave the lease as it was keep its renewal at half of the granted window,
+    however many reconnects come before it; a resumed lease that ends sooner brings it forward."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    ctx = _ctx(clock)
+    deadline = clock() + 2.75  # a 3 s lease
+    wd.track("a" * 32, ctx, deadline)
+    assert wd.next_due() == pytest.approx(1001.375)
+    for _ in range(4):  # a reconnect every 0.3 s, each resume answering the same lease
+        clock.advance(0.3)
+        wd.refresh("a" * 32, deadline)
+        assert wd.next_due() == pytest.approx(1001.375), "a resume grants no time"
+    clock.advance(0.2)  # 1001.4: the renewal went out then, not in the lease's last moments
+    wd.run_due()
+    assert [c[2] for c in renewer.calls] == [pytest.approx(1001.4)]
+    wd.refresh("a" * 32, clock() + 0.5)  # a lease that ends sooner than the one renewed
+    assert wd.next_due() == pytest.approx(clock() + 0.25)
+    assert ctx.remaining() == pytest.approx(0.5)
+
+
+def test_a_new_connection_renews_the_leases_past_a_quarter_of_their_window(
+    clock: FakeClock, renewer: Renewer
+) -> None:
+    """Once a quarter of the window its last grant gave has passed, a lease is renewed on the
+    next connection published, not left for its half-way point (the link may be down by
+    then); a lease granted more recently waits, and reconnects in a row renew it once."""
+    wd = LeaseWatchdog(renewer, clock=clock)
+    a, b = "a" * 32, "b" * 32
+    wd.track(a, _ctx(clock), clock() + 2.75)  # a quarter: 0.6875 s
+    wd.track(b, _ctx(clock), clock() + 30.0)  # a quarter: 7.5 s
+    clock.advance(0.5)
+    wd.connected()
+    assert wd.next_due() == pytest.approx(1001.375), "a quarter has not passed: no renewal yet"
+    clock.advance(0.3)
+    wd.connected()
+    assert wd.next_due() == pytest.approx(clock()), "past a quarter: renew on this connection"
+    wd.run_due()
+    assert [c[0] for c in renewer.calls] == [a]
+    wd.connected()
+    wd.connected()
+    wd.run_due()
+    assert [c[0] for c in renewer.calls] == [a], "just renewed: reconnects add no renewal"
+
+
 def test_retry_delay_is_bounded() -> None:
     """retry_delay outside [0.1, 5] s is refused."""
     for bad in (0.0, 0.05, 6.0):

@@ -483,9 +483,11 @@ class AttemptShell(RequestPath[Attempt]):
 
     def published(self) -> None:
         """The new connection is published: renew at once the leases whose renew the old
-        connection left unanswered (the resumes said so)."""
+        connection left unanswered (the resumes said so), and those past a quarter of their
+        window (:meth:`LeaseWatchdog.connected`)."""
         for attempt_id in self.resumes.take_renewals():
             self._watchdog.kick(attempt_id)
+        self._watchdog.connected()
 
     def drive_resumes(self) -> bool:
         """Step the resumes' queued outcomes (the connection thread); True if there were any."""

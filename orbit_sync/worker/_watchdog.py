@@ -82,6 +82,10 @@ GROUP_FRACTION = 0.25
 #: in flight (more are refused, then retried a retry delay later), and handlers' starts and
 #: finishes need room too. Renewals that are due always go, however many.
 MAX_EARLY_BATCH = 16
+#: On a new connection, a lease is renewed at once once this fraction of the window its last
+#: grant gave has passed (see :meth:`LeaseWatchdog.connected`): at most one renewal per attempt
+#: per quarter window, however often the link reconnects.
+RECONNECT_FRACTION = 0.25
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
 
@@ -116,6 +120,8 @@ class _Entry:
     due: float
     #: When ``due`` was set: the last grant (or track, refresh, failure) it is counted from.
     since: float
+    #: The window the last grant (the start's answer or a renewal) gave: (when, deadline).
+    granted: tuple[float, float] = (0.0, 0.0)
     #: The moment this entry's live heap item stands for (older items are stale).
     wake_at: float = math.inf
     #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
@@ -174,25 +180,55 @@ class LeaseWatchdog:
         now = self.clock()
         with self._lock:
             entry = _Entry(attempt_id, ctx, deadline, self._half_way(now, deadline), now)
+            entry.granted = (now, deadline)
             self._entries[attempt_id] = entry
             wake = self._push(entry, entry.due)
         ctx._set_deadline(deadline)
         self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float, *, renew_now: bool = False) -> None:
-        """A fresh lease (e.g. from ``resume``) moved *attempt_id*'s deadline."""
+        """A fresh lease (e.g. from ``resume``) moved *attempt_id*'s deadline.
+
+        A resume grants no time, so it never puts a scheduled renewal off: counted from the
+        resume, "half of what remains" comes later at every reconnect, and a link that cuts every
+        few hundred milliseconds would push the renewal, reconnect after reconnect, into the last
+        moments of the lease, where the next cut loses it. The renewal stays due at its time (or
+        sooner, when the resumed lease ends sooner than the one it was counted from)."""
         now = self.clock()
         with self._lock:
             entry = self._entries.get(attempt_id)
             if entry is None:
                 return
             entry.deadline = deadline
-            entry.due = now if renew_now else self._half_way(now, deadline)
-            entry.since = now
+            due = now if renew_now else self._half_way(now, deadline)
+            if due < entry.due:
+                entry.due = due
+                entry.since = now
             # In flight: the completion schedules from entry.due; meanwhile watch the deadline.
             wake = self._push(entry, deadline if entry.flight else entry.due)
             ctx = entry.ctx
         ctx._set_deadline(deadline)
+        self._wake(wake)
+
+    def connected(self) -> None:
+        """A new connection was published: renew on it now every lease that has run
+        :data:`RECONNECT_FRACTION` of the window its last grant gave. A connection was just lost,
+        and when the renewal falls due the link may be down again, with the next connection too
+        late for the deadline; renewing while a connection is there gives the lease a full window
+        again. (Renewals the old connection left unanswered are kicked by the resumes.)"""
+        now = self.clock()
+        wake = False
+        with self._lock:
+            for entry in self._entries.values():
+                start, end = entry.granted
+                if (
+                    entry.flight
+                    or entry.due <= now
+                    or now - start < RECONNECT_FRACTION * (end - start)
+                ):
+                    continue
+                entry.due = entry.since = now
+                wake = self._push(entry, now) or wake
         self._wake(wake)
 
     def kick(self, attempt_id: str) -> None:
@@ -399,6 +435,7 @@ class LeaseWatchdog:
                     entry.deadline = lease.deadline
                     entry.due = self._half_way(now, lease.deadline)
                     entry.since = now
+                    entry.granted = (now, lease.deadline)
             else:
                 self._failures += 1
                 if isinstance(error, WorkerError) and not is_transient(error):
