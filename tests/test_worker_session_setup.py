@@ -25,7 +25,7 @@ from _scripted import (
 
 from orbit_sync.client import Client
 from orbit_sync.testing import FakeClock
-from orbit_sync.worker import Backoff, TaskContext, Worker
+from orbit_sync.worker import Backoff, SessionEvent, TaskContext, Worker
 
 OTHER_TASK = "66666666666666666666666666666666"
 OTHER_ATTEMPT = "77777777777777777777777777777777"
@@ -104,6 +104,25 @@ def _first_session(server: ScriptedServer, handlers: _Handlers) -> Peer:
     return peer
 
 
+@contextlib.contextmanager
+def _cut_on_fake_clock(seconds: float) -> Iterator[tuple[ScriptedServer, _Handlers]]:
+    """A Worker on a fake clock whose first session (one running attempt) is cut; yields once it
+    waits to reconnect and the clock has moved *seconds*, the only wait let pass on it."""
+    clock = FakeClock()
+    cut = threading.Event()
+
+    class Cut:
+        def disconnected(self, event: object) -> None:
+            cut.set()
+
+    with _scripted(clock=clock, listeners=[Cut()]) as (server, _, handlers):
+        _first_session(server, handlers).close()
+        assert cut.wait(WAIT)
+        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+        clock.advance(seconds)
+        yield server, handlers
+
+
 def _reconnected(server: ScriptedServer, epoch: str) -> tuple[Peer, dict[str, Any]]:
     """The next connection, welcomed; return it and its first request (the resume)."""
     peer = server.accept()
@@ -151,12 +170,25 @@ def test_first_report_follows_resumes_unanswered_and_lease_lost_still_cancels(
     assert handlers.runs == {ATTEMPT_ID: 1, OTHER_ATTEMPT: 1}
 
 
-def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again(
-    scripted: tuple[ScriptedServer, Worker, _Handlers],
-) -> None:
+def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again() -> None:
     """A resume answered RATE_LIMITED after the report went out is re-sent on the same
     connection; cut before its answer, it is sent again on the next one, and then holds."""
-    server, worker, handlers = scripted
+    sessions: queue.Queue[bool] = queue.Queue()
+
+    class Sessions:
+        def connected(self, event: SessionEvent) -> None:
+            sessions.put(event.reconnect)
+
+    with _scripted(listeners=[Sessions()]) as (server, worker, handlers):
+        _resume_retried_then_cut(server, worker, handlers)
+    # The session cut during its resumes was never established: one reconnect, not two (read
+    # once the worker said so: the counter moves after the last answer the test sent).
+    assert [sessions.get(timeout=WAIT), sessions.get(timeout=WAIT)] == [False, True]
+    assert worker.stats().reconnects == 1
+
+
+def _resume_retried_then_cut(server: ScriptedServer, worker: Worker, handlers: _Handlers) -> None:
+    """The script of the test above, up to the resumed attempt's finish."""
     _first_session(server, handlers).close()
     peer, resume = _reconnected(server, "2")
     report = peer.recv()
@@ -177,27 +209,13 @@ def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again(
     assert finishes[ATTEMPT_ID]["outcome"] == "SUCCEEDED"
     assert handlers.reasons[ATTEMPT_ID] is None, "the lease held: never cancelled"
     assert handlers.runs == {ATTEMPT_ID: 1}
-    # The session cut during its resumes was never established: one reconnect, not two.
-    assert worker.stats().reconnects == 1
 
 
 def test_an_assignment_read_before_the_connection_is_published_starts_once_it_is() -> None:
     """An assignment read while the resumes are unanswered (the connection not yet published)
     sends its start once they are: it waits for the connection, not for a retry delay on the
     worker's clock, which never moves here."""
-    clock = FakeClock()
-    cut = threading.Event()
-
-    class Cut:
-        def disconnected(self, event: object) -> None:
-            cut.set()
-
-    with _scripted(clock=clock, listeners=[Cut()]) as (server, _, handlers):
-        _first_session(server, handlers).close()
-        # The reconnect's backoff is the only wait let pass on the worker's clock.
-        assert cut.wait(WAIT)
-        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
-        clock.advance(1.0)
+    with _cut_on_fake_clock(1.0) as (server, handlers):
         peer, resume = _reconnected(server, "2")
         report = peer.recv()
         assert report["type"] == "worker.capacity"
@@ -215,3 +233,24 @@ def test_an_assignment_read_before_the_connection_is_published_starts_once_it_is
         finishes = _answer_until_finished(peer, {ATTEMPT_ID, OTHER_ATTEMPT})
         assert finishes[OTHER_ATTEMPT]["outcome"] == "SUCCEEDED"
         assert handlers.runs == {ATTEMPT_ID: 1, OTHER_ATTEMPT: 1}
+
+
+def test_a_lease_that_ran_a_quarter_of_its_window_is_renewed_once_reconnected() -> None:
+    """A lease past a quarter of its window when the worker comes back is renewed on the new
+    connection as soon as it is published, not at its half-way point, which the worker's clock
+    (moved only by the test) never reaches."""
+    # A 30 s lease, renewal due after ~15 s; the reconnect took 10 s: past a quarter of it.
+    with _cut_on_fake_clock(10.0) as (server, handlers):
+        peer, resume = _reconnected(server, "2")
+        report = peer.recv()
+        assert report["type"] == "worker.capacity"
+        peer.ack(resume, lease_body(window=20.0))  # the lease as it stands, 20 s left
+        peer.ack(report, welcome_body(epoch="2"))
+        renew = peer.recv()
+        assert renew["type"] == "task.renew", "renewed on this connection, at once"
+        assert renew["body"]["attempt_id"] == ATTEMPT_ID
+        peer.ack(renew, command_body("renew"))
+        handlers.release.set()
+        finishes = _answer_until_finished(peer, {ATTEMPT_ID})
+        assert finishes[ATTEMPT_ID]["outcome"] == "SUCCEEDED"
+        assert handlers.reasons[ATTEMPT_ID] is None and handlers.runs == {ATTEMPT_ID: 1}
