@@ -4,9 +4,7 @@ renew is sent at once."""
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from _scripted import (
@@ -23,6 +21,7 @@ from test_worker_session_setup import (
     OTHER_ATTEMPT,
     OTHER_TASK,
     _first_session,
+    _on_still_time,
     _reconnected,
     _scripted,
 )
@@ -55,27 +54,6 @@ def _sent_again(
     assert again["type"] == sent["type"]
     assert again["message_id"] == sent["message_id"] and again["body"] == sent["body"]
     return peer, again
-
-
-@contextlib.contextmanager
-def _on_still_time() -> Iterator[tuple[ScriptedServer, Worker, Any, FakeClock, Callable[[], None]]]:
-    """:func:`_scripted` on a worker clock only the test moves; also yields what, after a cut,
-    lets the reconnect's backoff pass."""
-    clock = FakeClock()
-    cut = threading.Event()
-
-    class Cut:
-        def disconnected(self, event: object) -> None:
-            cut.set()
-
-    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
-
-        def backoff() -> None:
-            assert cut.wait(WAIT)
-            assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
-            clock.advance(1.0)
-
-        yield server, worker, handlers, clock, backoff
 
 
 def _renew_due(peer: Peer, clock: FakeClock) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -105,9 +105,12 @@ def _first_session(server: ScriptedServer, handlers: _Handlers) -> Peer:
 
 
 @contextlib.contextmanager
-def _cut_on_fake_clock(seconds: float) -> Iterator[tuple[ScriptedServer, _Handlers]]:
-    """A Worker on a fake clock whose first session (one running attempt) is cut; yields once it
-    waits to reconnect and the clock has moved *seconds*, the only wait let pass on it."""
+def _on_still_time(
+    seconds: float = 1.0,
+) -> Iterator[tuple[ScriptedServer, Worker, _Handlers, FakeClock, Callable[[], None]]]:
+    """:func:`_scripted` on a worker clock only the test moves; also yields what, after a cut,
+    lets the reconnect's wait pass: once the worker waits to reconnect, the clock moves
+    *seconds*."""
     clock = FakeClock()
     cut = threading.Event()
 
@@ -115,11 +118,23 @@ def _cut_on_fake_clock(seconds: float) -> Iterator[tuple[ScriptedServer, _Handle
         def disconnected(self, event: object) -> None:
             cut.set()
 
-    with _scripted(clock=clock, listeners=[Cut()]) as (server, _, handlers):
+    with _scripted(clock=clock, listeners=[Cut()]) as (server, worker, handlers):
+
+        def backoff() -> None:
+            assert cut.wait(WAIT)
+            assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
+            clock.advance(seconds)
+
+        yield server, worker, handlers, clock, backoff
+
+
+@contextlib.contextmanager
+def _cut_on_fake_clock(seconds: float) -> Iterator[tuple[ScriptedServer, _Handlers]]:
+    """A Worker on a fake clock whose first session (one running attempt) is cut; yields once it
+    waits to reconnect and the clock has moved *seconds*, the only wait let pass on it."""
+    with _on_still_time(seconds) as (server, _, handlers, _clock, backoff):
         _first_session(server, handlers).close()
-        assert cut.wait(WAIT)
-        assert clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=WAIT)
-        clock.advance(seconds)
+        backoff()
         yield server, handlers
 
 
