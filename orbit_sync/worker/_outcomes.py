@@ -286,13 +286,15 @@ def not_run(*, cancel_requested: bool, reason: str | None) -> Verdict:
     return Verdict(Outcome.FAILED, {"error": code, "ran": False}, code, True, ran=False)
 
 
+def _unknown(code: str, message: str) -> Verdict:
+    """An ``UNKNOWN`` finish with its error *code*: whether the handler's effect happened is not
+    known (the server keeps the attempt for review or retries it per its policy)."""
+    return Verdict(Outcome.UNKNOWN, {"error": code, "message": message}, code)
+
+
 def abandoned() -> Verdict:
     """The finish for a handler that did not return by the end of shutdown's grace."""
-    return Verdict(
-        Outcome.UNKNOWN,
-        {"error": SHUTDOWN_TIMEOUT, "message": "handler still running at shutdown"},
-        SHUTDOWN_TIMEOUT,
-    )
+    return _unknown(SHUTDOWN_TIMEOUT, "handler still running at shutdown")
 
 
 #: A step of the worker itself failed (a bug) while the attempt was in its hands.
@@ -302,11 +304,7 @@ WORKER_ERROR = "WORKER_ERROR"
 def worker_error() -> Verdict:
     """The finish for an attempt whose processing hit an unexpected error in the worker: whether
     the handler's effect happened is not known, so it is ``UNKNOWN``, never dropped."""
-    return Verdict(
-        Outcome.UNKNOWN,
-        {"error": WORKER_ERROR, "message": "the worker failed while processing the attempt"},
-        WORKER_ERROR,
-    )
+    return _unknown(WORKER_ERROR, "the worker failed while processing the attempt")
 
 
 #: The outcome code of an attempt whose process stopped while its handler ran.
@@ -316,11 +314,7 @@ WORKER_LOST = "WORKER_LOST"
 def worker_lost() -> Verdict:
     """The finish the outbox replay sends for an attempt a dead process launched and never
     finished: whether its effect happened is not known."""
-    return Verdict(
-        Outcome.UNKNOWN,
-        {"error": WORKER_LOST, "message": "the worker process stopped while the handler ran"},
-        WORKER_LOST,
-    )
+    return _unknown(WORKER_LOST, "the worker process stopped while the handler ran")
 
 
 def stored(finish: Finish) -> Verdict:
