@@ -8,6 +8,10 @@ in modules of one concern each (see docs/architecture.md for the threads and the
 - :mod:`._renewals` / :mod:`._watchdog`: lease renewals; :mod:`._outbox` / :mod:`._replay`:
   the durable outbox; :mod:`._signals`: SIGTERM/SIGINT for :meth:`Worker.run`;
 - :mod:`._supervisor`: the bounded shutdown (its attempt phases in :mod:`._shutdown`).
+
+About 600 lines: the public class, whose docstrings (a fifth of it) are what a user reads, wires
+the modules above together and keeps only what the public methods need: registration, options,
+listeners, the lifecycle and stats.
 """
 
 from __future__ import annotations
