@@ -360,11 +360,17 @@ def _our_noop_run(servers: Servers, tasks: int, frames: bool) -> dict[str, Any]:
         ours = run_noop(server, info, tasks, 600, frames=frames)
     finally:
         servers.done(server)
-    if not ours["ok"]:
-        raise RuntimeError(f"our worker finished {ours['tasks']} of {tasks} tasks")
-    ours["per_task"] = ours["cpu"] / tasks
-    ours["per_s"] = tasks / ours["wall"]
-    return ours
+    return _figures(ours, tasks, "our worker")
+
+
+def _figures(run: dict[str, Any], tasks: int, name: str) -> dict[str, Any]:
+    """Check that *run* finished its *tasks*; add its CPU per task and tasks per second."""
+    if not run["ok"]:
+        done = f" ({run['tasks']} done)" if "tasks" in run else ""
+        raise RuntimeError(f"{name} did not finish {tasks} tasks{done}")
+    run["per_task"] = run["cpu"] / tasks
+    run["per_s"] = tasks / run["wall"]
+    return run
 
 
 def _median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -392,22 +398,14 @@ def bench_worker(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> li
     with driver.redis_server() as url:
         for _ in range(WORKER_ROUNDS):
             mine.append(_our_noop_run(servers, tasks, frames=False))
-            noop = driver.dramatiq(url, tasks, "noop")
-            if not noop["ok"]:
-                raise RuntimeError(f"Dramatiq no-op did not finish {tasks} tasks")
-            noop["per_task"] = noop["cpu"] / tasks
-            noops.append(noop)
-        peers["Dramatiq INCR"] = driver.dramatiq(url, tasks, "incr")
+            noops.append(_figures(driver.dramatiq(url, tasks, "noop"), tasks, "Dramatiq no-op"))
+        incr = driver.dramatiq(url, tasks, "incr")
+        peers["Dramatiq INCR"] = _figures(incr, tasks, "Dramatiq INCR")
         peers["Dramatiq no-op"] = _median_run(noops)
-        peers["Celery no-op"] = driver.celery(url, tasks)
+        peers["Celery no-op"] = _figures(driver.celery(url, tasks), tasks, "Celery no-op")
     ours = _median_run(mine)
     ours["rounds"] = [r["per_task"] for r in mine]
     out["worker"] = ours
-    for name, p in peers.items():
-        if not p["ok"]:
-            raise RuntimeError(f"{name} did not finish {tasks} tasks")
-        p["per_task"] = p["cpu"] / tasks
-        p["per_s"] = tasks / p["wall"]
     peers["Dramatiq no-op"]["rounds"] = [p["per_task"] for p in noops]
     out["peers"] = peers
     for name, p in peers.items():
