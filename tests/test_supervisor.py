@@ -275,7 +275,8 @@ def test_recycling_starts_the_replacement_before_the_old_child_exits(
     os.mkfifo(fifo)
     gated = orbit_server.enqueue("gate", {"n": 0, "fifo": str(fifo)})
     assert proc.line().startswith("started ")
-    for n in range(3):
+    # The gate is the first task started, these two the second and third.
+    for n in range(2):
         orbit_server.wait_for(orbit_server.enqueue("echo", {"n": n}), {"SUCCEEDED"}, 15)
     # The old child is draining (its gate still runs) and a new one serves the queue.
     orbit_server.wait_until(lambda s: _serving(s) not in ([], [first]), 30)
@@ -304,8 +305,8 @@ def test_metrics_of_every_child_are_summed_on_one_port(
     proc = start(procs, orbit_server, project, *argv)
     port = port_line(proc, "metrics")
     serving(orbit_server, 2)
-    # A child runs at most 4 + 2 in flight: two children cannot run 13 tasks, so some recycled
-    # child ran a part of them.
+    # A child starts at most 4 tasks plus one already starting beside the 4th (capacity 2):
+    # two children cannot run 13 tasks, so some replacement child ran a part of them.
     ids = [
         orbit_server.enqueue("echo", {"n": n}, backoff_initial=0.05, max_attempts=10)
         for n in range(13)

@@ -25,7 +25,7 @@ from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, 
 from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
 from orbit_sync.testing import FakeClock
-from orbit_sync.worker import AttemptFinished
+from orbit_sync.worker import AttemptEvent, AttemptFinished
 
 
 def test_worst_status_prefers_the_ones_restarting_cannot_fix() -> None:
@@ -150,16 +150,37 @@ def finished() -> AttemptFinished:
     )
 
 
-def test_task_limit_fires_once_at_the_kth_attempt() -> None:
-    """--max-tasks-per-child 3: the third attempt triggers, later ones do not again."""
+def started() -> AttemptEvent:
+    """An attempt-started event (its fields do not matter to the limits)."""
+    return AttemptEvent(
+        task_id="b" * 32, attempt_id="a" * 32, handler="h", attempt=1, max_attempts=3
+    )
+
+
+def test_task_limit_fires_once_at_the_kth_start() -> None:
+    """--max-tasks-per-child 3: the third attempt to start triggers, later ones do not again;
+    finishes are not counted (their acknowledgements may come back late)."""
     reasons: list[str] = []
     limits = RecycleLimits(max_tasks=3, max_memory_mb=None, on_limit=reasons.append)
     for _ in range(2):
+        limits.attempt_started(started())
+    for _ in range(5):
         limits.attempt_finished(finished())
     assert reasons == []
     for _ in range(3):
-        limits.attempt_finished(finished())
+        limits.attempt_started(started())
     assert reasons == ["3 tasks (--max-tasks-per-child 3)"]
+
+
+def test_the_first_limit_reached_is_the_only_one_reported() -> None:
+    """A memory limit after the task limit fired (or the other way round) is not reported again."""
+    reasons: list[str] = []
+    limits = RecycleLimits(
+        max_tasks=1, max_memory_mb=1, on_limit=reasons.append, rss=lambda: 2 * 1024 * 1024
+    )
+    limits.attempt_started(started())
+    limits.attempt_finished(finished())
+    assert reasons == ["1 tasks (--max-tasks-per-child 1)"]
 
 
 def test_memory_limit_is_checked_after_each_attempt() -> None:

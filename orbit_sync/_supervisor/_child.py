@@ -31,7 +31,14 @@ import threading
 from typing import Any
 
 from ..contrib.health import HealthProbe
-from ..worker import AttemptFinished, DrainEvent, SessionEvent, ShutdownReport, WorkerListener
+from ..worker import (
+    AttemptEvent,
+    AttemptFinished,
+    DrainEvent,
+    SessionEvent,
+    ShutdownReport,
+    WorkerListener,
+)
 from ..worker._memory import rss_bytes
 from ._wire import DRAIN, ENV, STATE_INTERVAL, STOP_NOW, ChildSettings, encode
 
@@ -56,8 +63,14 @@ def set_parent_death_signal(signum: int) -> bool:
 
 
 class RecycleLimits(WorkerListener):
-    """Counts finished attempts and checks RSS after each; calls *on_limit* once with the reason
-    when a limit is reached (``max_tasks`` attempts, or more than ``max_memory_mb`` of RSS)."""
+    """Calls *on_limit* once with the reason when a limit is reached: the ``max_tasks``-th
+    attempt started, or more than ``max_memory_mb`` of RSS after an attempt finished.
+
+    Tasks are counted as they start, not as their finish is answered: a child then runs at most
+    ``max_tasks`` handlers plus the ones already starting beside the last (fewer than its
+    capacity), however late the acknowledgements of its finishes come back. Counted at the
+    finish, a child whose acknowledgements lag would go on taking work past its limit.
+    """
 
     def __init__(
         self,
@@ -75,22 +88,27 @@ class RecycleLimits(WorkerListener):
         self._count = 0
         self._reached = False
 
-    def attempt_finished(self, event: AttemptFinished) -> None:
-        """One more attempt done: past a limit, recycle (once)."""
+    def attempt_started(self, event: AttemptEvent) -> None:
+        """One more handler about to run: the last one allowed, recycle (once)."""
+        if self._max_tasks is None:
+            return
         with self._lock:
             self._count += 1
-            if self._reached:
+            if self._count < self._max_tasks:
                 return
-            reason = None
-            if self._max_tasks is not None and self._count >= self._max_tasks:
-                reason = f"{self._count} tasks (--max-tasks-per-child {self._max_tasks})"
-            elif self._max_bytes is not None:
-                rss = self._rss()
-                if rss is not None and rss > self._max_bytes:
-                    reason = (
-                        f"RSS {rss / _MB:.0f} MB (--max-memory-per-child {self._max_bytes // _MB})"
-                    )
-            if reason is None:
+        self._limit(f"{self._max_tasks} tasks (--max-tasks-per-child {self._max_tasks})")
+
+    def attempt_finished(self, event: AttemptFinished) -> None:
+        """An attempt done: past the memory limit, recycle (once)."""
+        if self._max_bytes is None:
+            return
+        rss = self._rss()
+        if rss is not None and rss > self._max_bytes:
+            self._limit(f"RSS {rss / _MB:.0f} MB (--max-memory-per-child {self._max_bytes // _MB})")
+
+    def _limit(self, reason: str) -> None:
+        with self._lock:
+            if self._reached:
                 return
             self._reached = True
         self._on_limit(reason)
