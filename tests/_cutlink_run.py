@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             "cut_tasks_per_s": round(cutting, 1),
             "cut_seconds": round(cut.cut_seconds, 1),
             "longest_gap_s": round(cut.longest_gap, 1),
+            "longest_gap_from_s": round(cut.gap_at, 1),
             "settle_s": round(cut.settle_seconds, 1),
             "ratio": round(ratio, 3),
             "cuts": cut.cuts,
@@ -318,7 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             f"~{args.mean_cut} s ({cut.cuts} cuts, {cut.connections} connections): "
             f"{row['cut_tasks_per_s']} tasks/s vs {row['calm_tasks_per_s']} without cuts, "
             f"ratio {row['ratio']}; longest {row['longest_gap_s']} s without a finish while "
-            f"cutting ({row['cut_seconds']} s), {settled(cut)}; "
+            f"cutting (from {row['longest_gap_from_s']} s of {row['cut_seconds']} s), "
+            f"{settled(cut)}; "
             f"{cut.attempts} attempts ({cut.expired} expired unstarted); "
             f"states {cut.states}"
             + (f"; VIOLATIONS {row['violations']}" if row["violations"] else "")
