@@ -14,7 +14,9 @@ Sections:
   the same server, 1 thread, and 32 threads (one connection) against 32 raw sockets; with 1
   thread taking turns call by call (the target's figure: each side then finds the machine's CPU
   idle states and thread placement as the other left them), in turns of 50 calls, and in
-  alternating halves of the run (a back-to-back loop on one thread keeps a core warm);
+  alternating halves of the run (a back-to-back loop on one thread keeps a core warm); and once
+  more in turns with the client's threads on one CPU and the server's on another ("placed",
+  Linux with 2+ CPUs), which takes the cost of waking a thread on a halted CPU out of both sides;
 - worker: CPU per task, tasks/s and peak RSS draining no-op tasks with ``Worker(capacity=32)``,
   against Dramatiq 2 (``-p 1 -t 32``; pure no-op, the target's figure, and one Redis INCR per
   task) and Celery 5 (``--pool threads -c 32``, ``acks_late``) in the same run; ours and
@@ -295,6 +297,27 @@ def _p50_ratio(sides: dict[str, Any]) -> float:
     return float(sides["ours"]["p50"] / base) if base else float("nan")
 
 
+def _placed_rows(placed: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The 1-thread turns with the client on one CPU and the server on another (Linux, 2+ CPUs):
+    the same code and target, without the machine's cost of waking threads on idle CPUs."""
+    if placed is None:
+        return []
+    note = "client threads on one CPU, server on another; sides taking turns per call"
+    return [
+        row(
+            "renew p50, 1 thread vs raw, placed",
+            placed["ours"]["p50"],
+            placed["base"]["p50"],
+            "us",
+            target=1.4,
+            note=note,
+        ),
+        row(
+            "renew p99, 1 thread vs raw, placed", placed["ours"]["p99"], placed["base"]["p99"], "us"
+        ),
+    ]
+
+
 def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
     server, info = servers.open(lease=60.0)
     try:
@@ -326,6 +349,7 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
             turns["base"]["p99"],
             "us",
         ),
+        *_placed_rows(r.get("one_placed")),
         row(
             f"renew p50, {n} threads vs {n} raw sockets",
             many["ours"]["p50"],
