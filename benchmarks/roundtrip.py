@@ -178,6 +178,24 @@ def _placed(server_pid: int) -> Iterator[bool]:
                 os.sched_setaffinity(tid, cpus)
 
 
+@contextlib.contextmanager
+def _one_thread_pair(
+    url: str, token: str, queue_id: str
+) -> Iterator[tuple[Any, AttemptRef, RawSession, AttemptRef]]:
+    """A connection of ours and a raw session, each holding one started attempt to renew:
+    ``(conn, ref, raw, raw_ref)``. The connection's threads start on the calling thread's CPUs."""
+    raw = RawSession(url, token, queue_id, 1)
+    try:
+        raw_ref = raw.attempts(1)[0]
+        with Client(url, token).dial_worker(_registration(queue_id, 1)) as conn:
+            conn.capacity(CapacityReport(sequence=1, capacity=1))
+            ref = conn.next_assignment(timeout=10).attempt
+            conn.start(ref)
+            yield conn, ref, raw, raw_ref
+    finally:
+        raw.close()
+
+
 def _turns(
     conn: Any, ref: AttemptRef, raw: RawSession, raw_ref: AttemptRef, rounds: int
 ) -> dict[str, Any]:
@@ -198,19 +216,14 @@ def _summary(samples: list[float], wall: float | None = None) -> dict[str, float
 
 
 def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> dict[str, Any]:
-    """Both comparisons; each side measured in alternating halves to share the machine's drift."""
+    """The 1-thread comparisons (in halves, in turns per call, in blocks, and in turns with the
+    threads placed on CPUs) and the 32-thread one."""
     url, token, queue_id = info["url"], info["token"], info["queue_id"]
     server.send({"op": "enqueue", "n": 4 + threads * 2, "handler": HANDLER})
     results: dict[str, Any] = {}
 
     # --- 1 thread
-    registration = _registration(queue_id, 1)
-    raw = RawSession(url, token, queue_id, 1)
-    raw_ref = raw.attempts(1)[0]
-    with Client(url, token).dial_worker(registration) as conn:
-        conn.capacity(CapacityReport(sequence=1, capacity=1))
-        ref = conn.next_assignment(timeout=10).attempt
-        conn.start(ref)
+    with _one_thread_pair(url, token, queue_id) as (conn, ref, raw, raw_ref):
         ours: list[float] = []
         base: list[float] = []
         half = max(1, rounds // 2)
@@ -226,7 +239,6 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
         for _ in range(max(1, rounds // BLOCK)):
             block_ours += _timed(lambda: conn.renew(ref), BLOCK)
             block_base += _raw_loop(raw, raw.renew_frames(raw_ref, BLOCK))
-    raw.close()
     results["one"] = {"ours": _summary(ours), "base": _summary(base)}
     results["one_blocks"] = {"ours": _summary(block_ours), "base": _summary(block_base)}
 
@@ -236,14 +248,8 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
     # for its reader and its caller and by the raw loop once).
     with _placed(server.proc.pid) as placed:
         if placed:  # the connection's threads start here, on the pinned CPU
-            raw = RawSession(url, token, queue_id, 1)
-            raw_ref = raw.attempts(1)[0]
-            with Client(url, token).dial_worker(_registration(queue_id, 1)) as conn:
-                conn.capacity(CapacityReport(sequence=1, capacity=1))
-                ref = conn.next_assignment(timeout=10).attempt
-                conn.start(ref)
+            with _one_thread_pair(url, token, queue_id) as (conn, ref, raw, raw_ref):
                 results["one_placed"] = _turns(conn, ref, raw, raw_ref, rounds)
-            raw.close()
 
     # --- 32 threads: one connection vs one raw socket per thread
     assigned: list[AttemptRef] = []

@@ -297,24 +297,20 @@ def _p50_ratio(sides: dict[str, Any]) -> float:
     return float(sides["ours"]["p50"] / base) if base else float("nan")
 
 
-def _placed_rows(placed: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """The 1-thread turns with the client on one CPU and the server on another (Linux, 2+ CPUs):
-    the same code and target, without the machine's cost of waking threads on idle CPUs."""
-    if placed is None:
-        return []
-    note = "client threads on one CPU, server on another; sides taking turns per call"
+def _p50_p99_rows(
+    label: str, sides: dict[str, Any], *, target: float | None = None, note: str = ""
+) -> list[dict[str, Any]]:
+    """The p50 row (with *target* and *note*) and the p99 row of one comparison."""
     return [
         row(
-            "renew p50, 1 thread vs raw, placed",
-            placed["ours"]["p50"],
-            placed["base"]["p50"],
+            f"renew p50, {label}",
+            sides["ours"]["p50"],
+            sides["base"]["p50"],
             "us",
-            target=1.4,
+            target=target,
             note=note,
         ),
-        row(
-            "renew p99, 1 thread vs raw, placed", placed["ours"]["p99"], placed["base"]["p99"], "us"
-        ),
+        row(f"renew p99, {label}", sides["ours"]["p99"], sides["base"]["p99"], "us"),
     ]
 
 
@@ -328,40 +324,33 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
     one, turns, many = r["one"], r["one_mixed"], r["many"]
     n = many["threads"]
     halves, in_blocks = (_p50_ratio(one), _p50_ratio(r["one_blocks"]))
+    # Placed: the client on one CPU and the server on another (Linux, 2+ CPUs), the same code
+    # and target without the machine's cost of waking threads on idle CPUs.
+    placed = r.get("one_placed")
     return [
         # The two sides take turns call by call: each sample of one side finds the machine (CPU
         # idle states, thread placement) as the other left it. Measured in halves of the run, a
         # raw loop running back to back keeps a core warm and the ratio mostly measures that.
-        row(
-            "renew p50, 1 thread vs raw round trip",
-            turns["ours"]["p50"],
-            turns["base"]["p50"],
-            "us",
+        *_p50_p99_rows(
+            "1 thread vs raw round trip",
+            turns,
             target=1.4,
             note=(
                 f"sides taking turns per call; in turns of {roundtrip.BLOCK} calls: "
                 f"{in_blocks:.2f}x; in halves of the run: {halves:.2f}x"
             ),
         ),
-        row(
-            "renew p99, 1 thread vs raw round trip",
-            turns["ours"]["p99"],
-            turns["base"]["p99"],
-            "us",
+        *(
+            _p50_p99_rows(
+                "1 thread vs raw, placed",
+                placed,
+                target=1.4,
+                note="client threads on one CPU, server on another; sides taking turns per call",
+            )
+            if placed is not None
+            else []
         ),
-        *_placed_rows(r.get("one_placed")),
-        row(
-            f"renew p50, {n} threads vs {n} raw sockets",
-            many["ours"]["p50"],
-            many["base"]["p50"],
-            "us",
-        ),
-        row(
-            f"renew p99, {n} threads vs {n} raw sockets",
-            many["ours"]["p99"],
-            many["base"]["p99"],
-            "us",
-        ),
+        *_p50_p99_rows(f"{n} threads vs {n} raw sockets", many),
         row(
             f"renews/s, {n} threads vs {n} raw sockets",
             many["ours"]["per_s"],
