@@ -1,6 +1,6 @@
 """A reconnect in the middle of an attempt, against a scripted server: every held attempt is
-resumed first, then its kept start or finish goes out with its message_id, or its unanswered
-renew is sent at once."""
+resumed first; its kept start or finish goes out right behind the resume with its message_id,
+its unanswered renew once the resume is answered."""
 
 from __future__ import annotations
 
@@ -27,30 +27,33 @@ from test_worker_session_setup import (
 )
 
 from orbit_sync.testing import FakeClock
-from orbit_sync.worker import Worker
 
 
 def _sent_again(
     server: ScriptedServer,
     peer: Peer,
     sent: dict[str, Any],
-    worker: Worker,
     backoff: Callable[[], None] = lambda: None,
 ) -> tuple[Peer, dict[str, Any]]:
     """Cut *peer* before *sent* is answered and welcome the next connection (after *backoff*);
-    answer its report and, once nothing else of the attempt may go out, its resume; return the
-    new connection and the request that follows: *sent* again, same message_id."""
+    answer its report and its resume; return the new connection and *sent* sent again on it,
+    same message_id. A start or finish goes out right behind the resume, before the report and
+    before any answer; a renew once the resume's answer says the lease holds."""
     peer.close()
     backoff()
     peer, resume = _reconnected(server, "2")
-    report = peer.recv()
-    assert report["type"] == "worker.capacity"
-    peer.ack(report, welcome_body(epoch="2"))
-    # Only resumes may use a connection before it is published, and it is published once
-    # every resume is over.
-    assert worker._link.current() is None
-    peer.ack(resume, lease_body())
-    again: dict[str, Any] = peer.recv()
+    if sent["type"] == "task.renew":
+        report = peer.recv()
+        assert report["type"] == "worker.capacity"
+        peer.ack(report, welcome_body(epoch="2"))
+        peer.ack(resume, lease_body())
+        again: dict[str, Any] = peer.recv()
+    else:
+        again = peer.recv()  # nothing was answered on this connection yet
+        report = peer.recv()
+        assert report["type"] == "worker.capacity", "the report follows the re-send"
+        peer.ack(resume, lease_body())
+        peer.ack(report, welcome_body(epoch="2"))
     assert again["type"] == sent["type"]
     assert again["message_id"] == sent["message_id"] and again["body"] == sent["body"]
     return peer, again
@@ -75,7 +78,7 @@ def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() 
         handlers.release.set()
         finish = peer.recv()
         assert finish["type"] == "task.finish"
-        peer, again = _sent_again(server, peer, finish, worker)
+        peer, again = _sent_again(server, peer, finish)
         done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
         peer.ack(again, {**done, "deduplicated": True})
         assert worker.wait_ready(WAIT)
@@ -87,7 +90,7 @@ def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() 
 def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None:
     """The connection drops before the start is answered: the attempt is resumed first, then
     the same start (same message_id) is re-sent; its answer runs the handler, once."""
-    with _scripted() as (server, worker, handlers):
+    with _scripted() as (server, _worker, handlers):
         peer = server.accept()
         peer.handshake()
         report = peer.recv()
@@ -95,7 +98,7 @@ def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None
         peer.push("task.assign", assignment_body())
         start = peer.recv()
         assert start["type"] == "task.start"
-        peer, again = _sent_again(server, peer, start, worker)
+        peer, again = _sent_again(server, peer, start)
         peer.ack(again, command_body("start", deduplicated=True))
         assert handlers.started.get(timeout=WAIT) == ATTEMPT_ID
         handlers.release.set()
@@ -110,7 +113,7 @@ def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
     with _on_still_time() as (server, worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
         renew = _renew_due(peer, clock)
-        peer, again = _sent_again(server, peer, renew, worker, backoff)
+        peer, again = _sent_again(server, peer, renew, backoff)
         peer.ack(again, command_body("renew"))
         handlers.release.set()
         finish = peer.recv()
@@ -121,12 +124,12 @@ def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
     assert worker.stats().lease_losses == 0
 
 
-def test_two_held_attempts_send_their_renew_and_finish_once_every_resume_is_over() -> None:
-    """Two held attempts, one running with a renew left unanswered, one finishing: the
-    connection is not published while a resume is unanswered; once both are over, the renew
-    (same message_id, on a worker clock that never reaches a retry delay) and the kept finish
-    (same message_id) go out."""
-    with _on_still_time() as (server, worker, handlers, clock, backoff):
+def test_two_held_attempts_resend_the_finish_at_once_and_the_renew_once_resumed() -> None:
+    """Two held attempts, one running with a renew left unanswered, one finishing: the kept
+    finish (same message_id) goes out right behind the two resumes, before the report and
+    before any answer; the renew (same message_id, on a worker clock that never reaches a
+    retry delay) once every resume is over."""
+    with _on_still_time() as (server, _worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
         peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
         start = peer.recv()
@@ -138,20 +141,23 @@ def test_two_held_attempts_send_their_renew_and_finish_once_every_resume_is_over
         backoff()
         peer = server.accept()
         peer.handshake(epoch="2")
-        frames = [peer.recv(), peer.recv(), peer.recv()]
-        assert [f["type"] for f in frames] == ["worker.resume", "worker.resume", "worker.capacity"]
+        frames = [peer.recv(), peer.recv(), peer.recv(), peer.recv()]
+        assert [f["type"] for f in frames] == [
+            "worker.resume",
+            "worker.resume",
+            "task.finish",
+            "worker.capacity",
+        ]
+        assert frames[2]["message_id"] == finish["message_id"]
         resumes = {f["body"]["attempt_id"]: f for f in frames[:2]}
-        peer.ack(frames[2], welcome_body(epoch="2"))
         peer.ack(resumes[ATTEMPT_ID], lease_body())
-        assert worker._link.current() is None, "published only once every resume is over"
-        peer.ack(resumes[OTHER_ATTEMPT], lease_body())
-        sent = {f["type"]: f for f in (peer.recv(), peer.recv())}
-        assert sent.keys() == {"task.renew", "task.finish"}
-        assert sent["task.renew"]["message_id"] == renew["message_id"]
-        assert sent["task.finish"]["message_id"] == finish["message_id"]
         done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
-        peer.ack(sent["task.finish"], done)
-        peer.ack(sent["task.renew"], command_body("renew"))
+        peer.ack(frames[2], done)
+        peer.ack(frames[3], welcome_body(epoch="2"))
+        peer.ack(resumes[OTHER_ATTEMPT], lease_body())
+        again = peer.recv()
+        assert again["type"] == "task.renew" and again["message_id"] == renew["message_id"]
+        peer.ack(again, command_body("renew"))
         handlers.release.set()
         last = peer.recv()
         assert last["type"] == "task.finish" and last["body"]["ref"]["attempt_id"] == ATTEMPT_ID

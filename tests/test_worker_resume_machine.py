@@ -311,7 +311,8 @@ def test_an_opened_connection_carries_resumes_only_until_published() -> None:
 
 
 def test_resumes_count_what_went_out_and_what_is_over() -> None:
-    """The report waits for every resume to go out, the publishing for every one to be over;
+    """The publishing and the report wait for every resume to go out, the session for every
+    one to be over;
     an answer counts as gone out; a new connection forgets the older one's."""
     wakes: list[None] = []
     resumes: Resumes[str] = Resumes(lambda: wakes.append(None))
@@ -335,10 +336,10 @@ def test_resumes_count_what_went_out_and_what_is_over() -> None:
     assert [s for s, _ in resumes.take()] == ["att"] and resumes.take() == [] and wakes
 
 
-def test_a_renew_the_resume_asks_for_waits_for_the_publishing() -> None:
+def test_a_renew_the_resume_asks_for_waits_for_every_resume_to_be_over() -> None:
     """A lease refreshed by its resume with a renew left unanswered is renewed (same
-    message_id) once the connection is published, not before: sent while the connection is
-    not yet published, the renewal would find none and wait out its retry delay."""
+    message_id) by the connection thread once every resume is over, not from the reader that
+    delivered the answer."""
     clock = FakeClock()
     sent: list[str] = []
 
@@ -372,7 +373,7 @@ def test_a_renew_the_resume_asks_for_waits_for_the_publishing() -> None:
     assert watchdog.renewal_pending(att.id)
     assert shell.lease_actions(att, [RefreshLease(clock.now() + 30.0, renew_now=True)]) == []
     watchdog.run_due()
-    assert sent == [first], "not renewed before the connection is published"
-    shell.published()
+    assert sent == [first], "not renewed before every resume is over"
+    shell.resumes_over()
     watchdog.run_due()
-    assert sent == [first, first], "renewed at once once published, same message_id"
+    assert sent == [first, first], "renewed at once then, same message_id"

@@ -30,7 +30,7 @@ A new connection resumes every held attempt first (PROTOCOL §5.5), beside its p
       RUNNING: lease lets it run --> lease refreshed (renewed at once if a renew was unanswered)
                cancel requested ---> handler cancelled
                refused / lost -----> handler cancelled, lease reported lost
-      STARTING, FINISHING: nothing; the kept start or finish goes out once published
+      STARTING, FINISHING: nothing; the kept start or finish goes out right behind the resume
       connection failed: the next connection resumes it; transient: re-sent after the delay
 
 The outbox replay feeds a dead process's stored attempts to the same machine, on a session of
@@ -122,7 +122,7 @@ class Request:
     @property
     def early(self) -> bool:
         """A resume: it may go out on a connection not yet published, since publishing waits
-        for it (every other request of the attempts waits for the publishing)."""
+        for it to go out (every other request of the attempts waits for the publishing)."""
         return self.request_type == "worker.resume"
 
 
@@ -529,7 +529,7 @@ class AttemptMachine:
         """A new connection is open (not yet published) while the worker holds the attempt:
         resume its lease there first (PROTOCOL §5.5). A start or finish kept for the new
         connection stays kept: it goes out, same ``message_id``, once the connection is
-        published, which waits for every resume to be over."""
+        published, which waits for every resume to go out (so it follows this one)."""
         if self.settled or self.phase is Phase.RESUMING:
             return []  # settled: nothing to resume; RESUMING: the replay's own session
         self.resume = Request("worker.resume", self.ref, self._new_id())

@@ -7,7 +7,8 @@ finish is pipelined; a request whose connection fails is kept by the link and re
 (:meth:`~._requests.RequestPath.resend_due`); a transient error answer is kept for its retry
 delay the same way. No thread waits for an answer. On a new connection, :meth:`resume_all` steps
 every held attempt's machine, which resumes its lease; the outcomes of those resumes are stepped
-by the connection thread (:mod:`._resumes`), which publishes the connection once all are over.
+by the connection thread (:mod:`._resumes`), which publishes the connection once all went out
+(the kept starts and finishes follow them on the wire).
 
 Threads: an assignment's start goes out from the connection's reader thread (``on_assignment``);
 answers are handled on the reader thread without blocking; the handler runs on a pool thread,
@@ -226,7 +227,7 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, RefreshLease):
                 self._watchdog.refresh(att.id, action.deadline)
                 if action.renew_now:
-                    self.resumes.renew_when_published(att.id)
+                    self.resumes.renew_once_over(att.id)
             elif isinstance(action, UntrackLease):
                 self._watchdog.untrack(att.id)
             elif isinstance(action, CancelContext):
@@ -481,10 +482,10 @@ class AttemptShell(RequestPath[Attempt]):
         for att in atts:
             self.step(att, lambda m: m.reconnected())
 
-    def published(self) -> None:
-        """The new connection is published: renew at once the leases whose renew the old
-        connection left unanswered (the resumes said so), and those past a quarter of their
-        window (:meth:`LeaseWatchdog.connected`)."""
+    def resumes_over(self) -> None:
+        """Every resume on the new (published) connection is over: renew at once the leases
+        whose renew the old connection left unanswered (the resumes said so), and those past a
+        quarter of their window (:meth:`LeaseWatchdog.connected`)."""
         for attempt_id in self.resumes.take_renewals():
             self._watchdog.kick(attempt_id)
         self._watchdog.connected()

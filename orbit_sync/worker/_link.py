@@ -1,15 +1,14 @@
 """The worker's current connection, shared by its threads, and what they need to know about it.
 
-The connection thread *opens* a new connection on the link (from then on the attempts' resumes,
-and only they, may use it), *publishes* it once it is reconciled (every live attempt's resume is
-over: now every request may use it), and *retracts* it when it breaks. A request that failed on
-connection number ``n`` is
-*kept* (:meth:`Link.keep`) until a connection newer than ``n`` is published (and, after a
-transient error answer, until its retry delay has passed); the connection thread then takes it
-(:meth:`Link.take_due`) and re-sends the same operation with the same ``message_id`` (PROTOCOL
-§7). No thread waits for that. Closing the link for good hands every kept request back to its
-closer, which gives them up: that is how shutdown bounds a finish waiting for a connection that
-never comes back.
+The connection thread *opens* a new connection on the link (from then on the attempts' resumes, and
+only they, may use it), *publishes* it once every live attempt's resume went out (now every request
+may use it, behind the resumes on the wire), and *retracts* it when it breaks. A request that failed
+on connection number ``n`` is *kept* (:meth:`Link.keep`) until a connection newer than ``n`` is
+published (and, after a transient error answer, until its retry delay has passed); the connection
+thread then takes it (:meth:`Link.take_due`) and re-sends the same operation with the same
+``message_id`` (PROTOCOL §7). No thread waits for that. Closing the link for good hands every kept
+request back to its closer, which gives them up: that is how shutdown bounds a finish waiting for a
+connection that never comes back.
 """
 
 from __future__ import annotations
@@ -169,7 +168,7 @@ class Link:
             return self._gen
 
     def publish(self, conn: Connection) -> int:
-        """Make *conn* current for every request (it is reconciled); return its generation
+        """Make *conn* current for every request (its resumes went out); return its generation
         number (the one :meth:`open` gave it, if it was opened)."""
         with self._cond:
             if conn is not self._conn:

@@ -10,8 +10,8 @@ published; a transient error answer is kept for its retry delay the same way; th
 drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer.
 
 A resume (:attr:`~._attempt.Request.early`) may go out on a connection the link has only
-opened, not yet published: publishing waits for the resumes, every other request for the
-publishing.
+opened, not yet published: publishing waits for the resumes to go out, every other request for
+the publishing (so each goes out behind its attempt's resume).
 
 Two drivers share it: the live worker's :class:`~._attempts.AttemptShell` (its connection
 thread drives the link) and the outbox replay's :class:`~._replay.ReplayShell` (its own thread,

@@ -1,13 +1,14 @@
 """The connection thread: dial, reconcile, resume, report capacity, serve, reconnect.
 
-:class:`SessionLoop` owns the ``orbit-worker-connection`` thread's work and the capacity
-reports. One session: open the connection on the link and let every held attempt's machine
-resume its lease there (:meth:`~._attempts.AttemptShell.resume_all`: the machines decide, the
-resumes take the one request path), send the first capacity report right behind them, step
-their outcomes until every one is over, publish the connection (handler requests may use it from
-then on; requests kept for a newer connection are re-sent first), then repeat the report before
-the session expires and re-send kept requests when they are due, until the connection ends. On
-loss, back off with jitter (:mod:`._backoff`) and start again with the same registration.
+:class:`SessionLoop` owns the ``orbit-worker-connection`` thread's work and the capacity reports.
+One session: open the connection on the link and let every held attempt's machine resume its lease
+there (:meth:`~._attempts.AttemptShell.resume_all`: the machines decide, the resumes take the one
+request path), publish the connection once they went out (handler requests may use it from then on;
+the starts and finishes kept for it go out first, right behind the resumes), send the first capacity
+report behind them, step the resumes' outcomes until every one is over (then renew what they asked
+for), then repeat the report before the session expires and re-send kept requests when they are due,
+until the connection ends. On loss, back off with jitter (:mod:`._backoff`) and start again with the
+same registration.
 
 Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
 that never spoke the protocol, stop the worker; an unexpected exception (a bug of ours) is
@@ -227,21 +228,15 @@ class SessionLoop:
         try:
             if self._link.is_closed():
                 return
-            # The first capacity report goes out right behind the resumes (the server answers a
-            # connection's frames in order), so a reconnect costs one round trip less; handler
-            # requests may use the connection once the resumes are over.
+            # Everything a reconnect must send goes out in one burst, without waiting for an
+            # answer: the resumes, then the starts and finishes kept for this connection, then
+            # the first capacity report (the server answers a connection's frames in order, so
+            # each resume is applied before its attempt's re-send, and every kept finish frees
+            # its slot before assignments are enabled). On a link that keeps cutting, each
+            # round trip a session must survive before it delivers a finish is lost work.
             gen = self._link.open(conn)
-            first = self._reconcile(conn)
-            with self._reg.cond:
-                # A reconnect is a session established (its resumes over) after an earlier one,
-                # not a dial. Counted before the connection is published, so whoever sees a
-                # request sent on it at the server (or waited for ready) reads the new count.
-                again = self._reg.counts["sessions"] > 0
-                self._reg.counts["sessions"] += 1
-                self._reg.counts["reconnects"] += again
-            self._link.publish(conn)
-            self._shell.published()  # renewals the old connection left unanswered
-            self._shell.resend_due()  # requests kept for a newer connection go out first
+            first, again = self._reconcile(conn)
+            self._shell.resumes_over()  # renewals the old connection left unanswered
             self._first_capacity(conn, first)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
@@ -318,29 +313,40 @@ class SessionLoop:
         """Wait before re-sending after a transient error (longer for our own busy gate)."""
         self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
 
-    def _reconcile(self, conn: Connection) -> _FirstReport:
-        """Resume every held attempt on *conn* (opened, not yet published), send the session's
-        first capacity report right behind the last resume without waiting for their answers
-        (PROTOCOL §5.5), and return once every resume is over.
+    def _reconcile(self, conn: Connection) -> tuple[_FirstReport, bool]:
+        """Resume every held attempt on *conn* (opened, not yet published); once every resume
+        went out, publish *conn* (the starts and finishes kept for it go out right behind the
+        resumes) and send the session's first capacity report, all without waiting for an
+        answer (PROTOCOL §5.5); return once every resume is over, with whether this session
+        is a reconnect.
 
         Each attempt's machine decides its resume and what its outcome means (the lease holds,
         is cancelled or lost; a transient answer is re-sent on this connection after the retry
         delay; a link failure ends the session, and the next connection resumes again). The
         resumes take the gate's request slots like every request of the attempts (the reserve
         keeps one for the report): past them a resume goes out when an answer frees a slot, so
-        reconnecting costs one round trip per that many attempts. The report follows the last
-        resume on the wire: the server handles a connection's frames in order, so every resume
-        is applied before assignments can start.
+        reconnecting costs one round trip per that many attempts. The re-sends and the report
+        follow the last resume on the wire: the server handles a connection's frames in order,
+        so every resume is applied before its attempt's re-send, and before assignments can
+        start.
         """
         with self._reg.cond:
             held = list(self._reg.attempts.values())
         resumes = self._shell.resumes
         self._shell.resume_all(held)
         self._drive_resumes(conn, resumes.all_sent)
+        self._link.publish(conn)
+        self._shell.resend_due()  # the kept starts and finishes, behind their resumes
         first = _FirstReport()
         self._submit_first_capacity(conn, first)
         self._drive_resumes(conn, resumes.all_over)
-        return first
+        with self._reg.cond:
+            # A reconnect is a session established (its resumes over) after an earlier one,
+            # not a dial. Counted before ready is set, so whoever waited for it reads the count.
+            again = self._reg.counts["sessions"] > 0
+            self._reg.counts["sessions"] += 1
+            self._reg.counts["reconnects"] += again
+        return first, again
 
     def _drive_resumes(self, conn: Connection, done: Callable[[], bool]) -> None:
         """Step the resumes' outcomes and re-send those due (a transient answer's retry) until
