@@ -38,7 +38,7 @@ if __name__ == "__main__":  # run from a checkout: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from orbit_sync.client import Client
-from orbit_sync.testing import CuttingLink, MockOrbitServer, RetrySafety
+from orbit_sync.testing import CuttingLink, MockOrbitServer, RetrySafety, TaskSnapshot
 from orbit_sync.worker import Backoff, TaskContext, Worker
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"})
@@ -73,6 +73,11 @@ class RunResult:
     longest_gap: float = 0.0
     #: When that longest time began (s from the start).
     gap_at: float = 0.0
+    #: Tasks not yet terminal when that longest time began.
+    gap_left: int = 0
+    #: The attempts of the task whose end closed it: (state, assigned, started or None) in s
+    #: from the start, to tell a link that carried nothing from a straggler's lost attempts.
+    gap_closer: list[tuple[str, float, float | None]] = dataclasses.field(default_factory=list)
     #: From the end of the cuts to the last task terminal (s); 0 when all ended during cuts.
     settle_seconds: float = 0.0
 
@@ -188,7 +193,7 @@ def run(
     attempts = [a for t in ids for a in snaps[t].attempts]
     # When each task ended, in seconds from the start (the server runs on the real clock).
     ends = sorted(
-        snaps[t].attempts[-1].finished_at.timestamp() - started_wall  # type: ignore[union-attr]
+        _ended(snaps[t]) - started_wall
         for t in ids
         if snaps[t].state.value in TERMINAL and snaps[t].attempts
     )
@@ -197,6 +202,11 @@ def run(
         cut_end = 0.0
     marks = [0.0, *[e for e in ends if e <= cut_end], cut_end]
     gap, gap_at = max(((b - a, a) for a, b in itertools.pairwise(marks)), default=(0.0, 0.0))
+    closer = min(
+        (t for t in ids if snaps[t].state.value in TERMINAL and snaps[t].attempts),
+        key=lambda t: abs(_ended(snaps[t]) - started_wall - (gap_at + gap)),
+        default=None,
+    )
     settle = max(0.0, ends[-1] - cut_end) if ends and cut_end < seconds else 0.0
     wrong = [
         t
@@ -220,7 +230,33 @@ def run(
         done_while_cutting=sum(1 for e in ends if e <= cut_end),
         longest_gap=gap if mean_cut is not None else 0.0,
         gap_at=gap_at,
+        gap_left=sum(1 for e in ends if e > gap_at) + (tasks - len(ends)),
+        gap_closer=[]
+        if closer is None
+        else [
+            (
+                a.state.value,
+                round(a.assigned_at.timestamp() - started_wall, 1),
+                None if a.started_at is None else round(a.started_at.timestamp() - started_wall, 1),
+            )
+            for a in snaps[closer].attempts
+        ],
         settle_seconds=settle,
+    )
+
+
+def _ended(task: TaskSnapshot) -> float:
+    """When a terminal task's last attempt ended (wall-clock seconds)."""
+    finished = task.attempts[-1].finished_at
+    assert finished is not None
+    return finished.timestamp()
+
+
+def _attempts(attempts: list[tuple[str, float, float | None]]) -> str:
+    """A task's attempts as ``STATE assigned[/started]`` in s from the start."""
+    return ", ".join(
+        f"{state} {assigned}" + ("" if started is None else f"/{started}")
+        for state, assigned, started in attempts
     )
 
 
@@ -302,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
             "cut_seconds": round(cut.cut_seconds, 1),
             "longest_gap_s": round(cut.longest_gap, 1),
             "longest_gap_from_s": round(cut.gap_at, 1),
+            "gap_left": cut.gap_left,
+            "gap_closer": cut.gap_closer,
             "settle_s": round(cut.settle_seconds, 1),
             "ratio": round(ratio, 3),
             "cuts": cut.cuts,
@@ -319,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             f"~{args.mean_cut} s ({cut.cuts} cuts, {cut.connections} connections): "
             f"{row['cut_tasks_per_s']} tasks/s vs {row['calm_tasks_per_s']} without cuts, "
             f"ratio {row['ratio']}; longest {row['longest_gap_s']} s without a finish while "
-            f"cutting (from {row['longest_gap_from_s']} s of {row['cut_seconds']} s), "
+            f"cutting (from {row['longest_gap_from_s']} s of {row['cut_seconds']} s, "
+            f"{cut.gap_left} tasks left then; the task ending it: {_attempts(cut.gap_closer)}), "
             f"{settled(cut)}; "
             f"{cut.attempts} attempts ({cut.expired} expired unstarted); "
             f"states {cut.states}"
