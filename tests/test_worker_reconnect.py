@@ -1,6 +1,6 @@
 """A reconnect in the middle of an attempt, against a scripted server: every held attempt is
-resumed first; its kept start or finish goes out right behind the resume with its message_id,
-its unanswered renew once the resume is answered."""
+resumed first; its kept start or finish, and its unanswered renew, go out right behind the
+resume with their message_id, before any answer."""
 
 from __future__ import annotations
 
@@ -37,23 +37,20 @@ def _sent_again(
 ) -> tuple[Peer, dict[str, Any]]:
     """Cut *peer* before *sent* is answered and welcome the next connection (after *backoff*);
     answer its report and its resume; return the new connection and *sent* sent again on it,
-    same message_id. A start or finish goes out right behind the resume, before the report and
-    before any answer; a renew once the resume's answer says the lease holds."""
+    same message_id. A start or finish goes out right behind the resume, then the report; a
+    renew right behind the resume too, beside the report (the watchdog's thread sends it), all
+    before any answer."""
     peer.close()
     backoff()
     peer, resume = _reconnected(server, "2")
+    first, second = peer.recv(), peer.recv()  # nothing was answered on this connection yet
     if sent["type"] == "task.renew":
-        report = peer.recv()
-        assert report["type"] == "worker.capacity"
-        peer.ack(report, welcome_body(epoch="2"))
-        peer.ack(resume, lease_body())
-        again: dict[str, Any] = peer.recv()
+        again, report = (first, second) if first["type"] == "task.renew" else (second, first)
     else:
-        again = peer.recv()  # nothing was answered on this connection yet
-        report = peer.recv()
-        assert report["type"] == "worker.capacity", "the report follows the re-send"
-        peer.ack(resume, lease_body())
-        peer.ack(report, welcome_body(epoch="2"))
+        again, report = first, second
+    assert report["type"] == "worker.capacity", "the report follows the re-send"
+    peer.ack(resume, lease_body())
+    peer.ack(report, welcome_body(epoch="2"))
     assert again["type"] == sent["type"]
     assert again["message_id"] == sent["message_id"] and again["body"] == sent["body"]
     return peer, again
@@ -107,9 +104,10 @@ def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None
         assert handlers.runs == {ATTEMPT_ID: 1}
 
 
-def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
-    """A renew lost with its connection is re-sent (same message_id) as soon as the resume
-    says the lease holds, not half a lease later: the worker's clock never reaches that."""
+def test_a_renew_left_unanswered_is_sent_again_right_behind_the_resume() -> None:
+    """A renew lost with its connection is re-sent (same message_id) right behind the resume,
+    before its answer, not after the retry delay or half a lease later: the worker's clock
+    never reaches those."""
     with _on_still_time() as (server, worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
         renew = _renew_due(peer, clock)
@@ -124,11 +122,11 @@ def test_a_renew_left_unanswered_is_sent_again_right_after_the_resume() -> None:
     assert worker.stats().lease_losses == 0
 
 
-def test_two_held_attempts_resend_the_finish_at_once_and_the_renew_once_resumed() -> None:
+def test_two_held_attempts_resend_their_finish_and_renew_behind_the_resumes() -> None:
     """Two held attempts, one running with a renew left unanswered, one finishing: the kept
-    finish (same message_id) goes out right behind the two resumes, before the report and
-    before any answer; the renew (same message_id, on a worker clock that never reaches a
-    retry delay) once every resume is over."""
+    finish (same message_id) goes out right behind the two resumes, then the report; the
+    renew (same message_id, on a worker clock that never reaches a retry delay) behind the
+    resumes too, beside the report; all before any answer."""
     with _on_still_time() as (server, _worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
         peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
@@ -141,22 +139,18 @@ def test_two_held_attempts_resend_the_finish_at_once_and_the_renew_once_resumed(
         backoff()
         peer = server.accept()
         peer.handshake(epoch="2")
-        frames = [peer.recv(), peer.recv(), peer.recv(), peer.recv()]
-        assert [f["type"] for f in frames] == [
-            "worker.resume",
-            "worker.resume",
-            "task.finish",
-            "worker.capacity",
-        ]
+        frames = [peer.recv() for _ in range(5)]
+        assert [f["type"] for f in frames[:3]] == ["worker.resume", "worker.resume", "task.finish"]
         assert frames[2]["message_id"] == finish["message_id"]
+        again, report = sorted(frames[3:], key=lambda f: str(f["type"]))
+        assert report["type"] == "worker.capacity" and again["type"] == "task.renew"
+        assert again["message_id"] == renew["message_id"]
         resumes = {f["body"]["attempt_id"]: f for f in frames[:2]}
         peer.ack(resumes[ATTEMPT_ID], lease_body())
         done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
         peer.ack(frames[2], done)
-        peer.ack(frames[3], welcome_body(epoch="2"))
+        peer.ack(report, welcome_body(epoch="2"))
         peer.ack(resumes[OTHER_ATTEMPT], lease_body())
-        again = peer.recv()
-        assert again["type"] == "task.renew" and again["message_id"] == renew["message_id"]
         peer.ack(again, command_body("renew"))
         handlers.release.set()
         last = peer.recv()

@@ -47,8 +47,8 @@ from orbit_sync.worker._watchdog import LeaseWatchdog, RenewDone
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
 
-def _view(*, remaining: float = 5.0, cancelled: bool = False, pending: bool = False) -> LeaseView:
-    return LeaseView(now=NOW, remaining=remaining, cancelled=cancelled, renewal_pending=pending)
+def _view(*, remaining: float = 5.0, cancelled: bool = False) -> LeaseView:
+    return LeaseView(now=NOW, remaining=remaining, cancelled=cancelled)
 
 
 def _resume(m: AttemptMachine) -> Request:
@@ -87,17 +87,15 @@ def test_settled_and_replayed_attempts_resume_nothing() -> None:
     assert replayed.reconnected() == [] and replayed.resume is None
 
 
-@pytest.mark.parametrize("pending", [False, True])
-def test_a_running_lease_that_holds_is_refreshed(pending: bool) -> None:
-    """The resume's active lease is watched from its new deadline, renewed at once when the
-    old connection left a renew unanswered; the resume is then over."""
+def test_a_running_lease_that_holds_is_refreshed() -> None:
+    """The resume's active lease is watched from its new deadline; the resume is then over."""
     m = _machine()
     _started(m)
     resume = _resume(m)
     lease = _lease()
-    actions = m.resume_answered(resume, lease, _view(pending=pending))
+    actions = m.resume_answered(resume, lease, _view())
     assert lease.deadline is not None
-    assert actions == [RefreshLease(lease.deadline, renew_now=pending), ResumeEnded(resume)]
+    assert actions == [RefreshLease(lease.deadline), ResumeEnded(resume)]
     assert m.phase is Phase.RUNNING and m.resume is None
 
 
@@ -336,10 +334,10 @@ def test_resumes_count_what_went_out_and_what_is_over() -> None:
     assert [s for s, _ in resumes.take()] == ["att"] and resumes.take() == [] and wakes
 
 
-def test_a_renew_the_resume_asks_for_waits_for_every_resume_to_be_over() -> None:
-    """A lease refreshed by its resume with a renew left unanswered is renewed (same
-    message_id) by the connection thread once every resume is over, not from the reader that
-    delivered the answer."""
+def test_a_renew_left_unanswered_goes_out_once_the_connection_is_published() -> None:
+    """A renew the old connection left unanswered is sent again (same message_id) as soon as the
+    connection thread publishes the new connection, right behind the resumes, without waiting
+    for a resume's answer (and not after the retry delay)."""
     clock = FakeClock()
     sent: list[str] = []
 
@@ -370,10 +368,10 @@ def test_a_renew_the_resume_asks_for_waits_for_every_resume_to_be_over() -> None
     clock.advance(15.0)
     watchdog.run_due()  # the renew goes out on a connection that then fails
     [first] = sent
-    assert watchdog.renewal_pending(att.id)
-    assert shell.lease_actions(att, [RefreshLease(clock.now() + 30.0, renew_now=True)]) == []
+    assert watchdog.pending_renewals() == [att.id]
+    clock.advance(0.5)
     watchdog.run_due()
-    assert sent == [first], "not renewed before every resume is over"
-    shell.resumes_over()
+    assert sent == [first], "the retry delay has not passed"
+    shell.published()
     watchdog.run_due()
     assert sent == [first, first], "renewed at once then, same message_id"

@@ -252,17 +252,17 @@ def test_an_assignment_read_before_the_connection_is_published_starts_once_it_is
 
 def test_a_lease_that_ran_a_quarter_of_its_window_is_renewed_once_reconnected() -> None:
     """A lease past a quarter of its window when the worker comes back is renewed on the new
-    connection as soon as it is published, not at its half-way point, which the worker's clock
-    (moved only by the test) never reaches."""
+    connection as soon as it is published, right behind the resume and before its answer,
+    not at its half-way point, which the worker's clock (moved only by the test) never
+    reaches."""
     # A 30 s lease, renewal due after ~15 s; the reconnect took 10 s: past a quarter of it.
     with _cut_on_fake_clock(10.0) as (server, handlers):
         peer, resume = _reconnected(server, "2")
-        report = peer.recv()
+        renew, report = sorted([peer.recv(), peer.recv()], key=lambda f: str(f["type"]))
         assert report["type"] == "worker.capacity"
+        assert renew["type"] == "task.renew", "renewed on this connection, at once"
         peer.ack(resume, lease_body(window=20.0))  # the lease as it stands, 20 s left
         peer.ack(report, welcome_body(epoch="2"))
-        renew = peer.recv()
-        assert renew["type"] == "task.renew", "renewed on this connection, at once"
         assert renew["body"]["attempt_id"] == ATTEMPT_ID
         peer.ack(renew, command_body("renew"))
         handlers.release.set()

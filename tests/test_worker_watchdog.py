@@ -428,24 +428,80 @@ def test_an_unanswered_renewal_still_expires_the_lease(clock: FakeClock, renewer
 
 
 def test_refresh_during_a_renewal_survives_its_failure(clock: FakeClock, renewer: Renewer) -> None:
-    """A reconnect's refresh (renew now, new deadline) made while a renewal is in flight is kept
-    when that renewal then fails: every entry field is written under the watchdog's lock."""
+    """A reconnect's refresh (new deadline) made while a renewal is in flight is kept when that
+    renewal then fails: every entry field is written under the watchdog's lock."""
     renewer.hold = True
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
     ctx = _ctx(clock)
     wd.track("a" * 32, ctx, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
-    [(_, first_id, _)] = renewer.calls
-    assert wd.pending_renewals() == ["a" * 32]
-    wd.refresh("a" * 32, clock() + 25.0, renew_now=True)  # the connection thread, after resume
+    wd.refresh("a" * 32, clock() + 25.0)  # the connection thread, after resume
     renewer.release("a" * 32, _raise(WorkerDisconnected("old connection gone")))
-    assert wd.next_due() == pytest.approx(clock()), "renew now, not after the 5 s retry delay"
     assert ctx.remaining() == pytest.approx(25.0)
+    assert wd.next_due() == pytest.approx(clock() + 5.0), "the retry delay, sooner than half-way"
+    assert wd.pending_renewals() == ["a" * 32]
+
+
+def test_a_new_connection_resends_a_renew_left_unanswered(
+    clock: FakeClock, renewer: Renewer
+) -> None:
+    """A renew the lost connection left unanswered goes out again as soon as the next connection
+    is published (same message_id), not at the retry delay or the deadline, even when its lease
+    has not run a quarter of its window; once answered, reconnects add no renewal."""
+    renewer.hold = True
+    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
+    wd.track("a" * 32, _ctx(clock), clock() + 30.0)  # a quarter of the window: 7.5 s
+    clock.advance(1.0)
+    wd.refresh("a" * 32, clock() + 2.0)  # a resume found the lease ending sooner
+    clock.advance(1.0)
+    wd.run_due()
+    [(_, first_id, _)] = renewer.calls
+    renewer.release("a" * 32, _raise(WorkerDisconnected("old connection gone")))
+    clock.advance(0.2)
+    assert wd.next_due() == pytest.approx(clock() + 0.8), "left for the deadline"
+    wd.connected()
+    assert wd.next_due() == pytest.approx(clock()), "at once"
     renewer.hold = False
     wd.run_due()
     assert [c[1] for c in renewer.calls] == [first_id, first_id], "same message_id re-sent"
     assert wd.pending_renewals() == []
+    clock.advance(0.2)
+    wd.connected()
+    wd.run_due()
+    assert len(renewer.calls) == 2, "answered: the next reconnect adds no renewal"
+
+
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_loss_answering_the_reconnect_renewal_is_session_replaced(
+    clock: FakeClock, renewer: Renewer, pending: bool
+) -> None:
+    """The renewal sent behind a new connection's resumes, answered LEASE_LOST, cancels the
+    handler as the resume's answer would (session_replaced); a later renewal's loss is
+    lease_lost."""
+    losses: list[tuple[str, str]] = []
+    wd = LeaseWatchdog(renewer, clock=clock, on_loss=lambda a, r: losses.append((a, r)))
+    ctx, later = _ctx(clock), _ctx(clock)
+    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd.track("b" * 32, later, clock() + 30.0)
+    if pending:  # a renew left unanswered rather than a lease past a quarter of its window
+        renewer.script = [_raise(WorkerDisconnected("gone"))] * 2
+        clock.advance(15.0)
+        wd.run_due()
+    else:
+        clock.advance(8.0)
+    renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="e" * 32))] * 2
+    wd.connected()
+    wd.run_due()
+    assert ctx.cancel_reason == later.cancel_reason == "session_replaced"
+    assert sorted(losses) == [("a" * 32, "session_replaced"), ("b" * 32, "session_replaced")]
+    third = _ctx(clock)
+    wd.track("c" * 32, third, clock() + 30.0)
+    renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="f" * 32))]
+    wd.connected()  # granted just now: no renewal behind this connection's resumes
+    clock.advance(15.0)
+    wd.run_due()
+    assert third.cancel_reason == "lease_lost"
 
 
 class BatchRenewer(Renewer):

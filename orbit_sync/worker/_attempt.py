@@ -129,13 +129,12 @@ class Request:
 @attrs.frozen
 class LeaseView:
     """What the shell knows of an attempt's lease when a live resume's outcome arrives: the
-    clock's time, the seconds left before the local deadline, whether the handler's context is
-    already cancelled, and whether a renew was (maybe) sent and never answered."""
+    clock's time, the seconds left before the local deadline, and whether the handler's context
+    is already cancelled."""
 
     now: float
     remaining: float
     cancelled: bool
-    renewal_pending: bool
 
 
 # ---------------------------------------------------------------------------------- actions
@@ -181,11 +180,9 @@ class TrackLease:
 
 @attrs.frozen
 class RefreshLease:
-    """The lease survived a reconnect: watch *deadline*; renew at once with *renew_now* (a
-    renew left unanswered by the old connection)."""
+    """The lease survived a reconnect: watch *deadline*."""
 
     deadline: float
-    renew_now: bool = False
 
 
 @attrs.frozen
@@ -542,16 +539,15 @@ class AttemptMachine:
         now: float,
         remaining: float,
         cancelled: bool,
-        renew_now: bool = False,
     ) -> list[Action]:
-        """What a live resume's answer means for the attempt (``None``: refused); *renew_now*:
-        a renew the old connection left unanswered."""
+        """What a live resume's answer means for the attempt (``None``: refused). (A renew the
+        old connection left unanswered went out behind the resume: the watchdog's.)"""
         if self.phase is not Phase.RUNNING or cancelled:
             return []  # starting/finishing: their own request is re-sent; nothing to renew
         if lease is not None and lease.cancel_requested:
             return [UntrackLease(), CancelContext("cancel_requested")]
         if lease is not None and lease.deadline is not None and may_run_at(lease, now):
-            return [RefreshLease(lease.deadline, renew_now)]
+            return [RefreshLease(lease.deadline)]
         reason = "lease_expired" if remaining <= 0 else "session_replaced"
         return [UntrackLease(), CancelContext(reason), LeaseLost(reason)]
 
@@ -585,7 +581,6 @@ class AttemptMachine:
             now=view.now,
             remaining=view.remaining,
             cancelled=view.cancelled,
-            renew_now=view.renewal_pending,
         )
         return [*meaning, ResumeEnded(request, refused)]
 

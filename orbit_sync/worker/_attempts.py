@@ -226,8 +226,6 @@ class AttemptShell(RequestPath[Attempt]):
                 self._watchdog.track(att.id, att.ctx, action.deadline)
             elif isinstance(action, RefreshLease):
                 self._watchdog.refresh(att.id, action.deadline)
-                if action.renew_now:
-                    self.resumes.renew_once_over(att.id)
             elif isinstance(action, UntrackLease):
                 self._watchdog.untrack(att.id)
             elif isinstance(action, CancelContext):
@@ -482,12 +480,10 @@ class AttemptShell(RequestPath[Attempt]):
         for att in atts:
             self.step(att, lambda m: m.reconnected())
 
-    def resumes_over(self) -> None:
-        """Every resume on the new (published) connection is over: renew at once the leases
-        whose renew the old connection left unanswered (the resumes said so), and those past a
-        quarter of their window (:meth:`LeaseWatchdog.connected`)."""
-        for attempt_id in self.resumes.take_renewals():
-            self._watchdog.kick(attempt_id)
+    def published(self) -> None:
+        """The new connection is published, right behind its resumes: renew on it at once the
+        leases whose renew the old connection left unanswered, and those past a quarter of their
+        window (:meth:`LeaseWatchdog.connected`)."""
         self._watchdog.connected()
 
     def drive_resumes(self) -> bool:
@@ -504,7 +500,6 @@ class AttemptShell(RequestPath[Attempt]):
             now=self._clock(),
             remaining=ctx.remaining(),
             cancelled=ctx.cancelled.is_set(),
-            renewal_pending=self._watchdog.renewal_pending(att.id),
         )
 
     def _resume_ended(self, att: Attempt, ended: ResumeEnded) -> None:

@@ -3,10 +3,10 @@
 When the session opens a connection it steps every held attempt's machine with ``reconnected``
 (:mod:`._attempt`); each machine that holds a lease sends a resume through the one request path
 (:mod:`._requests`). :class:`Resumes` is what the connection thread needs to know of them: when
-every one has gone out (the connection may be published: the kept starts and finishes, then the
-first capacity report, follow them on the wire) and when every one is over (the renewals they asked
-for go out, and the session counts as established). It decides nothing: what an answer, a refusal or
-a failure means is the machine's; the in-flight count is the gate's.
+every one has gone out (the connection may be published: the kept starts and finishes, the
+renewals due and the first capacity report follow them on the wire) and when every one is over
+(the session counts as established). It decides nothing: what an answer, a refusal or a failure
+means is the machine's; the in-flight count is the gate's.
 
 The outcomes of resumes (answers and failures arrive on the connection's reader) are queued here and
 stepped by the connection thread (:meth:`Resumes.take`): what a lost lease does (listeners, log
@@ -39,8 +39,6 @@ class Resumes(Generic[T]):
         self._unsent: set[Request] = set()
         self._open: set[Request] = set()
         self._events: collections.deque[tuple[T, Event]] = collections.deque()
-        #: Attempts whose lease to renew once every resume is over.
-        self._renew: list[str] = []
 
     def begin(self) -> None:
         """A new connection: forget the older one's resumes (a late outcome of one of them is
@@ -48,19 +46,6 @@ class Resumes(Generic[T]):
         with self._lock:
             self._unsent.clear()
             self._open.clear()
-            self._renew.clear()
-
-    def renew_once_over(self, attempt_id: str) -> None:
-        """Renew *attempt_id*'s lease once every resume is over (asked for by its resume's
-        answer, on the reader thread: the connection thread sends it)."""
-        with self._lock:
-            self._renew.append(attempt_id)
-
-    def take_renewals(self) -> list[str]:
-        """The attempts to renew now that every resume is over."""
-        with self._lock:
-            taken, self._renew = self._renew, []
-        return taken
 
     def add(self, request: Request) -> None:
         """*request*, a resume, is about to be sent (or re-sent after a transient answer)."""

@@ -229,14 +229,14 @@ class SessionLoop:
             if self._link.is_closed():
                 return
             # Everything a reconnect must send goes out in one burst, without waiting for an
-            # answer: the resumes, then the starts and finishes kept for this connection, then
-            # the first capacity report (the server answers a connection's frames in order, so
-            # each resume is applied before its attempt's re-send, and every kept finish frees
-            # its slot before assignments are enabled). On a link that keeps cutting, each
-            # round trip a session must survive before it delivers a finish is lost work.
+            # answer: the resumes, then the starts and finishes kept for this connection, the
+            # renewals due and the first capacity report (the server answers a connection's
+            # frames in order, so each resume is applied before its attempt's re-send or
+            # renewal, and every kept finish frees its slot before assignments are enabled). On a
+            # link that keeps cutting, each round trip a session must survive before it delivers
+            # a finish or a renewal is lost work.
             gen = self._link.open(conn)
             first, again = self._reconcile(conn)
-            self._shell.resumes_over()  # renewals the old connection left unanswered
             self._first_capacity(conn, first)
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
@@ -316,19 +316,19 @@ class SessionLoop:
     def _reconcile(self, conn: Connection) -> tuple[_FirstReport, bool]:
         """Resume every held attempt on *conn* (opened, not yet published); once every resume
         went out, publish *conn* (the starts and finishes kept for it go out right behind the
-        resumes) and send the session's first capacity report, all without waiting for an
-        answer (PROTOCOL §5.5); return once every resume is over, with whether this session
-        is a reconnect.
+        resumes, and the renewals due, see :meth:`LeaseWatchdog.connected`) and send the
+        session's first capacity report, all without waiting for an answer (PROTOCOL §5.5);
+        return once every resume is over, with whether this session is a reconnect.
 
         Each attempt's machine decides its resume and what its outcome means (the lease holds,
         is cancelled or lost; a transient answer is re-sent on this connection after the retry
         delay; a link failure ends the session, and the next connection resumes again). The
         resumes take the gate's request slots like every request of the attempts (the reserve
         keeps one for the report): past them a resume goes out when an answer frees a slot, so
-        reconnecting costs one round trip per that many attempts. The re-sends and the report
-        follow the last resume on the wire: the server handles a connection's frames in order,
-        so every resume is applied before its attempt's re-send, and before assignments can
-        start.
+        reconnecting costs one round trip per that many attempts. The re-sends, renewals and
+        report follow the last resume on the wire: the server handles a connection's frames in
+        order, so every resume is applied before its attempt's re-send or renewal, and before
+        assignments can start.
         """
         with self._reg.cond:
             held = list(self._reg.attempts.values())
@@ -337,6 +337,7 @@ class SessionLoop:
         self._drive_resumes(conn, resumes.all_sent)
         self._link.publish(conn)
         self._shell.resend_due()  # the kept starts and finishes, behind their resumes
+        self._shell.published()  # the renewals due, from the watchdog's thread
         first = _FirstReport()
         self._submit_first_capacity(conn, first)
         self._drive_resumes(conn, resumes.all_over)

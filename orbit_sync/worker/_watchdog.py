@@ -23,8 +23,12 @@ Rules (PROTOCOL §6.3-6.6):
 - a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
   delay while the local deadline allows, re-using the unanswered renew's ``message_id``;
 - the handler's context is cancelled when the deadline passes (``lease_expired``), when the
-  server says ``LEASE_LOST`` or answers an inactive lease (``lease_lost``), or when the lease
-  carries ``cancel_requested_at`` (``cancel_requested``); the attempt is then no longer renewed;
+  server says ``LEASE_LOST`` or answers an inactive lease (``lease_lost``; ``session_replaced``
+  for the renewal sent right behind a new connection's resumes, as the resume says), or when the
+  lease carries ``cancel_requested_at`` (``cancel_requested``); the attempt is then no longer
+  renewed;
+- a new connection renews at once the leases whose renew the old one left unanswered, and those
+  past a quarter of their window (:meth:`LeaseWatchdog.connected`);
 - a cancelled or untracked (finished) attempt is never renewed;
 - the watchdog measures how late it wakes up and reports it.
 
@@ -128,6 +132,9 @@ class _Entry:
     pending_id: str | None = None
     #: Token of the renewal in flight (0: none); a completion with another token is stale.
     flight: int = 0
+    #: The renewal due is the one sent right behind a new connection's resumes: a loss that
+    #: answers it is the resume's (the lease did not survive the reconnect).
+    reconnected: bool = False
 
 
 class LeaseWatchdog:
@@ -186,7 +193,7 @@ class LeaseWatchdog:
         ctx._set_deadline(deadline)
         self._wake(wake)
 
-    def refresh(self, attempt_id: str, deadline: float, *, renew_now: bool = False) -> None:
+    def refresh(self, attempt_id: str, deadline: float) -> None:
         """A fresh lease (e.g. from ``resume``) moved *attempt_id*'s deadline.
 
         A resume grants no time, so it never puts a scheduled renewal off: counted from the
@@ -200,7 +207,7 @@ class LeaseWatchdog:
             if entry is None:
                 return
             entry.deadline = deadline
-            due = now if renew_now else self._half_way(now, deadline)
+            due = self._half_way(now, deadline)
             if due < entry.due:
                 entry.due = due
                 entry.since = now
@@ -211,23 +218,28 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def connected(self) -> None:
-        """A new connection was published: renew on it now every lease that has run
-        :data:`RECONNECT_FRACTION` of the window its last grant gave. A connection was just lost,
-        and when the renewal falls due the link may be down again, with the next connection too
-        late for the deadline; renewing while a connection is there gives the lease a full window
-        again. (Renewals the old connection left unanswered are kicked by the resumes.)"""
+        """A new connection was published, right behind its resumes: renew on it now every
+        lease whose renew the old connection left unanswered (same ``message_id``), and every
+        lease that has run :data:`RECONNECT_FRACTION` of the window its last grant gave.
+
+        A connection was just lost, and when the renewal falls due the link may be down again,
+        with the next connection too late for the deadline; renewing while a connection is there
+        gives the lease a full window again. These renewals do not wait for the resumes'
+        answers: the server handles a connection's frames in order, so each attempt's resume is
+        applied before its renewal, and a lease the resume finds lost answers the renewal
+        ``LEASE_LOST`` too (reported as the resume's ``session_replaced``, see :meth:`_renewed`).
+        """
         now = self.clock()
         wake = False
         with self._lock:
             for entry in self._entries.values():
+                if entry.flight or entry.due <= now:
+                    continue
                 start, end = entry.granted
-                if (
-                    entry.flight
-                    or entry.due <= now
-                    or now - start < RECONNECT_FRACTION * (end - start)
-                ):
+                if entry.pending_id is None and now - start < RECONNECT_FRACTION * (end - start):
                     continue
                 entry.due = entry.since = now
+                entry.reconnected = True
                 wake = self._push(entry, now) or wake
         self._wake(wake)
 
@@ -251,12 +263,6 @@ class LeaseWatchdog:
         """Attempts with a renew that was (maybe) sent and never answered."""
         with self._lock:
             return [e.attempt_id for e in self._entries.values() if e.pending_id is not None]
-
-    def renewal_pending(self, attempt_id: str) -> bool:
-        """Has *attempt_id* a renew that was (maybe) sent and never answered?"""
-        with self._lock:
-            entry = self._entries.get(attempt_id)
-            return entry is not None and entry.pending_id is not None
 
     def is_tracked(self, attempt_id: str) -> bool:
         """True while *attempt_id* is being renewed."""
@@ -423,6 +429,9 @@ class LeaseWatchdog:
             if entry.flight != flight or self._entries.get(entry.attempt_id) is not entry:
                 return  # stale, or finished while the renew was in flight: nothing to do
             entry.flight = 0
+            # A lease the reconnect's resume found lost is lost for the renewal behind it too.
+            lost = "session_replaced" if entry.reconnected else "lease_lost"
+            entry.reconnected = False
             if error is None:
                 assert lease is not None
                 entry.pending_id = None
@@ -430,7 +439,7 @@ class LeaseWatchdog:
                 if lease.cancel_requested:
                     reason = "cancel_requested"
                 elif not grants_run(lease) or lease.deadline is None:
-                    reason = "lease_lost"
+                    reason = lost
                 else:
                     entry.deadline = lease.deadline
                     entry.due = self._half_way(now, lease.deadline)
@@ -441,7 +450,7 @@ class LeaseWatchdog:
                 if isinstance(error, WorkerError) and not is_transient(error):
                     # LEASE_LOST, STATE_CONFLICT, ...: the server answered; this renew is settled.
                     entry.pending_id = None
-                    reason, detail = "lease_lost", error.code
+                    reason, detail = lost, error.code
                 else:
                     # The pending message_id is kept: if that renew reached the server, re-sending
                     # it returns the original receipt instead of applying a second renewal. A
