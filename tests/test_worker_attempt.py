@@ -393,6 +393,7 @@ def test_resume_answers(lease: Lease | None, remaining: float, expected: list[ty
     """A resumed running attempt is refreshed, cancelled, or has lost its lease."""
     m = _machine()
     _started(m)
+    m.reconnected()  # the resume goes out while it runs
     actions = m.resumed(lease, now=NOW, remaining=remaining, cancelled=False)
     assert _kinds(actions) == expected
     if LeaseLost in expected:
@@ -404,9 +405,11 @@ def test_resume_ignores_attempts_not_running() -> None:
     """Starting and finishing attempts re-send their own request: a resume changes nothing."""
     m = _machine()
     m.begin()
+    m.reconnected()
     assert m.resumed(None, now=NOW, remaining=1.0, cancelled=False) == []
     m = _machine()
     _started(m)
+    m.reconnected()
     assert m.resumed(None, now=NOW, remaining=1.0, cancelled=True) == []
 
 

@@ -4,6 +4,7 @@ resume with their message_id, before any answer."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from test_worker_session_setup import (
 )
 
 from orbit_sync.testing import FakeClock
+from orbit_sync.worker import SessionEvent
 
 
 def _sent_again(
@@ -102,6 +104,40 @@ def test_a_start_cut_in_flight_goes_out_after_the_resume_and_runs_once() -> None
         finish = peer.recv()
         assert finish["type"] == "task.finish" and finish["body"]["outcome"] == "SUCCEEDED"
         assert handlers.runs == {ATTEMPT_ID: 1}
+
+
+def test_a_start_answered_before_its_resume_keeps_the_handler_running() -> None:
+    """The kept start's answer may be stepped before the resume's (the reader steps a start,
+    the connection thread a resume): the resume's lease, a reservation from before the start
+    was applied, never cancels the handler the start let run."""
+    reconnected = threading.Event()
+
+    class Sessions:
+        def connected(self, event: SessionEvent) -> None:
+            if event.reconnect:
+                reconnected.set()
+
+    with _scripted(listeners=[Sessions()]) as (server, worker, handlers):
+        peer = server.accept()
+        peer.handshake()
+        peer.ack(peer.recv(), welcome_body())
+        peer.push("task.assign", assignment_body())
+        start = peer.recv()
+        assert start["type"] == "task.start"
+        peer.close()
+        peer, resume = _reconnected(server, "2")
+        again, report = peer.recv(), peer.recv()
+        assert again["message_id"] == start["message_id"]
+        peer.ack(again, command_body("start"))
+        assert handlers.started.get(timeout=WAIT) == ATTEMPT_ID
+        peer.ack(resume, lease_body(state="LEASED"))
+        peer.ack(report, welcome_body(epoch="2"))
+        assert reconnected.wait(WAIT), "the resume is over"
+        handlers.release.set()
+        finish = peer.recv()
+        assert finish["type"] == "task.finish" and finish["body"]["outcome"] == "SUCCEEDED"
+        assert handlers.reasons == {ATTEMPT_ID: None}, "never cancelled"
+    assert worker.stats().lease_losses == 0
 
 
 def test_a_renew_left_unanswered_is_sent_again_right_behind_the_resume() -> None:

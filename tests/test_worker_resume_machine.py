@@ -30,7 +30,9 @@ from orbit_sync.worker._attempt import (
     Request,
     ResumeEnded,
     RetryAfter,
+    RunHandler,
     Send,
+    TrackLease,
     UntrackLease,
 )
 from orbit_sync.worker._attempts import Attempt, AttemptShell, Registry
@@ -106,6 +108,29 @@ def test_a_cancel_requested_on_resume_cancels_the_handler() -> None:
     resume = _resume(m)
     actions = m.resume_answered(resume, _lease(cancel=True), _view())
     assert actions == [UntrackLease(), CancelContext("cancel_requested"), ResumeEnded(resume)]
+
+
+def test_a_resume_sent_while_starting_never_judges_the_lease_its_start_got() -> None:
+    """The start kept for the new connection goes out right behind the resume, and its answer
+    may be stepped first (on the reader; the resume's on the connection thread): the resume's
+    lease, a reservation from before the start was applied, then leaves the running handler
+    alone."""
+    m = _machine()
+    m.begin()
+    start = m.request
+    assert start is not None
+    resume = _resume(m)
+    ran = m.start_answered(start, _result(), now=NOW, cancel_reason=None, cancel_requested=False)
+    assert _kinds(ran) == [TrackLease, RunHandler] and m.phase is Phase.RUNNING
+    reserved = _lease(state=AttemptState.LEASED)
+    assert m.resume_answered(resume, reserved, _view()) == [ResumeEnded(resume)]
+    again = _resume(m)  # the next connection's resume, sent while RUNNING, does judge it
+    assert _kinds(m.resume_answered(again, reserved, _view())) == [
+        UntrackLease,
+        CancelContext,
+        LeaseLost,
+        ResumeEnded,
+    ]
 
 
 @pytest.mark.parametrize(

@@ -27,10 +27,11 @@ A new connection resumes every held attempt first (PROTOCOL §5.5), beside its p
 ::
 
     held --reconnected--> resume on the new connection, before it is published
-      RUNNING: lease lets it run --> lease refreshed (renewed at once if a renew was unanswered)
+      RUNNING: lease lets it run --> lease refreshed (a renewal due went out behind the resume)
                cancel requested ---> handler cancelled
                refused / lost -----> handler cancelled, lease reported lost
       STARTING, FINISHING: nothing; the kept start or finish goes out right behind the resume
+               and its answer decides (even if the start is answered first: RUNNING then)
       connection failed: the next connection resumes it; transient: re-sent after the delay
 
 The outbox replay feeds a dead process's stored attempts to the same machine, on a session of
@@ -296,6 +297,7 @@ class AttemptMachine:
         "ref",
         "request",
         "resume",
+        "resumed_running",
         "retry_delay",
         "stored",
         "verdict",
@@ -325,6 +327,9 @@ class AttemptMachine:
         #: The live resume on its way on a new connection, beside ``request`` (which may hold
         #: a start or finish kept for that connection).
         self.resume: Request | None = None
+        #: Was the attempt RUNNING when ``resume`` was sent? Only then does its answer speak
+        #: for the lease the handler runs on.
+        self.resumed_running = False
 
     @property
     def settled(self) -> bool:
@@ -530,6 +535,7 @@ class AttemptMachine:
         if self.settled or self.phase is Phase.RESUMING:
             return []  # settled: nothing to resume; RESUMING: the replay's own session
         self.resume = Request("worker.resume", self.ref, self._new_id())
+        self.resumed_running = self.phase is Phase.RUNNING
         return [Send(self.resume)]
 
     def resumed(
@@ -542,8 +548,13 @@ class AttemptMachine:
     ) -> list[Action]:
         """What a live resume's answer means for the attempt (``None``: refused). (A renew the
         old connection left unanswered went out behind the resume: the watchdog's.)"""
-        if self.phase is not Phase.RUNNING or cancelled:
-            return []  # starting/finishing: their own request is re-sent; nothing to renew
+        if not self.resumed_running or self.phase is not Phase.RUNNING or cancelled:
+            # Starting or finishing when the resume was sent: their own request goes out right
+            # behind it, and its answer decides. A start kept for the connection may already
+            # be answered (its answer is stepped on the reader, the resume's on the connection
+            # thread): the resume's lease, from before the start was applied, is then a
+            # reservation that says nothing of the lease the handler now runs on.
+            return []
         if lease is not None and lease.cancel_requested:
             return [UntrackLease(), CancelContext("cancel_requested")]
         if lease is not None and lease.deadline is not None and may_run_at(lease, now):

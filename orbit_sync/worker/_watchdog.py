@@ -194,23 +194,22 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float) -> None:
-        """A fresh lease (e.g. from ``resume``) moved *attempt_id*'s deadline.
+        """A resume's lease says *attempt_id*'s lease ends at *deadline* (local clock).
 
         A resume grants no time, so it never puts a scheduled renewal off: counted from the
         resume, "half of what remains" comes later at every reconnect, and a link that cuts every
         few hundred milliseconds would push the renewal, reconnect after reconnect, into the last
-        moments of the lease, where the next cut loses it. The renewal stays due at its time (or
-        sooner, when the resumed lease ends sooner than the one it was counted from)."""
-        now = self.clock()
+        moments of the lease, where the next cut loses it. Nor does it bring the deadline
+        forward: a renewal sent right behind the resume may be answered first (its answer is
+        handled on the reader, the resume's on the connection thread), and the resume then
+        carries the older lease. Every deadline is counted from before its own request was sent
+        and the server only extends an active lease, so each is a safe bound: the later stands.
+        """
         with self._lock:
             entry = self._entries.get(attempt_id)
-            if entry is None:
+            if entry is None or deadline <= entry.deadline:
                 return
             entry.deadline = deadline
-            due = self._half_way(now, deadline)
-            if due < entry.due:
-                entry.due = due
-                entry.since = now
             # In flight: the completion schedules from entry.due; meanwhile watch the deadline.
             wake = self._push(entry, deadline if entry.flight else entry.due)
             ctx = entry.ctx
@@ -219,8 +218,9 @@ class LeaseWatchdog:
 
     def connected(self) -> None:
         """A new connection was published, right behind its resumes: renew on it now every
-        lease whose renew the old connection left unanswered (same ``message_id``), and every
-        lease that has run :data:`RECONNECT_FRACTION` of the window its last grant gave.
+        lease that has run :data:`RECONNECT_FRACTION` of the window its last grant gave. That
+        takes in every renew the old connection left unanswered (a renewal is never sent
+        sooner), re-sent with its ``message_id``.
 
         A connection was just lost, and when the renewal falls due the link may be down again,
         with the next connection too late for the deadline; renewing while a connection is there
@@ -236,22 +236,11 @@ class LeaseWatchdog:
                 if entry.flight or entry.due <= now:
                     continue
                 start, end = entry.granted
-                if entry.pending_id is None and now - start < RECONNECT_FRACTION * (end - start):
+                if now - start < RECONNECT_FRACTION * (end - start):
                     continue
                 entry.due = entry.since = now
                 entry.reconnected = True
                 wake = self._push(entry, now) or wake
-        self._wake(wake)
-
-    def kick(self, attempt_id: str) -> None:
-        """Renew *attempt_id* as soon as possible (e.g. re-send an unanswered renew)."""
-        now = self.clock()
-        with self._lock:
-            entry = self._entries.get(attempt_id)
-            if entry is None:
-                return
-            entry.due = now
-            wake = False if entry.flight else self._push(entry, now)
         self._wake(wake)
 
     def untrack(self, attempt_id: str) -> None:
@@ -453,10 +442,10 @@ class LeaseWatchdog:
                     reason, detail = lost, error.code
                 else:
                     # The pending message_id is kept: if that renew reached the server, re-sending
-                    # it returns the original receipt instead of applying a second renewal. A
-                    # refresh or kick while it was in flight (entry.due) may ask for sooner; past
-                    # the deadline there is nothing left to renew: wake then to expire it.
-                    entry.due = min(entry.due, now + self._retry_delay, entry.deadline)
+                    # it returns the original receipt instead of applying a second renewal (a
+                    # new connection re-sends it sooner, see connected()). Past the deadline
+                    # there is nothing left to renew: wake then to expire it.
+                    entry.due = min(now + self._retry_delay, entry.deadline)
                     entry.since = now
             wake = False if reason else self._push(entry, entry.due)
             deadline = entry.deadline
@@ -561,7 +550,7 @@ class WatchdogThread:
         self._thread.start()
 
     def wake(self) -> None:
-        """Re-read the schedule now (something was tracked, refreshed or kicked)."""
+        """Re-read the schedule now (something was tracked, refreshed or reconnected)."""
         self._wake.set()
 
     def stop(self, timeout: float = 5.0) -> None:
