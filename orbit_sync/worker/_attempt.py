@@ -7,6 +7,10 @@ and performs the actions it returns, in order. The shell holds the attempt's loc
 call, and performs the actions after releasing it (they send requests, write the outbox and call
 listeners: never under a lock). Unit tests drive every transition directly.
 
+About 600 lines, one module: the machine, the requests it keeps and the actions it returns are
+one idea, and every transition reads the same few fields; split by phase, a reconnect's rules
+(which touch every phase) would live in several files.
+
 ::
 
     ASSIGNED --begin--> STARTING --start answered, lease lets it run--> RUNNING
