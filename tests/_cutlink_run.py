@@ -16,7 +16,9 @@ the cuts after S seconds (then the link is calm until every task is terminal). T
 also prints the longest time without a finished task while the link was cutting and the time
 from the end of the cuts to the last task terminal. ``--min-ratio``, ``--max-gap`` and
 ``--max-settle`` make those three figures targets: a seed that misses one fails the run (exit 1),
-as a broken guarantee does.
+as a broken guarantee does. ``--timeline PREFIX`` writes, per seed, ``PREFIX-seedN.json``: what
+the worker saw of the run with cuts (sessions, failed dials, lost leases, finishes) and every
+attempt as the server stored it, on one time axis, to see what a long gap holds.
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ if __name__ == "__main__":  # run from a checkout: make the package importable
 
 from orbit_sync.client import Client
 from orbit_sync.testing import CuttingLink, MockOrbitServer, RetrySafety, TaskSnapshot
-from orbit_sync.worker import Backoff, TaskContext, Worker
+from orbit_sync.worker import (
+    AttemptFinished,
+    Backoff,
+    DisconnectEvent,
+    LeaseEvent,
+    SessionEvent,
+    TaskContext,
+    Worker,
+    WorkerListener,
+)
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"})
 
@@ -100,6 +111,46 @@ class RunResult:
         return out
 
 
+class Timeline(WorkerListener):
+    """What one run did, on one time axis (s from the worker's start): the worker's sessions,
+    failed dials, lost leases and finishes as it saw them (``events``), and every attempt as
+    the server stored it (``attempts``, filled in once the run is over)."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+        self.events: list[tuple[float, str, str]] = []
+        #: ``(task index, attempt id, state, assigned, started, finished)``.
+        self.attempts: list[tuple[int, str, str, float, float | None, float | None]] = []
+
+    def begin(self, at: float) -> None:
+        """The worker starts now (``time.monotonic()`` *at*)."""
+        self._start = at
+
+    def _note(self, kind: str, detail: str) -> None:
+        # list.append is atomic: listeners are called from the worker's threads.
+        self.events.append((round(time.monotonic() - self._start, 3), kind, detail))
+
+    def connected(self, event: SessionEvent) -> None:
+        self._note("connected", "reconnect" if event.reconnect else "first")
+
+    def disconnected(self, event: DisconnectEvent) -> None:
+        self._note("disconnected", event.reason)
+
+    def dial_failed(self, event: DisconnectEvent) -> None:
+        self._note("dial_failed", event.reason)
+
+    def lease_lost(self, event: LeaseEvent) -> None:
+        self._note("lease_lost", f"{event.attempt_id} {event.reason}")
+
+    def attempt_finished(self, event: AttemptFinished) -> None:
+        delivered = "delivered" if event.delivered else "not delivered"
+        self._note("finished", f"{event.attempt_id} {event.outcome.value} {delivered}")
+
+    def as_json(self) -> dict[str, Any]:
+        """The timeline as JSON-ready data."""
+        return {"events": self.events, "attempts": self.attempts}
+
+
 def run(
     *,
     tasks: int,
@@ -113,11 +164,12 @@ def run(
     defaults: bool = False,
     task_max: float = 0.0,
     cut_for: float | None = None,
+    timeline: Timeline | None = None,
 ) -> RunResult:
     """Run *tasks* tasks through a link with *rtt* and cuts every *mean_cut* s on average.
 
     Handlers take a seeded 0-*task_max* s; *defaults* keeps the Worker's default backoff and
-    timeouts; the cuts stop after *cut_for* s when given.
+    timeouts; the cuts stop after *cut_for* s when given; *timeline* records the run.
     """
     runs: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
@@ -141,6 +193,7 @@ def run(
                 drain_timeout=0,
                 cancel_grace=0,
                 flush_timeout=1.0,
+                listeners=[] if timeline is None else [timeline],
                 **tuned,
             )
 
@@ -165,6 +218,8 @@ def run(
             ]
             started = time.monotonic()
             started_wall = time.time()
+            if timeline is not None:
+                timeline.begin(started)
             calm_at: float | None = None
             if mean_cut is not None and cut_for is not None:
                 timer = threading.Timer(cut_for, link.calm)
@@ -190,6 +245,21 @@ def run(
         snaps = {t.task_id: t for t in server.tasks()}
         server.check_invariants()
     states = collections.Counter(snaps[t].state.value for t in ids)
+    if timeline is not None:
+        timeline.attempts = [
+            (
+                i,
+                a.attempt_id,
+                a.state.value,
+                round(a.assigned_at.timestamp() - started_wall, 3),
+                None if a.started_at is None else round(a.started_at.timestamp() - started_wall, 3),
+                None
+                if a.finished_at is None
+                else round(a.finished_at.timestamp() - started_wall, 3),
+            )
+            for i, t in enumerate(ids)
+            for a in snaps[t].attempts
+        ]
     attempts = [a for t in ids for a in snaps[t].attempts]
     # When each task ended, in seconds from the start (the server runs on the real clock).
     ends = sorted(
@@ -304,6 +374,9 @@ def main(argv: list[str] | None = None) -> int:
         "--max-settle", type=float, help="fail if tasks end more than S s after the cuts stop"
     )
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument(
+        "--timeline", metavar="PREFIX", help="write each cut run's timeline to PREFIX-seedN.json"
+    )
     parser.add_argument("--verbose", action="store_true", help="show the worker's log lines")
     args = parser.parse_args(argv)
     if not args.verbose:
@@ -324,7 +397,11 @@ def main(argv: list[str] | None = None) -> int:
             "task_max": args.task_max,
         }
         calm = run(mean_cut=None, **common)
-        cut = run(mean_cut=args.mean_cut, cut_for=args.cut_for, **common)
+        timeline = Timeline() if args.timeline else None
+        cut = run(mean_cut=args.mean_cut, cut_for=args.cut_for, timeline=timeline, **common)
+        if timeline is not None:
+            with open(f"{args.timeline}-seed{seed}.json", "w", encoding="utf-8") as out:
+                json.dump(timeline.as_json(), out)
         # Throughput while the link was cutting, over the calm run's.
         cutting = cut.done_while_cutting / cut.cut_seconds if cut.cut_seconds else 0.0
         ratio = cutting / calm.throughput if calm.throughput else 0.0

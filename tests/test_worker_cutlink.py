@@ -8,7 +8,7 @@ import dataclasses
 import socket
 import threading
 
-from _cutlink_run import RunResult, missed_targets, run
+from _cutlink_run import RunResult, Timeline, missed_targets, run
 from _scripted import WAIT
 
 from orbit_sync.testing import CuttingLink
@@ -52,13 +52,39 @@ def test_worker_through_a_cutting_link_loses_nothing_and_runs_nothing_twice() ->
     per attempt, every stored result the handler's own."""
     # The handlers' time (about 2 s at capacity 4) keeps the run long enough for several cuts
     # however quickly the worker gets through its sessions.
+    timeline = Timeline()
     result = run(
-        tasks=50, rtt=0.02, mean_cut=0.3, seed=13, capacity=4, time_limit=40.0, task_max=0.3
+        tasks=50,
+        rtt=0.02,
+        mean_cut=0.3,
+        seed=13,
+        capacity=4,
+        time_limit=40.0,
+        task_max=0.3,
+        timeline=timeline,
     )
     assert result.violations == [], result
     assert result.cuts >= 3, "the link must really have cut the worker's connections"
     assert result.reconnects >= 2, "and the worker must have come back through it"
     assert result.states == {"SUCCEEDED": 50}, result.states
+    _check_timeline(timeline, result)
+
+
+def _check_timeline(timeline: Timeline, result: RunResult) -> None:
+    """The timeline holds every attempt the server created, each task ending on a SUCCEEDED
+    one, and what the worker saw of the cuts, on the run's time axis."""
+    assert len(timeline.attempts) == result.attempts
+    last = {task: state for task, _, state, _, _, _ in timeline.attempts}
+    assert sorted(last) == list(range(50)) and set(last.values()) == {"SUCCEEDED"}
+    # The server stamps attempts on the wall clock, the run is timed on the monotonic one.
+    for _, _, _, assigned, started, finished in timeline.attempts:
+        assert finished is not None and 0 <= assigned <= finished <= result.seconds + 1
+        assert started is None or assigned <= started <= finished
+    # Each event is stamped on its own thread before it is appended: nearly, not quite, sorted.
+    assert all(0 <= at <= result.seconds + 5 for at, _, _ in timeline.events)
+    kinds = {kind for _, kind, _ in timeline.events}
+    assert {"connected", "disconnected", "finished"} <= kinds
+    assert kinds <= {"connected", "disconnected", "dial_failed", "lease_lost", "finished"}
 
 
 def test_chaos_targets_fail_the_run_that_misses_them() -> None:
