@@ -28,7 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _worker_helpers import WORKER_THREAD_PREFIXES, events, has_event, make_worker, running
+from _worker_helpers import (
+    WORKER_THREAD_PREFIXES,
+    Sessions,
+    events,
+    has_event,
+    make_worker,
+    running,
+)
 
 from orbit_sync.models import AttemptState, Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer, RetrySafety, TaskSnapshot
@@ -379,7 +386,8 @@ def test_finish_cut_then_refused_reconnects_delivered_once() -> None:
     release = threading.Event()
     entered = threading.Event()
     with MockOrbitServer(lease_duration=LEASE, assignment_rate=None) as server:
-        worker = make_worker(server, capacity=2)
+        sessions = Sessions()
+        worker = make_worker(server, capacity=2, listeners=[sessions])
 
         @worker.handler("held")
         def held(ctx: TaskContext, payload: Any) -> Any:
@@ -399,6 +407,9 @@ def test_finish_cut_then_refused_reconnects_delivered_once() -> None:
             release.set()
             server.wait_until(has_event("request.deduplicated", task_id, "task.finish"), 10)
             snap = server.wait_for(task_id, TERMINAL, timeout=10)
+            # The kept finish goes out behind the resume, before the session counts as
+            # established: wait for that before reading the count.
+            assert sessions.wait(lambda s: s.established >= 2), "never reconnected"
         stats = worker.stats()
         server.check_invariants()
         assert (cut.fired, refused.fired) == (1, 2)

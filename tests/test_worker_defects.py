@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import pytest
 from _scripted import TOKEN, WAIT, SilentServer, registration
-from _worker_helpers import Probe, has_event, make_worker, running
+from _worker_helpers import Probe, Sessions, has_event, make_worker, running
 
 from orbit_sync.client import Client
 from orbit_sync.errors import WorkerDisconnected
@@ -154,7 +154,8 @@ def test_transient_error_to_resume_is_retried_on_the_same_session(
 ) -> None:
     """UNAVAILABLE answering a resume after a reconnect is retried in place, not a new session."""
     probe = Probe()
-    worker = make_worker(server, renew_retry_delay=0.1)
+    sessions = Sessions()
+    worker = make_worker(server, renew_retry_delay=0.1, listeners=[sessions])
 
     @worker.handler("slow")
     def slow(ctx: TaskContext, payload: Any) -> Any:
@@ -171,6 +172,9 @@ def test_transient_error_to_resume_is_retried_on_the_same_session(
         server.wait_until(has_event("attempt.resumed", task_id), timeout=WAIT)
         probe.release.set()
         assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is TaskState.SUCCEEDED
+        # The finish may go out before the retried resume is over (the session is counted
+        # then): wait for the session before reading the count.
+        assert sessions.wait(lambda s: s.established >= 2), "the worker never reconnected"
         assert worker.stats().reconnects == 1, "only the disconnect itself"
     assert probe.runs[task_id] == 1
 

@@ -247,7 +247,8 @@ def test_start_answer_lost_runs_handler_once(server: MockOrbitServer, fault: str
 
 def test_finish_answer_lost_is_resent_and_deduplicated(server: MockOrbitServer) -> None:
     """A finish whose answer never came is re-sent with the same message_id: deduplicated."""
-    worker = make_worker(server, call_timeout=1.0)
+    sessions = Sessions()
+    worker = make_worker(server, call_timeout=1.0, listeners=[sessions])
 
     @worker.handler("work")
     def work(ctx: TaskContext, payload: Any) -> Any:
@@ -257,6 +258,9 @@ def test_finish_answer_lost_is_resent_and_deduplicated(server: MockOrbitServer) 
     task_id = server.enqueue("work", {})
     with running(worker):
         server.wait_until(has_event("request.deduplicated", task_id, "task.finish"), timeout=10)
+        # The re-send goes out right behind the resume, before the session counts as
+        # established (its resumes over): wait for that before reading the count.
+        assert sessions.wait(lambda s: s.established >= 2), "the worker never reconnected"
     snap = server.task(task_id)
     assert dropped.fired == 1
     assert snap.state is TaskState.SUCCEEDED and snap.result == {"ok": True}
