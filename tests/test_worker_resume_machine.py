@@ -5,15 +5,13 @@ sockets, no threads."""
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import math
 
 import pytest
-from _worker_helpers import leased_task
 from test_worker_attempt import NOW, _finishing, _kinds, _lease, _machine, _result, _started
 
 from orbit_sync.errors import WorkerBusy, WorkerDisconnected, WorkerError
-from orbit_sync.models import Assignment, AttemptState, Finish, Outcome, new_id
+from orbit_sync.models import AttemptState, Finish, Outcome
 from orbit_sync.testing import FakeClock
 from orbit_sync.worker._attempt import (
     BUSY_DELAY,
@@ -35,16 +33,10 @@ from orbit_sync.worker._attempt import (
     TrackLease,
     UntrackLease,
 )
-from orbit_sync.worker._attempts import Attempt, AttemptShell, Registry
-from orbit_sync.worker._context import TaskContext
-from orbit_sync.worker._encoding import ResultEncoder
 from orbit_sync.worker._errors import NotConnected
-from orbit_sync.worker._hooks import Hooks
 from orbit_sync.worker._link import Link
 from orbit_sync.worker._outcomes import outcome_of
-from orbit_sync.worker._pool import DaemonPool
 from orbit_sync.worker._resumes import Resumes
-from orbit_sync.worker._watchdog import LeaseWatchdog, RenewDone
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 
@@ -357,46 +349,3 @@ def test_resumes_count_what_went_out_and_what_is_over() -> None:
     assert resumes.all_sent() and resumes.all_over()
     resumes.deliver("att", lambda mm: [])
     assert [s for s, _ in resumes.take()] == ["att"] and resumes.take() == [] and wakes
-
-
-def test_a_renew_left_unanswered_goes_out_once_the_connection_is_published() -> None:
-    """A renew the old connection left unanswered is sent again (same message_id) as soon as the
-    connection thread publishes the new connection, right behind the resumes, without waiting
-    for a resume's answer (and not after the retry delay)."""
-    clock = FakeClock()
-    sent: list[str] = []
-
-    def send(attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        sent.append(message_id)
-        on_done(None, NotConnected("no connection"))
-
-    watchdog = LeaseWatchdog(send, clock=clock.now, retry_delay=5.0)
-    shell = AttemptShell(
-        Registry(),
-        link=Link(clock),
-        pool=DaemonPool(1, clock=clock),
-        watchdog=watchdog,
-        hooks=Hooks(),
-        log=logging.getLogger("test"),
-        clock=clock.now,
-        encoder=ResultEncoder(),
-        call_timeout=1.0,
-        wake=lambda: None,
-        instance_id=lambda: new_id(),
-        own_thread=lambda: True,
-    )
-    task = leased_task()
-    ref = _machine().ref
-    assignment = Assignment(task, ref.attempt_id, 1, ref.lease_secret, T0, T0)
-    att = Attempt(assignment, TaskContext(task, ref.attempt_id, clock=clock), print, 1.0)
-    watchdog.track(att.id, att.ctx, clock.now() + 30.0)
-    clock.advance(15.0)
-    watchdog.run_due()  # the renew goes out on a connection that then fails
-    [first] = sent
-    assert watchdog.pending_renewals() == [att.id]
-    clock.advance(0.5)
-    watchdog.run_due()
-    assert sent == [first], "the retry delay has not passed"
-    shell.published()
-    watchdog.run_due()
-    assert sent == [first, first], "renewed at once then, same message_id"

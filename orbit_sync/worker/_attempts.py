@@ -480,12 +480,6 @@ class AttemptShell(RequestPath[Attempt]):
         for att in atts:
             self.step(att, lambda m: m.reconnected())
 
-    def published(self) -> None:
-        """The new connection is published, right behind its resumes: renew on it at once the
-        leases whose renew the old connection left unanswered, and those past a quarter of their
-        window (:meth:`LeaseWatchdog.connected`)."""
-        self._watchdog.connected()
-
     def drive_resumes(self) -> bool:
         """Step the resumes' queued outcomes (the connection thread); True if there were any."""
         taken = self.resumes.take()

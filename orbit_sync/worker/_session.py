@@ -337,7 +337,7 @@ class SessionLoop:
         self._drive_resumes(conn, resumes.all_sent)
         self._link.publish(conn)
         self._shell.resend_due()  # the kept starts and finishes, behind their resumes
-        self._shell.published()  # the renewals due, from the watchdog's thread
+        self._watchdog.connected()  # the renewals due, sent from the watchdog's thread
         first = _FirstReport()
         self._submit_first_capacity(conn, first)
         self._drive_resumes(conn, resumes.all_over)
