@@ -210,8 +210,9 @@ class LeaseWatchdog:
             if entry is None or deadline <= entry.deadline:
                 return
             entry.deadline = deadline
-            # In flight: the completion schedules from entry.due; meanwhile watch the deadline.
-            wake = self._push(entry, deadline if entry.flight else entry.due)
+            # In flight, the entry waits on its deadline (the answer schedules the next renewal):
+            # watch the later one. Otherwise its renewal, due before either deadline, stands.
+            wake = self._push(entry, deadline) if entry.flight else False
             ctx = entry.ctx
         ctx._set_deadline(deadline)
         self._wake(wake)
