@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import datetime as dt
 import itertools
 import json
 import logging
@@ -252,10 +253,8 @@ def run(
                 a.attempt_id,
                 a.state.value,
                 round(a.assigned_at.timestamp() - started_wall, 3),
-                None if a.started_at is None else round(a.started_at.timestamp() - started_wall, 3),
-                None
-                if a.finished_at is None
-                else round(a.finished_at.timestamp() - started_wall, 3),
+                _since(a.started_at, started_wall, 3),
+                _since(a.finished_at, started_wall, 3),
             )
             for i, t in enumerate(ids)
             for a in snaps[t].attempts
@@ -307,12 +306,17 @@ def run(
             (
                 a.state.value,
                 round(a.assigned_at.timestamp() - started_wall, 1),
-                None if a.started_at is None else round(a.started_at.timestamp() - started_wall, 1),
+                _since(a.started_at, started_wall, 1),
             )
             for a in snaps[closer].attempts
         ],
         settle_seconds=settle,
     )
+
+
+def _since(moment: dt.datetime | None, origin: float, digits: int) -> float | None:
+    """*moment* (a server timestamp) in s after *origin* (wall clock), rounded; None stays."""
+    return None if moment is None else round(moment.timestamp() - origin, digits)
 
 
 def _ended(task: TaskSnapshot) -> float:
