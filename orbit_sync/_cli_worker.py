@@ -175,7 +175,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         try:
             token = read_token_file(args.token_file)
         except ValueError as exc:
-            parser.error(str(exc))
+            # The path is the whole story: one line, not the usage block.
+            report_error(f"error: {exc}")
+            return EXIT_USAGE
     # Settings that are wrong whatever the module does: one line and exit 2, before it is
     # imported (a module reading them at import would fail with a traceback).
     try:
@@ -242,7 +244,9 @@ def serve(worker: Any, label: str, link: Any = None) -> int:
     except Exception as exc:
         # The worker's errors never carry secrets (errors.py); show the type and message.
         status = exit_status_for(exc)
-        report_error(f"worker stopped on {type(exc).__name__}: {exc} (exit {status})")
+        hint = refused_credentials(exc, worker.options["client"])
+        why = f"; {hint}" if hint else ""
+        report_error(f"worker stopped on {type(exc).__name__}: {exc}{why} (exit {status})")
         if status == EXIT_FAILED:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         return status
@@ -264,6 +268,27 @@ def exit_status_for(exc: BaseException) -> int:
     if isinstance(exc, WorkerProtocolError | WorkerError | HTTPError):
         return EXIT_PROTOCOL
     return EXIT_FAILED
+
+
+def refused_credentials(exc: BaseException, client: object) -> str | None:
+    """What a refusal of the credentials means and which token was used (named by where it came
+    from, never shown); None when *exc* is not such a refusal."""
+    source = getattr(client, "_token_source", None) or "the module's client"
+    if isinstance(client, Client) and client._token == os.environ.get("ORBIT_TOKEN"):
+        source = "$ORBIT_TOKEN"  # a module that read the variable itself
+    code = exc.code if isinstance(exc, WorkerError) else None
+    status = exc.status_code if isinstance(exc, HTTPError) else None
+    if status == 401 or code == "UNAUTHENTICATED":
+        return (
+            f"the server does not accept the token from {source} (401: it does not know this "
+            "token: one of another server, expired, revoked, or not a worker token)"
+        )
+    if status == 403 or code == "PERMISSION_DENIED":
+        return (
+            f"the server knows the token from {source} but it lacks a permission (403: it "
+            "needs the workers:connect scope and access to this queue)"
+        )
+    return None
 
 
 def _export(args: argparse.Namespace) -> None:
@@ -343,26 +368,31 @@ def _apply_options(worker: Any, args: argparse.Namespace, token: str | None) -> 
     if args.queue is not None:
         changes["queue_id"] = args.queue
     if args.url is not None or token is not None:
-        changes["client"] = _client(worker.options["client"], args.url, token)
+        source = None if args.token_file is None else f"--token-file {args.token_file}"
+        changes["client"] = _client(worker.options["client"], args.url, token, source)
     if not worker.options.get("handle_signals", True):
         changes["handle_signals"] = True  # a supervised process must drain on SIGTERM
     return worker.with_options(**changes) if changes else worker
 
 
-def _client(current: object, url: str | None, token: str | None) -> Client:
+def _client(current: object, url: str | None, token: str | None, source: str | None) -> Client:
     """A Client for *url* (default: the current client's) with *token* (default: $ORBIT_TOKEN,
-    then the current client's)."""
+    then the current client's); *source* says where *token* came from."""
     if url is None:
         url = getattr(current, "base_url", None)
         if not isinstance(url, str):
             raise ValueError("--token-file needs --url: the module's client has no base_url")
-    if token is None:
-        token = os.environ.get("ORBIT_TOKEN") or None
+    if token is None and os.environ.get("ORBIT_TOKEN"):
+        token, source = os.environ["ORBIT_TOKEN"], "$ORBIT_TOKEN"
     if token is None and isinstance(current, Client):
-        token = current._token  # same server, new address: keep the module's credentials
+        # Same server, new address: keep the module's credentials.
+        token, source = current._token, current._token_source
     if token is None:
         raise ValueError("no token: set $ORBIT_TOKEN or use --token-file")
-    return Client(url, token)
+    client = Client(url, token)
+    if source is not None:
+        client._token_source = source
+    return client
 
 
 def _banner(worker: Any, target: str) -> None:

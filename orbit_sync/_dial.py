@@ -16,6 +16,9 @@ past its blank line, so the first frame stays on the socket for the transport) i
   (``ssl.create_default_context()``) loads the OpenSSL default verify paths, which
   ``SSL_CERT_FILE`` and ``SSL_CERT_DIR`` replace. Whoever sets those variables for the process
   chooses which certificate authorities it trusts; pass an explicit ``ssl_context`` to pin them.
+* Host names are matched against the certificate's subjectAltName only: the dial turns the
+  common-name fallback off on the context it uses (``hostname_checks_common_name = False``,
+  RFC 6125), the caller's context included.
 * ``redirect_limit=0``: a redirect would re-send ``Authorization`` to another host.
 """
 
@@ -196,6 +199,11 @@ def connect(
 def _wrap_tls(
     sock: socket.socket, host: str, context: ssl.SSLContext, guard: DialGuard
 ) -> ssl.SSLSocket:
+    # RFC 6125 retired matching the host name against the certificate's common name: only its
+    # subjectAltName counts, so a CN-only certificate is refused even by a context (the
+    # caller's included) that still allows the fallback. Set at every dial: the caller may
+    # have turned it back on since.
+    context.hostname_checks_common_name = False
     try:
         tls = context.wrap_socket(sock, server_hostname=host, do_handshake_on_connect=False)
     except (OSError, ValueError):

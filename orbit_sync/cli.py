@@ -245,7 +245,8 @@ def _given_token(
         try:
             return read_token_file(path)
         except ValueError as exc:
-            parser.error(str(exc))
+            # The path is the whole story: one line, not the usage block.
+            parser.exit(2, f"{parser.prog}: error: {exc}\n")
     return value if value is not None else os.environ.get(env)
 
 

@@ -202,7 +202,9 @@ class Client:
     ``ssl.create_default_context()``, which honours ``SSL_CERT_FILE``/``SSL_CERT_DIR``) must
     verify certificates and host names; there is no switch to skip verification. The context is
     the caller's mutable object: it is checked again at every dial, and a dial with a context
-    weakened since raises ``ValueError`` before connecting.
+    weakened since raises ``ValueError`` before connecting. Host names are matched against the
+    certificate's subjectAltName only: each dial sets ``hostname_checks_common_name = False`` on
+    the context, so a certificate naming the host in its common name alone is refused.
     """
 
     def __init__(
@@ -229,6 +231,9 @@ class Client:
         self._host = host
         self._port = port
         self._token = token
+        #: Where the token came from, named when the server refuses it (never the token itself);
+        #: set by from_env() and by the command line, which know.
+        self._token_source = "the token given to Client()"
         self._ssl_context = ssl_context
 
     @classmethod
@@ -271,7 +276,9 @@ class Client:
         except ValueError as exc:
             name = "ORBIT_TOKEN_FILE" if token_file else "ORBIT_TOKEN"
             raise SettingError(f"{name}: {exc}") from None
-        return cls(url, token, ssl_context=ssl_context)
+        client = cls(url, token, ssl_context=ssl_context)
+        client._token_source = f"$ORBIT_TOKEN_FILE ({token_file})" if token_file else "$ORBIT_TOKEN"
+        return client
 
     @property
     def base_url(self) -> str:

@@ -152,6 +152,21 @@ def test_usage_errors_exit_2_without_echoing_tokens(args: list[str], message: st
     assert done.stdout == ""
 
 
+def test_an_unreadable_token_file_is_one_line() -> None:
+    """--token-file naming no file prints one line saying why, not the usage block."""
+    done = subprocess.run(
+        command("mock-server", "--port", "0", "--token-file", "/nonexistent/tok"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=clean_env(),
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "orbit-sync: error: cannot read the token file /nonexistent/tok: No such file or directory"
+    ]
+
+
 def test_busy_port_exits_1() -> None:
     """A port already in use is reported and the command exits 1, printing no banner."""
     with socket.socket() as busy:

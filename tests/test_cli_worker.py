@@ -223,6 +223,47 @@ def test_rejected_token_exits_4(orbit_server: MockOrbitServer, project: Path) ->
     assert token not in done.stderr and token not in done.stdout
 
 
+@pytest.mark.parametrize("where", ["module", "env", "option", "env-file"])
+def test_a_refused_token_is_named_by_where_it_came_from(
+    orbit_server: MockOrbitServer, project: Path, where: str
+) -> None:
+    """The 401 line names the credential used ($ORBIT_TOKEN, the --token-file path or the
+    $ORBIT_TOKEN_FILE path) and what 401 means, never the token."""
+    token = "not-a-valid-token-0123456789"
+    token_file = project / "token"
+    token_file.write_text(token + "\n")
+    env = clean_env(ORBIT_URL=orbit_server.url, ORBIT_QUEUE_ID=orbit_server.queue_id)
+    argv = ["worker", "userworker:from_env"]
+    if where == "module":  # the module reads os.environ["ORBIT_TOKEN"] itself
+        argv, env["ORBIT_TOKEN"], source = ["worker", "userworker:make"], token, "$ORBIT_TOKEN"
+    elif where == "env":
+        env["ORBIT_TOKEN"], source = token, "$ORBIT_TOKEN"
+    elif where == "option":
+        argv += ["--token-file", "token"]
+        source = "--token-file token"
+    else:
+        env["ORBIT_TOKEN_FILE"], source = str(token_file), f"$ORBIT_TOKEN_FILE ({token_file})"
+    done = run_cli(*argv, env=env, cwd=project)
+    assert done.returncode == 4, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("orbit-sync: ")]
+    assert f"the server does not accept the token from {source} (401: it does not know" in line
+    assert line.endswith("(exit 4)"), line
+    assert token not in done.stderr + done.stdout
+
+
+def test_a_token_without_the_scope_says_what_403_means(
+    orbit_server: MockOrbitServer, project: Path
+) -> None:
+    """A token the server knows but that lacks workers:connect: exit 4, and the line says the
+    token is known but lacks a permission."""
+    token = orbit_server.add_token({"workers:consume"})
+    done = run_cli("worker", "userworker:from_env", env=env_for(orbit_server, token), cwd=project)
+    assert done.returncode == 4, done.stderr
+    assert "HTTP 403" in done.stderr
+    assert "knows the token from $ORBIT_TOKEN but it lacks a permission" in done.stderr
+    assert token not in done.stderr + done.stdout
+
+
 def test_a_server_that_is_not_orbit_exits_5(project: Path) -> None:
     """A WebSocket server that does not speak pulse.worker.v1 stops the worker with exit 5."""
     from websockets.sync.server import serve
@@ -304,6 +345,22 @@ def test_bad_options_exit_2_before_loading(project: Path, args: list[str], messa
     assert done.returncode == 2
     assert message in done.stderr
     assert "userworker imported" not in done.stderr
+
+
+def test_an_unreadable_token_file_is_one_line(project: Path) -> None:
+    """--token-file naming no file prints one line saying why, not the usage block."""
+    done = run_cli(
+        "worker",
+        "userworker:make",
+        "--token-file",
+        "/nonexistent/tok",
+        env=clean_env(),
+        cwd=project,
+    )
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [
+        "orbit-sync: error: cannot read the token file /nonexistent/tok: No such file or directory"
+    ]
 
 
 def test_token_file_content_is_never_echoed(project: Path) -> None:

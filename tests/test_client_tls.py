@@ -112,6 +112,39 @@ def test_host_name_mismatch_is_refused(ca: trustme.CA, trusting: ssl.SSLContext)
         assert server.requests == []
 
 
+def test_a_common_name_only_certificate_is_refused(
+    ca: trustme.CA, trusting: ssl.SSLContext
+) -> None:
+    """A trusted certificate naming localhost only in its common name (no subjectAltName entry)
+    is refused, although the caller's context allows the common-name fallback."""
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert(common_name="localhost").configure_cert(server_context)
+    assert trusting.hostname_checks_common_name  # the standard library's default: True
+    with ScriptedServer(ssl_context=server_context) as server:
+        with pytest.raises(WorkerDisconnected) as caught:
+            Client(server.url, TOKEN, ssl_context=trusting).dial_worker(
+                registration(), timeout=WAIT
+            )
+        assert "certificate" in str(caught.value)
+        assert server.requests == []
+    assert not trusting.hostname_checks_common_name
+
+
+def test_a_subject_alt_name_certificate_is_accepted(
+    ca: trustme.CA, trusting: ssl.SSLContext
+) -> None:
+    """The same host in the certificate's subjectAltName (with the same common name) is the
+    supported case: the dial completes."""
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("localhost", common_name="localhost").configure_cert(server_context)
+    with ScriptedServer(ssl_context=server_context) as server:
+        conn, _peer = open_pair(server, ssl_context=trusting)
+        try:
+            assert conn.err is None
+        finally:
+            conn.close()
+
+
 def test_concurrent_calls_and_pushes_over_tls(
     tls_server: ScriptedServer, trusting: ssl.SSLContext
 ) -> None:

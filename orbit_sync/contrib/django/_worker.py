@@ -116,14 +116,18 @@ def build_worker(
     url = url or conf.get("URL") or env.get("ORBIT_URL")
     if not url:
         raise ImproperlyConfigured("no Orbit server: set ORBIT_SYNC['URL'] or $ORBIT_URL")
+    # Where the token came from, named if the server refuses it (never the token itself).
+    source = "the token given to build_worker()"
     if token is None:
-        token = conf.get("TOKEN")
+        token, source = conf.get("TOKEN"), "ORBIT_SYNC['TOKEN']"
     if token is None and conf.get("TOKEN_FILE"):
         token = read_token_file(conf["TOKEN_FILE"])
+        source = f"ORBIT_SYNC['TOKEN_FILE'] ({conf['TOKEN_FILE']})"
     if token is None:
-        token = env.get("ORBIT_TOKEN") or None
+        token, source = env.get("ORBIT_TOKEN") or None, "$ORBIT_TOKEN"
     if token is None and env.get("ORBIT_TOKEN_FILE"):
         token = read_token_file(env["ORBIT_TOKEN_FILE"])
+        source = f"$ORBIT_TOKEN_FILE ({env['ORBIT_TOKEN_FILE']})"
     if token is None:
         raise ImproperlyConfigured(
             "no Orbit token: set ORBIT_SYNC['TOKEN_FILE'], $ORBIT_TOKEN or $ORBIT_TOKEN_FILE"
@@ -138,8 +142,10 @@ def build_worker(
         )
     options: dict[str, Any] = dict(conf.get("WORKER_OPTIONS", {}))
     listeners = [CloseOldConnections(), *options.pop("listeners", ())]
+    client = Client(url, token)
+    client._token_source = source
     worker = Worker(
-        Client(url, token),
+        client,
         queue_id=queue_id,
         capacity=capacity if capacity is not None else conf.get("CAPACITY", 8),
         drain_timeout=drain_timeout if drain_timeout is not None else conf.get("DRAIN_TIMEOUT", 30),

@@ -65,6 +65,8 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
         except (ImproperlyConfigured, ValueError) as exc:
             # Configuration, not a bug: the message, not a traceback (and never the token).
             raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
+        if options["token_file"] is not None:
+            worker.options["client"]._token_source = f"--token-file {options['token_file']}"
         status = _cli_worker.serve(worker, "manage.py orbit_worker", link)
         if link is not None:
             link.exit(status, _cli_worker.last_error())
