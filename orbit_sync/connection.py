@@ -11,10 +11,12 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
   caller or running a pipelined request's callback), queues pushes (or hands them to the
   ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment queue closes
   the connection with ``WorkerBackpressure``). It is the only thread that reads the socket:
-  callers wait on their own slot (a pooled lock) until their deadline, so an interrupted or
-  timed-out caller abandons its slot and never leaves a frame half read. Code running on the
-  reader (a completion or push callback) must not block: a request or a queue wait made from it
-  raises ``RuntimeError`` at once, and ``close()`` from it does not wait for the reader;
+  every call in flight holds one of at most 32 slots, each a reused ``threading.Event`` the
+  reader sets (:class:`_Slot`); a blocking caller waits on its own slot until its deadline, so
+  an interrupted or timed-out caller abandons its slot and never leaves a frame half read. Code
+  running on the reader (a completion or push callback) must not block: a request or a queue
+  wait made from it raises ``RuntimeError`` at once, and ``close()`` from it does not wait for
+  the reader;
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send), and a caller
@@ -95,36 +97,44 @@ READER_EXIT_WAIT = 5.0
 T = TypeVar("T")
 
 
-class _Waiter:
-    """A blocked caller's parking place, reused across calls (no Event per call).
+class _Slot:
+    """One call in flight: a reused ``threading.Event``, the answer it carries, and the
+    completion of a pipelined request.
 
-    Its lock is held while nobody has answered: ``done`` releases it, and the waiting thread's
-    successful ``acquire`` both wakes it and makes the waiter ready for the next call.
+    Every call holds a slot from its send until its answer or failure (so at most
+    :data:`MAX_IN_FLIGHT` are in use); the reader (or whichever thread ends the call) stores the
+    answer and sets the event. A blocking caller waits on the event with its deadline; a
+    pipelined request's completion runs as its slot is set.
     """
 
-    __slots__ = ("error", "lock", "value")
+    __slots__ = ("error", "event", "free", "on_done", "value")
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
+    def __init__(self, free: list[_Slot]) -> None:
+        self.event = threading.Event()
         self.value: Any = None
         self.error: OrbitError | None = None
+        self.on_done: Done | None = None
+        #: The connection's idle slots, where this one goes back once its call is over.
+        self.free = free
 
-    def done(self, value: Any, error: OrbitError | None) -> None:
+    def complete(self, value: Any, error: OrbitError | None) -> None:
+        """The call's answer (or failure) arrived: set the slot, then run the completion (a
+        pipelined call's slot is then free again; a blocking caller frees its own)."""
         self.value = value
         self.error = error
-        self.lock.release()
+        self.event.set()
+        on_done = self.on_done
+        if on_done is not None:
+            try:
+                on_done(value, error)
+            finally:
+                self.release()
 
-
-#: Idle waiters; list.append/pop are atomic, so taking and returning one needs no lock.
-_WAITERS: list[_Waiter] = []
-
-
-def _take_waiter() -> _Waiter:
-    try:
-        return _WAITERS.pop()
-    except IndexError:
-        return _Waiter()
+    def release(self) -> None:
+        """Back to the idle slots, cleared (list.append is atomic: no lock needed)."""
+        self.value = self.error = self.on_done = None
+        self.event.clear()
+        self.free.append(self)
 
 
 class WorkerConnection:
@@ -169,6 +179,9 @@ class WorkerConnection:
             callbacks=self._callbacks,
         )
         self._lock = threading.Lock()
+        #: Idle call slots (see :class:`_Slot`): created on demand, so never more than the most
+        #: calls ever in flight at once (at most MAX_IN_FLIGHT), and reused.
+        self._slots: list[_Slot] = []
         # The deadline thread sleeps on this; it is woken only for a call due before that.
         self._timer = threading.Condition(self._lock)
         self._wake_at = math.inf
@@ -378,7 +391,7 @@ class WorkerConnection:
         nothing was sent and ``on_done`` is not called.
         """
         self._check_request(request_type, body)
-        call = self._send(request_type, body, message_id, timeout, on_done)
+        call, _ = self._send(request_type, body, message_id, timeout, on_done)
         return call.message_id
 
     def _submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
@@ -398,6 +411,10 @@ class WorkerConnection:
             self._check_request(request.request_type, request.body)
         with self._lock:
             texts, ids, refused = self._core.open_batch(requests)
+            calls = self._core.calls
+            for request, mid in zip(requests, ids, strict=True):
+                if mid is not None:  # sent: its completion runs as its slot is set
+                    calls[mid].on_done = self._take_slot(request.on_done).complete
             if texts:
                 self._timer.notify()  # new deadlines: the thread computes the next one
         # A failure completes every call of the batch with its error.
@@ -419,20 +436,17 @@ class WorkerConnection:
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
     ) -> Any:
         self._refuse_on_reader(f"a {request_type} request")
-        # The waiter goes back to the pool only after a completed wait: after an exception (a
-        # wrong argument, or Ctrl-C while the call may be in flight) it is dropped, so a late
-        # answer releases a lock nobody uses again.
-        waiter = _take_waiter()
-        call = self._send(request_type, body, message_id, timeout, waiter.done)
-        if not waiter.lock.acquire(timeout=max(0.0, call.deadline - time.monotonic())):
+        call, slot = self._send(request_type, body, message_id, timeout, None)
+        # The slot is freed only after a completed wait: after an exception (Ctrl-C while the
+        # call may be in flight) it is left to the late answer, and never reused.
+        if not slot.event.wait(max(0.0, call.deadline - time.monotonic())):
             # Normally the deadline thread ends the connection first; if it did not, do it here.
             with self._lock:
                 events = self._core.give_up(call)
             self._handle(events)
-            waiter.lock.acquire()  # completed (by the answer or the failure) just now
-        value, error = waiter.value, waiter.error
-        waiter.value = waiter.error = None
-        _WAITERS.append(waiter)
+            slot.event.wait()  # completed (by the answer or the failure) just now
+        value, error = slot.value, slot.error
+        slot.release()
         if error is not None:
             raise error
         return value
@@ -451,14 +465,23 @@ class WorkerConnection:
         body: Any,
         message_id: str | None,
         timeout: float | None,
-        on_done: Done,
-    ) -> Call:
+        on_done: Done | None,
+    ) -> tuple[Call, _Slot]:
         with self._lock:
-            call, text = self._core.open(request_type, body, message_id, timeout, on_done)
+            call, text = self._core.open(request_type, body, message_id, timeout, _unset)
+            # A slot only for a call that goes out: a refused one never makes a new slot.
+            slot = self._take_slot(on_done)
+            call.on_done = slot.complete
             self._arm(call.deadline)
         if self._write(self._transport.send_text, text):
             log.debug("sent %s message_id=%s", request_type, call.message_id)
-        return call
+        return call, slot
+
+    def _take_slot(self, on_done: Done | None) -> _Slot:
+        """An idle slot (a new one while fewer than the calls in flight exist), for *on_done*."""
+        slot = self._slots.pop() if self._slots else _Slot(self._slots)
+        slot.on_done = on_done
+        return slot
 
     def _arm(self, deadline: float) -> None:
         """Wake the deadline thread if *deadline* comes before what it sleeps until (locked)."""
@@ -606,6 +629,10 @@ def _caused(err: OrbitError, cause: BaseException) -> OrbitError:
 def _check_ref(ref: object) -> None:
     if not isinstance(ref, AttemptRef):
         raise TypeError("ref must be an AttemptRef (assignment.attempt)")
+
+
+def _unset(value: Any, error: OrbitError | None) -> None:
+    raise AssertionError("a call's completion is its slot's, set as the call is opened")
 
 
 def _run_done(on_done: Done, value: Any, error: OrbitError | None, request_type: str) -> None:

@@ -30,11 +30,12 @@ from _scripted import (
     raw_frame,
 )
 
-from orbit_sync.connection import ASSIGNMENT_BUFFER, WorkerConnection
+from orbit_sync.connection import ASSIGNMENT_BUFFER, MAX_IN_FLIGHT, WorkerConnection
 from orbit_sync.errors import (
     CallTimeout,
     OrbitError,
     WorkerBackpressure,
+    WorkerBusy,
     WorkerClosed,
     WorkerDisconnected,
     WorkerError,
@@ -303,6 +304,39 @@ def test_ctrl_c_in_a_waiting_request_abandons_only_its_slot(
     thread.join(WAIT)
     assert isinstance(out.get("result"), CommandResult), out
     assert conn.err is None
+
+
+def test_calls_hold_reused_event_slots_capped_at_the_in_flight_limit(
+    pair: tuple[WorkerConnection, Peer],
+) -> None:
+    """Sequential calls reuse one Event slot; 32 pipelined calls hold 32, the 33rd is refused,
+    and every slot is idle again once answered."""
+    conn, peer = pair
+    for _ in range(3):
+        thread, out = _run(lambda: conn.renew(REF))
+        peer.send_raw(_ack(peer.recv()))
+        thread.join(WAIT)
+        assert isinstance(out.get("result"), CommandResult), out
+    assert len(conn._slots) == 1
+    assert isinstance(conn._slots[0].event, threading.Event)
+    answered: list[OrbitError | None] = []
+    all_answered = threading.Event()
+
+    def on_done(value: Any, error: OrbitError | None) -> None:
+        answered.append(error)
+        if len(answered) == MAX_IN_FLIGHT:
+            all_answered.set()
+
+    for _ in range(MAX_IN_FLIGHT):
+        conn._submit("task.renew", REF, on_done)
+    assert conn._slots == []
+    with pytest.raises(WorkerBusy):
+        conn._submit("task.renew", REF, on_done)
+    requests = [peer.recv() for _ in range(MAX_IN_FLIGHT)]
+    peer.send_raw(b"".join(_ack(request) for request in requests))
+    assert all_answered.wait(WAIT)
+    assert answered == [None] * MAX_IN_FLIGHT
+    assert len({id(slot) for slot in conn._slots}) == MAX_IN_FLIGHT
 
 
 def test_ctrl_c_as_the_write_holds_it_sends_nothing_and_leaves_ctrl_c_working(
