@@ -37,6 +37,8 @@ from orbit_sync.worker._attempt import (
     RetryAfter,
     RunHandler,
     Send,
+    SlotFreed,
+    SlotStuck,
     TrackLease,
     UntrackLease,
 )
@@ -321,14 +323,16 @@ def test_worker_stopping_before_the_start_answer_runs_nothing() -> None:
 
 
 def test_abandon_finishes_unknown_and_drops_the_late_result() -> None:
-    """Shutdown abandons a running handler (UNKNOWN); its later return is dropped."""
+    """Shutdown abandons a running handler (UNKNOWN, its slot stuck); its later return is
+    dropped and frees the slot."""
     m = _machine()
     _started(m)
     actions = m.abandon()
-    assert _kinds(actions) == [UntrackLease, RecordFinish, Send] and m.abandoned
+    assert _kinds(actions) == [UntrackLease, SlotStuck, RecordFinish, Send] and m.abandoned
+    assert actions[1] == SlotStuck("shutdown")
     assert m.verdict is not None and m.verdict.outcome is Outcome.UNKNOWN
     assert m.verdict.error_code == "SHUTDOWN_TIMEOUT"
-    assert m.handler_returned(outcome_of(value=1)) == [] and m.handler_done
+    assert m.handler_returned(outcome_of(value=1)) == [SlotFreed()] and m.handler_done
     assert m.verdict.error_code == "SHUTDOWN_TIMEOUT"
 
 

@@ -21,9 +21,10 @@ from ._hooks import (
     DrainEvent,
     LeaseEvent,
     SessionEvent,
+    StuckEvent,
     WorkerListener,
 )
-from ._outcomes import Fail, TaskCancelled, UnknownEffect, Verdict
+from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
 
@@ -39,8 +40,10 @@ __all__ = [
     "LeaseEvent",
     "SessionEvent",
     "ShutdownReport",
+    "StuckEvent",
     "TaskCancelled",
     "TaskContext",
+    "TimeLimitExceeded",
     "UnknownEffect",
     "Verdict",
     "Worker",

@@ -80,7 +80,7 @@ class Admission:
                     task.task_id,
                 )
                 return
-            handler, task_log = found
+            handler, task_log, time_limit = found
             ctx = TaskContext(
                 task,
                 assignment.attempt_id,
@@ -88,7 +88,7 @@ class Admission:
                 logger=task_log,
                 worker_logger=self._log,
             )
-            att = Attempt(assignment, ctx, handler, self._retry_delay)
+            att = Attempt(assignment, ctx, handler, self._retry_delay, time_limit)
             self._reg.attempts[att.id] = att
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts

@@ -21,7 +21,8 @@ one idea, and every transition reads the same few fields; split by phase, a reco
                      (link failure: kept, re-sent on the next connection;  FINISHING
                       transient error: re-sent after a delay)   RUNNING --handler returned /
                                                                 outbox refused the launch /
-                                                                shutdown abandoned it-->
+                                                                shutdown or the time limit
+                                                                abandoned it-->
     FINISHING --finish answered--> DELIVERED
               --finish refused---> REFUSED
               --worker stopped---> UNREPORTED
@@ -50,6 +51,15 @@ its own (docs/protocol.md §13), and sends their requests through the same path:
                                   |--refused / inactive lease, no finish stored--> ENDED
                                   \\--the replay stopped first----------------> UNREPORTED
 
+A handler with a time limit, past it (the shell's timer, on the worker's clock):
+
+::
+
+    RUNNING --time limit passed--> context cancelled (time_limit), the handler interrupted
+      handler returns within the grace --> FINISHING (FAILED HANDLER_TIMEOUT, from its ending)
+      thread still running past the grace --> FINISHING (UNKNOWN HANDLER_TIMEOUT), slot stuck
+      (a child process is killed by the process executor instead: the handler's ending decides)
+
 A request (start, resume or finish) keeps its ``message_id`` for as long as it lives, so every
 re-send is the same operation to the server (PROTOCOL §7). The retry/fatal classification is
 :mod:`._errors`'s, shared with the outbox replay.
@@ -65,8 +75,17 @@ import attrs
 from ..errors import OrbitError, WorkerBusy
 from ..models import AttemptRef, AttemptState, CommandResult, Disposition, Finish, Lease, may_run_at
 from ._errors import is_link_failure, is_transient
-from ._outcomes import Verdict, abandoned, not_run, outbox_unavailable, worker_error, worker_lost
+from ._outcomes import (
+    Verdict,
+    abandoned,
+    not_run,
+    outbox_unavailable,
+    timed_out,
+    worker_error,
+    worker_lost,
+)
 from ._outcomes import stored as stored_verdict
+from ._time_limits import TimeLimit
 
 __all__ = [
     "BUSY_DELAY",
@@ -76,6 +95,7 @@ __all__ = [
     "BreakConnection",
     "CancelContext",
     "Ended",
+    "InterruptHandler",
     "LeaseLost",
     "LeaseView",
     "NotStarted",
@@ -89,6 +109,8 @@ __all__ = [
     "RetryAfter",
     "RunHandler",
     "Send",
+    "SlotFreed",
+    "SlotStuck",
     "TrackLease",
     "UntrackLease",
 ]
@@ -210,6 +232,28 @@ class LeaseLost:
 
 
 @attrs.frozen
+class InterruptHandler:
+    """Raise ``TimeLimitExceeded`` in the handler's thread, and step
+    :meth:`AttemptMachine.time_limit_grace_passed` *grace* seconds from now."""
+
+    grace: float
+
+
+@attrs.frozen
+class SlotStuck:
+    """The attempt was finished while its handler still runs, past the cancel grace of
+    *reason* (``time_limit`` or ``shutdown``): its thread holds a slot until it returns, if it
+    ever does."""
+
+    reason: str
+
+
+@attrs.frozen
+class SlotFreed:
+    """A stuck handler returned at last: its slot is free (its result is dropped)."""
+
+
+@attrs.frozen
 class RunHandler:
     """Record the launch (outbox) and run the handler on a pool thread."""
 
@@ -276,6 +320,9 @@ Action = (
     | RefreshLease
     | UntrackLease
     | CancelContext
+    | InterruptHandler
+    | SlotStuck
+    | SlotFreed
     | LeaseLost
     | RunHandler
     | RecordFinish
@@ -304,6 +351,8 @@ class AttemptMachine:
         "resumed_running",
         "retry_delay",
         "stored",
+        "time_limit",
+        "timed_out",
         "verdict",
     )
 
@@ -313,8 +362,13 @@ class AttemptMachine:
         *,
         new_id: Callable[[], str],
         retry_delay: float,
+        time_limit: TimeLimit | None = None,
     ) -> None:
         self.ref = ref
+        #: The handler's time limit, if it has one.
+        self.time_limit = time_limit
+        #: The handler ran past its time limit and was interrupted.
+        self.timed_out = False
         self._new_id = new_id
         self.retry_delay = retry_delay
         self.phase = Phase.ASSIGNED
@@ -502,10 +556,14 @@ class AttemptMachine:
     # ------------------------------------------------------------------ the handler
 
     def handler_returned(self, verdict: Verdict) -> list[Action]:
-        """The handler ended with *verdict*: finish it, unless shutdown already did."""
+        """The handler ended with *verdict*: finish it, unless it was abandoned already."""
+        if self.handler_done:
+            return []
         self.handler_done = True
+        if self.abandoned:
+            return [SlotFreed()]  # finished UNKNOWN already: this result is dropped
         if self.phase is not Phase.RUNNING:
-            return []  # abandoned: finished UNKNOWN by shutdown; this result is dropped
+            return []
         return [*_TRACK_END, *self._finish(verdict)]
 
     def launch_refused(self) -> list[Action]:
@@ -574,12 +632,38 @@ class AttemptMachine:
 
     def abandon(self) -> list[Action]:
         """Shutdown gave up waiting for the handler: finish UNKNOWN (``SHUTDOWN_TIMEOUT``)."""
+        return self._abandon(abandoned(), "shutdown")
+
+    def time_limit_passed(self) -> list[Action]:
+        """The handler has run for its time limit: cancel its context (``time_limit``) and, on a
+        thread, interrupt it, giving it the grace to stop. A handler in a child process is
+        interrupted there by the process executor, which kills the child past the grace."""
+        limit = self.time_limit
+        if limit is None or self.timed_out or self.phase is not Phase.RUNNING:
+            return []
+        if self.handler_done:
+            return []
+        self.timed_out = True
+        if limit.in_process:
+            return [CancelContext("time_limit")]
+        return [CancelContext("time_limit"), InterruptHandler(limit.grace)]
+
+    def time_limit_grace_passed(self) -> list[Action]:
+        """The grace after the time limit is over and the handler's thread still runs: it cannot
+        be stopped, so its effect is uncertain: finish UNKNOWN (``HANDLER_TIMEOUT``)."""
+        if not self.timed_out:
+            return []
+        return self._abandon(timed_out(), "time_limit")
+
+    # ------------------------------------------------------------------ internal
+
+    def _abandon(self, verdict: Verdict, reason: str) -> list[Action]:
+        """Give up waiting for a handler that does not stop: finish with *verdict* (UNKNOWN)
+        now; its thread keeps a slot (stuck) until it returns, and its late result is dropped."""
         if self.phase is not Phase.RUNNING or self.handler_done:
             return []
         self.abandoned = True
-        return [*_TRACK_END, *self._finish(abandoned())]
-
-    # ------------------------------------------------------------------ internal
+        return [*_TRACK_END, SlotStuck(reason), *self._finish(verdict)]
 
     def _live_resumed(
         self,

@@ -42,6 +42,7 @@ from ._attempt import (
     Action,
     AttemptMachine,
     CancelContext,
+    InterruptHandler,
     LeaseLost,
     LeaseView,
     NotStarted,
@@ -54,19 +55,23 @@ from ._attempt import (
     ResumeEnded,
     RunHandler,
     Send,
+    SlotFreed,
+    SlotStuck,
     TrackLease,
     UntrackLease,
 )
 from ._context import TaskContext
 from ._encoding import ResultEncoder
-from ._hooks import AttemptEvent, AttemptFinished, Hooks, LeaseEvent
+from ._hooks import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
 from ._link import Link
 from ._outbox import Outbox, OutboxError
-from ._outcomes import HANDLER_ERROR, Verdict, not_run, outcome_of
+from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outcome_of
 from ._pool import DaemonPool
 from ._report import AttemptInfo
 from ._requests import Event, RequestPath
 from ._resumes import Resumes
+from ._time_limits import Interruptible, TimeLimit
+from ._timers import Timers
 from ._watchdog import LeaseWatchdog
 
 __all__ = ["Attempt", "AttemptShell", "Handler", "Registry", "attempt_event", "lease_event"]
@@ -79,17 +84,34 @@ class Attempt:
     """One assignment as the worker tracks it: its context, its handler, and its state machine
     (:class:`._attempt.AttemptMachine`), which is read and changed only under ``lock``."""
 
-    __slots__ = ("ctx", "handler", "lock", "machine", "ref", "task")
+    __slots__ = ("ctx", "handler", "limit_at", "lock", "machine", "ref", "running_on", "task")
 
     def __init__(
-        self, assignment: Assignment, ctx: TaskContext, handler: Handler, retry_delay: float
+        self,
+        assignment: Assignment,
+        ctx: TaskContext,
+        handler: Handler,
+        retry_delay: float,
+        time_limit: TimeLimit | None = None,
     ) -> None:
         self.task = assignment.task
         self.ref: AttemptRef = assignment.attempt
         self.ctx = ctx
         self.handler = handler
-        self.machine = AttemptMachine(self.ref, new_id=new_message_id, retry_delay=retry_delay)
+        self.machine = AttemptMachine(
+            self.ref, new_id=new_message_id, retry_delay=retry_delay, time_limit=time_limit
+        )
         self.lock = threading.Lock()
+        #: The handler's thread, to interrupt at its time limit (a thread handler with one).
+        self.running_on = (
+            None if time_limit is None or time_limit.in_process else Interruptible(self.lock)
+        )
+        #: When the handler reaches its time limit (clock time; set as it starts).
+        self.limit_at = 0.0
+
+    @property
+    def time_limit(self) -> TimeLimit | None:
+        return self.machine.time_limit
 
     @property
     def id(self) -> str:
@@ -116,6 +138,8 @@ class Registry:
         self.unreported: list[AttemptInfo] = []
         #: Handlers running now.
         self.running = 0
+        #: Attempts finished UNKNOWN while their handler still runs: each holds a slot.
+        self.stuck: dict[str, AttemptInfo] = {}
         self.stop_requested = False
 
     def get(self, attempt_id: str) -> Attempt | None:
@@ -176,6 +200,8 @@ class AttemptShell(RequestPath[Attempt]):
         wake: Callable[[], None],
         instance_id: Callable[[], str],
         own_thread: Callable[[], bool],
+        timers: Timers,
+        capacity: int,
     ) -> None:
         # *wake* wakes the connection thread, which drives the link (a request was kept).
         super().__init__(link, call_timeout=call_timeout, log=log, wake=wake)
@@ -188,6 +214,9 @@ class AttemptShell(RequestPath[Attempt]):
         self._instance_id = instance_id
         #: Is the current thread one of the worker's own (pool, connection, supervisor, ...)?
         self._own_thread = own_thread
+        #: The handlers' time limits and their grace run on these (the watchdog's thread).
+        self._timers = timers
+        self._capacity = capacity
         #: The durable outbox, once start() opened it.
         self.outbox: Outbox | None = None
         #: The resumes of the newest connection (the connection thread waits for them).
@@ -266,6 +295,12 @@ class AttemptShell(RequestPath[Attempt]):
                 self._resume_ended(att, action)
             elif isinstance(action, Release):
                 self.settle(att)
+            elif isinstance(action, InterruptHandler):
+                self._interrupt(att, action.grace)
+            elif isinstance(action, SlotStuck):
+                self._stuck(att, action.reason)
+            elif isinstance(action, SlotFreed):
+                self._unstuck(att)
             elif not self.perform_request(att, action):
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
@@ -332,12 +367,6 @@ class AttemptShell(RequestPath[Attempt]):
             self.step(att, lambda m: m.launch_refused())
             return
         self.step(att, lambda m: m.handler_returned(verdict))
-        with att.lock:
-            dropped = att.machine.abandoned
-        if dropped:
-            att.ctx._log.warning(
-                "handler returned after shutdown finished it UNKNOWN; its result is dropped"
-            )
 
     def execute(self, att: Attempt) -> Verdict:
         ctx = att.ctx
@@ -348,13 +377,26 @@ class AttemptShell(RequestPath[Attempt]):
         hooks = self._hooks
         if hooks:
             hooks.emit("attempt_started", attempt_event(att))
+        limit = att.time_limit
+        timer = None
+        if limit is not None:
+            att.limit_at = self._clock() + limit.seconds
+            timer = self._timers.call_at(
+                att.limit_at, lambda: self.step(att, lambda m: m.time_limit_passed())
+            )
         began = time.perf_counter()
         try:
-            value = hooks.call_handler(att.handler, ctx) if hooks else att.handler(ctx, ctx.payload)
+            if hooks:
+                call = partial(hooks.call_handler, att.handler, ctx)
+            else:
+                call = partial(att.handler, ctx, ctx.payload)
+            value = call() if att.running_on is None else att.running_on.run(call)
         except BaseException as exc:  # every ending is an outcome; the thread must survive
             error = exc
         finally:
             duration = time.perf_counter() - began
+            if timer is not None:
+                self._timers.cancel(timer)
             with self._reg.cond:
                 self._reg.running -= 1
         verdict = outcome_of(
@@ -364,6 +406,7 @@ class AttemptShell(RequestPath[Attempt]):
             cancel_reason=ctx.cancel_reason,
             encoder=self._encoder,
             duration=duration,
+            timeout_retryable=limit is not None and limit.retryable,
         )
         if verdict.error_code == HANDLER_ERROR and error is not None:
             # The traceback stays local: only the exception's type goes to the server.
@@ -432,6 +475,67 @@ class AttemptShell(RequestPath[Attempt]):
             att.ctx._log.info("%s", not_started.why)
         else:
             att.ctx._log.warning("%s", not_started.why)
+
+    # ------------------------------------------------------------------ time limits
+
+    def _interrupt(self, att: Attempt, grace: float) -> None:
+        """The handler ran past its time limit (its context is cancelled): raise
+        ``TimeLimitExceeded`` in its thread, and give it *grace* seconds to end."""
+        limit = att.time_limit
+        assert att.running_on is not None and limit is not None
+        marked = att.running_on.interrupt(TimeLimitExceeded)
+        att.ctx._log.warning(
+            "handler %s ran past its time limit of %gs: %s",
+            att.task.handler,
+            limit.seconds,
+            "interrupted" if marked else "context cancelled (the thread cannot be interrupted)",
+        )
+        # From the limit, not from now: the handler gets at most limit + grace, however late
+        # this thread woke.
+        self._timers.call_at(
+            att.limit_at + grace, lambda: self.step(att, lambda m: m.time_limit_grace_passed())
+        )
+
+    def _stuck(self, att: Attempt, reason: str) -> None:
+        """*att* was finished UNKNOWN while its handler still runs: its slot is stuck."""
+        with self._reg.cond:
+            self._reg.stuck[att.id] = att.info
+            stuck = len(self._reg.stuck)
+        if reason == "shutdown":
+            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
+        else:
+            att.ctx._log.error(
+                "handler %s still running %gs after its time limit: finishing UNKNOWN; its "
+                "thread keeps a slot until it returns (%d of %d slots stuck)",
+                att.task.handler,
+                self._grace(att),
+                stuck,
+                self._capacity,
+            )
+        if self._hooks:
+            self._hooks.emit("handler_stuck", self._stuck_event(att, reason, stuck))
+
+    def _unstuck(self, att: Attempt) -> None:
+        """A stuck handler returned at last: its slot is free, its result dropped."""
+        with self._reg.cond:
+            self._reg.stuck.pop(att.id, None)
+            stuck = len(self._reg.stuck)
+        att.ctx._log.warning(
+            "handler returned after it was finished UNKNOWN; its result is dropped and its "
+            "slot is free again"
+        )
+        if self._hooks:
+            reason = "time_limit" if att.machine.timed_out else "shutdown"
+            self._hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
+
+    @staticmethod
+    def _grace(att: Attempt) -> float:
+        limit = att.time_limit
+        return 0.0 if limit is None else limit.grace
+
+    def _stuck_event(self, att: Attempt, reason: str, stuck: int) -> StuckEvent:
+        task = att.task
+        return StuckEvent(task.task_id, att.id, task.handler, reason, stuck, self._capacity)
 
     # ------------------------------------------------------------------ durable outbox
 

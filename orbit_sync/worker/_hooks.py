@@ -13,6 +13,9 @@ event                  thread                        when
 ``attempt_finished``   the handler's pool thread     the finish was answered (or given up on)
 ``lease_renewed``      the lease watchdog            a renewal was acknowledged
 ``lease_lost``         the watchdog / connection     the handler's context was cancelled for it
+``handler_stuck``      the watchdog / supervisor     a handler still running was finished
+                                                     ``UNKNOWN`` (time limit or shutdown grace)
+``handler_unstuck``    the handler's thread          such a handler returned at last
 ``connected``          the connection thread         a session is established (``reconnect``)
 ``disconnected``       the connection thread         a session ended; the worker reconnects
 ``dial_failed``        the connection thread         a connection attempt failed; it retries
@@ -48,6 +51,7 @@ __all__ = [
     "DrainEvent",
     "LeaseEvent",
     "SessionEvent",
+    "StuckEvent",
     "WorkerListener",
 ]
 
@@ -59,6 +63,8 @@ EVENTS = (
     "attempt_finished",
     "lease_renewed",
     "lease_lost",
+    "handler_stuck",
+    "handler_unstuck",
     "connected",
     "disconnected",
     "dial_failed",
@@ -118,6 +124,24 @@ class LeaseEvent:
 
 
 @attrs.frozen
+class StuckEvent:
+    """A handler slot stuck (``handler_stuck``) or freed again (``handler_unstuck``).
+
+    A handler that does not stop within the cancel grace (past its time limit, or at shutdown)
+    is finished ``UNKNOWN`` while its thread still runs: the thread keeps its slot until the
+    handler returns, if it ever does. ``stuck`` is how many slots are stuck now, out of
+    ``capacity``; ``reason`` is ``time_limit`` or ``shutdown``.
+    """
+
+    task_id: str
+    attempt_id: str
+    handler: str
+    reason: str
+    stuck: int
+    capacity: int
+
+
+@attrs.frozen
 class SessionEvent:
     """A session was established (``connected``); ``reconnect`` is False for the first one."""
 
@@ -173,6 +197,12 @@ class WorkerListener:
 
     def lease_lost(self, event: LeaseEvent) -> None:
         """A running attempt lost its lease; its handler's context was cancelled."""
+
+    def handler_stuck(self, event: StuckEvent) -> None:
+        """A handler that would not stop was finished ``UNKNOWN``; its thread holds a slot."""
+
+    def handler_unstuck(self, event: StuckEvent) -> None:
+        """A stuck handler returned at last; its slot is free again."""
 
     def connected(self, event: SessionEvent) -> None:
         """A session was established (the first, or after a reconnect)."""

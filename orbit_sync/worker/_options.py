@@ -21,6 +21,7 @@ from .._seconds import seconds
 from ..clock import Clock
 from ..models import ID_RE, MAX_CAPACITY
 from ._backoff import Backoff
+from ._time_limits import check_time_limit
 
 __all__ = ["RESERVED_SLOTS", "WorkerOptions", "check_seconds"]
 
@@ -75,6 +76,10 @@ def _process_pool(instance: Any, attribute: attrs.Attribute[Any], value: Any) ->
         raise ValueError("process_pool must be a positive int (child processes)")
 
 
+def _time_limit(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    check_time_limit(value)
+
+
 def _outbox(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, str | os.PathLike):
         raise TypeError("outbox must be a file path")
@@ -106,6 +111,7 @@ class WorkerOptions:
     process_max_tasks_per_child: int | None = None
     process_max_memory_per_child: int | None = None
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
+    time_limit: float | None = attrs.field(default=None, validator=_time_limit)
 
     @property
     def request_timeout(self) -> float:

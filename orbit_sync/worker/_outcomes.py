@@ -8,6 +8,8 @@ a return value (``None`` is sent as ``{}``)   SUCCEEDED  -
 ``raise UnknownEffect(code)``                 UNKNOWN    *code*
 ``raise_if_cancelled()``, cancel requested    CANCELLED  ``CANCELLED``
 ``raise_if_cancelled()``, shutdown/lease      FAILED     ``WORKER_SHUTDOWN``, ... (retryable)
+stopped at its time limit (interrupted, or    FAILED     ``HANDLER_TIMEOUT`` (retryable when
+``raise_if_cancelled()``)                                the handler's ``time_limit_retryable``)
 any other exception                           FAILED     ``HANDLER_ERROR``
 a result not JSON / over 256 KiB              FAILED     ``RESULT_NOT_JSON``/``RESULT_TOO_LARGE``
 ============================================  =========  ======================================
@@ -38,24 +40,34 @@ from ._encoding import (
 
 __all__ = [
     "CANCEL_REASONS",
+    "HANDLER_TIMEOUT",
     "RESULT_NOT_JSON",
     "RESULT_TOO_LARGE",
     "WORKER_LOST",
     "Fail",
     "TaskCancelled",
+    "TimeLimitExceeded",
     "UnknownEffect",
     "Verdict",
     "not_run",
     "outbox_unavailable",
     "outcome_of",
     "stored",
+    "timed_out",
     "worker_error",
     "worker_lost",
 ]
 
 #: Why a TaskContext was cancelled (the first reason wins).
 CANCEL_REASONS = frozenset(
-    {"cancel_requested", "lease_expired", "lease_lost", "session_replaced", "shutdown"}
+    {
+        "cancel_requested",
+        "lease_expired",
+        "lease_lost",
+        "session_replaced",
+        "shutdown",
+        "time_limit",
+    }
 )
 
 #: Error codes for a handler that stopped cooperatively for a reason other than a cancel request.
@@ -71,6 +83,9 @@ HANDLER_ERROR = "HANDLER_ERROR"
 CANCELLED = "CANCELLED"
 #: A handler still running after shutdown's grace: its effect is uncertain.
 SHUTDOWN_TIMEOUT = "SHUTDOWN_TIMEOUT"
+#: A handler ran past its time limit: FAILED once it stopped (or its process was killed);
+#: UNKNOWN when its thread still runs after the cancel grace.
+HANDLER_TIMEOUT = "HANDLER_TIMEOUT"
 
 _MAX_MESSAGE = 1024
 
@@ -130,6 +145,17 @@ class TaskCancelled(BaseException):
     def __init__(self, reason: str) -> None:
         super().__init__(f"task cancelled: {reason}")
         self.reason = reason
+
+
+class TimeLimitExceeded(TaskCancelled):
+    """Raised in a handler's thread when it runs past its ``time_limit`` (the worker raises it
+    asynchronously, see ``docs/process-executor.md`` and the README for what that can and cannot
+    interrupt). Its ``reason`` is ``time_limit``. Catch it only to clean up, then re-raise:
+    the attempt finishes ``FAILED`` with ``HANDLER_TIMEOUT``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("time_limit")
 
 
 @attrs.frozen
@@ -202,13 +228,15 @@ def outcome_of(
     cancel_reason: str | None = None,
     encoder: ResultEncoder = DEFAULT_ENCODER,
     duration: float | None = None,
+    timeout_retryable: bool = False,
 ) -> Verdict:
     """Map how a handler ended (its return *value* or raised *error*) to a :class:`Verdict`.
 
     *cancel_requested* is True when the server asked to cancel this attempt (push or lease);
     *cancel_reason* is the context's cancel reason, if it was cancelled. The result is encoded
     with *encoder* now: the verdict keeps a plain-JSON snapshot of it. *duration* is how long
-    the handler ran, in seconds.
+    the handler ran, in seconds. *timeout_retryable*: whether a handler stopped at its time
+    limit is retried.
     """
     if error is None:
         try:
@@ -233,6 +261,14 @@ def outcome_of(
                 Outcome.CANCELLED,
                 {"cancelled": True, "reason": "cancel_requested"},
                 CANCELLED,
+                duration=duration,
+            )
+        if isinstance(error, TimeLimitExceeded) or cancel_reason == "time_limit":
+            return Verdict(
+                Outcome.FAILED,
+                {"error": HANDLER_TIMEOUT, "stopped": "time_limit"},
+                HANDLER_TIMEOUT,
+                timeout_retryable,
                 duration=duration,
             )
         code = STOP_CODES.get(cancel_reason, HANDLER_ERROR)
@@ -295,6 +331,12 @@ def _unknown(code: str, message: str) -> Verdict:
 def abandoned() -> Verdict:
     """The finish for a handler that did not return by the end of shutdown's grace."""
     return _unknown(SHUTDOWN_TIMEOUT, "handler still running at shutdown")
+
+
+def timed_out() -> Verdict:
+    """The finish for a handler on a thread still running past its time limit and the cancel
+    grace: it could not be stopped, so whether (and when) its effect happens is not known."""
+    return _unknown(HANDLER_TIMEOUT, "handler still running past its time limit")
 
 
 #: A step of the worker itself failed (a bug) while the attempt was in its hands.

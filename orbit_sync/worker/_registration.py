@@ -23,6 +23,7 @@ from ._attempts import Handler
 from ._context import task_logger
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
+from ._time_limits import WORKER_DEFAULT, HandlerLimit, TimeLimit, check_time_limit
 
 __all__ = ["Handlers", "check_handler_signature"]
 
@@ -77,6 +78,7 @@ class Handlers:
         cancel_grace: float,
         process_pool: int | None,
         process_limits: ChildLimits,
+        time_limit: float | None = None,
     ) -> None:
         self._lock = lock
         self._queue_id = queue_id
@@ -85,6 +87,11 @@ class Handlers:
         self._cancel_grace = cancel_grace
         self._process_pool_size = process_pool
         self._process_limits = process_limits
+        #: The worker's time limit: handlers registered without their own get it.
+        self._time_limit = time_limit
+        #: Each handler's time limit as registered (for :meth:`specs`) and as it applies.
+        self._limit_specs: dict[Key, tuple[HandlerLimit, bool]] = {}
+        self._limits: dict[Key, TimeLimit | None] = {}
         #: The handlers by key (``executor="process"`` ones wrapped in a ProcessHandler).
         self.table: dict[Key, Handler] = {}
         self._loggers: dict[str, logging.Logger] = {}
@@ -108,11 +115,16 @@ class Handlers:
         memory_limit: int | None,
         memory_limit_retryable: bool,
         started: Callable[[], bool],
+        time_limit: HandlerLimit = WORKER_DEFAULT,
+        time_limit_retryable: bool = False,
     ) -> None:
         """Register *fn* (see :meth:`Worker.register`); *started()*, read under the lock, says
         whether registering is too late."""
         if executor not in ("thread", "process"):
             raise ValueError('executor must be "thread" or "process"')
+        seconds = self._time_limit if time_limit is WORKER_DEFAULT else check_time_limit(time_limit)
+        if type(time_limit_retryable) is not bool:
+            raise TypeError("time_limit_retryable must be a bool")
         check_handler_signature(fn)
         if memory_limit is not None:
             if executor != "process":
@@ -138,24 +150,37 @@ class Handlers:
                     )
                 fn = ProcessHandler(fn, self.processes)
             self.table[key] = fn
+            self._limit_specs[key] = (time_limit, time_limit_retryable)
+            self._limits[key] = (
+                None
+                if seconds is None
+                else TimeLimit(
+                    seconds,
+                    self._cancel_grace,
+                    retryable=time_limit_retryable,
+                    in_process=executor == "process",
+                )
+            )
             self._loggers.setdefault(cap.handler, task_logger(cap.handler))
 
-    def find(self, key: Key) -> tuple[Handler, logging.Logger] | None:
-        """The handler registered for *key* and its task logger (None: not registered)."""
+    def find(self, key: Key) -> tuple[Handler, logging.Logger, TimeLimit | None] | None:
+        """The handler registered for *key*, its task logger and its time limit (None: not
+        registered)."""
         with self._lock:
             fn = self.table.get(key)
-            return None if fn is None else (fn, self._loggers[key[0]])
+            return None if fn is None else (fn, self._loggers[key[0]], self._limits[key])
 
-    def specs(self) -> Iterator[tuple[Key, Handler, str]]:
-        """Each registration as (key, the function as registered, executor), so another Worker
-        can register it anew (a process handler is bound to this worker's pool)."""
+    def specs(self) -> Iterator[tuple[Key, Handler, str, tuple[HandlerLimit, bool]]]:
+        """Each registration as (key, the function as registered, executor, its time limit and
+        whether a timeout is retryable, as registered), so another Worker can register it anew
+        (a process handler is bound to this worker's pool)."""
         with self._lock:
-            items = list(self.table.items())
-        for key, fn in items:
+            items = [(key, fn, self._limit_specs[key]) for key, fn in self.table.items()]
+        for key, fn, limit in items:
             if isinstance(fn, ProcessHandler):
-                yield key, fn.fn, "process"
+                yield key, fn.fn, "process", limit
             else:
-                yield key, fn, "thread"
+                yield key, fn, "thread", limit
 
     def bind(self) -> None:
         """Look up every process handler by its name (by start, the handler's module has bound

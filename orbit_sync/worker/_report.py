@@ -17,7 +17,9 @@ class WorkerStats:
     up compared with its schedule (CPU-bound handlers delay it; see the README).
     ``reconnects`` counts sessions established after the first one; ``dial_failures`` counts
     connection attempts that failed (a worker that cannot reach its server shows 0 reconnects
-    and a growing ``dial_failures``).
+    and a growing ``dial_failures``). ``stuck`` counts handlers finished ``UNKNOWN`` while
+    still running (past their time limit and the cancel grace, or at shutdown): each holds one
+    of ``capacity``'s slots until it returns.
     """
 
     connected: bool
@@ -36,6 +38,7 @@ class WorkerStats:
     reconnects: int
     skipped_assignments: int
     dial_failures: int = 0
+    stuck: int = 0
 
 
 @attrs.frozen

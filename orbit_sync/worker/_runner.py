@@ -59,6 +59,8 @@ from ._session import SessionLoop
 from ._shutdown import AttemptPhases
 from ._signals import StopSignals, announce
 from ._supervisor import Supervisor
+from ._time_limits import WORKER_DEFAULT, HandlerLimit, check_time_limit
+from ._timers import Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
@@ -116,6 +118,9 @@ class Worker:
     (:class:`~orbit_sync.worker.WorkerListener`) observe attempts, leases and sessions; see also
     :meth:`add_listener`.
 
+    *time_limit* (seconds, default ``None``: none) bounds how long each handler may run, unless
+    it is registered with a ``time_limit`` of its own (see :meth:`handler`).
+
     *clock* (an :class:`orbit_sync.Clock`, the kind of object ``dial_worker`` takes) is the
     worker's time: lease deadlines, renewals, heartbeats, retry delays, the shutdown phases and
     idle handler threads run on it. Tests pass the mock server's
@@ -147,6 +152,7 @@ class Worker:
         process_max_tasks_per_child: int | None = None,
         process_max_memory_per_child: int | None = None,
         outbox: str | os.PathLike[str] | None = None,
+        time_limit: float | None = None,
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
@@ -178,6 +184,7 @@ class Worker:
                 max_tasks=opts.process_max_tasks_per_child,
                 max_memory_mb=opts.process_max_memory_per_child,
             ),
+            time_limit=check_time_limit(opts.time_limit),
         )
         #: The handlers by (name, version, payload version), as registered.
         self._handlers = self._registered.table
@@ -206,7 +213,11 @@ class Worker:
             on_loss=renewals.on_lease_lost,
             logger=self._log,
         )
-        self._watchdog_thread = WatchdogThread(self._watchdog, wake=Wakeup(self._time))
+        # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
+        self._timers = Timers(self._clock, lambda: self._watchdog_thread.wake())
+        self._watchdog_thread = WatchdogThread(
+            self._watchdog, wake=Wakeup(self._time), timers=self._timers
+        )
         self._pool = DaemonPool(opts.capacity, clock=self._time)
         self._shell = AttemptShell(
             self._reg,
@@ -223,6 +234,8 @@ class Worker:
             wake=self._serve_wake.set,
             instance_id=lambda: self._registered.instance_id,
             own_thread=self._owns_current_thread,
+            timers=self._timers,
+            capacity=opts.capacity,
         )
         self._admission = Admission(
             self._reg,
@@ -291,6 +304,8 @@ class Worker:
         executor: str = "thread",
         memory_limit: int | None = None,
         memory_limit_retryable: bool = False,
+        time_limit: HandlerLimit = WORKER_DEFAULT,
+        time_limit_retryable: bool = False,
     ) -> Callable[[H], H]:
         """Register the decorated function for (*name*, *version*, *payload_version*).
 
@@ -300,6 +315,14 @@ class Worker:
         it the attempt ends ``FAILED`` with ``HANDLER_MEMORY_LIMIT``, retryable when
         *memory_limit_retryable*. Use it with a name, ``@worker.handler("resize")``: the bare
         ``@worker.handler`` raises ``TypeError``.
+
+        *time_limit* (seconds; default: the worker's ``time_limit``; ``None``: no limit) bounds
+        one run of the handler. At the limit its context is cancelled (``time_limit``) and
+        ``TimeLimitExceeded`` is raised in its thread; a handler that then ends within the
+        worker's ``cancel_grace`` finishes ``FAILED`` with ``HANDLER_TIMEOUT``, retryable when
+        *time_limit_retryable*. Past the grace, a handler in a child process is killed (also
+        ``FAILED HANDLER_TIMEOUT``); one on a thread, which cannot be killed, finishes
+        ``UNKNOWN`` with ``HANDLER_TIMEOUT`` and its slot counts as stuck until it returns.
         """
         if callable(name) and not isinstance(name, str):
             raise TypeError(
@@ -316,6 +339,8 @@ class Worker:
                 executor=executor,
                 memory_limit=memory_limit,
                 memory_limit_retryable=memory_limit_retryable,
+                time_limit=time_limit,
+                time_limit_retryable=time_limit_retryable,
             )
             return fn
 
@@ -331,6 +356,8 @@ class Worker:
         executor: str = "thread",
         memory_limit: int | None = None,
         memory_limit_retryable: bool = False,
+        time_limit: HandlerLimit = WORKER_DEFAULT,
+        time_limit_retryable: bool = False,
     ) -> None:
         """Register *fn* as a handler (the non-decorator form of :meth:`handler`).
 
@@ -347,6 +374,8 @@ class Worker:
             memory_limit=memory_limit,
             memory_limit_retryable=memory_limit_retryable,
             started=lambda: self._started,
+            time_limit=time_limit,
+            time_limit_retryable=time_limit_retryable,
         )
 
     @property
@@ -360,9 +389,16 @@ class Worker:
         to apply its command-line options to the Worker a module defines."""
         # Listeners added with add_listener() (a health probe, metrics) come along too.
         worker = Worker(**{**self._options, "listeners": self._hooks.listeners, **changes})
-        for (name, version, payload_version), fn, executor in self._registered.specs():
+        for key, fn, executor, (time_limit, retryable) in self._registered.specs():
+            name, version, payload_version = key
             worker.register(
-                name, fn, version=version, payload_version=payload_version, executor=executor
+                name,
+                fn,
+                version=version,
+                payload_version=payload_version,
+                executor=executor,
+                time_limit=time_limit,
+                time_limit_retryable=retryable,
             )
         return worker
 
@@ -550,6 +586,7 @@ class Worker:
         with self._cond:
             counts = self._reg.counts.copy()
             running = self._reg.running
+            stuck = len(self._reg.stuck)
         return WorkerStats(
             connected=self._link.current() is not None,
             running=running,
@@ -567,6 +604,7 @@ class Worker:
             reconnects=counts["reconnects"],
             dial_failures=counts["dial_failures"],
             skipped_assignments=counts["skipped"],
+            stuck=stuck,
         )
 
     @property

@@ -100,15 +100,14 @@ class AttemptPhases:
 
     def abandon(self) -> list[Attempt]:
         """Finish handlers that ignore cancellation UNKNOWN (their effect is uncertain). The
-        finish is sent from here (it never blocks); the handler's thread is left to the pool's
-        shutdown, which counts it as stuck."""
+        finish is sent from here (it never blocks); the handler's thread is counted stuck, and
+        the pool's shutdown does not wait for it."""
         gave_up: list[Attempt] = []
         for att in self._live():
             with att.lock:
                 actions = self._shell.lease_actions(att, att.machine.abandon())
             if not actions:
                 continue
-            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
             gave_up.append(att)
             self._shell.perform(att, actions)
         return gave_up
@@ -118,14 +117,11 @@ class AttemptPhases:
         *deadline* (see :meth:`wait_until` for *real_time*)."""
         return self.wait_until(lambda: not self._reg.attempts, deadline, real_time=real_time)
 
-    @staticmethod
-    def stuck(gave_up: list[Attempt]) -> int:
-        """How many abandoned handlers still run (never waited for)."""
-        stuck = 0
-        for att in gave_up:
-            with att.lock:
-                stuck += not att.machine.handler_done
-        return stuck
+    def stuck(self) -> int:
+        """How many handlers finished UNKNOWN still run (at shutdown or past a time limit):
+        the pool's shutdown does not wait for their threads."""
+        with self._reg.cond:
+            return len(self._reg.stuck)
 
     def _live(self) -> list[Attempt]:
         with self._reg.cond:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 from ..client import DialCut
 from ..clock import Clock
-from ._attempts import Attempt, Registry
+from ._attempts import Registry
 from ._clock import Wakeup
 from ._link import Link
 from ._outbox import Outbox
@@ -179,7 +179,7 @@ class Supervisor:
                 left,
             )
         # 5. Close.
-        self._close(gave_up)
+        self._close()
         with self._reg.cond:
             unreported = tuple(self._reg.unreported)
         return ShutdownReport(
@@ -190,10 +190,10 @@ class Supervisor:
             error=self._error(),
         )
 
-    def _close(self, gave_up: list[Attempt]) -> None:
+    def _close(self) -> None:
         """Every remaining waiter gives up (a dial in progress is cut); the threads, woken by
-        that, wind down within the close allowance (the pool does not wait for the handlers of
-        *gave_up* still running)."""
+        that, wind down within the close allowance (the pool does not wait for the stuck
+        handlers: abandoned ones still running)."""
         # Real time: what is waited for here are threads ending on the events closing sets.
         close_end = REAL_TIME.now() + CLOSE_ALLOWANCE
         current = self._link.current()
@@ -205,9 +205,7 @@ class Supervisor:
             current[0].close()
         self._phases.settled(close_end, real_time=True)
         self._watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
-        self._pool.shutdown(
-            max(0.0, close_end - REAL_TIME.now()), stuck=self._phases.stuck(gave_up)
-        )
+        self._pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=self._phases.stuck())
         if self._handlers.processes is not None:
             self._handlers.processes.close()
         for thread in self._threads:

@@ -53,6 +53,7 @@ from ..errors import OrbitError, WorkerError
 from ..models import Lease, grants_run, new_message_id
 from ._context import TaskContext
 from ._errors import is_transient
+from ._timers import Timers
 
 __all__ = [
     "LeaseWatchdog",
@@ -531,7 +532,8 @@ class _Wake(Protocol):
 
 
 class WatchdogThread:
-    """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time."""
+    """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time;
+    and *timers* (the handlers' time limits, on the same clock) beside it."""
 
     def __init__(
         self,
@@ -539,8 +541,10 @@ class WatchdogThread:
         *,
         name: str = "orbit-lease-watchdog",
         wake: _Wake | None = None,
+        timers: Timers | None = None,
     ) -> None:
         self.core = core
+        self._timers = timers
         # The worker passes one that waits on its own clock (fake time in tests).
         self._wake: _Wake = wake or threading.Event()
         self._stopping = False
@@ -568,6 +572,10 @@ class WatchdogThread:
             except Exception:  # the watchdog must outlive any bug in a callback
                 _LOG.exception("lease watchdog iteration failed")
                 next_due = self.core.clock() + MIN_RETRY_DELAY
+            if self._timers is not None:
+                timer = self._timers.run_due()
+                if timer is not None and (next_due is None or timer < next_due):
+                    next_due = timer
             timeout = None if next_due is None else max(0.0, next_due - self.core.clock())
             self._wake.wait(timeout)
             self._wake.clear()

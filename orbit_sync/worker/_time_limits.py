@@ -1,0 +1,114 @@
+"""Handler time limits: what a limit is (:class:`TimeLimit`), and how a handler on a thread is
+interrupted at it (:class:`Interruptible`). What happens at the limit is the attempt machine's
+(``AttemptMachine.time_limit_passed``): the context is cancelled with ``time_limit``, the
+handler interrupted; past the cancel grace, a thread still running finishes ``UNKNOWN`` and its
+slot is stuck, a child process is killed and the attempt finishes ``FAILED``.
+
+Interrupting is what Dramatiq's time limit does: an exception raised asynchronously in the
+handler's thread.
+This is what Dramatiq's time limit does: ``PyThreadState_SetAsyncExc`` (CPython's C API,
+reached through ``ctypes``) marks the thread, and the interpreter raises the exception there at
+the next bytecode it runs. Its limits, which no Python-level mechanism can lift:
+
+- a thread blocked in a C call (``time.sleep``, a socket read, a lock acquired without a
+  timeout, a long C extension call) sees the exception only once that call returns to Python
+  code; a sleep of an hour is interrupted after an hour;
+- a handler that catches it (``except BaseException:``) and carries on is not stopped;
+- on an interpreter without that C API the interrupt is skipped: the handler's context is still
+  cancelled.
+
+The exception is marked only while the handler runs on the thread (:meth:`Interruptible.run`),
+and a mark not yet raised when the handler returns is cleared then: it can never land in the
+worker's own code that runs on the thread next.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
+
+import attrs
+
+from .._seconds import seconds
+
+__all__ = ["WORKER_DEFAULT", "Interruptible", "TimeLimit", "check_time_limit"]
+
+T = TypeVar("T")
+
+
+class _Default(enum.Enum):
+    WORKER_DEFAULT = "the worker's time_limit"
+
+
+#: A handler's ``time_limit`` when it is not given: the worker's ``time_limit`` applies.
+WORKER_DEFAULT: Literal[_Default.WORKER_DEFAULT] = _Default.WORKER_DEFAULT
+#: What a handler may pass as its ``time_limit``.
+HandlerLimit = float | None | Literal[_Default.WORKER_DEFAULT]
+
+
+def check_time_limit(value: object, name: str = "time_limit") -> float | None:
+    """*value* as a time limit in seconds (> 0), or ``None`` for none."""
+    return None if value is None else seconds(value, name, positive=True)
+
+
+@attrs.frozen
+class TimeLimit:
+    """One handler's time limit: *seconds* from the handler's start; *grace* (the worker's
+    ``cancel_grace``) for it to stop once interrupted; *retryable*: the ``HANDLER_TIMEOUT``
+    failure's ``retryable``; *in_process*: the handler runs in a child process (which is killed
+    past the grace) rather than on a thread (which cannot be)."""
+
+    seconds: float
+    grace: float
+    retryable: bool = False
+    in_process: bool = False
+
+
+try:
+    # No argtypes: a py_object passes the exception type, None a NULL pointer (clear).
+    _SET_ASYNC_EXC: Any = ctypes.pythonapi.PyThreadState_SetAsyncExc
+except (AttributeError, OSError):  # not CPython
+    _SET_ASYNC_EXC = None
+
+
+def _mark(ident: int, exc_type: type[BaseException] | None) -> bool:
+    """Mark thread *ident* to raise *exc_type* (``None``: clear a pending mark); True when a
+    thread was marked."""
+    if _SET_ASYNC_EXC is None:
+        return False
+    exc = None if exc_type is None else ctypes.py_object(exc_type)
+    return bool(_SET_ASYNC_EXC(ctypes.c_ulong(ident), exc) == 1)
+
+
+class Interruptible:
+    """One handler call that another thread may interrupt (under *lock*, which the caller owns:
+    the attempt's lock)."""
+
+    __slots__ = ("_ident", "_lock")
+
+    def __init__(self, lock: threading.Lock) -> None:
+        self._lock = lock
+        self._ident: int | None = None
+
+    def run(self, call: Callable[[], T]) -> T:
+        """Run *call* on this thread, interruptible meanwhile. A mark that arrives as *call*
+        returns raises here, before the mark is cleared: the caller treats it as raised by the
+        handler."""
+        with self._lock:
+            self._ident = threading.get_ident()
+        try:
+            return call()
+        finally:
+            with self._lock:
+                self._ident = None
+                _mark(threading.get_ident(), None)
+
+    def interrupt(self, exc_type: type[BaseException]) -> bool:
+        """Raise *exc_type* in the thread running the call, if one is; True when marked."""
+        with self._lock:
+            if self._ident is None:
+                return False
+            return _mark(self._ident, exc_type)
