@@ -291,10 +291,35 @@ def test_recycling_starts_the_replacement_before_the_old_child_exits(
     assert "1 recycled" in proc.stderr
 
 
-# A recycled child skips assignments already on their way when it drained: they return to the
-# queue when their lease expires (as it expires, not at the next 2 s scan: exact_recovery) and
-# are retried after a short backoff, so short leases and backoffs keep the test short.
 @pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0, exact_recovery=True)
+def test_recycling_burns_no_attempt(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],
+    tmp_path: Path,
+) -> None:
+    """Children recycled every 8 tasks while finishes keep freeing slots: what the server
+    assigns a child before it applies the drain runs there, so 80 tasks allowed one attempt
+    each all succeed, each handler run once."""
+    marks = tmp_path / "marks"
+    argv = ["--processes", "1", "--max-tasks-per-child", "8"]
+    proc = start(
+        procs, orbit_server, project, *argv, APP_CAPACITY="4", APP_MARKS=str(marks), APP_QUIET="1"
+    )
+    serving(orbit_server, 1)
+    ids = [orbit_server.enqueue("echo", {"n": n}, max_attempts=1) for n in range(80)]
+    try:
+        snaps = [orbit_server.wait_for(t, {"SUCCEEDED", "FAILED"}, 30) for t in ids]
+    except TimeoutError:
+        raise AssertionError(proc.stderr) from None
+    assert [s.state.value for s in snaps] == ["SUCCEEDED"] * len(ids), proc.stderr
+    runs = marks.read_text().split()[::2]
+    assert sorted(runs) == sorted(s.attempts[0].attempt_id for s in snaps)
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0
+    assert "recycled" in proc.stderr
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
 def test_metrics_of_every_child_are_summed_on_one_port(
     orbit_server: MockOrbitServer,
     project: Path,
@@ -302,15 +327,13 @@ def test_metrics_of_every_child_are_summed_on_one_port(
 ) -> None:
     """--metrics-port: one scrape counts the tasks of both children and of recycled ones."""
     argv = ["--processes", "2", "--metrics-port", "0", "--max-tasks-per-child", "4"]
-    proc = start(procs, orbit_server, project, *argv)
+    proc = start(procs, orbit_server, project, *argv, APP_DELAY="0.05", APP_QUIET="1")
     port = port_line(proc, "metrics")
     serving(orbit_server, 2)
-    # A child starts at most 4 tasks plus one already starting beside the 4th (capacity 2):
-    # two children cannot run 13 tasks, so some replacement child ran a part of them.
-    ids = [
-        orbit_server.enqueue("echo", {"n": n}, backoff_initial=0.05, max_attempts=10)
-        for n in range(13)
-    ]
+    # A child starts 4 tasks, plus those assigned to it before the server applied its drain
+    # (slots freed by finishes meanwhile: few, as each task takes 50 ms): two children cannot
+    # run 30 tasks, so some replacement child ran a part of them.
+    ids = [orbit_server.enqueue("echo", {"n": n}, max_attempts=1) for n in range(30)]
     try:
         pids = {orbit_server.wait_for(t, {"SUCCEEDED"}, 15).result["pid"] for t in ids}
     except TimeoutError:

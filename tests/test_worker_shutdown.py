@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import signal
@@ -84,6 +85,87 @@ def _drain_keeps_renewing(server: MockOrbitServer, worker: Worker) -> None:
     assert snap.state is TaskState.SUCCEEDED and snap.result == {"cancelled": False}
     assert server.task(later).state is TaskState.WAITING, "a draining worker takes no new work"
     assert probe.runs[later] == 0
+
+
+class _StopOnFirstAssignment(WorkerListener):
+    """Asks the worker to stop when its first assignment arrives (on the connection's reader,
+    before the next frame is read: the rest of the server's burst is still on its way)."""
+
+    def __init__(self, worker: Worker) -> None:
+        self._worker = worker
+        self.fired = threading.Event()
+
+    def attempt_received(self, event: Any) -> None:
+        if not self.fired.is_set():
+            self.fired.set()
+            self._worker.request_stop()
+
+
+def test_assignments_on_their_way_when_the_worker_stops_run_there(
+    server: MockOrbitServer,
+) -> None:
+    """Stop asked while the server's assignments are on their way: each is started and finished
+    by the draining worker, so one allowed attempt is enough (one side effect per task)."""
+    effects: collections.Counter[str] = collections.Counter()
+    worker = make_worker(server, capacity=4)
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        effects[ctx.task_id] += 1
+        return {}
+
+    stopper = _StopOnFirstAssignment(worker)
+    worker.add_listener(stopper)
+    ids = [server.enqueue("work", {"n": n}, max_attempts=1) for n in range(4)]
+    worker.start()
+    try:
+        assert stopper.fired.wait(10), "no assignment arrived"
+        snaps = [server.wait_for(t, DONE) for t in ids]
+        report = worker.stop()
+    finally:
+        worker.stop(drain=False)
+    assert [s.state for s in snaps] == [TaskState.SUCCEEDED] * 4
+    assert all(len(s.attempts) == 1 for s in snaps)
+    assert effects == {t: 1 for t in ids}
+    assert report == ShutdownReport(drained=True)
+
+
+def test_drain_waits_for_an_assignment_sent_before_the_drain_was_answered() -> None:
+    """The drain ends once the server answered the drain report, not once nothing runs: an
+    assignment it sent before applying the report still runs (fake time: the drain report is
+    refused once as UNAVAILABLE, and its retry waits until the clock moves)."""
+    effects: collections.Counter[str] = collections.Counter()
+    manual = ManualClock()
+    with MockOrbitServer(clock=manual, lease_duration=2.0, assignment_rate=None) as server:
+        clock = FakeClock(follow=manual)
+        worker = make_worker(
+            server, capacity=1, drain_timeout=20.0, renew_retry_delay=1.0, clock=clock
+        )
+
+        @worker.handler("work")
+        def work(ctx: TaskContext, payload: Any) -> Any:
+            effects[ctx.task_id] += 1
+            return {}
+
+        worker.start()
+        try:
+            assert worker.wait_ready(10)
+            refused = server.faults.reply_error("worker.capacity", "UNAVAILABLE")
+            stopper, reports = _stop_in_background(worker)
+            assert refused.wait(10), "the drain was never reported"
+            # Nothing runs and the server does not know of the drain: it assigns this task.
+            task_id = server.enqueue("work", {}, max_attempts=1)
+            snap = server.wait_for(task_id, DONE)
+            assert stopper.is_alive(), "the drain ended before the server answered it"
+            assert clock.wait_for_sleepers(1, "orbit-worker-connection")
+            server.advance(1.0)  # the drain report's retry: answered, the drain ends
+            stopper.join(10)
+        finally:
+            worker.stop(drain=False)
+        server.check_invariants()
+    assert snap.state is TaskState.SUCCEEDED and len(snap.attempts) == 1
+    assert effects == {task_id: 1}
+    assert reports == [ShutdownReport(drained=True)]
 
 
 def test_handler_ignoring_cancellation_is_abandoned_unknown(server: MockOrbitServer) -> None:

@@ -66,10 +66,11 @@ class RecycleLimits(WorkerListener):
     """Calls *on_limit* once with the reason when a limit is reached: the ``max_tasks``-th
     attempt started, or more than ``max_memory_mb`` of RSS after an attempt finished.
 
-    Tasks are counted as they start, not as their finish is answered: a child then runs at most
-    ``max_tasks`` handlers plus the ones already starting beside the last (fewer than its
-    capacity), however late the acknowledgements of its finishes come back. Counted at the
-    finish, a child whose acknowledgements lag would go on taking work past its limit.
+    Tasks are counted as they start, not as their finish is answered: a child then runs
+    ``max_tasks`` handlers plus the ones already starting beside the last and those the server
+    assigned it before it answered the drain (every assignment that reaches a worker runs there),
+    however late the acknowledgements of its finishes come back. Counted at the finish, a child
+    whose acknowledgements lag would go on taking work past its limit.
     """
 
     def __init__(

@@ -1,10 +1,15 @@
 """Admission: what the connection's reader thread does with the server's pushes.
 
 :class:`Admission` records each ``task.assign`` as an attempt and starts its machine (PROTOCOL
-§6.1: an attempt assigned twice runs once; nothing new starts once the worker is stopping), and
-turns each ``task.cancel`` into its attempt's cancellation. Both run on the reader thread, so
-neither blocks nor waits for an answer: the registry's lock they take is never held across a
-wait for the network, and the start goes out pipelined (or queued for a request slot).
+§6.1: an attempt assigned twice runs once), and turns each ``task.cancel`` into its attempt's
+cancellation. A stopping worker starts what reaches it too: the protocol has no way to hand an
+unstarted assignment back (§5.7: ``drain`` releases nothing already held) and its claim already
+spent one of the task's attempts (§6.1), so skipping it would burn that attempt. Past the drain,
+the attempt starts with its context cancelled and finishes by the outcome rules.
+
+Both run on the reader thread, so neither blocks nor waits for an answer: the registry's lock
+they take is never held across a wait for the network, and the start goes out pipelined (or
+queued for a request slot).
 """
 
 from __future__ import annotations
@@ -70,14 +75,15 @@ class Admission:
             if len(self._seen) > SEEN_LIMIT:
                 self._seen.popitem(last=False)
             found = self._handlers.find(key)
-            if self._reg.stop_requested or found is None:
-                # Draining takes no new work: the unstarted reservation returns to the queue
-                # when its lease expires on the server.
+            if found is None:
+                # Not one of this process's capabilities (the connection checks them, §6.1):
+                # nothing can run it; the reservation returns to the queue at its lease's end.
                 self._reg.counts["skipped"] += 1
-                self._log.info(
-                    "attempt %s of task %s not started: worker is stopping",
+                self._log.warning(
+                    "attempt %s of task %s not started: no handler registered for %s",
                     assignment.attempt_id,
                     task.task_id,
+                    task.handler,
                 )
                 return
             handler, task_log, time_limit = found
@@ -90,6 +96,8 @@ class Admission:
             )
             att = Attempt(assignment, ctx, handler, self._retry_delay, time_limit)
             self._reg.attempts[att.id] = att
+            if self._reg.drain_over:
+                ctx._cancel("shutdown")
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )

@@ -141,6 +141,10 @@ class Registry:
         #: Attempts finished UNKNOWN while their handler still runs: each holds a slot.
         self.stuck: dict[str, AttemptInfo] = {}
         self.stop_requested = False
+        #: The shutdown's drain is over (its cancel phase began): an assignment arriving now
+        #: is started with its context already cancelled (``shutdown``), so it finishes by the
+        #: outcome rules instead of running past the shutdown's deadline.
+        self.drain_over = False
 
     def get(self, attempt_id: str) -> Attempt | None:
         with self.cond:

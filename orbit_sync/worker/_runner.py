@@ -249,7 +249,12 @@ class Worker:
         self._threads: list[threading.Thread] = []
         self._supervisor = Supervisor(
             self._reg,
-            AttemptPhases(self._reg, self._time, self._shell),
+            AttemptPhases(
+                self._reg,
+                self._time,
+                self._shell,
+                assignments_over=lambda: self._sessions.assignments_over(),
+            ),
             self._time,
             link=self._link,
             dial_cut=self._dial_cut,

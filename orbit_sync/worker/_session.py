@@ -131,6 +131,9 @@ class SessionLoop:
         self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
         self._report_sent: CapacityReport | None = None
         self._drain_acked = threading.Event()
+        #: A session's capacity report without drain was answered and its connection has not
+        #: ended yet: the server may be assigning to this process (see assignments_over).
+        self._assigning = False
         self._heartbeat = 15.0
         self._next_heartbeat = 0.0
 
@@ -143,6 +146,22 @@ class SessionLoop:
                     sequence=current.sequence + 1, capacity=current.capacity, drain=True
                 )
         self._serve_wake.set()
+
+    def assignments_over(self) -> bool:
+        """True once the server will assign this process nothing more: its drain report was
+        answered, or no session that could receive assignments is left (PROTOCOL §5.5: a new
+        session gets none before its first report, the drain one, is answered).
+
+        The answer comes after every assignment the server made before it applied the drain
+        (they are ahead of it on the connection, whose reader hands each to the admission
+        before it reads the next frame), so by then each of them is in the registry: a drain
+        waits for this, then for the attempts (§5.7: a drain releases nothing already held).
+        Read under the registry's condition, which is notified when it becomes true."""
+        return self._drain_acked.is_set() or not self._assigning
+
+    def _assignments_changed(self) -> None:
+        with self._reg.cond:
+            self._reg.cond.notify_all()
 
     def run(self) -> None:
         """The connection thread: dial, serve, reconnect, until the link is closed."""
@@ -275,6 +294,9 @@ class SessionLoop:
             conn.close()  # completes what is still in flight on it
             self._shell.drive_resumes()  # resumes it failed end now, not on a later connection
             watcher.join()  # at once: close() returns once the reader exited and set conn.done
+            # Its reader has exited: nothing more is assigned through this connection.
+            self._assigning = False
+            self._assignments_changed()
         if not self._link.is_closed() and self._hooks:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
 
@@ -416,9 +438,12 @@ class SessionLoop:
             # PROTOCOL §5.6: repeat the report at least every third of the session window.
             self._heartbeat = max(0.1, welcome.session_window / 3)
             self._next_heartbeat = sent_at + self._heartbeat
-        if report.drain and not self._drain_acked.is_set():
+        if not report.drain:
+            self._assigning = True
+        elif not self._drain_acked.is_set():
             self._drain_acked.set()
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
+            self._assignments_changed()
 
     def _serve(self, conn: Connection) -> None:
         # Assignments are dispatched by the connection's reader (on_assignment); this thread

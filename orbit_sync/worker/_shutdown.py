@@ -42,10 +42,20 @@ def real_time_bound(window: float, cancel_grace: float, flush_timeout: float) ->
 class AttemptPhases:
     """The phases of shutdown that act on the attempts (see the module's docstring)."""
 
-    def __init__(self, registry: Registry, time: Clock, shell: AttemptShell) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        time: Clock,
+        shell: AttemptShell,
+        *,
+        assignments_over: Callable[[], bool],
+    ) -> None:
         self._reg = registry
         self._time = time
         self._shell = shell
+        #: True once the server will assign nothing more (read under the registry's
+        #: condition, which is notified when it becomes true).
+        self._assignments_over = assignments_over
         #: Set by overdue(): the phases overran their real-time bound (under the condition).
         self._overdue = False
 
@@ -77,17 +87,26 @@ class AttemptPhases:
             return True
 
     def drain(self, deadline: Callable[[], float]) -> bool:
-        """Running handlers keep their leases renewed until they return or *deadline()* (a later
-        request_stop may shorten it); True when nothing is left."""
+        """Until *deadline()* (a later request_stop may shorten it): wait for the server to
+        assign nothing more (the drain report answered), then for every attempt held, those
+        that arrived meanwhile included, to end; running handlers keep their leases renewed.
+        True when nothing is left."""
         reg = self._reg
         with reg.cond:
-            while reg.attempts and not self._overdue and self._time.now() < deadline():
+            while (
+                (reg.attempts or not self._assignments_over())
+                and not self._overdue
+                and self._time.now() < deadline()
+            ):
                 self._time.wait(reg.cond, deadline())
             return not reg.attempts
 
     def cancel(self, grace: float) -> list[Attempt]:
         """Cancel what is starting or running (``shutdown``); give it *grace* seconds to return.
         Return the attempts that were running."""
+        with self._reg.cond:
+            # Before the attempts are listed: one admitted after the list starts cancelled.
+            self._reg.drain_over = True
         cancelled: list[Attempt] = []
         for att in self._live():
             with att.lock:

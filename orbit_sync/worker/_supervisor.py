@@ -156,8 +156,9 @@ class Supervisor:
         alarm.start()
         try:
             # 1. Drain: meanwhile the connection thread tells the server (drain: true) so it
-            #    assigns nothing more. Once nothing runs, the close below ends the session
-            #    anyway: the drain report's answer is not waited for.
+            #    assigns nothing more. What it assigned before reaches us ahead of that
+            #    report's answer and runs here too (nothing hands it back, and its claim spent
+            #    an attempt): the drain waits for the answer, then for every attempt.
             drained = phases.drain(self._drain_deadline)
             # 2. Cancel what is still running, and give it a grace period to return.
             cancelled = phases.cancel(self._cancel_grace)
