@@ -1,17 +1,21 @@
-"""Wire bodies of ``pulse.worker.v1``: each body declared once, its decoder and encoder
-generated from the declaration.
+"""Wire bodies of ``pulse.worker.v1``: one ``cattrs`` converter for every body, both ways.
 
-Each field is checked once, while it is read, by the rules of :mod:`orbit_sync._rules` (the same
-functions the models' constructors run), and the model is then built by a trusted constructor
-that sets its slots without running the validators again. A body that breaks a rule raises
-:class:`Fault`, which names the field's path and the rule's reason (never the value: it may be a
-secret); the codec turns it into the frame error.
+The attrs models of :mod:`orbit_sync.models` are the schema. The converter adds only how a value
+travels where that differs from Python: counters (fields marked ``COUNTER``) as canonical
+decimal strings, times as RFC 3339 ``Z`` strings, enums as their values, optional fields
+(``OPTIONAL``) left out when they hold their default, local fields (``LOCAL``) never sent. Every
+body is structured and unstructured by functions cattrs generates for it once, at import
+(``make_dict_structure_fn`` / ``make_dict_unstructure_fn``); the hooks for plain strings, bools
+and ints pass the value through, so each value rule is applied once, by the model's own
+validators when cattrs calls its constructor.
 
-Trusted construction is per call (nothing process-wide is switched off), so models built from
-user input in other threads keep validating.
+Server bodies tolerate unknown fields (a newer server may add some); client bodies, structured on
+the mock server's side, are held to the closed schema (PROTOCOL §12: ``forbid_extra_keys``).
 
-Server bodies tolerate unknown fields (a newer server may add some); client bodies, decoded on
-the mock server's side, are held to the closed schema (PROTOCOL §12).
+A body that breaks a rule raises :class:`Fault`, naming the field's path and the rule's reason,
+never the value (it may be a secret). The fast functions carry no bookkeeping for that; a refused
+body is structured again by the same converter's detailed functions (cattrs' detailed
+validation), which say where it failed.
 """
 
 from __future__ import annotations
@@ -19,14 +23,27 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import re
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import attrs
+import cattrs
+from cattrs.errors import (
+    AttributeValidationNote,
+    BaseValidationError,
+    ForbiddenExtraKeysError,
+    IterableValidationError,
+    IterableValidationNote,
+)
+from cattrs.fns import identity
+from cattrs.gen import make_dict_structure_fn, make_dict_unstructure_fn, override
 
 from . import _rules
 from .models import (
-    RUNNABLE,
+    COUNTER,
+    LOCAL,
+    OPTIONAL,
     Assignment,
     AttemptRef,
     AttemptState,
@@ -52,65 +69,27 @@ T = TypeVar("T")
 class Fault(ValueError):
     """A body breaking a rule: where (a dotted path, empty for the body itself) and why."""
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str, *, across: bool = False) -> None:
         super().__init__(path, reason)
         self.path = path
         self.reason = reason
-
-    def under(self, name: str) -> Fault:
-        """This fault seen from the object holding *name*."""
-        return Fault(f"{name}.{self.path}" if self.path else name, self.reason)
+        #: A rule across fields (``an active lease must be LEASED or RUNNING``), named by none.
+        self.across = across
 
     def describe(self, what: str) -> str:
-        """``path reason`` (``lease.active must be a bool``), or ``what reason`` for the body
-        itself (``CommandResult is missing lease``)."""
+        """``path reason`` (``lease.active must be a bool``), ``what reason`` for the body
+        itself (``CommandResult is missing lease``), ``path: reason`` for a rule across the
+        fields of a nested body."""
+        if self.across:
+            return f"{self.path}: {self.reason}" if self.path else self.reason
         return f"{self.path or what} {self.reason}"
 
 
-def _at(name: str, exc: Exception) -> Fault:
-    """The fault of field *name*: a nested body's fault moves under it, a KeyError is the field
-    missing, a rule's reason is the field's."""
-    if isinstance(exc, Fault):
-        return exc.under(name) if name else exc
-    if isinstance(exc, KeyError):
-        return Fault(name, "is missing")
-    return Fault(name, str(exc))
-
+# --------------------------------------------------------------------------- times
 
 _UTC = _dt.timezone.utc
 _US = _dt.timedelta(microseconds=1)
-
-
-def trusted_constructor(cls: type[T]) -> Callable[..., T]:
-    """A function building *cls* from every attrs field, positionally, without running its
-    ``__init__`` (validators, converters, ``__attrs_post_init__``).
-
-    Only for values already checked by the rules the constructor applies: the decoders below.
-    Generated once per class (as attrs generates ``__init__``), so a model costs one allocation
-    and one slot store per field.
-    """
-    names = [a.name for a in attrs.fields(cls)]  # type: ignore[arg-type]
-    args = ", ".join(names)
-    stores = "".join(f"    _set(self, {name!r}, {name})\n" for name in names)
-    source = f"def build({args}):\n    self = _new(_cls)\n{stores}    return self\n"
-    namespace: dict[str, Any] = {"_new": object.__new__, "_set": object.__setattr__, "_cls": cls}
-    exec(compile(source, f"<trusted constructor {cls.__qualname__}>", "exec"), namespace)
-    build: Callable[..., T] = namespace["build"]
-    return build
-
-
-# --------------------------------------------------------------------------- scalars
-
-_id = _rules.id_
-_secret = _rules.secret
-_counter = _rules.wire_counter
-_version = _rules.version
-_bool = _rules.boolean
-_OPERATION = _rules.member_of(Operation)
-_TASK_STATE = _rules.member_of(TaskState)
-_ATTEMPT_STATE = _rules.member_of(AttemptState)
-_DISPOSITION = _rules.member_of(Disposition)
-_OUTCOME = _rules.member_of(Outcome)
+_NS = 1_000_000_000
 
 _time_match = re.compile(
     r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,9})?Z"
@@ -132,14 +111,15 @@ def parse_time_ns(value: str) -> tuple[_dt.datetime, int]:
     if size == 20:
         return whole, 0
     # The pattern fixed every position: the fraction is what lies between the '.' and the 'Z'.
-    if size <= 27:  # at most 6 digits: microseconds only
+    if size <= _MICROSECOND_TEXT:  # at most 6 digits: microseconds only
         return whole.replace(microsecond=int(value[20:-1]) * _FRACTION_SCALE[size - 22]), 0
     digits = value[20:-1].ljust(9, "0")
     return whole.replace(microsecond=int(digits[:6])), int(digits[6:])
 
 
-# Microseconds per unit of a fraction of 1 to 6 digits.
+# Microseconds per unit of a fraction of 1 to 6 digits; the longest text that has no more.
 _FRACTION_SCALE = (100_000, 10_000, 1_000, 100, 10, 1)
+_MICROSECOND_TEXT = 27
 
 
 @functools.lru_cache(maxsize=256)
@@ -161,48 +141,11 @@ def _whole_second(text: str) -> _dt.datetime:
         raise ValueError("is not a real date and time") from None
 
 
-def _time(value: Any) -> tuple[_dt.datetime, int]:
-    if type(value) is not str:
-        raise TypeError("must be an RFC 3339 string")
-    return parse_time_ns(value)
-
-
-def _instant(value: Any) -> _dt.datetime:
-    """A wire time where no window needs its nanoseconds."""
+def parse_time(value: Any) -> _dt.datetime:
+    """A wire time (RFC 3339 UTC with ``Z``) as an aware UTC datetime, kept to the microsecond."""
     if type(value) is not str:
         raise TypeError("must be an RFC 3339 string")
     return parse_time_ns(value)[0]
-
-
-def _window(
-    start: tuple[_dt.datetime, int],
-    end: tuple[_dt.datetime, int],
-    limit_s: int,
-    start_name: str,
-    end_name: str,
-) -> _dt.datetime:
-    """Check the window ``end - start`` on the wire's nanoseconds (the model's microseconds would
-    let 120 s + 1 ns pass and read 1 ns as zero); return the end to keep, or Fault at *end_name*.
-
-    A valid window under one microsecond is rounded up to one, so the model's microsecond times
-    keep it positive.
-    """
-    delta_ns = _rules.timedelta_ns(end[0] - start[0]) + (end[1] - start[1])
-    try:
-        _rules.window(delta_ns, limit_s, start_name, end_name)
-    except ValueError as exc:
-        raise Fault(end_name, str(exc)) from None
-    if end[0] <= start[0]:
-        return start[0] + _US
-    return end[0]
-
-
-def _checked(name: str, rule: Callable[..., None], *args: Any) -> None:
-    """Apply a rule across fields; its reason is reported at field *name*."""
-    try:
-        rule(*args)
-    except ValueError as exc:
-        raise Fault(name, str(exc)) from None
 
 
 def format_time(value: _dt.datetime) -> str:
@@ -217,370 +160,342 @@ def format_time(value: _dt.datetime) -> str:
     return text + "Z"
 
 
-# --------------------------------------------------------------------------- the schema
-# Each body is declared once: its wire fields in the model's order, each with its rule (a nested
-# body's decoder for a nested body) and, for a field the wire may omit, the value its absence
-# means; then the rule across fields, if any. Its decoder and its encoder are generated from the
-# declaration as specialised functions (as attrs generates __init__). The decoder reads and
-# checks every field once, keeping the field being read in ``f`` so that a rule's exception, or
-# the KeyError of a missing field, becomes a Fault at that field (a try costs nothing until
-# something raises). The encoder writes the fields in the declared order, each in its wire form
-# (counters as decimal strings, times as RFC 3339, enums as their values), and leaves out an
-# optional field holding the value its absence means.
+def _exact_window(
+    structure: Callable[[Any, Any], T], start: str, end: str, limit_s: int, active_only: bool
+) -> Callable[[Any, Any], T]:
+    """*structure* for a body whose window ``end - start`` the model checks, with the window
+    judged on the wire's nanoseconds.
 
-_REQUIRED: Any = attrs.NOTHING
-
-
-def _decoder(
-    cls: type[T],
-    fields: list[tuple[str, Callable[[Any], Any], Any]],
-    *,
-    closed: bool = False,
-    across: Callable[..., tuple[Any, ...]] | None = None,
-) -> Callable[[Any], T]:
-    """The decoder of body *cls*, generated from its declaration.
-
-    *closed*: no field beyond the declared ones (a client's body, PROTOCOL §12). *across*: the
-    rule across fields; it takes the decoded values and returns those to build the model with.
-    Model fields that never travel (``Lease.deadline``) get their defaults.
+    The model holds microseconds: a time written with 7 to 9 fraction digits could make a window
+    of 120 s + 1 ns pass and one of 1 ns read as zero. For such a body the verdict is taken on
+    the nanoseconds and handed to the model's own rule: a refused window's end is moved onto its
+    start (the model refuses it, with its reason), and an accepted one under a microsecond has its
+    end moved one microsecond after its start (the model's times keep it positive).
     """
-    model = attrs.fields(cls)  # type: ignore[arg-type]
-    names = [name for name, _, _ in fields]
-    if names != [a.name for a in model[: len(names)]]:
-        raise TypeError(f"{cls.__name__}: fields must be declared in the model's order")
-    local = [a.default for a in model[len(names) :]]
-    ns: dict[str, Any] = {
-        "_Fault": Fault,
-        "_at": _at,
-        "_new": trusted_constructor(cls),
-        "_across": across,
-        "_allowed": frozenset(names),
-        "_local": tuple(local),
-    }
-    lines = [
-        "def decode(o):",
-        "    if type(o) is not dict:",
-        "        raise _Fault('', 'must be a JSON object')",
-    ]
-    if closed:
-        # The unknown names are the sender's text: not repeated.
-        lines += [
-            "    if not _allowed.issuperset(o):",
-            "        raise _Fault('', 'has a field the schema does not define')",
-        ]
-    lines += [f"    f = {names[0]!r}", "    try:"]
-    values = []
-    for i, (name, rule, absent) in enumerate(fields):
-        ns[f"_r{i}"] = rule
-        if i:
-            lines.append(f"        f = {name!r}")
-        if absent is _REQUIRED:
-            lines.append(f"        v{i} = _r{i}(o[{name!r}])")
-        else:
-            ns[f"_d{i}"] = absent
-            lines.append(f"        v{i} = _r{i}(o[{name!r}]) if {name!r} in o else _d{i}")
-        values.append(f"v{i}")
-    args = ", ".join(values)
-    if across is not None:
-        lines += ["        f = ''", f"        {args}, = _across({args})"]
-    lines += [
-        "    except (TypeError, ValueError, KeyError) as exc:",
-        "        raise _at(f, exc) from None",
-        f"    return _new({args}, *_local)" if local else f"    return _new({args})",
-    ]
-    source = "\n".join(lines) + "\n"
-    exec(compile(source, f"<decoder {cls.__qualname__}>", "exec"), ns)
-    decode: Callable[[Any], T] = ns["decode"]
-    WIRE_FORMS[cls] = _encoder(cls, fields)
-    _WIRE_OF[decode] = WIRE_FORMS[cls]
-    return decode
+
+    def structure_exactly(o: Any, cls: Any) -> T:
+        if type(o) is dict and (not active_only or o.get("active") is True):
+            first, last = o.get(start), o.get(end)
+            if (
+                type(first) is str
+                and type(last) is str
+                and (len(first) > _MICROSECOND_TEXT or len(last) > _MICROSECOND_TEXT)
+            ):
+                o = _judged(o, first, last, end, limit_s)
+        return structure(o, cls)
+
+    return structure_exactly
 
 
-def _enum_value(member: Any) -> Any:
+def _judged(o: dict[str, Any], first: str, last: str, end: str, limit_s: int) -> dict[str, Any]:
+    try:
+        begins, ends = parse_time_ns(first), parse_time_ns(last)
+    except ValueError:
+        return o  # the field's own hook refuses it
+    delta_us = _rules.timedelta_ns(ends[0] - begins[0])
+    delta_ns = delta_us + ends[1] - begins[1]
+    if not 0 < delta_ns <= limit_s * _NS:
+        return {**o, end: first}
+    if delta_us <= 0:
+        return {**o, end: format_time(begins[0] + _US)}
+    return o
+
+
+# --------------------------------------------------------------------------- the converter
+
+
+def _structure_time(value: Any, _: Any) -> _dt.datetime:
+    return parse_time(value)
+
+
+def _structure_counter(value: Any, _: Any) -> int:
+    return _rules.wire_decimal(value)  # the model's validator checks it is a counter
+
+
+def _as_is(value: Any, _: Any) -> Any:
+    # A bool or an int is checked by the model's validator, not converted: "1" is no int.
+    return value
+
+
+def _text(value: Any, _: Any) -> str:
+    # A string too, once it is one: the model's converters take Python conveniences (a version
+    # given as 1) that the wire does not.
+    if type(value) is not str:
+        raise TypeError("must be a string")
+    return value
+
+
+def _enum_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
+    member = _rules.member_of(cls)
+
+    def structure_enum(value: Any, _: Any) -> Any:
+        return member(value)
+
+    return structure_enum
+
+
+def _unstructure_enum(member: Any) -> Any:
     return member.value
 
 
-#: The wire dict of each model (filled in as each body is declared).
-WIRE_FORMS: dict[type[Any], Callable[[Any], dict[str, Any]]] = {}
-#: How a field checked by a rule is written: a counter as text, a time as RFC 3339, an enum as
-#: its value, a nested body by its own encoder (added as each is declared); the rest as is.
-_WIRE_OF: dict[Callable[[Any], Any], Callable[[Any], Any]] = {
-    _counter: str,
-    _time: format_time,
-    _instant: format_time,
-    **dict.fromkeys((_OPERATION, _TASK_STATE, _ATTEMPT_STATE, _DISPOSITION, _OUTCOME), _enum_value),
+def _unstructure_counter(value: int) -> str:
+    return str(value)
+
+
+#: How a value of each field type travels: its structure and unstructure hooks.
+_TYPES: dict[Any, tuple[Callable[[Any, Any], Any], Callable[[Any], Any]]] = {
+    str: (_text, identity),
+    bool: (_as_is, identity),
+    int: (_as_is, identity),
+    Any: (_as_is, identity),  # a payload or a result: JSON as it is
+    _dt.datetime: (_structure_time, format_time),
+    **{
+        enum: (_enum_hook(enum), _unstructure_enum)
+        for enum in (TaskState, AttemptState, Outcome, Disposition, Operation)
+    },
 }
 
-
-def _encoder(
-    cls: type[Any], fields: list[tuple[str, Callable[[Any], Any], Any]]
-) -> Callable[[Any], dict[str, Any]]:
-    """The encoder of body *cls*, generated from its declaration (see above)."""
-    ns: dict[str, Any] = {}
-    lines = ["def encode(m):", "    out = {}"]
-    for i, (name, rule, absent) in enumerate(fields):
-        value = f"m.{name}"
-        write = _WIRE_OF.get(rule)
-        if write is not None:
-            ns[f"_w{i}"] = write
-            value = f"_w{i}({value})"
-        if absent is _REQUIRED:
-            lines.append(f"    out[{name!r}] = {value}")
-        else:
-            ns[f"_d{i}"] = absent
-            lines += [f"    if m.{name} is not _d{i}:", f"        out[{name!r}] = {value}"]
-    lines.append("    return out")
-    exec(compile("\n".join(lines) + "\n", f"<encoder {cls.__qualname__}>", "exec"), ns)
-    encode: Callable[[Any], dict[str, Any]] = ns["encode"]
-    return encode
+#: The converter of every wire body (configured here, once).
+converter = cattrs.Converter()
+for _type, (_structure, _unstructure) in _TYPES.items():
+    converter.register_structure_hook(_type, _structure)
+    converter.register_unstructure_hook(_type, _unstructure)
 
 
-# --------------------------------------------------------------------------- server → client
-# Server bodies tolerate unknown fields (a newer server may add some).
+def _present(structure: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """An optional field's hook: when present, a value (absent is the only "none", §12)."""
 
-receipt = _decoder(
-    Receipt,
-    [
-        ("operation", _OPERATION, _REQUIRED),
-        ("task_state", _TASK_STATE, _REQUIRED),
-        ("attempt_state", _ATTEMPT_STATE, _REQUIRED),
-        ("task_revision", _counter, _REQUIRED),
-        ("lease_until", _instant, _REQUIRED),
-        ("disposition", _DISPOSITION, _REQUIRED),
-    ],
-)
+    def structure_present(value: Any, cls: Any) -> Any:
+        if value is None:
+            raise TypeError("must not be null (leave it out)")
+        return structure(value, cls)
+
+    return structure_present
 
 
-def _lease_across(
-    active: bool,
-    state: AttemptState,
-    until: tuple[_dt.datetime, int],
-    now: tuple[_dt.datetime, int],
-    cancel: _dt.datetime | None,
-) -> tuple[Any, ...]:
-    lease_until = until[0]
-    if active:
-        _checked("state", _rules.active_lease_state, True, state in RUNNABLE)
-        lease_until = _window(now, until, _rules.MAX_LEASE_WINDOW, "server_time", "lease_until")
-    return active, state, lease_until, now[0], cancel
+def _sequence(cls: type[T], detailed: bool) -> Callable[[Any, Any], tuple[T, ...]]:
+    """The hook of a tuple of bodies *cls*: a list on the wire (a string or an object would
+    iterate); the model checks its length and duplicates. The detailed hook notes each entry's
+    index on its fault, as cattrs' own sequence hooks do."""
+    structure = _DETAILED[cls] if detailed else _STRUCTURE[cls]
+
+    def structure_sequence(value: Any, _: Any) -> tuple[T, ...]:
+        if type(value) is not list:
+            raise TypeError("must be a list")
+        if not detailed:
+            return tuple([structure(item, cls) for item in value])
+        items = []
+        for index, item in enumerate(value):
+            try:
+                items.append(structure(item, cls))
+            except Exception as exc:
+                note = IterableValidationNote(f"Structuring item {index}", index, cls)
+                exc.__notes__ = [*getattr(exc, "__notes__", []), note]
+                raise IterableValidationError("While structuring a list", [exc], tuple) from None
+        return tuple(items)
+
+    return structure_sequence
 
 
-#: A Lease (no local deadline yet).
-lease = _decoder(
-    Lease,
-    [
-        ("active", _bool, _REQUIRED),
-        ("state", _ATTEMPT_STATE, _REQUIRED),
-        ("lease_until", _time, _REQUIRED),
-        ("server_time", _time, _REQUIRED),
-        ("cancel_requested_at", _instant, None),
-    ],
-    across=_lease_across,
-)
+def _unstructure_sequence(cls: type[Any]) -> Callable[[tuple[Any, ...]], list[dict[str, Any]]]:
+    unstructure = _UNSTRUCTURE[cls]
 
-#: The ack body of start/renew/finish.
-command_result = _decoder(
-    CommandResult,
-    [
-        ("receipt", receipt, _REQUIRED),
-        ("lease", lease, _REQUIRED),
-        ("deduplicated", _bool, _REQUIRED),
-    ],
-)
+    def unstructure_sequence(value: tuple[Any, ...]) -> list[dict[str, Any]]:
+        return [unstructure(item) for item in value]
+
+    return unstructure_sequence
 
 
-def _welcome_across(
-    session_id: str,
-    epoch: int,
-    now: tuple[_dt.datetime, int],
-    expires: tuple[_dt.datetime, int],
-    lease_ms: int,
-    draining: bool,
-) -> tuple[Any, ...]:
-    expires_at = _window(now, expires, _rules.MAX_SESSION_WINDOW, "server_time", "expires_at")
-    return session_id, epoch, now[0], expires_at, lease_ms, draining
+def _overrides(cls: type[Any], detailed: bool) -> dict[str, Any]:
+    """The per-field overrides of body *cls*, from its fields' wire metadata and, for a nested
+    body, the functions already generated for it."""
+    overrides: dict[str, Any] = {}
+    for field in attrs.fields(cls):
+        wire = field.metadata.get("wire")
+        kind = field.type
+        if wire == LOCAL["wire"]:
+            overrides[field.name] = override(omit=True)
+        elif wire == COUNTER["wire"]:
+            overrides[field.name] = override(
+                struct_hook=_structure_counter, unstruct_hook=_unstructure_counter
+            )
+        elif wire == OPTIONAL["wire"]:
+            # The type beside None (error_code: str | None), or the type (a defaulted bool).
+            present = [arg for arg in typing.get_args(kind) if arg is not type(None)] or [kind]
+            structure, unstructure = _TYPES[present[0]]
+            overrides[field.name] = override(
+                omit_if_default=True, struct_hook=_present(structure), unstruct_hook=unstructure
+            )
+        elif typing.get_origin(kind) is tuple:  # tuple[Body, ...]
+            item = typing.get_args(kind)[0]
+            overrides[field.name] = override(
+                struct_hook=_sequence(item, detailed), unstruct_hook=_unstructure_sequence(item)
+            )
+        elif detailed and attrs.has(kind):
+            overrides[field.name] = override(struct_hook=_DETAILED[kind])
+    return overrides
 
 
-#: A Welcome (the answer to hello and to capacity).
-welcome = _decoder(
-    Welcome,
-    [
-        ("session_id", _id, _REQUIRED),
-        ("epoch", _counter, _REQUIRED),
-        ("server_time", _time, _REQUIRED),
-        ("expires_at", _time, _REQUIRED),
-        ("lease_duration_ms", _rules.LEASE_DURATION_MS, _REQUIRED),
-        ("draining", _bool, _REQUIRED),
-    ],
-    across=_welcome_across,
-)
+_STRUCTURE: dict[type[Any], Callable[[Any, Any], Any]] = {}
+_DETAILED: dict[type[Any], Callable[[Any, Any], Any]] = {}
+_UNSTRUCTURE: dict[type[Any], Callable[[Any], dict[str, Any]]] = {}
 
 
-def _task_across(*values: Any) -> tuple[Any, ...]:
-    _checked("attempt", _rules.attempts, values[9], values[10])
-    return values
+def _declare(cls: type[Any], *, closed: bool = False) -> None:
+    """Generate the functions of body *cls* (nested bodies are declared first).
 
-
-#: A Task as an assignment describes it.
-task = _decoder(
-    Task,
-    [
-        ("task_id", _id, _REQUIRED),
-        ("queue_id", _id, _REQUIRED),
-        ("namespace_id", _id, _REQUIRED),
-        ("handler", _rules.handler, _REQUIRED),
-        ("handler_version", _version, _REQUIRED),
-        ("payload_version", _version, _REQUIRED),
-        ("payload", _rules.json_value, _REQUIRED),
-        ("state", _TASK_STATE, _REQUIRED),
-        ("revision", _counter, _REQUIRED),
-        ("attempt", _counter, _REQUIRED),
-        ("max_attempts", _counter, _REQUIRED),
-    ],
-    across=_task_across,
-)
-
-#: A ``task.assign`` body.
-assignment = _decoder(
-    Assignment,
-    [
-        ("task", task, _REQUIRED),
-        ("attempt_id", _id, _REQUIRED),
-        ("epoch", _counter, _REQUIRED),
-        ("lease_secret", _secret, _REQUIRED),
-        ("lease_until", _instant, _REQUIRED),
-        ("server_time", _instant, _REQUIRED),
-    ],
-)
-
-#: A ``task.cancel`` body.
-cancel_notice = _decoder(
-    CancelNotice,
-    [
-        ("task_id", _id, _REQUIRED),
-        ("attempt_id", _id, _REQUIRED),
-        ("epoch", _counter, _REQUIRED),
-        ("cancel_requested_at", _instant, _REQUIRED),
-    ],
-)
-
-#: The decoder of each server → client body model.
-SERVER_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
-    Receipt: receipt,
-    Lease: lease,
-    CommandResult: command_result,
-    Welcome: welcome,
-    Task: task,
-    Assignment: assignment,
-    CancelNotice: cancel_notice,
-}
-
-
-# --------------------------------------------------------------------------- client → server
-# What the server accepts (the mock server's side): the same rules, and no field beyond the
-# model's (a client is held to the closed schema, PROTOCOL §12).
-
-#: One registered capability.
-capability = _decoder(
-    Capability,
-    [
-        ("handler", _rules.handler, _REQUIRED),
-        ("handler_version", _version, _REQUIRED),
-        ("payload_version", _version, _REQUIRED),
-    ],
-    closed=True,
-)
-
-
-def _capabilities(value: Any) -> tuple[Capability, ...]:
-    if type(value) is not list:
-        raise TypeError("must be a list")
-    _rules.capabilities_count(len(value))
-    listed = []
-    for i, item in enumerate(value):
-        try:
-            listed.append(capability(item))
-        except Fault as exc:
-            raise exc.under(str(i)) from None
-    capabilities = tuple(listed)
-    _rules.distinct(capabilities)
-    return capabilities
-
-
-_WIRE_OF[_capabilities] = lambda listed: [WIRE_FORMS[Capability](c) for c in listed]
-
-#: A ``worker.hello`` body.
-registration = _decoder(
-    Registration,
-    [
-        ("queue_id", _id, _REQUIRED),
-        ("capabilities", _capabilities, _REQUIRED),
-        ("capacity", _rules.CAPACITY, _REQUIRED),
-        ("instance_id", _id, _REQUIRED),
-        ("instance_secret", _secret, _REQUIRED),
-        ("cancellation_notifications", _bool, False),
-    ],
-    closed=True,
-)
-
-#: A ``worker.capacity`` body.
-capacity_report = _decoder(
-    CapacityReport,
-    [
-        ("sequence", _counter, _REQUIRED),
-        ("capacity", _rules.REPORTED_CAPACITY, _REQUIRED),
-        ("drain", _bool, _REQUIRED),
-    ],
-    closed=True,
-)
-
-#: The body of ``worker.resume``, ``task.start`` and ``task.renew``.
-attempt_ref = _decoder(
-    AttemptRef,
-    [
-        ("task_id", _id, _REQUIRED),
-        ("attempt_id", _id, _REQUIRED),
-        ("epoch", _counter, _REQUIRED),
-        ("lease_secret", _secret, _REQUIRED),
-    ],
-    closed=True,
-)
-
-
-def _finish_across(
-    ref: AttemptRef, outcome: Outcome, result: Any, code: str | None, retryable: bool | None
-) -> tuple[Any, ...]:
-    _checked(
-        "outcome",
-        _rules.finish_outcome,
-        outcome is Outcome.SUCCEEDED,
-        outcome.value,
-        outcome is Outcome.FAILED,
-        code,
-        retryable,
+    *closed*: a client's body, no field beyond the model's (PROTOCOL §12).
+    """
+    attrs.resolve_types(cls)  # the models' annotations are strings until resolved
+    fast: Callable[[Any, Any], Any]
+    detailed: Callable[[Any, Any], Any]
+    fast, detailed = (
+        make_dict_structure_fn(
+            cls,
+            converter,
+            _cattrs_forbid_extra_keys=closed,
+            _cattrs_detailed_validation=explain,
+            **_overrides(cls, explain),
+        )
+        for explain in (False, True)
     )
-    return ref, outcome, result, code, retryable
+    # Fields the model defaults but the wire requires (a registration's instance, a report's
+    # drain): cattrs would take the default for a missing one.
+    required = frozenset(
+        f.name
+        for f in attrs.fields(cls)
+        if f.default is not attrs.NOTHING and not f.metadata.get("wire")
+    )
+    if required:
+        fast, detailed = _requiring(fast, required), _requiring(detailed, required)
+    window = _WINDOWS.get(cls)
+    if window is not None:
+        fast, detailed = _exact_window(fast, *window), _exact_window(detailed, *window)
+    _STRUCTURE[cls] = fast
+    _DETAILED[cls] = _object(detailed)
+    converter.register_structure_hook(cls, fast)
+    unstructure = make_dict_unstructure_fn(cls, converter, **_overrides(cls, False))
+    _UNSTRUCTURE[cls] = unstructure
+    converter.register_unstructure_hook(cls, unstructure)
 
 
-#: A ``task.finish`` body (its result's size is the codec's to check). An error_code that is
-#: present is a code: null too (absent is the only "none", PROTOCOL §12).
-finish = _decoder(
-    Finish,
-    [
-        ("ref", attempt_ref, _REQUIRED),
-        ("outcome", _OUTCOME, _REQUIRED),
-        ("result", _rules.json_value, _REQUIRED),
-        ("error_code", _rules.code, None),
-        ("retryable", _bool, None),
-    ],
-    closed=True,
-    across=_finish_across,
-)
-
-#: The decoder of each client → server body model.
-CLIENT_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
-    Registration: registration,
-    CapacityReport: capacity_report,
-    AttemptRef: attempt_ref,
-    Finish: finish,
+#: The bodies holding a window ``end - start``: (start, end, limit in seconds, active only).
+_WINDOWS: dict[type[Any], tuple[str, str, int, bool]] = {
+    Lease: ("server_time", "lease_until", _rules.MAX_LEASE_WINDOW, True),
+    Welcome: ("server_time", "expires_at", _rules.MAX_SESSION_WINDOW, False),
 }
+
+
+def _requiring(
+    structure: Callable[[Any, Any], T], required: frozenset[str]
+) -> Callable[[Any, Any], T]:
+    """*structure*, refusing a body that lacks one of *required*."""
+
+    def structure_required(o: Any, cls: Any) -> T:
+        if type(o) is dict and not required.issubset(o):
+            raise KeyError(min(name for name in required if name not in o))
+        return structure(o, cls)
+
+    return structure_required
+
+
+class _NotAnObject(TypeError):
+    """A body that is not a JSON object: the fault of the body itself, not of a field."""
+
+
+def _object(structure: Callable[[Any, Any], T]) -> Callable[[Any, Any], T]:
+    """*structure*, refusing anything but a JSON object first (so the fault is the body's)."""
+
+    def structure_object(o: Any, cls: Any) -> T:
+        if type(o) is not dict:
+            raise _NotAnObject("must be a JSON object")
+        return structure(o, cls)
+
+    return structure_object
+
+
+#: The server → client bodies (open), nested ones first.
+SERVER_BODIES: tuple[type[Any], ...] = (
+    Receipt,
+    Lease,
+    CommandResult,
+    Welcome,
+    Task,
+    Assignment,
+    CancelNotice,
+)
+#: The client → server bodies (closed); a capability travels in a registration.
+CLIENT_BODIES: tuple[type[Any], ...] = (Registration, CapacityReport, AttemptRef, Finish)
+
+_CLOSED: tuple[type[Any], ...] = (Capability, *CLIENT_BODIES)
+for _body in SERVER_BODIES:
+    _declare(_body)
+for _body in _CLOSED:
+    _declare(_body, closed=True)
+
+
+# --------------------------------------------------------------------------- the API
+
+
+def structure(value: Any, cls: type[T]) -> T:
+    """*value* (a JSON body) as model *cls*, or :class:`Fault` naming the field and the rule."""
+    try:
+        structured: T = _STRUCTURE[cls](value, cls)
+    except Exception:
+        raise _explained(value, cls) from None
+    return structured
+
+
+def unstructure(model: Any) -> dict[str, Any]:
+    """The wire form of a model (counters as strings, times as RFC 3339, optionals omitted)."""
+    unstructure_model = _UNSTRUCTURE.get(type(model))
+    if unstructure_model is None:
+        for cls in type(model).__mro__:  # a subclass of a model travels as the model
+            unstructure_model = _UNSTRUCTURE.get(cls)
+            if unstructure_model is not None:
+                break
+        else:
+            raise TypeError(f"{type(model).__name__} is not a wire model")
+    return unstructure_model(model)
+
+
+def _explained(value: Any, cls: type[Any]) -> Fault:
+    """The fault of a body the fast function refused, by the detailed one: the first field (in
+    the model's order) whose hook refused it, else the model's own rule."""
+    try:
+        _DETAILED[cls](value, cls)
+    except Exception as exc:
+        return _located(exc, "", cls)
+    return Fault("", "is not valid")  # both passes apply the same hooks: not reached
+
+
+def _located(exc: BaseException, path: str, cls: type[Any]) -> Fault:
+    noted = False
+    while isinstance(exc, BaseValidationError):
+        if isinstance(exc, cattrs.ClassValidationError):
+            cls = exc.cl
+        inner = exc.exceptions[0]
+        noted = False
+        for note in getattr(inner, "__notes__", ()):
+            if isinstance(note, AttributeValidationNote):
+                path, noted = _join(path, note.name), True
+            elif isinstance(note, IterableValidationNote):
+                path, noted = _join(path, str(note.index)), True
+        exc = inner
+    if isinstance(exc, ForbiddenExtraKeysError):
+        # The unknown names are the sender's text: not repeated.
+        return Fault(path, "has a field the schema does not define")
+    if isinstance(exc, KeyError):
+        return Fault(path if noted else _join(path, str(exc.args[0])), "is missing")
+    reason = str(exc) if isinstance(exc, TypeError | ValueError) else "is not valid"
+    if noted or isinstance(exc, _NotAnObject):
+        return Fault(path, reason)
+    # The model's constructor refused it: a validator's reason starts with its field's name.
+    name, _, rest = reason.partition(" ")
+    if rest and name in attrs.fields_dict(cls):
+        return Fault(_join(path, name), rest)
+    return Fault(path, reason, across=True)
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name

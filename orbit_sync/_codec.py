@@ -2,16 +2,14 @@
 server frames (client side) and client frames (server side).
 
 Both our client and our mock server decode through this module, so they agree on every vector in
-``tests/vectors/frames.json`` by construction. Bodies are decoded by the one decoder of each body
-in :mod:`orbit_sync._bodies`, which checks every field by the rules the models' constructors run
-and names the field a fault is in.
+``tests/vectors/frames.json`` by construction. Bodies are structured and unstructured by the one
+wire converter of :mod:`orbit_sync._bodies` (cattrs), which builds each model through its
+validating constructor and names the field a fault is in.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import functools
-import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -57,12 +55,10 @@ _SERVER_ENVELOPE = _CLIENT_ENVELOPE | {"reply_to", "error"}
 
 def parse_time(value: Any) -> _dt.datetime:
     """RFC 3339 in UTC with ``Z``; at most 9 fraction digits (kept to the microsecond)."""
-    if type(value) is not str:
-        raise TypeError("time must be an RFC 3339 string")
     try:
-        return _bodies.parse_time_ns(value)[0]
-    except ValueError as exc:
-        raise ValueError(f"time {exc}") from None
+        return _bodies.parse_time(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"time {exc}") from None
 
 
 def parse_counter(value: Any) -> int:
@@ -74,29 +70,16 @@ def parse_counter(value: Any) -> int:
 
 
 def decode_body(value: Any, cls: type[T]) -> T:
-    """*value* as *cls* by its one decoder, or FrameError naming the field and the rule broken
-    (never the value: it may be a secret)."""
-    decode = _DECODERS[cls]
+    """*value* as *cls* by the wire converter, or FrameError naming the field and the rule
+    broken (never the value: it may be a secret)."""
     try:
-        decoded: T = decode(value)
+        return _bodies.structure(value, cls)
     except _bodies.Fault as exc:
         raise FrameError(f"invalid {cls.__name__}: {exc.describe(cls.__name__)}") from None
-    return decoded
 
 
-_DECODERS: dict[type[Any], Callable[[Any], Any]] = {
-    **_bodies.SERVER_DECODERS,
-    **_bodies.CLIENT_DECODERS,
-}
-
-
-def unstructure(model: Any) -> dict[str, Any]:
-    """The wire form of a model (counters as strings, times as RFC 3339, optionals omitted)."""
-    for cls in type(model).__mro__:  # a subclass of a model travels as the model
-        wire_form = _bodies.WIRE_FORMS.get(cls)
-        if wire_form is not None:
-            return wire_form(model)
-    raise TypeError(f"{type(model).__name__} is not a wire model")
+#: The wire form of a model (counters as strings, times as RFC 3339, optionals omitted).
+unstructure = _bodies.unstructure
 
 
 # --------------------------------------------------------------------------- encoding
@@ -104,22 +87,18 @@ def unstructure(model: Any) -> dict[str, Any]:
 
 def check_result(result: Any) -> None:
     """Raise FrameError unless *result* is strict JSON, not null, at most 256 KiB serialized."""
-    result_json(result)
-
-
-def result_json(result: Any) -> tuple[str, int]:
-    """*result* serialized (and its size in UTF-8 bytes), once it is known to be strict JSON,
-    not null and at most 256 KiB; FrameError otherwise."""
     if result is None:
         raise FrameError("result must be JSON other than null")
-    text = _json.dumps(result)
+    _checked_result_size(_json.dumps(result))
+
+
+def _checked_result_size(text: str) -> None:
     size = len(text.encode("utf-8"))
     if size > _json.MAX_RESULT_BYTES:
         raise FrameError(f"result is {size} bytes, over the {_json.MAX_RESULT_BYTES}-byte limit")
     # Python serializes int keys as strings and very large ints as digits; a strict peer rejects
     # the duplicates and non-doubles that can produce, so check what will actually be sent.
     _json.loads(text, limit=_json.MAX_FRAME_BYTES)
-    return text, size
 
 
 def encode_frame(
@@ -153,76 +132,11 @@ def encode_frame(
 
 
 def encode_request(type_: str, message_id: str, session_id: str | None, body: Any) -> str:
-    """Encode a client request whose body is a model."""
-    if type(body) is AttemptRef and session_id is not None:
-        # The hot path (start, renew, resume): the same few refs again and again. Every part is
-        # already validated (hex ids, a known type), so the frame is the same text encode_frame
-        # builds, without re-serializing the body each time.
-        return f"{_request_head(type_, message_id, session_id)}{_ref_json(body)}}}"
-    if type(body) is Finish and session_id is not None:
-        return _finish_frame(type_, message_id, session_id, body)
+    """Encode a client request whose body is a model (a finish's result checked as
+    :func:`check_result` does)."""
     if isinstance(body, Finish):
         check_result(body.result)
     return encode_frame(type_, message_id, session_id=session_id, body=unstructure(body))
-
-
-# Results whose serialization is already checked, by the Finish carrying them: the Worker's result
-# encoder serialized each result when it made its snapshot (a finish is re-sent after a reconnect
-# as the same object). Keyed by id and guarded by a weak reference (a Finish holding a dict is
-# not hashable); an entry goes with its Finish.
-_RESULT_JSON: dict[int, tuple[weakref.ref[Finish], str, int]] = {}
-
-
-def remember_result_json(finish: Finish, text: str, size: int) -> None:
-    """Record *text* (*size* bytes of UTF-8) as *finish*'s result, serialized and checked as
-    :func:`result_json` does. Only for a result that is a fresh snapshot parsed from *text*
-    (nobody else holds it to mutate it), as the Worker's result encoder makes."""
-    key = id(finish)
-    _RESULT_JSON[key] = (weakref.ref(finish, lambda _: _RESULT_JSON.pop(key, None)), text, size)
-
-
-def _finish_result_json(finish: Finish) -> tuple[str, int]:
-    known = _RESULT_JSON.get(id(finish))
-    if known is not None and known[0]() is finish:
-        return known[1], known[2]
-    return result_json(finish.result)
-
-
-def _finish_frame(type_: str, message_id: str, session_id: str, finish: Finish) -> str:
-    """The text encode_frame builds for a finish, with the result serialized once: checked as
-    strict JSON (that serialization is then sent as is) instead of serialized again in the frame;
-    not at all when the Worker's encoder already did.
-    """
-    result, result_size = _finish_result_json(finish)
-    # Every other part is validated ASCII (hex ids, the code pattern, enum values), so it needs
-    # no escaping and counts one byte a character.
-    head = (
-        f"{_request_head(type_, message_id, session_id)}"
-        f'{{"ref":{_ref_json(finish.ref)},"outcome":"{finish.outcome.value}","result":'
-    )
-    tail = ""
-    if finish.error_code is not None:
-        tail += f',"error_code":"{finish.error_code}"'
-    if finish.retryable is not None:
-        tail += ',"retryable":true' if finish.retryable else ',"retryable":false'
-    tail += "}}"
-    size = len(head) + result_size + len(tail)
-    if size > _json.MAX_FRAME_BYTES:
-        raise FrameError(f"frame is {size} bytes, over the {_json.MAX_FRAME_BYTES}-byte limit")
-    return head + result + tail
-
-
-def _request_head(type_: str, message_id: str, session_id: str) -> str:
-    """A request frame up to its body, as encode_frame writes it (validated ASCII parts only)."""
-    return (
-        f'{{"protocol_version":"{PROTOCOL_VERSION}","type":"{type_}",'
-        f'"message_id":"{message_id}","session_id":"{session_id}","body":'
-    )
-
-
-@functools.lru_cache(maxsize=1024)
-def _ref_json(ref: AttemptRef) -> str:
-    return _json.dumps(unstructure(ref))
 
 
 # --------------------------------------------------------------------------- server → client

@@ -38,7 +38,7 @@ from .errors import (
     WorkerError,
     WorkerProtocolError,
 )
-from .models import ID_RE, MAX_CAPACITY, CommandResult, Lease, anchor_lease, new_message_id
+from .models import ID_RE, MAX_CAPACITY, CommandResult, Lease, new_message_id
 
 __all__ = [
     "ASSIGNMENT",
@@ -296,10 +296,8 @@ class ClientProtocol:
                 raise WorkerProtocolError(
                     f"invalid server frame: expected a {expected.__name__} body"
                 )
-            if isinstance(value, CommandResult):
-                anchor_lease(value.lease, call.t_sent)
-            elif isinstance(value, Lease):
-                anchor_lease(value, call.t_sent)
+            if isinstance(value, CommandResult | Lease):
+                value = value.with_deadline(call.t_sent)
         del self.calls[reply.reply_to]
         return call, value, reply.error
 

@@ -1,8 +1,9 @@
 """The value rules of ``pulse.worker.v1`` bodies, each written once (PROTOCOL §4, §12).
 
-Two callers share them: the models' constructors (what a user builds is checked before anything
-is sent) and the wire decoders of :mod:`orbit_sync._bodies` (what a peer sends is checked once,
-while it is read). A rule takes a value, returns what to keep and raises ``TypeError`` (wrong
+The models' validators apply them, to what a user builds (checked before anything is sent) and
+to what a peer sends (the wire converter of :mod:`orbit_sync._bodies` builds every body through
+its model's constructor); the converter adds only the wire's forms (:func:`wire_decimal`,
+:func:`member_of`). A rule takes a value, returns what to keep and raises ``TypeError`` (wrong
 kind) or ``ValueError`` (wrong value) with a reason that never repeats the value (it may be a
 secret). The caller puts the field's name or path in front of the reason.
 """
@@ -71,13 +72,19 @@ def counter(value: Any) -> int:
     return value
 
 
-def wire_counter(value: Any) -> int:
-    """A counter as it travels: a canonical decimal string (``"7"``, never ``"07"`` or ``7``)."""
+def wire_decimal(value: Any) -> int:
+    """An int as a counter travels: a canonical decimal string (``"7"``, never ``"07"`` or
+    ``7``). The counter's own rule (:func:`counter`) is the model's to apply."""
     if type(value) is not str:
         raise TypeError("must be a decimal string")
     if _decimal_match(value) is None:
         raise ValueError("must be a canonical decimal string")
-    return counter(int(value))
+    return int(value)
+
+
+def wire_counter(value: Any) -> int:
+    """A counter as it travels (:func:`wire_decimal`), and a counter."""
+    return counter(wire_decimal(value))
 
 
 def boolean(value: Any) -> bool:

@@ -6,13 +6,14 @@ strings; times are aware UTC ``datetime`` and travel as RFC 3339 ``Z`` strings. 
 construction, so a wrong argument raises ``ValueError``/``TypeError`` before anything is sent.
 Secrets (``instance_secret``, ``lease_secret``) never appear in ``repr()``/``str()``.
 
-No I/O here; the wire mapping lives in :mod:`orbit_sync._codec`.
+No I/O here. Each field's metadata says how it travels where that is not its type's usual
+form (a counter as decimal text, a field the wire may leave out, a field that never travels);
+the wire converter, :mod:`orbit_sync._bodies`, reads it.
 """
 
 from __future__ import annotations
 
 import base64
-import copy
 import datetime as _dt
 import enum
 import os
@@ -155,6 +156,14 @@ def new_message_id() -> str:
 def new_secret() -> str:
     """A fresh secret: 32 random bytes, base64url without padding (43 characters)."""
     return base64.urlsafe_b64encode(secrets.token_bytes(32)).rstrip(b"=").decode("ascii")
+
+
+#: Field metadata for the wire converter: an ``int`` counter that travels as canonical decimal
+#: text; a field the wire may leave out (its default then; ``null`` is not leaving it out); a
+#: field that never travels.
+COUNTER: dict[str, str] = {"wire": "counter"}
+OPTIONAL: dict[str, str] = {"wire": "optional"}
+LOCAL: dict[str, str] = {"wire": "local"}
 
 
 def _redact(_: object) -> str:
@@ -317,7 +326,9 @@ class Registration:
     instance_secret: str = attrs.field(
         factory=process_instance_secret, validator=_check_secret, repr=_redact
     )
-    cancellation_notifications: bool = attrs.field(default=False, validator=_check_bool)
+    cancellation_notifications: bool = attrs.field(
+        default=False, validator=_check_bool, metadata=OPTIONAL
+    )
 
     def allows(self, handler: str, handler_version: str, payload_version: str) -> bool:
         """True when (handler, versions) is one of the registered capabilities."""
@@ -333,7 +344,7 @@ class Registration:
 class CapacityReport:
     """The ``worker.capacity`` body: an absolute capacity under a strictly increasing sequence."""
 
-    sequence: int = attrs.field(validator=_check_counter)
+    sequence: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     capacity: int = attrs.field(validator=_field(_rules.REPORTED_CAPACITY))
     drain: bool = attrs.field(default=False, validator=_check_bool)
 
@@ -344,7 +355,7 @@ class AttemptRef:
 
     task_id: str = attrs.field(validator=_check_id)
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
 
 
@@ -360,9 +371,9 @@ class Task:
     payload_version: str = attrs.field(validator=_check_version)
     payload: Any = attrs.field(validator=_check_payload)
     state: TaskState = attrs.field(converter=_task_state)
-    revision: int = attrs.field(validator=_check_counter)
-    attempt: int = attrs.field(validator=_check_counter)
-    max_attempts: int = attrs.field(validator=_check_counter)
+    revision: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    attempt: int = attrs.field(validator=_check_counter, metadata=COUNTER)
+    max_attempts: int = attrs.field(validator=_check_counter, metadata=COUNTER)
 
     def __attrs_post_init__(self) -> None:
         _rules.attempts(self.attempt, self.max_attempts)
@@ -374,7 +385,7 @@ class Assignment:
 
     task: Task
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     lease_secret: str = attrs.field(validator=_check_secret, repr=_redact)
     lease_until: _dt.datetime = attrs.field(validator=_check_time)
     server_time: _dt.datetime = attrs.field(validator=_check_time)
@@ -413,9 +424,9 @@ class Lease:
     lease_until: _dt.datetime = attrs.field(validator=_check_time)
     server_time: _dt.datetime = attrs.field(validator=_check_time)
     cancel_requested_at: _dt.datetime | None = attrs.field(
-        default=None, validator=_check_optional_time
+        default=None, validator=_check_optional_time, metadata=OPTIONAL
     )
-    deadline: float | None = attrs.field(default=None, eq=False)
+    deadline: float | None = attrs.field(default=None, eq=False, metadata=LOCAL)
 
     def __attrs_post_init__(self) -> None:
         if self.active:
@@ -439,10 +450,7 @@ class Lease:
 
     def with_deadline(self, t_sent: float) -> Lease:
         """This lease with its local deadline anchored at *t_sent* (monotonic, before sending)."""
-        # A copy, not attrs.evolve: every field of this lease was validated when it was built.
-        clone = copy.copy(self)
-        anchor_lease(clone, t_sent)
-        return clone
+        return anchor_lease(self, t_sent)
 
     def may_run(self, clock: Clock | Callable[[], float] | None = None) -> bool:
         """May the handler run (or keep running) now? (PROTOCOL §6.5)
@@ -475,15 +483,23 @@ def grants_run(lease: Lease) -> bool:
     )
 
 
-def anchor_lease(lease: Lease, t_sent: float) -> None:
-    """Set the local deadline of a lease no one else holds yet (just decoded or copied), in place.
+def anchor_lease(lease: Lease, t_sent: float) -> Lease:
+    """*lease* with its local deadline anchored at *t_sent*: a new Lease (models never change).
 
     The one place of the deadline rule (PROTOCOL §6.6): ``t_sent + window - 250 ms`` for an active
     lease, ``None`` for one that grants nothing. *t_sent* is taken before the request was sent,
     so the local deadline never outlives the server's lease.
     """
     deadline = t_sent + lease.window - SAFETY_MARGIN if lease.active else None
-    object.__setattr__(lease, "deadline", deadline)
+    # Built anew by its constructor (positionally: attrs.evolve costs half again on every ack).
+    return Lease(
+        lease.active,
+        lease.state,
+        lease.lease_until,
+        lease.server_time,
+        lease.cancel_requested_at,
+        deadline,
+    )
 
 
 @attrs.frozen
@@ -493,7 +509,7 @@ class Receipt:
     operation: Operation = attrs.field(converter=_operation)
     task_state: TaskState = attrs.field(converter=_task_state)
     attempt_state: AttemptState = attrs.field(converter=_attempt_state)
-    task_revision: int = attrs.field(validator=_check_counter)
+    task_revision: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     lease_until: _dt.datetime = attrs.field(validator=_check_time)
     disposition: Disposition = attrs.field(converter=_disposition)
 
@@ -506,6 +522,11 @@ class CommandResult:
     lease: Lease
     deduplicated: bool = attrs.field(validator=_check_bool)
 
+    def with_deadline(self, t_sent: float) -> CommandResult:
+        """This result with its lease's local deadline anchored at *t_sent* (see
+        :meth:`Lease.with_deadline`)."""
+        return CommandResult(self.receipt, anchor_lease(self.lease, t_sent), self.deduplicated)
+
 
 @attrs.frozen
 class Finish:
@@ -515,9 +536,11 @@ class Finish:
     outcome: Outcome = attrs.field(converter=_outcome)
     result: Any = attrs.field(validator=_check_payload)
     error_code: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_check_code)
+        default=None, validator=attrs.validators.optional(_check_code), metadata=OPTIONAL
     )
-    retryable: bool | None = attrs.field(default=None, validator=_check_optional_bool)
+    retryable: bool | None = attrs.field(
+        default=None, validator=_check_optional_bool, metadata=OPTIONAL
+    )
 
     def __attrs_post_init__(self) -> None:
         outcome = self.outcome
@@ -535,7 +558,7 @@ class Welcome:
     """The ``worker.welcome`` body (and the ``ack`` body of ``worker.capacity``)."""
 
     session_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     server_time: _dt.datetime = attrs.field(validator=_check_time)
     expires_at: _dt.datetime = attrs.field(validator=_check_time)
     lease_duration_ms: int = attrs.field(validator=_field(_rules.LEASE_DURATION_MS))
@@ -561,5 +584,5 @@ class CancelNotice:
 
     task_id: str = attrs.field(validator=_check_id)
     attempt_id: str = attrs.field(validator=_check_id)
-    epoch: int = attrs.field(validator=_check_counter)
+    epoch: int = attrs.field(validator=_check_counter, metadata=COUNTER)
     cancel_requested_at: _dt.datetime = attrs.field(validator=_check_time)

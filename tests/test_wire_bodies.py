@@ -1,4 +1,4 @@
-"""The one decoder of each body against an independent reading of the contract.
+"""The wire converter's structuring of each body against an independent reading of the contract.
 
 ``tests/_independent.py`` checks bodies from docs/protocol.md alone, sharing no code with the SDK.
 On every body (the shared vectors', and mutated ones) both give the same verdict; an accepted body
@@ -115,9 +115,9 @@ def _reference(value: Any, cls: type[Any]) -> tuple[bool, str]:
 
 
 def _decode(value: Any, cls: type[Any]) -> tuple[bool, Any]:
-    if cls is Capability:  # nested only: its decoder is reached through a registration's list
+    if cls is Capability:  # nested only: reached through a registration's list on the wire
         try:
-            return True, _bodies.capability(_copy(value))
+            return True, _bodies.structure(_copy(value), Capability)
         except _bodies.Fault as exc:
             return False, f"invalid Capability: {exc.describe('Capability')}"
     try:
@@ -173,7 +173,7 @@ def assert_agree(value: Any, cls: type[Any]) -> bool:
     decoded_ok, decoded = _decode(value, cls)
     assert decoded_ok == ok, (cls.__name__, value, why if not ok else decoded)
     if ok:
-        # The trusted construction builds exactly what the validating constructor builds.
+        # The converter builds exactly what the validating constructor builds from the values.
         assert _fields(_validated(decoded)) == _fields(decoded)
     else:
         assert decoded.startswith(f"invalid {cls.__name__}: ")
@@ -230,7 +230,7 @@ def test_vector_bodies_agree(name: str, body: Any, cls: type[Any]) -> None:
 def test_vector_bodies_cover_both_verdicts() -> None:
     """The vector bodies include accepted and rejected ones of every top-level model."""
     seen = {(cls, assert_agree(body, cls)) for _, body, cls in VECTOR_BODIES}
-    for cls in (CommandResult, Welcome, Assignment, Task, *_bodies.CLIENT_DECODERS):
+    for cls in (CommandResult, Welcome, Assignment, Task, *_bodies.CLIENT_BODIES):
         assert (cls, True) in seen and (cls, False) in seen, cls.__name__
 
 
@@ -444,7 +444,7 @@ def test_sub_microsecond_window_rounds_up() -> None:
         "server_time": "2026-09-17T08:00:00Z",
     }
     assert assert_agree(body, Lease)
-    lease = _bodies.lease(body)
+    lease = _bodies.structure(body, Lease)
     assert lease.window == pytest.approx(1e-6)
     assert lease.deadline is None
 
@@ -487,7 +487,8 @@ def test_refusals_name_the_body_or_the_field(body: Any, message: str) -> None:
 
 
 def test_user_constructors_still_validate_while_frames_decode() -> None:
-    """Trusted construction is per call: a model built by user code in another thread validates."""
+    """Decoding frames in one thread switches nothing off: a model built by user code in another
+    thread validates."""
     body = json.loads(
         next(v for v in VECTORS["server_to_client"] if v["name"] == "ack-start-ok")["frame"]
     )["body"]
@@ -495,7 +496,7 @@ def test_user_constructors_still_validate_while_frames_decode() -> None:
 
     def decode() -> None:
         while not stop.is_set():
-            _bodies.command_result(body)
+            _bodies.structure(body, CommandResult)
 
     thread = threading.Thread(target=decode, daemon=True)
     thread.start()
@@ -507,11 +508,3 @@ def test_user_constructors_still_validate_while_frames_decode() -> None:
         stop.set()
         thread.join(timeout=5)
     assert not thread.is_alive()
-
-
-def test_trusted_constructor_sets_every_field() -> None:
-    """A trusted constructor stores each attrs field in order and runs no validator."""
-    build = _bodies.trusted_constructor(Lease)
-    odd = build("not a bool", "not a state", 1, 2, 3, 4)
-    stored = [getattr(odd, a.name) for a in attrs.fields(Lease)]
-    assert stored == ["not a bool", "not a state", 1, 2, 3, 4]

@@ -20,7 +20,7 @@ from orbit_sync.models import AttemptRef, Outcome, TaskState, new_secret
 from orbit_sync.testing import HandlerEnvironment, MockOrbitServer
 from orbit_sync.worker import Fail, TaskContext, result_converter
 from orbit_sync.worker._encoding import ResultEncoder, ResultProblem
-from orbit_sync.worker._outcomes import Verdict, outcome_of
+from orbit_sync.worker._outcomes import outcome_of
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 UTC = dt.timezone.utc
@@ -321,32 +321,20 @@ FINISH_REF = AttemptRef("1" * 32, "2" * 32, 3, new_secret())
     ids=["mixed", "tuple", "none", "str", "zero", "enum", "set"],
 )
 def test_finish_sends_the_encoders_text_as_the_generic_encoding(value: Any) -> None:
-    """A verdict's finish goes out with its encoder's text: the bytes the generic encoding gives."""
+    """A verdict's finish carries the encoder's snapshot: the frame holds the very text the
+    encoder checked."""
     finish = outcome_of(value=value).finish(FINISH_REF)
-    assert id(finish) in _codec._RESULT_JSON
-    body = _codec.unstructure(finish)
-    generic = _codec.encode_frame("task.finish", "4" * 32, session_id="3" * 32, body=body)
-    assert _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish) == generic
-
-
-def test_finish_from_a_verdict_is_not_serialized_again() -> None:
-    """The frame embeds the text kept with the verdict's Finish; the entry goes with the Finish."""
-    verdict = Verdict(Outcome.SUCCEEDED, {"a": 1}, result_json=('{"a":1.0}', 9))
-    finish = verdict.finish(FINISH_REF)
-    text = _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish)
-    assert '"result":{"a":1.0}}' in text
-    copy = attrs.evolve(finish)  # another Finish: its own result is serialized
-    assert '"result":{"a":1}}' in _codec.encode_request("task.finish", "4" * 32, "3" * 32, copy)
-    key = id(finish)
-    del finish  # no cycle holds it: the last reference goes, and its entry with it
-    assert key not in _codec._RESULT_JSON
+    _, text, _ = ResultEncoder().encode_with_text({} if value is None else value)
+    frame = _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish)
+    assert f'"result":{text}}}' in frame
+    assert _json.loads(frame)["body"]["result"] == finish.result
 
 
 def test_failed_finish_with_details_sends_the_encoders_text() -> None:
-    """A Fail's encoded details go out as encoded, the same bytes as the generic encoding."""
+    """A Fail's encoded details go out as encoded: the frame holds the text the encoder checked."""
     error = Fail("OUT_OF_STOCK", "gone", details={"at": dt.date(2026, 1, 2)}, retryable=True)
     finish = outcome_of(error=error).finish(FINISH_REF)
-    assert id(finish) in _codec._RESULT_JSON
-    body = _codec.unstructure(finish)
-    generic = _codec.encode_frame("task.finish", "4" * 32, session_id="3" * 32, body=body)
-    assert _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish) == generic
+    frame = _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish)
+    details = '"details":{"at":"2026-01-02"}'
+    assert f'"result":{{"error":"OUT_OF_STOCK","message":"gone",{details}}}' in frame
+    assert _json.loads(frame)["body"]["result"] == finish.result

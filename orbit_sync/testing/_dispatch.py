@@ -26,7 +26,10 @@ import json
 import math
 from collections.abc import Callable
 
+from .. import models
+from .._codec import unstructure
 from ..models import (
+    Assignment,
     AttemptState,
     Outcome,
     TaskState,
@@ -48,7 +51,7 @@ from ._records import (
     Push,
     Session,
     Task,
-    format_us,
+    to_datetime,
 )
 from ._snapshots import RetrySafety
 
@@ -343,28 +346,27 @@ class Dispatch(StateCore):
             detail=f"number={att.number}",
         )
         self._set_task(task, TaskState.LEASED)
-        # The wire form of an Assignment, written from the state's own values (no models to
-        # build and validate per assignment); tests/test_server_state.py holds it to the model's.
-        body = {
-            "task": {
-                "task_id": task.task_id,
-                "queue_id": task.queue_id,
-                "namespace_id": self.namespace_id,
-                "handler": task.handler,
-                "handler_version": task.handler_version,
-                "payload_version": task.payload_version,
-                "payload": json.loads(task.payload),
-                "state": task.state.value,
-                "revision": str(task.revision),
-                "attempt": str(att.number),
-                "max_attempts": str(task.policy.max_attempts),
-            },
-            "attempt_id": att.attempt_id,
-            "epoch": str(att.epoch),
-            "lease_secret": att.lease_secret,
-            "lease_until": format_us(att.lease_until),
-            "server_time": format_us(now),
-        }
+        assignment = Assignment(
+            task=models.Task(
+                task_id=task.task_id,
+                queue_id=task.queue_id,
+                namespace_id=self.namespace_id,
+                handler=task.handler,
+                handler_version=task.handler_version,
+                payload_version=task.payload_version,
+                payload=json.loads(task.payload),
+                state=task.state,
+                revision=task.revision,
+                attempt=att.number,
+                max_attempts=task.policy.max_attempts,
+            ),
+            attempt_id=att.attempt_id,
+            epoch=att.epoch,
+            lease_secret=att.lease_secret,
+            lease_until=to_datetime(att.lease_until),
+            server_time=to_datetime(now),
+        )
+        body = unstructure(assignment)
         return Push(session.session_id, "task.assign", body, task_id=task.task_id)
 
     # ------------------------------------------------------------------ time-driven work

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import collections
 import datetime as _dt
-import functools
 import hashlib
 import json
 import math
@@ -50,7 +49,6 @@ __all__ = [
     "Handled",
     "InvariantError",
     "Push",
-    "format_us",
     "queue_scope",
     "snapshot_task",
     "to_datetime",
@@ -103,22 +101,6 @@ def queue_scope(queue_id: str) -> str:
 def to_datetime(us: int) -> _dt.datetime:
     """Server microseconds to an aware UTC datetime."""
     return EPOCH + _dt.timedelta(microseconds=us)
-
-
-def format_us(us: int) -> str:
-    """Server microseconds as the wire's RFC 3339 text: ``format_time(to_datetime(us))``
-    without building a datetime (times on one frame, and on the frames of one second, share
-    their whole seconds, formatted once)."""
-    seconds, fraction = divmod(us, US)
-    text = _whole_seconds(seconds)
-    if fraction:
-        return f"{text}.{fraction:06d}".rstrip("0") + "Z"
-    return text + "Z"
-
-
-@functools.lru_cache(maxsize=64)
-def _whole_seconds(seconds: int) -> str:
-    return to_datetime(seconds * US).isoformat()[:-6]  # four year digits, no "+00:00"
 
 
 def digest(secret: str) -> bytes:

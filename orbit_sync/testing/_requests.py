@@ -16,8 +16,10 @@ from ..models import (
     AttemptRef,
     AttemptState,
     CapacityReport,
+    CommandResult,
     Disposition,
     Finish,
+    Lease,
     Operation,
     Outcome,
     Receipt,
@@ -49,7 +51,6 @@ from ._records import (
     canonical,
     content_key,
     digest,
-    format_us,
     queue_scope,
     receipt_of,
     to_datetime,
@@ -315,23 +316,19 @@ class Requests(Dispatch):
             raise Reject("LEASE_LOST", MSG["LEASE_LOST"])
         return self._tasks[att.task_id], att
 
-    def _lease(self, task: Task, att: Attempt, session: Session) -> dict[str, Any]:
+    def _lease(self, task: Task, att: Attempt, session: Session) -> Lease:
         now = self.now_us()
         active = (
             att.state in LIVE and now < att.lease_until and att.session_id == session.session_id
         )
-        # The wire form of a Lease, written from the state's own values (no model to build and
-        # validate on every answer); tests/test_server_state.py holds it to the model's.
-        body: dict[str, Any] = {
-            "active": active,
-            "state": att.state.value,
-            "lease_until": format_us(att.lease_until),
-            "server_time": format_us(now),
-        }
         cancel = task.cancel_requested_at
-        if cancel is not None:
-            body["cancel_requested_at"] = format_us(cancel)
-        return body
+        return Lease(
+            active=active,
+            state=att.state,
+            lease_until=to_datetime(att.lease_until),
+            server_time=to_datetime(now),
+            cancel_requested_at=None if cancel is None else to_datetime(cancel),
+        )
 
     def _answer(
         self,
@@ -351,12 +348,8 @@ class Requests(Dispatch):
     def _result(
         self, task: Task, att: Attempt, session: Session, receipt: Receipt, dedup: bool
     ) -> Answer:
-        body = {
-            "receipt": unstructure(receipt),
-            "lease": self._lease(task, att, session),
-            "deduplicated": dedup,
-        }
-        return Answer("ack", body)
+        result = CommandResult(receipt, self._lease(task, att, session), dedup)
+        return Answer("ack", unstructure(result))
 
     def _replay(self, session: Session, frame: ClientFrame, op: Op) -> Answer:
         # Same operation again: the original receipt, the lease as it is *now* (PROTOCOL §6.5).
@@ -397,7 +390,7 @@ class Requests(Dispatch):
             )
         if self._record(frame.message_id, frame.type, key):
             session.resume_ops.append(frame.message_id)
-        return Answer("ack", self._lease(task, att, session)), []
+        return Answer("ack", unstructure(self._lease(task, att, session))), []
 
     def _start(self, session: Session, frame: ClientFrame, key: str) -> tuple[Answer, list[Action]]:
         ref = frame.body

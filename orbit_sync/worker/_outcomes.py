@@ -26,7 +26,6 @@ from typing import Any
 
 import attrs
 
-from .. import _codec
 from ..errors import OrbitError
 from ..models import CODE_RE, AttemptRef, Finish, Outcome
 from ._encoding import (
@@ -172,22 +171,16 @@ class Verdict:
     duration: float | None = attrs.field(default=None, eq=False)
     #: Why the handler's result or details could not be sent (logged at ERROR), if so.
     problem: str | None = attrs.field(default=None, eq=False)
-    #: The text ``result`` was parsed from and its UTF-8 size, when the encoder made it: the
-    #: finish sends it as it is instead of serializing the snapshot again.
-    result_json: tuple[str, int] | None = attrs.field(default=None, eq=False, repr=False)
 
     def finish(self, ref: AttemptRef) -> Finish:
         """The ``task.finish`` body for *ref*."""
-        finish = Finish(
+        return Finish(
             ref=ref,
             outcome=self.outcome,
             result=self.result,
             error_code=self.error_code,
             retryable=self.retryable,
         )
-        if self.result_json is not None:
-            _codec.remember_result_json(finish, *self.result_json)
-        return finish
 
 
 def _error_result(code: str, message: str, details: Any = None) -> dict[str, Any]:
@@ -210,10 +203,8 @@ def _error_verdict(
     """A FAILED/UNKNOWN verdict for a raised error; unsendable details are dropped, not fatal."""
     raw = _error_result(code, error.message, error.details)
     try:
-        snapshot, text, size = encoder.encode_with_text(raw)
-        return Verdict(
-            outcome, snapshot, code, retryable, duration=duration, result_json=(text, size)
-        )
+        snapshot = encoder.encode(raw)
+        return Verdict(outcome, snapshot, code, retryable, duration=duration)
     except ResultProblem as problem:
         # The handler chose the outcome; only its details cannot travel. Keep the outcome.
         result = {"error": code, "result_dropped": problem.code, "message": problem.message}
@@ -240,7 +231,7 @@ def outcome_of(
     """
     if error is None:
         try:
-            result, text, size = encoder.encode_with_text({} if value is None else value)
+            result = encoder.encode({} if value is None else value)
         except ResultProblem as problem:
             return Verdict(
                 Outcome.FAILED,
@@ -250,7 +241,7 @@ def outcome_of(
                 duration=duration,
                 problem=problem.message,
             )
-        return Verdict(Outcome.SUCCEEDED, result, duration=duration, result_json=(text, size))
+        return Verdict(Outcome.SUCCEEDED, result, duration=duration)
     if isinstance(error, Fail):
         return _error_verdict(Outcome.FAILED, error.code, error, encoder, error.retryable, duration)
     if isinstance(error, UnknownEffect):
