@@ -317,6 +317,9 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
     except (ImportError, AttributeError) as exc:
         report_error(f"cannot load {target}: {exc}")
         return None
+    except KeyError as exc:
+        _raise_unset_variable(exc)
+        raise
     if isinstance(obj, Worker):
         return obj
     if not callable(obj):
@@ -333,7 +336,9 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         made = obj()
     except SettingError:
         raise
-    except Exception:
+    except Exception as exc:
+        if isinstance(exc, KeyError):
+            _raise_unset_variable(exc)
         report_error(f"{target}() raised an exception:")
         traceback.print_exc(file=sys.stderr)
         return None
@@ -343,6 +348,14 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         )
         return None
     return made
+
+
+def _raise_unset_variable(exc: KeyError) -> None:
+    """Raise the module's own ``os.environ["ORBIT_..."]`` of a variable that is not set as a
+    setting error (one line, exit 2, like ``Client.from_env()``'s) rather than a traceback."""
+    name = exc.args[0] if len(exc.args) == 1 else None
+    if isinstance(name, str) and name.startswith("ORBIT_") and name not in os.environ:
+        raise SettingError(f"{name} is not set (the module reads os.environ[{name!r}])") from None
 
 
 def _needs_arguments(fn: Any) -> bool:

@@ -46,6 +46,7 @@ __all__ = [
     "SettingError",
     "check_base_url",
     "check_environment",
+    "queue_id_from_env",
     "read_token_file",
 ]
 
@@ -125,13 +126,32 @@ def check_environment(environ: Mapping[str, str]) -> None:
         raise SettingError("set only one of ORBIT_TOKEN and ORBIT_TOKEN_FILE")
     queue_id = environ.get("ORBIT_QUEUE_ID", "")
     if queue_id and not ID_RE.fullmatch(queue_id):
-        raise SettingError("ORBIT_QUEUE_ID must be 32 lowercase hex characters")
+        raise SettingError(_QUEUE_ID_FORMAT)
     for name in ("ORBIT_URL", "ORBIT_QUEUE_ID"):
         if not environ.get(name) and _misspelling((name,), environ):
             raise SettingError(_not_set((name,), environ))
     tokens = ("ORBIT_TOKEN", "ORBIT_TOKEN_FILE")
     if not any(environ.get(name) for name in tokens) and _misspelling(tokens, environ):
         raise SettingError(_not_set(tokens, environ))
+
+
+_QUEUE_ID_FORMAT: Final = "ORBIT_QUEUE_ID must be 32 lowercase hex characters"
+
+
+def queue_id_from_env(environ: Mapping[str, str] | None = None) -> str:
+    """``$ORBIT_QUEUE_ID``: the queue of a ``Worker`` built without ``queue_id``, as
+    :meth:`Client.from_env` reads the server and the token.
+
+    *environ* defaults to ``os.environ``. A missing or malformed value raises
+    :class:`SettingError` naming the variable (and its likely misspelling when one is set).
+    """
+    env = os.environ if environ is None else environ
+    queue_id = env.get("ORBIT_QUEUE_ID", "")
+    if not queue_id:
+        raise SettingError(f"no queue_id given and {_not_set(('ORBIT_QUEUE_ID',), env)}")
+    if not ID_RE.fullmatch(queue_id):
+        raise SettingError(_QUEUE_ID_FORMAT)
+    return queue_id
 
 
 def _misspelling(names: tuple[str, ...], environ: Mapping[str, str]) -> str | None:

@@ -92,3 +92,35 @@ def test_a_target_without_colon_prints_the_subcommand_usage(tmp_path: Path) -> N
     assert proc.returncode == 2
     assert proc.stderr.startswith("usage: orbit-sync worker ")
     assert "e.g. myapp.tasks:make_worker" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("source", "message"),
+    [
+        (
+            "worker = Worker(Client.from_env())",
+            "no queue_id given and ORBIT_QUEUE_ID is not set",
+        ),
+        (
+            'worker = Worker(Client.from_env(), queue_id=os.environ["ORBIT_QUEUE_ID"])',
+            "ORBIT_QUEUE_ID is not set (the module reads os.environ['ORBIT_QUEUE_ID'])",
+        ),
+    ],
+)
+def test_a_missing_queue_is_one_line_and_exit_2(tmp_path: Path, source: str, message: str) -> None:
+    """A module whose Worker takes its queue from the environment (the Worker's own fallback, or
+    os.environ[...] in the module) with ORBIT_QUEUE_ID unset: one line, exit 2, like a missing
+    token, not a traceback."""
+    app = APP.replace('worker = Worker(Client.from_env(), queue_id="0" * 32)', source)
+    assert app != APP
+    (tmp_path / "queue_app.py").write_text(app)
+    proc = subprocess.run(
+        command("worker", "queue_app:worker"),
+        env=clean_env(ORBIT_URL="ws://127.0.0.1:9", ORBIT_TOKEN="t0ken"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines() == [f"orbit-sync: cannot load queue_app:worker: {message}"]

@@ -55,7 +55,7 @@ USER_MODULE = textwrap.dedent(
             ctx.sleep(60)  # returns early (TaskCancelled) only when cancelled
 
     def from_env():
-        worker = Worker(Client.from_env(), queue_id=os.environ["ORBIT_QUEUE_ID"])
+        worker = Worker(Client.from_env())  # the queue too comes from the environment
         register(worker)
         return worker
 

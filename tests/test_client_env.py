@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orbit_sync import Client
-from orbit_sync.client import HANDLER_PROCESS_ENV, SettingError, read_token_file
+from orbit_sync import Client, Worker
+from orbit_sync.client import HANDLER_PROCESS_ENV, SettingError, queue_id_from_env, read_token_file
 
 TOKEN = "env-token-0123456789"
 
@@ -93,3 +93,43 @@ def test_a_handler_process_gets_a_client_without_the_token() -> None:
     assert client.base_url == "ws://h"
     with pytest.raises(SettingError, match="ORBIT_TOKEN"):
         Client.from_env({"ORBIT_URL": "ws://h", HANDLER_PROCESS_ENV: "0"})
+
+
+QUEUE = "0123456789abcdef0123456789abcdef"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({}, "no queue_id given and ORBIT_QUEUE_ID is not set"),
+        (
+            {"ORBIT_QUEUEID": QUEUE},
+            "no queue_id given and ORBIT_QUEUE_ID is not set"
+            " (ORBIT_QUEUEID is set: a misspelling?)",
+        ),
+        ({"ORBIT_QUEUE_ID": "q1"}, "ORBIT_QUEUE_ID must be 32 lowercase hex characters"),
+    ],
+)
+def test_a_worker_without_queue_id_names_the_missing_setting(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
+) -> None:
+    """Worker(client) without queue_id and without a usable $ORBIT_QUEUE_ID raises a
+    SettingError naming the variable, before anything is started."""
+    for name in ("ORBIT_QUEUE_ID", "ORBIT_QUEUEID"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    client = Client.from_env({"ORBIT_URL": "ws://127.0.0.1:9", "ORBIT_TOKEN": TOKEN})
+    with pytest.raises(SettingError) as caught:
+        Worker(client)
+    assert str(caught.value) == message
+
+
+def test_a_worker_without_queue_id_serves_orbit_queue_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Worker(client) takes its queue from $ORBIT_QUEUE_ID, and its options name that queue."""
+    monkeypatch.setenv("ORBIT_QUEUE_ID", QUEUE)
+    worker = Worker(Client.from_env({"ORBIT_URL": "ws://127.0.0.1:9", "ORBIT_TOKEN": TOKEN}))
+    worker.register("echo", lambda ctx, payload: payload)
+    assert worker.registration.queue_id == QUEUE
+    assert worker.options["queue_id"] == QUEUE
+    assert queue_id_from_env({"ORBIT_QUEUE_ID": QUEUE}) == QUEUE

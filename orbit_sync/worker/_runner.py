@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 import cattrs
 
-from ..client import DialCut
+from ..client import DialCut, queue_id_from_env
 from ..clock import Clock, WorkerClock
 from ..models import (
     Outcome,
@@ -84,6 +84,10 @@ class Worker:
 
         worker.run()   # blocks; SIGTERM/SIGINT drain, a second signal stops at once
 
+    *queue_id* left out is read from ``$ORBIT_QUEUE_ID`` (as :meth:`Client.from_env` reads the
+    server and the token; a missing or malformed value raises
+    :class:`~orbit_sync.client.SettingError` naming it, so ``Worker(Client.from_env())`` is
+    configured by the environment alone).
     *capacity* (1-256) is the number of handlers run at once and the capacity reported to the
     server. On stop, running handlers get *drain_timeout* seconds to return (their leases are
     renewed meanwhile); then their contexts are cancelled (``shutdown``) and they get
@@ -132,7 +136,7 @@ class Worker:
         self,
         client: Dialer,
         *,
-        queue_id: str,
+        queue_id: str | None = None,
         capacity: int = 8,
         drain_timeout: float = 30.0,
         cancel_grace: float = 5.0,
@@ -156,6 +160,9 @@ class Worker:
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
+        if queue_id is None:
+            # Resolved once: options and with_options() then name the queue this worker serves.
+            self._options["queue_id"] = queue_id_from_env()
         opts = WorkerOptions(**{k: v for k, v in self._options.items() if k != "client"})
         self._opts = opts
         self._client = client
