@@ -13,6 +13,8 @@ Exit statuses, for process supervisors (systemd ``RestartPreventExitStatus=``, K
       ``PERMISSION_DENIED``): restarting will not help until the token or its scopes change
 5     the server broke the protocol or refused the worker's registration (wrong URL, not an
       Orbit server, incompatible version): restarting will not help either
+6     ``--first-connect-timeout S`` was given and the server was not reached once within S
+      seconds of the start (a wrong host or port, a missing route, or the server is down)
 ====  ======================================================================================
 """
 
@@ -36,7 +38,7 @@ from .client import (
     check_environment,
     read_token_file,
 )
-from .errors import HTTPError, WorkerError, WorkerProtocolError
+from .errors import HTTPError, ServerUnreachable, WorkerError, WorkerProtocolError
 from .models import ID_RE, MAX_CAPACITY
 
 __all__ = [
@@ -45,6 +47,7 @@ __all__ = [
     "EXIT_FORCED",
     "EXIT_OK",
     "EXIT_PROTOCOL",
+    "EXIT_UNREACHABLE",
     "EXIT_USAGE",
     "add_arguments",
     "report_error",
@@ -58,6 +61,7 @@ EXIT_USAGE = 2
 EXIT_FORCED = 3
 EXIT_AUTH = 4
 EXIT_PROTOCOL = 5
+EXIT_UNREACHABLE = 6
 
 DESCRIPTION = """\
 Import MODULE:ATTRIBUTE and run the orbit_sync.worker.Worker it names until SIGTERM/SIGINT.
@@ -84,11 +88,13 @@ exit status:
   3  forced stop: handlers cancelled or abandoned, or a result not delivered
   4  the server refused the credentials (401/403, UNAUTHENTICATED, PERMISSION_DENIED)
   5  the server broke the protocol or refused the registration
+  6  the server was not reached once within --first-connect-timeout seconds of the start
 """
 
 EXIT_SUMMARY = (
     "Exit status: 0 clean stop, 1 failure, 2 usage or configuration error, 3 forced stop "
-    "(handlers cancelled or abandoned), 4 credentials refused, 5 protocol error."
+    "(handlers cancelled or abandoned), 4 credentials refused, 5 protocol error, 6 server not "
+    "reached within --first-connect-timeout."
 )
 
 _LOG = logging.getLogger("orbit_sync.cli")
@@ -102,6 +108,10 @@ def _capacity(text: str) -> int:
 
 def _seconds(text: str) -> float:
     return parse_seconds(text)
+
+
+def _positive_seconds(text: str) -> float:
+    return parse_seconds(text, positive=True)
 
 
 def queue_id(text: str) -> str:
@@ -135,6 +145,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         type=_seconds,
         metavar="S",
         help="seconds running handlers get after the first signal (default: module's, 30)",
+    )
+    parser.add_argument(
+        "--first-connect-timeout",
+        type=_positive_seconds,
+        metavar="S",
+        help="exit 6 when the server was not reached once within S seconds of the start"
+        " (default: retry for ever; a server once reached is always retried)",
     )
     from ._supervisor import _cli as supervisor_cli  # imports this module: not at the top
 
@@ -261,6 +278,8 @@ def serve(worker: Any, label: str, link: Any = None) -> int:
 
 def exit_status_for(exc: BaseException) -> int:
     """The exit status for the error that stopped a worker."""
+    if isinstance(exc, ServerUnreachable):
+        return EXIT_UNREACHABLE
     if isinstance(exc, HTTPError) and exc.status_code in (401, 403):
         return EXIT_AUTH
     if isinstance(exc, WorkerError) and exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
@@ -378,6 +397,8 @@ def _apply_options(worker: Any, args: argparse.Namespace, token: str | None) -> 
         changes["capacity"] = args.capacity
     if args.drain_timeout is not None:
         changes["drain_timeout"] = args.drain_timeout
+    if args.first_connect_timeout is not None:
+        changes["first_connect_timeout"] = args.first_connect_timeout
     if args.queue is not None:
         changes["queue_id"] = args.queue
     if args.url is not None or token is not None:

@@ -11,6 +11,7 @@
     ├── WorkerBusy                  32 requests already in flight; nothing was sent
     ├── WorkerBackpressure          more than 8 assignments were left unread; connection closed
     ├── CallTimeout (TimeoutError)  no answer within the call's bound; connection closed
+    ├── ServerUnreachable           the server was never reached within first_connect_timeout
     └── FrameError (ValueError)     a frame could not be decoded or encoded (wire layer)
 
 Every error that may be raised after a request frame was (possibly) sent carries
@@ -28,6 +29,7 @@ __all__ = [
     "FrameError",
     "HTTPError",
     "OrbitError",
+    "ServerUnreachable",
     "WorkerBackpressure",
     "WorkerBusy",
     "WorkerClosed",
@@ -136,6 +138,12 @@ class WorkerBackpressure(OrbitError):
 class CallTimeout(OrbitError, TimeoutError):
     """No answer within the call's bound; the connection is closed so the operation can be
     reconciled by its ``message_id``."""
+
+
+class ServerUnreachable(OrbitError):
+    """A worker given ``first_connect_timeout`` established no session within that many seconds
+    of its start (``Worker.run()`` raises it; ``orbit-sync worker`` exits 6). The message names
+    the server, the dials that failed and the last failure."""
 
 
 class FrameError(OrbitError, ValueError):

@@ -295,8 +295,28 @@ def test_unreachable_server_is_logged_with_url_and_reason(project: Path, procs: 
     procs.append(proc)
     line = proc.wait_stderr("retrying")
     assert f"cannot connect to {url}" in line and "Connection refused" in line, line
+    # The first failure of a worker that never reached its server is loud and says so.
+    assert "ERROR" in line and "not reached once since this worker started" in line, line
     assert proc.stop(signal.SIGTERM) == 0
     assert token not in proc.stderr
+
+
+@pytest.mark.parametrize("processes", [[], ["--processes", "1"]])
+def test_first_connect_timeout_exits_6(project: Path, processes: list[str]) -> None:
+    """--first-connect-timeout: a server not reached within it ends the command with exit 6 and
+    a line naming the URL and the last failure (under a supervisor too: it does not restart)."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}"
+    token = "unused-token-0123456789"
+    env = clean_env(ORBIT_URL=url, ORBIT_TOKEN=token, ORBIT_QUEUE_ID="b" * 32)
+    argv = ["worker", "userworker:make", "--first-connect-timeout", "0.5", *processes]
+    done = run_cli(*argv, env=env, cwd=project)
+    assert done.returncode == 6, done.stderr
+    assert f"worker stopped on ServerUnreachable: {url} was not reached within 0.5 s" in done.stderr
+    assert "Connection refused" in done.stderr and "(exit 6)" in done.stderr
+    assert token not in done.stderr
 
 
 def test_version() -> None:

@@ -82,13 +82,14 @@ def test_exit_statuses_and_their_order() -> None:
         _cli_worker.EXIT_FORCED: "forced stop",
         _cli_worker.EXIT_AUTH: "credentials",
         _cli_worker.EXIT_PROTOCOL: "protocol",
+        _cli_worker.EXIT_UNREACHABLE: "not reached",
     }
     assert {int(k) for k in rows} == set(codes)
     for code, word in codes.items():
         assert word in rows[str(code)]
-    order = [int(x) for x in find(r"(\d( < \d){5})").group(1).split(" < ")]
+    order = [int(x) for x in find(r"(\d( < \d){6})").group(1).split(" < ")]
     assert tuple(order) == _policy.SEVERITY
-    fatal = {int(x) for x in find(r"Statuses (\d), (\d) and (\d) \(").groups()}
+    fatal = {int(x) for x in find(r"Statuses (\d), (\d), (\d) and (\d) \(").groups()}
     assert fatal == _policy.FATAL_AT_START
     assert {int(x) for x in find(r"RestartPreventExitStatus=([\d ]+)\n").group(1).split()} == fatal
     assert {int(x) for x in find(r"exitcodes=([\d,]+)\n").group(1).split(",")} == fatal | {0}

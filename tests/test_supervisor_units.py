@@ -17,6 +17,7 @@ from orbit_sync._cli_worker import (
     EXIT_FORCED,
     EXIT_OK,
     EXIT_PROTOCOL,
+    EXIT_UNREACHABLE,
     EXIT_USAGE,
 )
 from orbit_sync._supervisor._child import ChildLink, RecycleLimits
@@ -29,11 +30,12 @@ from orbit_sync.worker import AttemptEvent, AttemptFinished
 
 
 def test_worst_status_prefers_the_ones_restarting_cannot_fix() -> None:
-    """0 < 3 < 1 < 5 < 4 < 2; nothing is 0; an unknown status counts as a failure."""
+    """0 < 3 < 1 < 6 < 5 < 4 < 2; nothing is 0; an unknown status counts as a failure."""
     assert worst([]) == EXIT_OK
     assert worst([EXIT_OK, EXIT_FORCED]) == EXIT_FORCED
     assert worst([EXIT_FORCED, EXIT_FAILED, EXIT_OK]) == EXIT_FAILED
-    assert worst([EXIT_FAILED, EXIT_PROTOCOL]) == EXIT_PROTOCOL
+    assert worst([EXIT_FAILED, EXIT_UNREACHABLE]) == EXIT_UNREACHABLE
+    assert worst([EXIT_UNREACHABLE, EXIT_PROTOCOL]) == EXIT_PROTOCOL
     assert worst([EXIT_PROTOCOL, EXIT_AUTH]) == EXIT_AUTH
     assert worst([EXIT_AUTH, EXIT_USAGE, EXIT_OK]) == EXIT_USAGE
     assert worst([EXIT_FORCED, 77]) == 77

@@ -103,7 +103,14 @@ def requested(options: Any) -> bool:
 def child_arguments(options: Any) -> list[str]:
     """The worker options a child repeats (the supervisor's own are left out)."""
     argv: list[str] = []
-    for name in ("url", "queue", "token_file", "capacity", "drain_timeout"):
+    for name in (
+        "url",
+        "queue",
+        "token_file",
+        "capacity",
+        "drain_timeout",
+        "first_connect_timeout",
+    ):
         value = _option(options, name)
         if value is None:
             continue

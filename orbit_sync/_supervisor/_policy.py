@@ -7,7 +7,8 @@ dead child is restarted, and when the supervisor gives up instead.
 - A child that dies before it was ready is restarted with exponential backoff (1, 2, 4 s ...);
   after :data:`START_FAILURES` such deaths in a row (no child of the slot ready in between) the
   supervisor stops with that child's status. A status that says restarting cannot help (usage,
-  credentials, protocol: 2, 4, 5) stops it at once. A child killed from outside while it starts
+  credentials, protocol, a server not reached within ``--first-connect-timeout``: 2, 4, 5, 6)
+  stops it at once. A child killed from outside while it starts
   (SIGKILL: the OOM killer, an operator; SIGTERM) is restarted with the same backoff but is no
   evidence that starting fails: it does not count toward giving up.
 """
@@ -20,16 +21,33 @@ from collections.abc import Iterable
 
 import attrs
 
-from .._cli_worker import EXIT_AUTH, EXIT_FAILED, EXIT_FORCED, EXIT_OK, EXIT_PROTOCOL, EXIT_USAGE
+from .._cli_worker import (
+    EXIT_AUTH,
+    EXIT_FAILED,
+    EXIT_FORCED,
+    EXIT_OK,
+    EXIT_PROTOCOL,
+    EXIT_UNREACHABLE,
+    EXIT_USAGE,
+)
 from ..worker import Backoff
 
 __all__ = ["RESTART_BACKOFF", "START_FAILURES", "Restarts", "worst"]
 
 #: From best to worst. A status that says restarting will not help (usage, credentials,
 #: protocol) wins over one that says it may (failure, forced stop).
-SEVERITY = (EXIT_OK, EXIT_FORCED, EXIT_FAILED, EXIT_PROTOCOL, EXIT_AUTH, EXIT_USAGE)
-#: Statuses that stop the supervisor when a child ends with them before it was ready.
-FATAL_AT_START = frozenset({EXIT_USAGE, EXIT_AUTH, EXIT_PROTOCOL})
+SEVERITY = (
+    EXIT_OK,
+    EXIT_FORCED,
+    EXIT_FAILED,
+    EXIT_UNREACHABLE,
+    EXIT_PROTOCOL,
+    EXIT_AUTH,
+    EXIT_USAGE,
+)
+#: Statuses that stop the supervisor when a child ends with them before it was ready (the user
+#: asked for 6: a child that never reached the server within the bound is not restarted).
+FATAL_AT_START = frozenset({EXIT_USAGE, EXIT_AUTH, EXIT_PROTOCOL, EXIT_UNREACHABLE})
 #: Deaths before ready, in a row, after which the supervisor stops.
 START_FAILURES = 3
 #: Raw return codes of a child killed from outside (not by its own doing).

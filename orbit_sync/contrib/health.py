@@ -16,7 +16,11 @@
   are running, a lease was renewed within *stale_after* seconds (a wedged process renews
   nothing). Disconnected is still live: the worker is reconnecting on its own.
 
-Both answer ``200`` or ``503`` with the state as JSON: ``connected``, ``session_age_s``,
+Both answer ``200`` or ``503`` with the state as JSON: ``status`` (one word: ``starting``,
+``unreached``: not once connected since the start and its dials fail, ``ready``,
+``reconnecting``: connected before and lost, ``draining``, ``stopped``), ``reached`` (a session
+was established since the start), ``unreached_s`` (while unreached: seconds since the first
+failed dial), ``connected``, ``session_age_s``,
 ``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``, ``reconnects`` (sessions
 established after the first), ``dial_failures`` (connection attempts that failed) (no session id:
 anyone who can reach the port reads this). The HTTP server is bounded (``_probe_server``): one
@@ -80,6 +84,9 @@ class HealthProbe(WorkerListener):
         self._stopped = False
         self._reconnects = 0
         self._dial_failures = 0
+        self._reached = False
+        #: When the first dial failed, while no session was ever established.
+        self._unreached_since: float | None = None
 
     # ------------------------------------------------------------------ events
 
@@ -89,6 +96,8 @@ class HealthProbe(WorkerListener):
             self._session_id = event.session_id
             self._session_since = self._clock()
             self._reconnects += event.reconnect
+            self._reached = True
+            self._unreached_since = None
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """The session is down (the worker reconnects)."""
@@ -99,6 +108,8 @@ class HealthProbe(WorkerListener):
         """A connection attempt failed (the worker retries)."""
         with self._lock:
             self._dial_failures += 1
+            if not self._reached and self._unreached_since is None:
+                self._unreached_since = self._clock()
 
     def attempt_started(self, event: AttemptEvent) -> None:
         """A handler is running."""
@@ -143,9 +154,15 @@ class HealthProbe(WorkerListener):
                 latest = max(oldest, self._last_renewal or oldest)
                 wedged = now - latest > self._stale_after
             live = not self._stopped and not wedged
+            ready = connected and not self._draining
             return {
                 "live": live,
-                "ready": connected and not self._draining,
+                "ready": ready,
+                "status": self._status(ready),
+                "reached": self._reached,
+                "unreached_s": None
+                if self._unreached_since is None
+                else round(now - self._unreached_since, 3),
                 "connected": connected,
                 "session_age_s": None
                 if self._session_since is None
@@ -157,6 +174,18 @@ class HealthProbe(WorkerListener):
                 "reconnects": self._reconnects,
                 "dial_failures": self._dial_failures,
             }
+
+    def _status(self, ready: bool) -> str:
+        """The state in one word (under the lock)."""
+        if self._stopped:
+            return "stopped"
+        if self._draining:
+            return "draining"
+        if ready:
+            return "ready"
+        if self._reached:
+            return "reconnecting"
+        return "unreached" if self._unreached_since is not None else "starting"
 
     def serve(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from ..errors import (
@@ -10,6 +11,7 @@ from ..errors import (
     CallTimeout,
     HTTPError,
     OrbitError,
+    ServerUnreachable,
     WorkerBackpressure,
     WorkerBusy,
     WorkerClosed,
@@ -20,6 +22,7 @@ from ..errors import (
 
 __all__ = [
     "EndpointCheck",
+    "FirstContact",
     "NotConnected",
     "is_fatal_dial_error",
     "is_link_failure",
@@ -126,4 +129,49 @@ class EndpointCheck:
             code,
             f"{server} is not a pulse.worker.v1 endpoint: every dial for {now - self._since:.0f} s "
             f"({self._count} dials) was answered HTTP {code}; check the URL and its path",
+        )
+
+
+class FirstContact:
+    """Whether the worker has reached its server since it started (a welcome arrived), and, with
+    *timeout*, the moment to give up on a server never reached.
+
+    A worker that has never once reached its server is most likely misconfigured (a mistyped
+    host or port, a missing route), unlike one whose server went away: the connection thread
+    says so, and with *timeout* stops (:meth:`failed` returns the error). Once reached, the
+    server is retried for ever.
+    """
+
+    def __init__(self, clock: Callable[[], float], timeout: float | None) -> None:
+        self._clock = clock
+        self._timeout = timeout
+        self._started = clock()
+        #: A welcome arrived since the start.
+        self.reached = False
+        #: Dials that failed before the first welcome.
+        self.failures = 0
+
+    def connected(self) -> None:
+        """A welcome arrived: the server is reachable."""
+        self.reached = True
+
+    def waited(self) -> float:
+        """Seconds since the start."""
+        return self._clock() - self._started
+
+    def remaining(self) -> float:
+        """Seconds left before giving up (infinite without a timeout, or once reached)."""
+        if self._timeout is None or self.reached:
+            return math.inf
+        return max(0.0, self._timeout - self.waited())
+
+    def failed(self, exc: BaseException, server: str) -> ServerUnreachable | None:
+        """Count a dial that failed before the first welcome; the error to stop on, or None."""
+        self.failures += 1
+        if self._timeout is None or self.waited() < self._timeout:
+            return None
+        return ServerUnreachable(
+            f"{server} was not reached within {self._timeout:g} s of the start ({self.failures}"
+            f" dials failed, the last: {type(exc).__name__}: {exc}); check the URL, DNS, the"
+            " network and that the server is up"
         )

@@ -46,6 +46,11 @@ def _seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None
     check_seconds(attribute.name, value, positive=bool(attribute.metadata.get("positive")))
 
 
+def _optional_seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None:
+        check_seconds(attribute.name, value, positive=True)
+
+
 def _queue_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if type(value) is not str or not ID_RE.fullmatch(value):
         raise ValueError("queue_id must be 32 lowercase hex characters")
@@ -112,6 +117,7 @@ class WorkerOptions:
     process_max_memory_per_child: int | None = None
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
     time_limit: float | None = attrs.field(default=None, validator=_time_limit)
+    first_connect_timeout: float | None = attrs.field(default=None, validator=_optional_seconds)
 
     @property
     def request_timeout(self) -> float:

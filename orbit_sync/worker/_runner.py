@@ -95,7 +95,11 @@ class Worker:
     ``SHUTDOWN_TIMEOUT``; finishes still waiting for a connection get *flush_timeout*. Keep
     *cancel_grace* under half the lease window: cancelled attempts are no longer renewed.
 
-    Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded);
+    Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded), for
+    ever by default; a worker that has not reached its server since it started says so at
+    ``ERROR`` from the first failed dial, and with *first_connect_timeout* (seconds) it stops
+    when no session was established that long after :meth:`start`: :meth:`run` raises
+    :class:`~orbit_sync.errors.ServerUnreachable`. A server once reached is retried for ever.
     *dial_timeout* and *call_timeout* bound one dial and one request (after which the request is
     re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32, default 32)
     bounds the requests outstanding at once, of which a quarter (2 to 8) are kept for renewals
@@ -157,6 +161,7 @@ class Worker:
         process_max_memory_per_child: int | None = None,
         outbox: str | os.PathLike[str] | None = None,
         time_limit: float | None = None,
+        first_connect_timeout: float | None = None,
     ) -> None:
         # First, before any other local exists: every constructor argument (see with_options).
         self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
@@ -299,6 +304,7 @@ class Worker:
             on_cancel=self._admission.on_cancel,
             on_assignment=self._admission.dispatch,
             fail=self._fail,
+            first_connect_timeout=opts.first_connect_timeout,
         )
         # Opened by start(), not here: a process-executor child imports the module that builds
         # this Worker, and must not contend for the parent's outbox lock.

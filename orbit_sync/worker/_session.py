@@ -35,6 +35,7 @@ from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import (
     EndpointCheck,
+    FirstContact,
     NotConnected,
     is_fatal_dial_error,
     is_link_failure,
@@ -98,8 +99,10 @@ class SessionLoop:
         on_cancel: Callable[[CancelNotice], None],
         on_assignment: Callable[[Assignment], None],
         fail: Callable[[BaseException], None],
+        first_connect_timeout: float | None = None,
     ) -> None:
         self._client = client
+        self._first_connect_timeout = first_connect_timeout
         self._registration = registration
         self._notifications = notifications
         self._dial_timeout = dial_timeout
@@ -166,10 +169,13 @@ class SessionLoop:
     def run(self) -> None:
         """The connection thread: dial, serve, reconnect, until the link is closed."""
         redial = Redial(self._backoff)
+        # Started with the thread, i.e. by Worker.start().
+        contact = FirstContact(self._clock, self._first_connect_timeout)
         first = True
         while not self._link.is_closed():
             if not first:
-                self._link.pause(redial.delay())
+                # Never past the moment to give up on a server never reached.
+                self._link.pause(min(redial.delay(), contact.remaining()))
                 if self._link.is_closed():
                     break
             first = False
@@ -197,17 +203,52 @@ class SessionLoop:
                     self._reg.counts["dial_failures"] += 1
                 if self._hooks:
                     self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
-                # Where and why (errors never carry the token), not only the exception's type.
-                self._log.warning(
-                    "cannot connect to %s (%s: %s); retrying", self._server, type(exc).__name__, exc
-                )
+                if contact.reached:
+                    # Where and why (errors never carry the token), not only the type.
+                    self._log.warning(
+                        "cannot connect to %s (%s: %s); retrying",
+                        self._server,
+                        type(exc).__name__,
+                        exc,
+                    )
+                    continue
+                gave_up = contact.failed(exc, self._server)
+                if gave_up is not None:
+                    self._log.error("worker stopped: %s", gave_up)
+                    self._fail(gave_up)
+                    return
+                self._never_reached(contact, exc)
                 continue
             # A welcome arrived: the server is reachable and accepts us. Whatever ends this
             # session, the next reconnect starts again from the shortest delay, so a link that
             # keeps cutting sessions does not push the delay to its cap.
             redial.welcomed()
             self._endpoint.connected()
+            contact.connected()
             self._session(conn)
+
+    def _never_reached(self, contact: FirstContact, exc: BaseException) -> None:
+        """Log a failed dial of a worker that has not reached its server once since it started:
+        at ERROR the first time (most likely a wrong URL or a missing route, not an outage),
+        then at WARNING, each line saying so, unlike the retries of a server that went away."""
+        if contact.failures == 1:
+            self._log.error(
+                "cannot connect to %s (%s: %s): not reached once since this worker started;"
+                " retrying (check the URL, DNS, the network and that the server is up)",
+                self._server,
+                type(exc).__name__,
+                exc,
+            )
+            return
+        self._log.warning(
+            "cannot connect to %s (%s: %s); not reached once since the start %.0f s ago"
+            " (%d dials); retrying",
+            self._server,
+            type(exc).__name__,
+            exc,
+            contact.waited(),
+            contact.failures,
+        )
 
     def _dial(self) -> Connection:
         if isinstance(self._client, Client):

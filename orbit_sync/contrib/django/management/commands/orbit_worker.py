@@ -67,6 +67,8 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
             raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
         if options["token_file"] is not None:
             worker.options["client"]._token_source = f"--token-file {options['token_file']}"
+        if options["first_connect_timeout"] is not None:
+            worker = worker.with_options(first_connect_timeout=options["first_connect_timeout"])
         status = _cli_worker.serve(worker, "manage.py orbit_worker", link)
         if link is not None:
             link.exit(status, _cli_worker.last_error())
