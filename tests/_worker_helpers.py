@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import queue
 import sys
@@ -131,6 +132,79 @@ def let_reconnect(server: MockOrbitServer, clock: FakeClock, sessions: Sessions)
     assert clock.wait_for_sleepers(1, "orbit-worker-connection")
     server.advance(FAST_BACKOFF.maximum)
     assert sessions.wait(lambda s: s.established > s.ended), "the worker never reconnected"
+
+
+class FailedDials(logging.Handler):
+    """The worker's "cannot connect ..." lines (one per failed dial) with their levels, while
+    attached to the ``orbit_sync.worker`` logger (``with FailedDials() as dials:``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[tuple[int, str]] = []
+        self.ended = False
+        self._cond = threading.Condition()
+
+    def __enter__(self) -> FailedDials:
+        logging.getLogger("orbit_sync.worker").addHandler(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        logging.getLogger("orbit_sync.worker").removeHandler(self)
+
+    @property
+    def count(self) -> int:
+        """Failed dials so far."""
+        return len(self.lines)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("cannot connect"):
+            with self._cond:
+                self.lines.append((record.levelno, record.getMessage()))
+                self._cond.notify_all()
+
+    def end(self) -> None:
+        """No more lines will come (the worker stopped): wake the waiter."""
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def wait(self, count: int) -> bool:
+        """Wait until *count* lines came (False: the worker stopped first, or 10 s passed)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.count >= count or self.ended, 10) and (
+                self.count >= count
+            )
+
+
+def run_until_it_gives_up(
+    worker: Worker, clock: FakeClock, dials: FailedDials, *, step: float = 10.0
+) -> BaseException | None:
+    """Run *worker* on a thread whose every failed dial is followed by its reconnect delay
+    passing at once on the worker's fake *clock* (moved by *step*), until ``run()`` raises (the
+    error is returned) or 30 dials failed (None); the worker is stopped either way."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            worker.run()
+        except BaseException as exc:
+            raised.append(exc)
+        finally:
+            dials.end()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    try:
+        for seen in range(1, 30):
+            if not dials.wait(seen) or not thread.is_alive():
+                break
+            if clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=5):
+                clock.advance(step)
+    finally:
+        gave_up = not thread.is_alive()
+        worker.stop()
+        thread.join(15)
+    return raised[0] if gave_up and raised else None
 
 
 def make_worker(server: MockOrbitServer, *, capacity: int = 4, **kwargs: Any) -> Worker:

@@ -3,12 +3,11 @@ stops with an error that says so (``orbit-sync worker`` exits 5), against the re
 
 from __future__ import annotations
 
-import logging
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _worker_helpers import FailedDials, run_until_it_gives_up
 
 from orbit_sync import Client
 from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
@@ -27,31 +26,6 @@ def server() -> Iterator[MockOrbitServer]:
         yield srv
 
 
-class _FailedDials(logging.Handler):
-    """Counts the worker's "cannot connect ...; retrying" lines (one per failed dial)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.ended = False
-        self._cond = threading.Condition()
-
-    def end(self) -> None:
-        with self._cond:
-            self.ended = True
-            self._cond.notify_all()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("cannot connect"):
-            with self._cond:
-                self.count += 1
-                self._cond.notify_all()
-
-    def wait(self, count: int) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: self.count >= count or self.ended, timeout=10)
-
-
 def test_a_wrong_path_stops_the_worker_after_the_window(server: MockOrbitServer) -> None:
     """Every dial answered 404 (a wrong path) for 60 s of the worker's clock: run() raises an
     HTTPError that names the URL and the status, and the CLI maps it to exit 5."""
@@ -68,35 +42,11 @@ def test_a_wrong_path_stops_the_worker_after_the_window(server: MockOrbitServer)
     def echo(ctx: Any, payload: Any) -> Any:
         return payload
 
-    raised: list[BaseException] = []
-    dials = _FailedDials()
-
-    def run() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            raised.append(exc)
-        finally:
-            dials.end()
-
-    logging.getLogger("orbit_sync.worker").addHandler(dials)
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
+    with FailedDials() as dials:
         # After each failed dial the connection thread waits out its backoff on the fake clock:
         # let that pass at once, until the worker gives up.
-        for seen in range(1, 30):
-            if not dials.wait(seen) or not thread.is_alive():
-                break
-            if clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=5):
-                clock.advance(10.0)
-    finally:
-        logging.getLogger("orbit_sync.worker").removeHandler(dials)
-        gave_up = not thread.is_alive()
-        worker.stop()
-        thread.join(15)
-    assert gave_up, "the worker kept retrying a URL that is not an endpoint"
-    (exc,) = raised
+        exc = run_until_it_gives_up(worker, clock, dials)
+    assert exc is not None, "the worker kept retrying a URL that is not an endpoint"
     assert isinstance(exc, HTTPError) and exc.status_code == 404
     assert f"{server.url}/not-orbit is not a pulse.worker.v1 endpoint" in str(exc)
     assert "answered HTTP 404" in str(exc)

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _worker_helpers import FailedDials, run_until_it_gives_up
 
 from orbit_sync import Client, ServerUnreachable
 from orbit_sync._cli_worker import EXIT_UNREACHABLE, exit_status_for
@@ -36,41 +37,11 @@ def closed_url() -> str:
     return f"ws://127.0.0.1:{port}"
 
 
-class _Lines(logging.Handler):
-    """The worker's "cannot connect" lines, with their levels; wakes a waiter on each."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[tuple[int, str]] = []
-        self.ended = False
-        self._cond = threading.Condition()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        if record.getMessage().startswith("cannot connect"):
-            with self._cond:
-                self.lines.append((record.levelno, record.getMessage()))
-                self._cond.notify_all()
-
-    def end(self) -> None:
-        with self._cond:
-            self.ended = True
-            self._cond.notify_all()
-
-    def wait(self, count: int) -> bool:
-        with self._cond:
-            return self._cond.wait_for(lambda: len(self.lines) >= count or self.ended, 10)
-
-
 @pytest.fixture
-def lines() -> Iterator[_Lines]:
+def lines() -> Iterator[FailedDials]:
     """The worker logger's "cannot connect" lines during the test."""
-    handler = _Lines()
-    logger = logging.getLogger("orbit_sync.worker")
-    logger.addHandler(handler)
-    try:
-        yield handler
-    finally:
-        logger.removeHandler(handler)
+    with FailedDials() as dials:
+        yield dials
 
 
 class _Lost(WorkerListener, threading.Event):
@@ -94,39 +65,17 @@ def _worker(url: str, clock: FakeClock, **options: Any) -> Worker:
 
 
 def test_a_server_never_reached_stops_the_worker_after_first_connect_timeout(
-    closed_url: str, lines: _Lines
+    closed_url: str, lines: FailedDials
 ) -> None:
     """Dials refused for first_connect_timeout of the worker's clock: run() raises
     ServerUnreachable naming the URL, the dials and the last failure (exit 6); the first failed
     dial said at ERROR that the server was never reached, the retries at WARNING."""
     clock = FakeClock()
     worker = _worker(closed_url, clock, first_connect_timeout=30)
-    raised: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            worker.run()
-        except BaseException as exc:
-            raised.append(exc)
-        finally:
-            lines.end()
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    try:
-        # After each failed dial the connection thread waits out its backoff on the fake
-        # clock: let it pass at once, until the worker gives up.
-        for seen in range(1, 30):
-            if not lines.wait(seen) or not thread.is_alive():
-                break
-            if clock.wait_for_sleepers(1, "orbit-worker-connection", timeout=5):
-                clock.advance(10.0)
-    finally:
-        gave_up = not thread.is_alive()
-        worker.stop()
-        thread.join(15)
-    assert gave_up, "the worker kept retrying past first_connect_timeout"
-    (exc,) = raised
+    # After each failed dial the connection thread waits out its backoff on the fake clock: let
+    # it pass at once, until the worker gives up.
+    exc = run_until_it_gives_up(worker, clock, lines)
+    assert exc is not None, "the worker kept retrying past first_connect_timeout"
     assert isinstance(exc, ServerUnreachable)
     assert str(exc).startswith(f"{closed_url} was not reached within 30 s of the start (")
     assert "dials failed, the last: WorkerDisconnected" in str(exc)
@@ -141,7 +90,7 @@ def test_a_server_never_reached_stops_the_worker_after_first_connect_timeout(
     assert 3 <= len(lines.lines) <= 6
 
 
-def test_a_server_reached_once_is_retried_past_first_connect_timeout(lines: _Lines) -> None:
+def test_a_server_reached_once_is_retried_past_first_connect_timeout(lines: FailedDials) -> None:
     """A worker that connected, then lost its server, keeps retrying long after
     first_connect_timeout, at WARNING, without saying it was never reached."""
     clock = FakeClock()
@@ -177,7 +126,7 @@ def test_a_server_reached_once_is_retried_past_first_connect_timeout(lines: _Lin
     assert not any("not reached once" in line for _, line in lines.lines)
 
 
-def test_readyz_says_a_worker_never_reached_its_server(closed_url: str, lines: _Lines) -> None:
+def test_readyz_says_a_worker_never_reached_its_server(closed_url: str, lines: FailedDials) -> None:
     """While no dial has succeeded since the start, /readyz answers 503 with status
     "unreached", reached false and how long ago the first dial failed."""
     clock = FakeClock()
