@@ -213,13 +213,13 @@ def _structure_counter(value: Any, _: Any) -> int:
 
 
 def _as_is(value: Any, _: Any) -> Any:
-    # A bool or an int is checked by the model's validator, not converted: "1" is no int.
+    # A string, bool or int is checked by the model's validator, not converted: "1" is no int.
     return value
 
 
 def _text(value: Any, _: Any) -> str:
-    # A string too, once it is one: the model's converters take Python conveniences (a version
-    # given as 1) that the wire does not.
+    # Text where the model's own converter takes a Python convenience (a version given as 1)
+    # that the wire does not.
     if type(value) is not str:
         raise TypeError("must be a string")
     return value
@@ -244,7 +244,7 @@ def _unstructure_counter(value: int) -> str:
 
 #: How a value of each field type travels: its structure and unstructure hooks.
 _TYPES: dict[Any, tuple[Callable[[Any, Any], Any], Callable[[Any], Any]]] = {
-    str: (_text, identity),
+    str: (_as_is, identity),
     bool: (_as_is, identity),
     int: (_as_is, identity),
     Any: (_as_is, identity),  # a payload or a result: JSON as it is
@@ -326,6 +326,8 @@ def _overrides(cls: type[Any], detailed: bool) -> dict[str, Any]:
             overrides[field.name] = override(
                 omit_if_default=True, struct_hook=_present(structure), unstruct_hook=unstructure
             )
+        elif kind is str and field.converter is not None:
+            overrides[field.name] = override(struct_hook=_text)
         elif typing.get_origin(kind) is tuple:  # tuple[Body, ...]
             item = typing.get_args(kind)[0]
             overrides[field.name] = override(

@@ -126,11 +126,36 @@ def loads(data: bytes | str, *, limit: int = MAX_FRAME_BYTES) -> Any:
     return value
 
 
+def _not_json(value: Any) -> Any:
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
+
+
+def _dumps_by_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+# One C encoder serves every call: json.dumps builds a new one per call, which is most of what a
+# small frame costs. It keeps no table of the containers being written, so a cycle recurses
+# until RecursionError, refused below as too deep. Where the C encoder is missing, json.dumps.
+_c_encoder = getattr(json.encoder, "c_make_encoder", None)
+if _c_encoder is not None:
+    _chunks = _c_encoder(
+        None, _not_json, json.encoder.encode_basestring, None, ":", ",", False, False, False
+    )
+
+    def _serialize(value: Any) -> str:
+        return "".join(_chunks(value, 0))
+
+else:  # pragma: no cover - CPython has the C encoder
+    _serialize = _dumps_by_json
+
+
 def dumps(value: Any) -> str:
     """Serialize compactly; refuses NaN, infinities and lone surrogates with FrameError."""
     try:
-        text = json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-        text.encode("utf-8")
+        text = _serialize(value)
+        if not text.isascii():
+            text.encode("utf-8")  # raises UnicodeEncodeError on a lone surrogate
     except UnicodeEncodeError:
         raise FrameError("value contains a lone surrogate") from None
     except RecursionError:

@@ -238,7 +238,8 @@ def _enum_converter(cls: type[E]) -> Callable[[Any], E]:
     return convert
 
 
-# Named converters (one per enum) so attrs' mypy plugin can type the constructors.
+# Named converters (one per enum) so attrs' mypy plugin can type the constructors; a member
+# (what the wire converter hands over) passes without a second call.
 _task_state_value = _enum_converter(TaskState)
 _attempt_state_value = _enum_converter(AttemptState)
 _outcome_value = _enum_converter(Outcome)
@@ -247,23 +248,23 @@ _operation_value = _enum_converter(Operation)
 
 
 def _task_state(value: Any) -> TaskState:
-    return _task_state_value(value)
+    return value if type(value) is TaskState else _task_state_value(value)
 
 
 def _attempt_state(value: Any) -> AttemptState:
-    return _attempt_state_value(value)
+    return value if type(value) is AttemptState else _attempt_state_value(value)
 
 
 def _outcome(value: Any) -> Outcome:
-    return _outcome_value(value)
+    return value if type(value) is Outcome else _outcome_value(value)
 
 
 def _disposition(value: Any) -> Disposition:
-    return _disposition_value(value)
+    return value if type(value) is Disposition else _disposition_value(value)
 
 
 def _operation(value: Any) -> Operation:
-    return _operation_value(value)
+    return value if type(value) is Operation else _operation_value(value)
 
 
 # --------------------------------------------------------------------------- models
