@@ -508,3 +508,79 @@ def test_user_constructors_still_validate_while_frames_decode() -> None:
         stop.set()
         thread.join(timeout=5)
     assert not thread.is_alive()
+
+
+def _hello(**changes: Any) -> dict[str, Any]:
+    body = {
+        "queue_id": "a" * 32,
+        "capabilities": [dict(CAPABILITY), {**CAPABILITY, "handler": "other"}],
+        "capacity": 4,
+        "instance_id": "c" * 32,
+        "instance_secret": SECRET,
+    }
+    body.update(changes)
+    return body
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            {"capabilities": [dict(CAPABILITY), {**CAPABILITY, "handler": "Bad"}]},
+            "capabilities.1.handler must be 1-64 characters",
+        ),
+        (
+            {"capabilities": [dict(CAPABILITY), {**CAPABILITY, "secretname": SECRET}]},
+            "capabilities.1 has a field the schema does not define",
+        ),
+        ({"capabilities": {"resize": 1}}, "capabilities must be a list"),
+        ({"capabilities": [dict(CAPABILITY)] * 2}, "capabilities must be distinct"),
+        ({SECRET: 1}, "Registration has a field the schema does not define"),
+        ({"instance_secret": SECRET[:42]}, "instance_secret must be 32 bytes"),
+        ({"cancellation_notifications": None}, "cancellation_notifications must not be null"),
+    ],
+)
+def test_client_body_refusals_name_the_path_never_the_text(
+    change: dict[str, Any], message: str
+) -> None:
+    """A refused client body names the path down to a list entry and the rule broken; an
+    unknown field is refused without repeating its name, a secret is never repeated."""
+    with pytest.raises(FrameError) as info:
+        _codec.decode_body(_hello(**change), Registration)
+    assert str(info.value).startswith(f"invalid Registration: {message}")
+    assert SECRET not in str(info.value) and SECRET[:42] not in str(info.value)
+    assert "secretname" not in str(info.value)
+
+
+def test_client_bodies_need_fields_their_models_default() -> None:
+    """A registration without its instance, or a capacity report without drain, is refused:
+    the model's default is not what the field's absence means on the wire."""
+    hello = _hello()
+    del hello["instance_id"]
+    with pytest.raises(FrameError, match="invalid Registration: instance_id is missing"):
+        _codec.decode_body(hello, Registration)
+    with pytest.raises(FrameError, match="invalid CapacityReport: drain is missing"):
+        _codec.decode_body({"sequence": "1", "capacity": 4}, CapacityReport)
+
+
+def test_a_local_field_never_travels() -> None:
+    """Lease.deadline is neither written nor read: a server cannot set a lease's local deadline."""
+    body = {
+        "active": True,
+        "state": "RUNNING",
+        "lease_until": "2026-09-17T08:00:30Z",
+        "server_time": "2026-09-17T08:00:00Z",
+        "deadline": 1e18,
+    }
+    lease = _codec.decode_body(body, Lease)
+    assert lease.deadline is None
+    assert "deadline" not in _codec.unstructure(lease.with_deadline(5.0))
+
+
+def test_the_converter_itself_structures_and_unstructures_every_body() -> None:
+    """The hooks live on one cattrs converter: its own structure/unstructure give what the
+    codec gives, for every valid body of the vectors."""
+    for body, cls in VALID:
+        model = _codec.decode_body(_copy(body), cls)
+        assert _bodies.converter.structure(_copy(body), cls) == model
+        assert _bodies.converter.unstructure(model) == _codec.unstructure(model)

@@ -386,6 +386,20 @@ def test_lease_deadline_and_may_run() -> None:
     assert lease.may_run(FakeClock(0.0)) is False  # never anchored: grants nothing
 
 
+def test_anchoring_builds_new_models_and_changes_none() -> None:
+    """with_deadline returns new models, built by their validating constructors; the lease and
+    the command result it started from keep no deadline."""
+    now = dt.datetime(2026, 9, 17, 8, 0, tzinfo=dt.timezone.utc)
+    lease = Lease(True, AttemptState.RUNNING, now + dt.timedelta(seconds=30), now)
+    receipt = Receipt("start", "RUNNING", "RUNNING", 3, lease.lease_until, "APPLIED")
+    result = CommandResult(receipt, lease, False)
+    anchored = result.with_deadline(100.0)
+    assert anchored is not result and anchored.lease is not lease
+    assert anchored.lease.deadline == pytest.approx(129.75)
+    assert (anchored.receipt, anchored.deduplicated) == (receipt, False)
+    assert lease.deadline is None and result.lease.deadline is None
+
+
 def test_errors_pickle_with_attributes() -> None:
     """Errors survive pickling with their code, status and message_id."""
     err = errors.WorkerError("LEASE_LOST", "gone", message_id="5" * 32)
