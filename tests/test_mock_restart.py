@@ -16,7 +16,7 @@ from orbit_sync.errors import WorkerError
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.testing._admin import AdminClient
 from orbit_sync.worker import Backoff, Worker
-from orbit_sync.worker._hooks import SessionEvent
+from orbit_sync.worker._listeners import SessionEvent
 
 QUEUE = "0123456789abcdef0123456789abcdef"
 TOKEN = "restart-worker-token-0123456789"

@@ -21,7 +21,8 @@ from orbit_sync.models import (
     new_id,
     new_secret,
 )
-from orbit_sync.worker._attempt import (
+from orbit_sync.worker._errors import NotConnected
+from orbit_sync.worker._machine import (
     BUSY_DELAY,
     AttemptMachine,
     AwaitConnection,
@@ -42,7 +43,6 @@ from orbit_sync.worker._attempt import (
     TrackLease,
     UntrackLease,
 )
-from orbit_sync.worker._errors import NotConnected
 from orbit_sync.worker._outcomes import outcome_of
 
 _T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)

@@ -24,7 +24,7 @@ from orbit_sync.worker import (
     TaskContext,
     WorkerListener,
 )
-from orbit_sync.worker._hooks import Hooks
+from orbit_sync.worker._listeners import Hooks
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 

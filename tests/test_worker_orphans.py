@@ -133,7 +133,7 @@ def _hold_lock(lock_path: str, instance_id: str) -> subprocess.Popen[str]:
     closes."""
     code = (
         "import sys\n"
-        "from orbit_sync.worker._locks import hold_instance_shared\n"
+        "from orbit_sync.worker._outbox_lock import hold_instance_shared\n"
         "hold_instance_shared(sys.argv[1], sys.argv[2])\n"
         "print('held', flush=True)\n"
         "sys.stdin.read()\n"

@@ -41,7 +41,7 @@ def _last(server: MockOrbitServer, task_id: str) -> tuple[Any, ...]:
 
 
 def _children() -> list[multiprocessing.process.BaseProcess]:
-    return [p for p in multiprocessing.active_children() if p.name.startswith("orbit-handler-")]
+    return [p for p in multiprocessing.active_children() if p.name.startswith("orbit-child-")]
 
 
 def test_handler_runs_in_a_child_with_its_context_and_logs(

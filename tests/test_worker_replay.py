@@ -27,7 +27,8 @@ from orbit_sync.models import (
     new_secret,
 )
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker._attempt import (
+from orbit_sync.worker._link import Link
+from orbit_sync.worker._machine import (
     AttemptMachine,
     AwaitConnection,
     BreakConnection,
@@ -39,7 +40,6 @@ from orbit_sync.worker._attempt import (
     RetryAfter,
     Send,
 )
-from orbit_sync.worker._link import Link
 from orbit_sync.worker._outbox import Outbox
 from orbit_sync.worker._replay import WORKER_LOST, replay
 

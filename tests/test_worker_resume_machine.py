@@ -13,7 +13,9 @@ from test_worker_attempt import NOW, _finishing, _kinds, _lease, _machine, _resu
 from orbit_sync.errors import WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Finish, Outcome
 from orbit_sync.testing import FakeClock
-from orbit_sync.worker._attempt import (
+from orbit_sync.worker._errors import NotConnected
+from orbit_sync.worker._link import Link
+from orbit_sync.worker._machine import (
     BUSY_DELAY,
     AttemptMachine,
     BreakConnection,
@@ -33,8 +35,6 @@ from orbit_sync.worker._attempt import (
     TrackLease,
     UntrackLease,
 )
-from orbit_sync.worker._errors import NotConnected
-from orbit_sync.worker._link import Link
 from orbit_sync.worker._outcomes import outcome_of
 from orbit_sync.worker._resumes import Resumes
 

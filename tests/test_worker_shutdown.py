@@ -427,7 +427,7 @@ def test_abandoned_finishes_go_out_while_every_handler_thread_is_held(
 ) -> None:
     """With listeners (whose calls stay off the connection's thread) and every handler thread
     held by a handler that ignores cancellation, shutdown still delivers each UNKNOWN finish:
-    the supervisor sends them itself instead of queueing them behind the stuck handlers."""
+    the shutdown thread sends them itself instead of queueing them behind the stuck handlers."""
     probe = Probe()
     released = threading.Event()
     finished: list[Any] = []
@@ -529,13 +529,13 @@ def test_stop_that_shortens_a_drain_ends_in_real_time(server: MockOrbitServer) -
     clock = FakeClock()
     worker, task_id, _ = _unanswered_finish(server, clock)
     worker.request_stop(drain=True)
-    assert clock.wait_for_sleepers(1, "orbit-worker-supervisor")  # draining, alarm set
+    assert clock.wait_for_sleepers(1, "orbit-worker-shutdown")  # draining, alarm set
     thread, out = _stop_in_background(worker, drain=False)
     thread.join(10)
     assert not thread.is_alive(), "stop() hangs on a clock that never moves"
     (report,) = out
     assert [a.task_id for a in report.unreported] == [task_id]
-    assert report.error is None  # the supervisor's own report: its close ran, none was stuck
+    assert report.error is None  # the shutdown thread's own report: its close ran, none was stuck
 
 
 def test_stop_returns_when_a_stopped_listener_never_does(

@@ -20,7 +20,7 @@ from orbit_sync.worker import (
     Worker,
     WorkerListener,
 )
-from orbit_sync.worker._attempt import (
+from orbit_sync.worker._machine import (
     AttemptMachine,
     CancelContext,
     InterruptHandler,

@@ -5,7 +5,7 @@ TLS handshake and reads the request head within the handshake deadline, then eit
 ``/admin/`` request to the :class:`~._admin_gate.AdminGate` or completes the opening handshake
 through websockets' sans-I/O protocol: the path, the bearer token and its scope, the
 subprotocol and the connection limit are checked before the ``101``, and the session then runs
-on the same thread (:class:`~._session_loop.SessionLoop`).
+on the same thread (:class:`~._session_server.SessionServer`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from . import _http
 from ._admin_gate import ADMIN_IO_TIMEOUT, AdminGate, admin_error
 from ._hub import Hub
 from ._listener import Admission
-from ._session_loop import SessionLoop
+from ._session_server import SessionServer
 from ._state import SCOPE_CONNECT
 
 __all__ = ["CONNECT_PATH", "FrontDoor"]
@@ -52,7 +52,7 @@ class FrontDoor:
     def __init__(
         self,
         hub: Hub,
-        sessions: SessionLoop,
+        sessions: SessionServer,
         admin: AdminGate,
         *,
         ssl_context: ssl.SSLContext | None,

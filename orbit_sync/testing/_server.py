@@ -10,7 +10,7 @@ Its parts, each in its own module:
   read;
 * :mod:`._front`: on one thread per accepted connection, the TLS handshake, the request head,
   then an admin request (:mod:`._admin_gate`) or the WebSocket opening handshake;
-* :mod:`._session_loop`: on that same thread after the upgrade, frames in (:mod:`._wire`),
+* :mod:`._session_server`: on that same thread after the upgrade, frames in (:mod:`._wire`),
   answers and pushes out;
 * :mod:`._conn`: one writer thread per connection, which drains a bounded outbox of 8 frames
   into the socket when a frame cannot be written at once without blocking. A slow consumer is a
@@ -45,7 +45,7 @@ from ._front import FrontDoor
 from ._hub import Hub
 from ._listener import Listener
 from ._options import EnqueueOptions
-from ._session_loop import SessionLoop
+from ._session_server import SessionServer
 from ._snapshots import EventLog, SessionSnapshot, TaskSnapshot
 from ._state import (
     DEFAULT_EVENT_LOG_SIZE,
@@ -159,7 +159,7 @@ class MockOrbitServer:
         self._admin = AdminGate(self, hub, admin_handler, max_requests=max_admin_requests)
         self._front = FrontDoor(
             hub,
-            SessionLoop(
+            SessionServer(
                 hub,
                 hello_timeout=hello_timeout,
                 read_idle_timeout=read_idle_timeout,

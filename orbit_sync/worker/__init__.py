@@ -14,7 +14,7 @@ from ..clock import WorkerClock
 from ._backoff import Backoff
 from ._context import TaskContext
 from ._encoding import result_converter
-from ._hooks import (
+from ._listeners import (
     AttemptEvent,
     AttemptFinished,
     DisconnectEvent,

@@ -19,11 +19,11 @@ import logging
 
 from ..clock import Clock
 from ..models import Assignment, CancelNotice
-from ._attempt import AttemptMachine
-from ._attempts import Attempt, AttemptShell, Registry, attempt_event
 from ._context import TaskContext
-from ._hooks import Hooks
-from ._registration import Handlers
+from ._handlers import Handlers
+from ._listeners import Hooks
+from ._machine import AttemptMachine
+from ._shell import Attempt, AttemptShell, Registry, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
 

@@ -15,7 +15,7 @@ with the original receipt). So a task costs two small fsync'd transactions.
 Secrets (instance and lease secrets) live in the file, so it is created 0600 and refused when
 another user could read it or when it belongs to someone else; a file that is not an outbox, or
 is corrupt, is refused and never overwritten. One process at a time: the lock file beside it
-is locked for as long as the outbox is open (``_locks``: why a record lock, not ``flock``).
+is locked for as long as the outbox is open (``_outbox_lock``: why a record lock, not ``flock``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import attrs
 
 from ..errors import OrbitError
 from ..models import AttemptRef, Capability, Finish, Outcome, Registration
-from ._locks import HeldHere, LockBusy, LockFile, lock_path, open_private
+from ._outbox_lock import HeldHere, LockBusy, LockFile, lock_path, open_private
 
 __all__ = ["Outbox", "OutboxError", "Pending", "StoredInstance"]
 
@@ -220,7 +220,7 @@ class Outbox:
         self, instance_id: str, timeout: float
     ) -> contextlib.AbstractContextManager[bool]:
         """Hold *instance_id*'s lock (True) once none of its handler processes is left, waiting
-        up to *timeout* seconds; False while one still may run (see ``_locks``)."""
+        up to *timeout* seconds; False while one still may run (see ``_outbox_lock``)."""
         return self._locks.instance(instance_id, timeout)
 
     def __enter__(self) -> Outbox:

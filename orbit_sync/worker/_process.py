@@ -20,7 +20,7 @@ No orphan: a child never runs a handler once its worker process is gone. On Linu
 kills it when the parent dies (the parent-death signal, SIGKILL: a handler on a thread would have
 died with the process too); everywhere, the end of its pipe cancels the running context and the
 child exits after *cancel_grace* whatever the handler does. With an outbox, each child also holds
-its instance's lock in the outbox's lock file for as long as it lives (``_locks``), so a later
+its instance's lock in the outbox's lock file for as long as it lives (``_outbox_lock``), so a later
 process's replay reports an attempt ``WORKER_LOST`` only once no child of the dead worker is left.
 
 Children are started with ``spawn`` (never ``fork``: the parent is threaded), lazily, from one
@@ -137,7 +137,7 @@ class _Process:
         self.proc = mp.Process(
             target=child_main,
             args=(child_conn, log_level, os.getpid(), cancel_grace, guard),
-            name=f"orbit-handler-{next(self._ids)}",
+            name=f"orbit-child-{next(self._ids)}",
             daemon=True,
         )
         with _env_lock:

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..models import Task
 from ._context import TaskContext
-from ._locks import hold_instance_shared
+from ._outbox_lock import hold_instance_shared
 from ._outcomes import Fail, TaskCancelled, UnknownEffect
 
 __all__ = ["ORPHAN_EXIT", "SECRET_ENV", "child_main"]
@@ -198,7 +198,7 @@ def child_main(
     _die_with_parent()
     if guard is not None:
         try:
-            # Held until this process ends (the descriptor stays open): see ``_locks``.
+            # Held until this process ends (the descriptor stays open): see ``_outbox_lock``.
             hold_instance_shared(*guard)
         except OSError:
             os._exit(ORPHAN_EXIT)  # a later process is replaying this instance: its worker is gone

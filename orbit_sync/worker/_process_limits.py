@@ -25,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ._context import TaskContext
-from ._memory import rss_bytes
+from ._memory import address_space_bytes, rss_bytes
 from ._outcomes import Fail
 
 __all__ = ["HANDLER_MEMORY_LIMIT", "ChildLimits", "MemoryLimited"]
@@ -106,7 +106,7 @@ class MemoryLimited:
 
     def __call__(self, ctx: TaskContext, payload: Any) -> Any:
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        budget = _address_space() + self.limit_mb * _MB
+        budget = address_space_bytes() + self.limit_mb * _MB
         if hard != resource.RLIM_INFINITY:
             budget = min(budget, hard)
         resource.setrlimit(resource.RLIMIT_AS, (budget, hard))
@@ -124,9 +124,3 @@ class MemoryLimited:
 
     def __repr__(self) -> str:
         return f"<MemoryLimited {self.__qualname__} {self.limit_mb} MB>"
-
-
-def _address_space() -> int:
-    """This process's address space now (VmSize), in bytes."""
-    with open("/proc/self/statm", "rb") as statm:
-        return int(statm.read().split()[0]) * resource.getpagesize()

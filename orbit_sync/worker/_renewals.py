@@ -13,10 +13,10 @@ from typing import Any
 
 from ..connection import Submission
 from ..errors import OrbitError, WorkerError
-from ._attempts import Registry, lease_event
 from ._errors import NotConnected, is_link_failure
-from ._hooks import Hooks
 from ._link import Link
+from ._listeners import Hooks
+from ._shell import Registry, lease_event
 from ._watchdog import RenewDone
 
 __all__ = ["Renewals"]

@@ -15,7 +15,7 @@ grows), ``worker.resume``s each stored attempt, then sends:
   on a full disk): reporting it lost would only contradict what the server knows, so its
   record is dropped.
 
-Each stored attempt is an :class:`~._attempt.AttemptMachine` entered by its ``replay`` step,
+Each stored attempt is an :class:`~._machine.AttemptMachine` entered by its ``replay`` step,
 and its requests go out through the worker's one request path (:mod:`._requests`), with the
 same retry/fatal classification as a live attempt's: a transient error answer is re-sent after
 the retry delay on the same connection; a connection that fails ends the try, and the next try
@@ -26,7 +26,7 @@ the retry delay on the same connection; a connection that fails ends the try, an
 
 No attempt is reported lost while a handler process of the dead instance may still run it: the
 replay first takes the instance's lock, which every such process holds while it lives
-(``_locks``); while it cannot, the instance waits for the next try.
+(``_outbox_lock``); while it cannot, the instance waits for the next try.
 
 The replay session never reports capacity, so nothing is ever assigned to it, and it runs no
 handler: replay cannot run anything twice.
@@ -41,11 +41,11 @@ from functools import partial
 from ..clock import Clock, WorkerClock
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
-from ._attempt import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
 from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import is_fatal_dial_error
 from ._link import Connection, Dialer, Link
+from ._machine import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
 from ._outbox import Outbox, Pending
 from ._outcomes import WORKER_LOST
 from ._requests import Event, RequestPath

@@ -1,5 +1,5 @@
 """The one request path of the attempts' machines: every start, resume and finish an
-:class:`~._attempt.AttemptMachine` decides goes out here, pipelined, and comes back here.
+:class:`~._machine.AttemptMachine` decides goes out here, pipelined, and comes back here.
 
 :class:`RequestPath` sends a request within the link's request slots (or queues it for the next
 free one) on the link's current connection, and turns its answer or failure into an event for
@@ -9,11 +9,11 @@ failed is *kept* by the link and re-sent, same ``message_id``, once a newer conn
 published; a transient error answer is kept for its retry delay the same way; the thread that
 drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer.
 
-A resume (:attr:`~._attempt.Request.early`) may go out on a connection the link has only
+A resume (:attr:`~._machine.Request.early`) may go out on a connection the link has only
 opened, not yet published: publishing waits for the resumes to go out, every other request for
 the publishing (so each goes out behind its attempt's resume).
 
-Two drivers share it: the live worker's :class:`~._attempts.AttemptShell` (its connection
+Two drivers share it: the live worker's :class:`~._shell.AttemptShell` (its connection
 thread drives the link) and the outbox replay's :class:`~._replay.ReplayShell` (its own thread,
 link and connection). Each says how an event reaches a machine (:meth:`RequestPath.step`,
 :meth:`RequestPath.outcome`).
@@ -27,7 +27,9 @@ from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 from ..errors import OrbitError
-from ._attempt import (
+from ._errors import NotConnected
+from ._link import GaveUp, Link
+from ._machine import (
     Action,
     AttemptMachine,
     AwaitConnection,
@@ -36,8 +38,6 @@ from ._attempt import (
     RetryAfter,
     Send,
 )
-from ._errors import NotConnected
-from ._link import GaveUp, Link
 
 __all__ = ["Event", "RequestPath"]
 

@@ -1,7 +1,7 @@
 """The resumes of a new connection, as its connection thread waits for them.
 
 When the session opens a connection it steps every held attempt's machine with ``reconnected``
-(:mod:`._attempt`); each machine that holds a lease sends a resume through the one request path
+(:mod:`._machine`); each machine that holds a lease sends a resume through the one request path
 (:mod:`._requests`). :class:`Resumes` is what the connection thread needs to know of them: when
 every one has gone out (the connection may be published: the kept starts and finishes, the
 renewals due and the first capacity report follow them on the wire) and when every one is over
@@ -21,7 +21,7 @@ import threading
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from ._attempt import Request
+from ._machine import Request
 from ._requests import Event
 
 __all__ = ["Resumes"]

@@ -1,13 +1,13 @@
 """Worker: the public class, its lifecycle (start, run, stop) and registration; the rest lives
 in modules of one concern each (see docs/architecture.md for the threads and their owners):
 
-- :mod:`._options`: every option, checked once; :mod:`._registration`: the handler table;
+- :mod:`._options`: every option, checked once; :mod:`._handlers`: the handler table;
 - :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
 - :mod:`._admission`: the reader thread's assignments and cancel notices;
-- :mod:`._attempt`: one attempt's pure state machine; :mod:`._attempts`: its threaded shell;
+- :mod:`._machine`: one attempt's pure state machine; :mod:`._shell`: its threaded shell;
 - :mod:`._renewals` / :mod:`._watchdog`: lease renewals; :mod:`._outbox` / :mod:`._replay`:
   the durable outbox; :mod:`._signals`: SIGTERM/SIGINT for :meth:`Worker.run`;
-- :mod:`._supervisor`: the bounded shutdown (its attempt phases in :mod:`._shutdown`).
+- :mod:`._shutdown`: the bounded shutdown, on its own thread.
 
 About 600 lines: the public class, whose docstrings (a fifth of it) are what a user reads, wires
 the modules above together and keeps only what the public methods need: registration, options,
@@ -33,32 +33,31 @@ from ..models import (
     Registration,
 )
 from ._admission import Admission
-from ._attempts import (
-    AttemptShell,
-    Handler,
-    Registry,
-)
 from ._backoff import Backoff
 from ._clock import Wakeup
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
-from ._hooks import (
+from ._handlers import Handlers
+from ._link import Dialer, Link
+from ._listeners import (
     DrainEvent,
     Hooks,
 )
-from ._link import Dialer, Link
 from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessPool
 from ._process_limits import ChildLimits
-from ._registration import Handlers
 from ._renewals import Renewals
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
 from ._session import SessionLoop
-from ._shutdown import AttemptPhases
+from ._shell import (
+    AttemptShell,
+    Handler,
+    Registry,
+)
+from ._shutdown import AttemptPhases, Shutdown
 from ._signals import StopSignals, announce
-from ._supervisor import Supervisor
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, check_time_limit
 from ._timers import Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
@@ -259,7 +258,7 @@ class Worker:
             log=self._log,
         )
         self._threads: list[threading.Thread] = []
-        self._supervisor = Supervisor(
+        self._shutdown = Shutdown(
             self._reg,
             AttemptPhases(
                 self._reg,
@@ -454,13 +453,13 @@ class Worker:
                 with self._cond:
                     self._started = False  # nothing ran: a later start() may try again
                 raise
-            self._shell.outbox = self._supervisor.outbox = self._outbox
+            self._shell.outbox = self._shutdown.outbox = self._outbox
             if self._processes is not None:
                 self._processes.guard(self._outbox.lock_path, self._registered.instance_id)
         self._watchdog_thread.start()
         targets = [
             (self._sessions.run, "orbit-worker-connection"),
-            (self._supervisor.run, "orbit-worker-supervisor"),
+            (self._shutdown.run, "orbit-worker-shutdown"),
         ]
         if self._outbox is not None:
             replay = partial(
@@ -498,7 +497,7 @@ class Worker:
             self._signals = signals
         try:
             self.start()
-            # Unbounded until a stop is asked for; then the supervisor's alarm bounds the wait.
+            # Unbounded until a stop is asked for; then the shutdown's alarm bounds the wait.
             if signals is not None:
                 signals.wait(self._done)
             else:
@@ -576,7 +575,7 @@ class Worker:
             raise RuntimeError("stop() would wait for itself here; use request_stop()")
         self.request_stop(drain=drain, timeout=timeout)
         window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
-        report = self._supervisor.await_report(window, self._done, lambda: self._report)
+        report = self._shutdown.await_report(window, self._done, lambda: self._report)
         with self._cond:
             self._report = self._report or report
             return self._report
@@ -651,7 +650,7 @@ class Worker:
             return self._error
 
     def _stopped(self, report: ShutdownReport) -> None:
-        """The supervisor's last step: *report* is final; tell the listeners, then wake whoever
+        """The shutdown thread's last step: *report* is final; tell the listeners, then wake whoever
         waits for it."""
         with self._cond:
             self._report = self._report or report  # stop() may have given up and reported

@@ -2,7 +2,7 @@
 
 :class:`SessionLoop` owns the ``orbit-worker-connection`` thread's work and the capacity reports.
 One session: open the connection on the link and let every held attempt's machine resume its lease
-there (:meth:`~._attempts.AttemptShell.resume_all`: the machines decide, the resumes take the one
+there (:meth:`~._shell.AttemptShell.resume_all`: the machines decide, the resumes take the one
 request path), publish the connection once they went out (handler requests may use it from then on;
 the starts and finishes kept for it go out first, right behind the resumes), send the first capacity
 report behind them, step the resumes' outcomes until every one is over (then renew what they asked
@@ -29,8 +29,6 @@ from ..client import Client, DialCut
 from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
 from ..models import Assignment, CancelNotice, CapacityReport, Registration, Welcome
-from ._attempt import BUSY_DELAY
-from ._attempts import AttemptShell, Registry
 from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import (
@@ -41,9 +39,11 @@ from ._errors import (
     is_link_failure,
     is_transient,
 )
-from ._hooks import DisconnectEvent, Hooks, SessionEvent
 from ._link import Connection, Dialer, Link
+from ._listeners import DisconnectEvent, Hooks, SessionEvent
+from ._machine import BUSY_DELAY
 from ._redial import Redial
+from ._shell import AttemptShell, Registry
 from ._shutdown import CLOSE_ALLOWANCE
 from ._watchdog import LeaseWatchdog
 

@@ -19,10 +19,10 @@ import weakref
 from collections.abc import Callable, Iterator
 
 from ..models import Capability, Registration, new_id, new_secret
-from ._attempts import Handler
 from ._context import task_logger
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
+from ._shell import Handler
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, TimeLimit, check_time_limit
 
 __all__ = ["Handlers", "check_handler_signature"]

@@ -13,14 +13,14 @@ event                  thread                        when
 ``attempt_finished``   the handler's pool thread     the finish was answered (or given up on)
 ``lease_renewed``      the lease watchdog            a renewal was acknowledged
 ``lease_lost``         the watchdog / connection     the handler's context was cancelled for it
-``handler_stuck``      the watchdog / supervisor     a handler still running was finished
+``handler_stuck``      the watchdog / shutdown       a handler still running was finished
                                                      ``UNKNOWN`` (time limit or shutdown grace)
 ``handler_unstuck``    the handler's thread          such a handler returned at last
 ``connected``          the connection thread         a session is established (``reconnect``)
 ``disconnected``       the connection thread         a session ended; the worker reconnects
 ``dial_failed``        the connection thread         a connection attempt failed; it retries
 ``draining``           the caller of ``request_stop``  the worker stops taking work
-``stopped``            the supervisor thread         shutdown finished, with its report
+``stopped``            the shutdown thread           shutdown finished, with its report
 =====================  ============================  =========================================
 
 A listener that raises is logged (with its traceback) and skipped: it never breaks a task, the

@@ -1,4 +1,4 @@
-"""The attempts' threaded shell: performs what each attempt's state machine (:mod:`._attempt`)
+"""The attempts' threaded shell: performs what each attempt's state machine (:mod:`._machine`)
 decides, on whichever thread the event arrives.
 
 One request path (:mod:`._requests`, shared with the outbox replay): every start, resume and
@@ -38,7 +38,11 @@ from ..models import (
     Outcome,
     new_message_id,
 )
-from ._attempt import (
+from ._context import TaskContext
+from ._encoding import ResultEncoder
+from ._link import Link
+from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
+from ._machine import (
     Action,
     AttemptMachine,
     CancelContext,
@@ -60,10 +64,6 @@ from ._attempt import (
     TrackLease,
     UntrackLease,
 )
-from ._context import TaskContext
-from ._encoding import ResultEncoder
-from ._hooks import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
-from ._link import Link
 from ._outbox import Outbox, OutboxError
 from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outcome_of
 from ._pool import DaemonPool
@@ -82,7 +82,7 @@ Handler = Callable[[TaskContext, Any], Any]
 
 class Attempt:
     """One assignment as the worker tracks it: its context, its handler, and its state machine
-    (:class:`._attempt.AttemptMachine`), which is read and changed only under ``lock``."""
+    (:class:`._machine.AttemptMachine`), which is read and changed only under ``lock``."""
 
     __slots__ = ("ctx", "handler", "limit_at", "lock", "machine", "ref", "running_on", "task")
 
@@ -128,7 +128,7 @@ class Attempt:
 
 class Registry:
     """The attempts the worker holds and its counters, under one condition variable (which the
-    supervisor waits on once a stop was requested). Attempt locks are taken after it, never
+    shutdown thread waits on once a stop was requested). Attempt locks are taken after it, never
     before."""
 
     def __init__(self) -> None:
@@ -216,7 +216,7 @@ class AttemptShell(RequestPath[Attempt]):
         self._clock = clock
         self._encoder = encoder
         self._instance_id = instance_id
-        #: Is the current thread one of the worker's own (pool, connection, supervisor, ...)?
+        #: Is the current thread one of the worker's own (pool, connection, shutdown, ...)?
         self._own_thread = own_thread
         #: The handlers' time limits and their grace run on these (the watchdog's thread).
         self._timers = timers
@@ -271,7 +271,7 @@ class AttemptShell(RequestPath[Attempt]):
         """Perform *actions* in order on this thread, except what must not run on a connection's
         thread (its reader, or one ending it): the handler (a pool job), outbox writes and
         listeners (the rest goes to a pool thread when there are any). The worker's own threads
-        perform everything themselves: the supervisor must not wait for a pool whose threads
+        perform everything themselves: the shutdown thread must not wait for a pool whose threads
         may all be held by handlers that ignore cancellation; for the same reason, an abandoned
         attempt's last actions (at shutdown only) run where its answer arrives."""
         if self._slow and _writes(actions) and not self._own_thread() and not _abandoned(att):
@@ -572,7 +572,7 @@ class AttemptShell(RequestPath[Attempt]):
                 self._reg.cond.notify_all()
 
     def notify(self) -> None:
-        # Only the supervisor waits on the condition for attempts to change, and only once a
+        # Only the shutdown thread waits on the condition for attempts to change, and only once a
         # stop was requested: waking it on every phase change of every task is wasted work.
         if self._reg.stop_requested:
             with self._reg.cond:

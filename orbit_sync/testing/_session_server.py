@@ -1,6 +1,6 @@
 """One worker WebSocket after its upgrade, on its handler thread: frames in, answers out.
 
-:class:`SessionLoop` reads each frame (:mod:`._wire`), decodes it, lets the state machine handle
+:class:`SessionServer` reads each frame (:mod:`._wire`), decodes it, lets the state machine handle
 it under the hub's lock, and queues the answer, then the actions that follow it (pushes to
 other sessions, a close), applying the armed faults on the way. An answer that finds the
 connection's outbox full waits for room outside the lock, up to the write deadline, and only
@@ -24,7 +24,7 @@ from ._hub import Hub
 from ._state import Action, Handled
 from ._wire import InvalidText, WireClosed
 
-__all__ = ["SessionLoop"]
+__all__ = ["SessionServer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +37,7 @@ class _Late:
     close: str | None
 
 
-class SessionLoop:
+class SessionServer:
     """Serves each upgraded connection on the thread that accepted it (:meth:`run`)."""
 
     def __init__(
