@@ -188,6 +188,8 @@ def _exact_window(
 
 
 def _judged(o: dict[str, Any], first: str, last: str, end: str, limit_s: int) -> dict[str, Any]:
+    """Body *o* with its window's end (*last*, after *first*) moved where the model's rule, on
+    microseconds, gives the verdict of the nanoseconds (see :func:`_exact_window`)."""
     try:
         begins, ends = parse_time_ns(first), parse_time_ns(last)
     except ValueError:
@@ -247,7 +249,6 @@ _TYPES: dict[Any, tuple[Callable[[Any, Any], Any], Callable[[Any], Any]]] = {
     str: (_as_is, identity),
     bool: (_as_is, identity),
     int: (_as_is, identity),
-    Any: (_as_is, identity),  # a payload or a result: JSON as it is
     _dt.datetime: (_structure_time, format_time),
     **{
         enum: (_enum_hook(enum), _unstructure_enum)
@@ -326,6 +327,8 @@ def _overrides(cls: type[Any], detailed: bool) -> dict[str, Any]:
             overrides[field.name] = override(
                 omit_if_default=True, struct_hook=_present(structure), unstruct_hook=unstructure
             )
+        elif kind is Any:  # a payload or a result: JSON as it is, both ways
+            overrides[field.name] = override(struct_hook=_as_is, unstruct_hook=identity)
         elif kind is str and field.converter is not None:
             overrides[field.name] = override(struct_hook=_text)
         elif typing.get_origin(kind) is tuple:  # tuple[Body, ...]
@@ -472,6 +475,8 @@ def _explained(value: Any, cls: type[Any]) -> Fault:
 
 
 def _located(exc: BaseException, path: str, cls: type[Any]) -> Fault:
+    """The fault *exc* (raised by a detailed function of *cls*) stands for: down the first
+    error of each level, the path its notes give (a field's name, a list entry's index)."""
     noted = False
     while isinstance(exc, BaseValidationError):
         if isinstance(exc, cattrs.ClassValidationError):
