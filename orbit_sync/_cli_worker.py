@@ -255,7 +255,7 @@ def serve(worker: Any, label: str, link: Any = None) -> int:
         if link.stop_requested:
             report_error("asked to stop before the worker started: not starting")
             return EXIT_OK
-    _banner(worker, label)
+    _banner(worker, label, link)
     try:
         report = worker.run()
     except Exception as exc:
@@ -429,7 +429,38 @@ def _client(current: object, url: str | None, token: str | None, source: str | N
     return client
 
 
-def _banner(worker: Any, target: str) -> None:
+#: The listeners orbit-sync ships, in a user's words (the banner names others by class).
+_LISTENER_WORDS = {
+    "orbit_sync.contrib.health.HealthProbe": "health probe",
+    "orbit_sync.contrib.prometheus.PrometheusListener": "Prometheus metrics",
+    "orbit_sync.contrib.otel.OpenTelemetryListener": "OpenTelemetry traces",
+    "orbit_sync.contrib.django._db.CloseOldConnections": "Django database connections closed"
+    " around each task",
+}
+
+
+def _listener_words(listener: object) -> str:
+    kind = type(listener)
+    return _LISTENER_WORDS.get(f"{kind.__module__}.{kind.__qualname__}", kind.__name__)
+
+
+def _supervised(link: Any) -> str:
+    """What a supervised process does for its supervisor, in a user's words."""
+    s = link.settings
+    parts = [f"pid {s.supervisor_pid}, which gets this process's health and drains it"]
+    limits = []
+    if s.max_tasks is not None:
+        limits.append(f"{s.max_tasks} tasks")
+    if s.max_memory_mb is not None:
+        limits.append(f"{s.max_memory_mb} MB RSS")
+    if limits:
+        parts.append(f"recycled after {' or '.join(limits)}")
+    if s.metrics:
+        parts.append("metrics in its Prometheus target")
+    return "; ".join(parts)
+
+
+def _banner(worker: Any, target: str, link: Any = None) -> None:
     """What is about to run, on stderr (stdout stays the application's). Never the token."""
     options = worker.options
     registration = worker.registration
@@ -442,7 +473,11 @@ def _banner(worker: Any, target: str) -> None:
         for c in registration.capabilities
     )
     outbox = options.get("outbox")
-    listeners = ", ".join(type(x).__name__ for x in worker._hooks.listeners)
+    # The supervisor's own listeners are described on their own line, not by class name.
+    own = link.attached if link is not None else ()
+    listeners = ", ".join(
+        _listener_words(x) for x in worker._hooks.listeners if not any(x is y for y in own)
+    )
     lines = [
         f"orbit-sync {_version()} worker {target} (pid {os.getpid()},"
         f" Python {platform.python_version()})",
@@ -452,8 +487,10 @@ def _banner(worker: Any, target: str) -> None:
         f"  handlers:  {handlers}",
         f"  outbox:    {os.fspath(outbox) if outbox is not None else 'none'}",
         f"  listeners: {listeners or 'none'}",
-        "SIGTERM or Ctrl-C drains; a second signal stops at once.",
     ]
+    if link is not None:
+        lines.append(f"  supervisor: {_supervised(link)}")
+    lines.append("SIGTERM or Ctrl-C drains; a second signal stops at once.")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import http.client
 import json
+import pickle
 import socket
 import subprocess
 import sys
 import threading
 import time
+import traceback
 import urllib.parse
 from collections.abc import Iterator
 from typing import Any
@@ -781,6 +783,38 @@ def test_admin_client_round_trip(admin: Admin) -> None:
         AdminClient(admin.server.url, "wrong-token").get("/server")
     assert info.value.status == 401 and info.value.code == "UNAUTHENTICATED"
     assert "wrong-token" not in str(info.value)
+
+
+def test_admin_client_cancel_returns_the_snapshot(admin: Admin) -> None:
+    """AdminClient.cancel requests the cancellation and returns the task's snapshot (a
+    waiting task is CANCELLED at once)."""
+    client = AdminClient(admin.server.url, ADMIN_TOKEN)
+    task_id = client.enqueue("resize", {"w": 1})
+    snapshot = client.cancel(task_id)
+    assert snapshot["task_id"] == task_id and snapshot["state"] == "CANCELLED"
+    assert admin.server.task(task_id).cancel_requested_at is not None
+
+
+def test_waiting_for_unknown_says_it_is_an_outcome(admin: Admin) -> None:
+    """wait(..., ["UNKNOWN"]) is a 400 that says UNKNOWN is an attempt outcome and names the
+    task state it ends in (NEEDS_REVIEW)."""
+    client = AdminClient(admin.server.url, ADMIN_TOKEN)
+    task_id = client.enqueue("resize", {"w": 1})
+    with pytest.raises(AdminError) as info:
+        client.wait(task_id, ["FAILED", "UNKNOWN"], timeout=1)
+    assert info.value.status == 400
+    assert "UNKNOWN is an attempt outcome, not a task state" in info.value.message
+    assert "ends in NEEDS_REVIEW" in info.value.message
+    assert "task states are WAITING, LEASED" in info.value.message
+
+
+def test_admin_error_prints_its_public_path() -> None:
+    """AdminError names itself orbit_sync.testing.AdminError in a traceback, and pickles."""
+    error = AdminError(400, "BAD_REQUEST", "nope")
+    line = traceback.format_exception_only(type(error), error)[-1]
+    assert line == "orbit_sync.testing.AdminError: 400 BAD_REQUEST: nope\n"
+    copy = pickle.loads(pickle.dumps(error))
+    assert (copy.status, copy.code, copy.message) == (400, "BAD_REQUEST", "nope")
 
 
 # --------------------------------------------------------------------------- bulk and limits

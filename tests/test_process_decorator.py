@@ -129,7 +129,7 @@ def test_banner_names_process_handlers_outbox_and_listeners(
     err = capsys.readouterr().err
     assert "handlers:  pid (1/1, process), echo (1/1)" in err
     assert f"outbox:    {outbox}" in err
-    assert "listeners: HealthProbe" in err
+    assert "listeners: health probe" in err
     assert "token-0123456789" not in err
 
 

@@ -289,6 +289,10 @@ def test_recycling_starts_the_replacement_before_the_old_child_exits(
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
     assert "recycling this worker process after 3 tasks (--max-tasks-per-child 3)" in proc.stderr
     assert "1 recycled" in proc.stderr
+    # The banner of each process says what the supervisor does, in words, not class names.
+    assert "  supervisor: pid " in proc.stderr and "; recycled after 3 tasks" in proc.stderr
+    assert "listeners: none" in proc.stderr
+    assert "ChildLink" not in proc.stderr and "RecycleLimits" not in proc.stderr
 
 
 @pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0, exact_recovery=True)

@@ -128,6 +128,8 @@ class ChildLink(WorkerListener):
         self._done = threading.Event()
         self._worker: Any = None
         self._probe = HealthProbe()
+        #: The listeners :meth:`attach` added (the banner describes them, not by class name).
+        self.attached: tuple[object, ...] = ()
 
     @classmethod
     def from_environ(cls) -> ChildLink | None:
@@ -182,17 +184,19 @@ class ChildLink(WorkerListener):
     def attach(self, worker: Any) -> None:
         """Subscribe to *worker* (its health, the limits), say hello, start reporting."""
         self._worker = worker
-        worker.add_listener(self._probe)
-        worker.add_listener(self)
+        attached: list[object] = [self._probe, self]
         s = self.settings
         if s.max_tasks is not None or s.max_memory_mb is not None:
-            worker.add_listener(
+            attached.append(
                 RecycleLimits(
                     max_tasks=s.max_tasks, max_memory_mb=s.max_memory_mb, on_limit=self._recycle
                 )
             )
-        if s.metrics:
-            _add_metrics(worker)
+        for listener in attached:
+            worker.add_listener(listener)
+        if s.metrics and (metrics := _add_metrics(worker)) is not None:
+            attached.append(metrics)
+        self.attached = tuple(attached)
         options = worker.options
         self.send(
             "hello",
@@ -247,10 +251,14 @@ class ChildLink(WorkerListener):
                 self._broken = True
 
 
-def _add_metrics(worker: Any) -> None:
+def _add_metrics(worker: Any) -> object | None:
     """Count this worker's events in the supervisor's Prometheus directory: a PrometheusListener
-    on the default registry, unless the application registered one there already."""
+    on the default registry (returned), unless the application registered one there already."""
     from ..contrib.prometheus import PrometheusListener
 
-    with contextlib.suppress(ValueError):  # "Duplicated timeseries": the application's own
-        worker.add_listener(PrometheusListener())
+    try:
+        listener = PrometheusListener()
+    except ValueError:  # "Duplicated timeseries": the application's own
+        return None
+    worker.add_listener(listener)
+    return listener

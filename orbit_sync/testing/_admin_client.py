@@ -42,6 +42,9 @@ class AdminError(Exception):
     """A non-2xx answer of the admin API: ``status``, ``code`` and the server's ``message``;
     or (code ``BAD_ANSWER``) an answer that is not the JSON object the API promises."""
 
+    # Where users import it from: tracebacks then print orbit_sync.testing.AdminError.
+    __module__ = "orbit_sync.testing"
+
     def __init__(self, status: int, code: str, message: str) -> None:
         super().__init__(f"{status} {code}: {message}")
         self.status = status
@@ -64,6 +67,12 @@ def admin_url(server_url: str) -> str:
 class AdminClient:
     """A small client of the admin API, for tests and scripts (one HTTP connection per call,
     as the server closes each after answering).
+
+    Each call returns the answer's JSON, or raises :class:`AdminError` for a non-2xx answer:
+    :meth:`get` and :meth:`post` the whole answer object; :meth:`enqueue` the task id;
+    :meth:`enqueue_many` the ids in order; :meth:`task`, :meth:`cancel` and :meth:`wait` one task
+    snapshot (a dict: ``task_id``, ``state``, ``attempts``, ``result``, ...); :meth:`tasks` a list
+    of them and :meth:`iter_tasks` an iterator.
 
     *url* is the server's URL (``ws://127.0.0.1:PORT``) or the admin base URL. ``GET``
     parameters travel in the query string; ``POST`` parameters as a JSON body, so values keep
@@ -222,8 +231,16 @@ class AdminClient:
         """One task snapshot, as JSON."""
         return dict(self.get(f"/tasks/{task_id}")["task"])
 
+    def cancel(self, task_id: str) -> dict[str, Any]:
+        """Request the task's cancellation (``POST /tasks/{id}/cancel``); returns its snapshot
+        right after the request: a waiting task is ``CANCELLED`` at once, a running one keeps
+        running until its handler stops (wait for ``CANCELLED``)."""
+        return dict(self.post(f"/tasks/{task_id}/cancel")["task"])
+
     def wait(self, task_id: str, states: Iterable[str], timeout: float = 10.0) -> dict[str, Any]:
-        """Block until the task is in one of *states*; raise TimeoutError if it is not."""
+        """Block until the task is in one of *states* (task states: ``SUCCEEDED``, ``FAILED``,
+        ``CANCELLED``, ``NEEDS_REVIEW``, ...; ``UNKNOWN`` is an attempt outcome, refused with a
+        400); returns the task's snapshot; raises TimeoutError if it is not there in time."""
         body = self.get(f"/tasks/{task_id}/wait", states=list(states), timeout=timeout)
         if not body["reached"]:
             raise TimeoutError(f"task {task_id} is {body['task']['state']} after {timeout} s")

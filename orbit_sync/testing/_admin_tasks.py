@@ -97,17 +97,29 @@ def _wait_task(server: MockOrbitServer, p: Params, m: re.Match[str], r: HttpRequ
     return 200, {"reached": reached, "task": jsonable(server.task(task_id))}
 
 
+#: Names of an attempt (its outcome or state) that are not task states, and the task state
+#: each leads to: what a caller who asked for one should wait for instead.
+_ATTEMPT_ONLY = {
+    "UNKNOWN": "an attempt outcome, not a task state: a task whose attempt ends UNKNOWN ends in "
+    "NEEDS_REVIEW (or goes back to WAITING for a retry under an IDEMPOTENT retry policy)",
+    "EXPIRED": "an attempt state, not a task state: an attempt whose lease expired after it "
+    "started makes its task NEEDS_REVIEW (or WAITING for a retry under an IDEMPOTENT retry "
+    "policy)",
+}
+
+
 def _states(p: Params, name: str, *, required: bool) -> frozenset[TaskState] | None:
     names = p.opt_list(name, pattern=re.compile(r"[A-Z_]{1,32}"), what="task states")
     if names is None:
         if required:
             raise bad(f"parameter '{name}' is required (comma-separated task states)")
         return None
+    among = ", ".join(s.value for s in TaskState)
+    for n in names or ():
+        if n in _ATTEMPT_ONLY:
+            raise bad(f"parameter '{name}': {n} is {_ATTEMPT_ONLY[n]}; task states are {among}")
     if not names or any(n not in TaskState.__members__ for n in names):
-        raise bad(
-            f"parameter '{name}' must list task states among "
-            + ", ".join(s.value for s in TaskState)
-        )
+        raise bad(f"parameter '{name}' must list task states among {among}")
     return frozenset(TaskState(n) for n in names)
 
 
