@@ -53,6 +53,7 @@ __all__ = [
     "report_error",
     "run",
     "serve",
+    "speak_as",
 ]
 
 EXIT_OK = 0
@@ -167,10 +168,20 @@ def last_error() -> str | None:
     return _last_error[0] if _last_error else None
 
 
+#: Who this process is in its lines, when it is one of several writing to one standard error.
+_speaker: list[str] = []
+
+
+def speak_as(who: str) -> None:
+    """Name this process in each later :func:`report_error` line (``orbit-sync <who>: ...``)."""
+    _speaker[:] = [who]
+
+
 def report_error(message: str) -> None:
     """One ``orbit-sync: ...`` line on standard error."""
     _last_error[:] = [message]
-    print(f"orbit-sync: {message}", file=sys.stderr, flush=True)
+    who = f" {_speaker[0]}" if _speaker else ""
+    print(f"orbit-sync{who}: {message}", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -251,7 +262,11 @@ def serve(worker: Any, label: str, link: Any = None) -> int:
     worker's health to the supervisor and applies the recycling limits.
     """
     if link is not None:
-        link.attach(worker)
+        try:
+            link.attach(worker)
+        except ValueError as exc:  # a recycling limit this process cannot meet
+            report_error(f"error: {exc}")
+            return EXIT_USAGE
         if link.stop_requested:
             report_error("asked to stop before the worker started: not starting")
             return EXIT_OK

@@ -117,7 +117,8 @@ def test_two_processes_share_the_queue_and_sigterm_drains_both(
     project: Path,
     procs: list[Proc],
 ) -> None:
-    """Two children with their own instance ids run tasks; one SIGTERM drains both; exit 0."""
+    """Two children with their own instance ids run tasks; one SIGTERM drains both; exit 0.
+    Every line on the shared standard error names the process that wrote it."""
     proc = start(procs, orbit_server, project, "--processes", "2", "--health-port", "0")
     health = port_line(proc, "health")
     assert len(set(serving(orbit_server, 2))) == 2
@@ -128,11 +129,21 @@ def test_two_processes_share_the_queue_and_sigterm_drains_both(
     for task_id in ids:
         assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=15)
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
-    assert "SIGTERM received: draining 2 worker processes" in proc.stderr
-    assert proc.stderr.count("worker stopped (drained=True") == 2
-    assert "supervisor stopped (2 processes started, 0 recycled, 0 restarted; exit 0)" in (
+    me = f"orbit-sync supervisor pid {proc.popen.pid}: "
+    assert f"{me}SIGTERM received: draining 2 worker processes" in proc.stderr
+    assert f"{me}supervisor stopped (2 processes started, 0 recycled, 0 restarted; exit 0)" in (
         proc.stderr
     )
+    child = r"worker pid (\d+) slot ([01])"
+    stopped = re.findall(rf"^orbit-sync {child}: worker stopped \(drained=True", proc.stderr, re.M)
+    drains = re.findall(
+        rf"^\[{child}\] .* the supervisor asks to drain: draining$", proc.stderr, re.M
+    )
+    assert sorted(stopped) == sorted(drains), proc.stderr
+    assert {slot for _, slot in drains} == {"0", "1"}
+    assert len({pid for pid, _ in drains}) == 2 and str(proc.popen.pid) not in dict(drains)
+    # Log records (they start with their time) all carry a name; so do the command's lines.
+    assert not re.search(r"^(\d{4}-\d\d-\d\d |orbit-sync: )", proc.stderr, re.M), proc.stderr
     assert orbit_server.token not in proc.stderr + proc.stdout
 
 
@@ -197,6 +208,24 @@ def test_a_refused_token_stops_the_supervisor_with_status_4(
         proc.stderr,
     )
     assert "wrong-token-0123456789" not in proc.stderr
+
+
+def test_a_memory_limit_below_the_idle_process_is_refused_with_its_rss(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],
+) -> None:
+    """--max-memory-per-child 1 (every Python process holds more): the child exits 2 naming its
+    own RSS before it connects, and the supervisor stops with 2 instead of recycling forever."""
+    proc = start(procs, orbit_server, project, "--processes", "1", "--max-memory-per-child", "1")
+    assert proc.wait(30) == 2
+    assert re.search(
+        r"worker process \d+ exited with status 2 before it was ready: error:"
+        r" --max-memory-per-child 1 is at or below this worker process's own RSS after start"
+        r" \(\d+ MB\).*; not restarting it: stopping",
+        proc.stderr,
+    ), proc.stderr
+    assert orbit_server.sessions() == ()
 
 
 def test_a_child_that_cannot_load_the_app_is_retried_then_given_up(

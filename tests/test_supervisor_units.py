@@ -20,9 +20,10 @@ from orbit_sync._cli_worker import (
     EXIT_UNREACHABLE,
     EXIT_USAGE,
 )
-from orbit_sync._supervisor._child import ChildLink, RecycleLimits
+from orbit_sync._supervisor._child import ChildLink, RecycleLimits, check_memory_limit
 from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth
 from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, worst
+from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
 from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
 from orbit_sync.testing import FakeClock
@@ -197,6 +198,70 @@ def test_memory_limit_is_checked_after_each_attempt() -> None:
     rss[0] += 1
     limits.attempt_finished(finished())
     assert reasons == ["RSS 100 MB (--max-memory-per-child 100)"]
+
+
+def test_a_memory_limit_at_or_below_the_process_own_rss_is_refused_naming_it() -> None:
+    """--max-memory-per-child 40 with 40 MB held before any task: refused with the figure; one
+    byte less held is accepted, and so is no limit at all."""
+    with pytest.raises(
+        ValueError,
+        match=r"is at or below this worker process's own RSS after"
+        r" start \(40 MB\).*more than 40 MB plus what a task needs",
+    ):
+        check_memory_limit(40, rss=lambda: 40 * 1024 * 1024)
+    check_memory_limit(40, rss=lambda: 40 * 1024 * 1024 - 1)
+    check_memory_limit(None, rss=lambda: 1 << 40)
+
+
+def test_the_memory_limit_says_when_the_first_task_passed_it() -> None:
+    """first_task is set when the attempt that passed the limit was the process's first."""
+    first = RecycleLimits(max_tasks=None, max_memory_mb=1, on_limit=print, rss=lambda: 2 << 20)
+    first.attempt_finished(finished())
+    assert first.first_task
+    rss = [0]
+    later = RecycleLimits(max_tasks=None, max_memory_mb=1, on_limit=print, rss=lambda: rss[0])
+    later.attempt_finished(finished())
+    rss[0] = 2 << 20
+    later.attempt_finished(finished())
+    assert not later.first_task
+
+
+class _Retiring:
+    """What the supervisor reads of a child that asks to be recycled."""
+
+    def __init__(self, slot: int, pid: int) -> None:
+        self.slot, self.pid, self.retiring = slot, pid, False
+
+
+def test_processes_recycled_after_their_first_task_in_a_row_are_reported_once() -> None:
+    """A slot whose processes pass the memory limit with their first task, twice in a row, is
+    reported once (not at every recycle, and not for a single one or for a task limit)."""
+    said: list[str] = []
+    options = SupervisorOptions(processes=2, command=("true",), label="app:make")
+    supervisor = Supervisor(options, out=said.append)
+    supervisor._spawn = lambda slot: None  # type: ignore[method-assign]  # no real processes
+    pid = iter(range(100, 200))
+
+    def recycle(slot: int, *, first_task: bool) -> None:
+        child = _Retiring(slot, next(pid))
+        supervisor._current[slot] = child  # type: ignore[assignment]
+        message = {"kind": "recycle", "reason": "RSS 41 MB (--max-memory-per-child 40)"}
+        supervisor._on_message(child, {**message, "first_task": first_task})  # type: ignore[arg-type]
+
+    recycle(0, first_task=True)
+    recycle(0, first_task=False)
+    recycle(1, first_task=True)
+    assert said == []
+    recycle(0, first_task=True)
+    recycle(0, first_task=True)
+    recycle(0, first_task=True)
+    recycle(1, first_task=True)
+    assert said == [
+        "worker process 104 recycled after its first task, as the one before it in slot 0: RSS 41"
+        " MB (--max-memory-per-child 40). Each process now runs about one task; give"
+        " --max-memory-per-child more room (this is reported once)"
+    ]
+    assert supervisor.recycled == 7
 
 
 def test_messages_survive_arbitrary_splits_and_garbage_is_dropped() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -168,8 +169,12 @@ def test_drain_waits_for_an_assignment_sent_before_the_drain_was_answered() -> N
     assert reports == [ShutdownReport(drained=True)]
 
 
-def test_handler_ignoring_cancellation_is_abandoned_unknown(server: MockOrbitServer) -> None:
-    """Past the drain timeout: cooperative handlers stop; a stubborn one is finished UNKNOWN."""
+def test_handler_ignoring_cancellation_is_abandoned_unknown(
+    server: MockOrbitServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Past the drain timeout: cooperative handlers stop; a stubborn one is finished UNKNOWN;
+    each task the stop cut short is named at WARNING."""
+    caplog.set_level(logging.WARNING, "orbit_sync.worker")
     probe = Probe()
     stubborn_released = threading.Event()
     worker = make_worker(server, drain_timeout=0.1, cancel_grace=0.3)
@@ -198,6 +203,15 @@ def test_handler_ignoring_cancellation_is_abandoned_unknown(server: MockOrbitSer
     assert [a.task_id for a in report.abandoned] == [stubborn_id]
     assert [a.task_id for a in report.cancelled] == [polite_id]
     assert report.unreported == ()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    held = next(w for w in warnings if w.startswith("drain ended with 2 attempt(s) still held"))
+    assert stubborn_id in held and polite_id in held
+    (stopped,) = [w for w in warnings if w.startswith("worker stopped:")]
+    assert stopped.endswith(
+        f"; cancelled: task {polite_id} (attempt {report.cancelled[0].attempt_id})"
+        "; abandoned, finished UNKNOWN SHUTDOWN_TIMEOUT:"
+        f" task {stubborn_id} (attempt {report.abandoned[0].attempt_id})"
+    )
 
     attempt = server.task(stubborn_id).attempts[-1]
     assert (attempt.outcome, attempt.error_code) == (Outcome.UNKNOWN, "SHUTDOWN_TIMEOUT")

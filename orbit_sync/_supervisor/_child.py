@@ -24,10 +24,12 @@ import contextlib
 import ctypes
 import ctypes.util
 import logging
+import math
 import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from ..contrib.health import HealthProbe
@@ -40,9 +42,10 @@ from ..worker import (
     WorkerListener,
 )
 from ..worker._memory import rss_bytes
+from ._speaker import name_this_process
 from ._wire import DRAIN, ENV, STATE_INTERVAL, STOP_NOW, ChildSettings, encode
 
-__all__ = ["ChildLink", "RecycleLimits"]
+__all__ = ["ChildLink", "RecycleLimits", "check_memory_limit"]
 
 _LOG = logging.getLogger("orbit_sync.supervisor")
 #: ``prctl(2)`` option: the signal the kernel sends this process when its parent dies.
@@ -60,6 +63,22 @@ def set_parent_death_signal(signum: int) -> bool:
         return int(libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
+
+
+def check_memory_limit(
+    max_memory_mb: int | None, rss: Callable[[], int | None] = rss_bytes
+) -> None:
+    """Refuse (``ValueError``) a per-process memory limit at or below what this process holds
+    before its first task (the application loaded): every process would recycle after each task.
+    """
+    held = None if max_memory_mb is None else rss()
+    if max_memory_mb is None or held is None or held < max_memory_mb * _MB:
+        return
+    raise ValueError(
+        f"--max-memory-per-child {max_memory_mb} is at or below this worker process's own RSS "
+        f"after start ({held / _MB:.0f} MB): every process would recycle after each task; give "
+        f"it more than {math.ceil(held / _MB)} MB plus what a task needs"
+    )
 
 
 class RecycleLimits(WorkerListener):
@@ -87,7 +106,10 @@ class RecycleLimits(WorkerListener):
         self._rss = rss
         self._lock = threading.Lock()
         self._count = 0
+        self._finished = 0
         self._reached = False
+        #: The memory limit was reached when the first attempt finished: no room for one task.
+        self.first_task = False
 
     def attempt_started(self, event: AttemptEvent) -> None:
         """One more handler about to run: the last one allowed, recycle (once)."""
@@ -103,8 +125,12 @@ class RecycleLimits(WorkerListener):
         """An attempt done: past the memory limit, recycle (once)."""
         if self._max_bytes is None:
             return
+        with self._lock:
+            self._finished += 1
+            first = self._finished == 1
         rss = self._rss()
         if rss is not None and rss > self._max_bytes:
+            self.first_task = first
             self._limit(f"RSS {rss / _MB:.0f} MB (--max-memory-per-child {self._max_bytes // _MB})")
 
     def _limit(self, reason: str) -> None:
@@ -127,6 +153,9 @@ class ChildLink(WorkerListener):
         self._stop: bool | None = None  # None: keep running; True: drain; False: stop now
         self._done = threading.Event()
         self._worker: Any = None
+        self._limits: RecycleLimits | None = None
+        #: This process names itself in its lines (a child started by a supervisor).
+        self._named = False
         self._probe = HealthProbe()
         #: The listeners :meth:`attach` added (the banner describes them, not by class name).
         self.attached: tuple[object, ...] = ()
@@ -141,8 +170,15 @@ class ChildLink(WorkerListener):
         link = cls(ChildSettings.from_env(value))
         for fd in (link.settings.status_fd, link.settings.control_fd):
             os.set_inheritable(fd, False)  # this process's own children must not hold them
+        link._named = True
+        name_this_process(link.name)
         link._guard()
         return link
+
+    @property
+    def name(self) -> str:
+        """This process in its lines on the standard error it shares with the others."""
+        return f"worker pid {os.getpid()} slot {self.settings.slot}"
 
     @property
     def stop_requested(self) -> bool:
@@ -186,12 +222,14 @@ class ChildLink(WorkerListener):
         self._worker = worker
         attached: list[object] = [self._probe, self]
         s = self.settings
+        if self._named:
+            name_this_process(self.name)  # again: the application may have set up logging
+        check_memory_limit(s.max_memory_mb)  # before anything is started or subscribed
         if s.max_tasks is not None or s.max_memory_mb is not None:
-            attached.append(
-                RecycleLimits(
-                    max_tasks=s.max_tasks, max_memory_mb=s.max_memory_mb, on_limit=self._recycle
-                )
+            self._limits = RecycleLimits(
+                max_tasks=s.max_tasks, max_memory_mb=s.max_memory_mb, on_limit=self._recycle
             )
+            attached.append(self._limits)
         for listener in attached:
             worker.add_listener(listener)
         if s.metrics and (metrics := _add_metrics(worker)) is not None:
@@ -210,7 +248,8 @@ class ChildLink(WorkerListener):
     def _recycle(self, reason: str) -> None:
         # Tell the supervisor first: it starts the replacement while this process drains.
         _LOG.warning("recycling this worker process after %s: draining", reason)
-        self.send("recycle", reason=reason)
+        limits = self._limits
+        self.send("recycle", reason=reason, first_task=limits is not None and limits.first_task)
         self._worker.request_stop(drain=True)
 
     def _report(self) -> None:

@@ -124,6 +124,7 @@ def supervise(options: Any, command: Sequence[str], label: str) -> int:
     """Run the supervisor over children running *command*; the exit status."""
     from .._cli_worker import EXIT_USAGE, report_error
     from ._observe import MetricsTarget
+    from ._speaker import name_this_process
     from ._supervisor import Supervisor, SupervisorOptions
 
     def get(name: str) -> Any:
@@ -135,6 +136,7 @@ def supervise(options: Any, command: Sequence[str], label: str) -> int:
     if get("metrics_port") is not None and (why := MetricsTarget.check()) is not None:
         report_error(why)
         return EXIT_USAGE
+    name_this_process(f"supervisor pid {os.getpid()}")
     supervisor = Supervisor(
         SupervisorOptions(
             processes=get("processes") or 1,

@@ -121,6 +121,9 @@ class Supervisor:
         self._deadline: float | None = None
         self.health = HostHealth(options.processes, clock=clock)
         self._metrics: MetricsTarget | None = None
+        #: Memory recycles after the first task in a row, by slot; said once (see _retire).
+        self._first_task_recycles: dict[int, int] = {}
+        self._said_no_room = False
         #: Counters for the banner at the end and for tests.
         self.started = 0
         self.recycled = 0
@@ -273,14 +276,27 @@ class Supervisor:
             if not child.retiring:
                 self.health.child_reported(child.slot, child.pid, state)
         elif kind == "recycle":
-            self._retire(child, str(message.get("reason")))
+            self._retire(
+                child, str(message.get("reason")), first_task=bool(message.get("first_task"))
+            )
         elif kind == "exit":
             child.message = message.get("message")
 
-    def _retire(self, child: _Child, reason: str) -> None:
-        """*child* drains to be recycled: its replacement starts now, not once it has exited."""
+    def _retire(self, child: _Child, reason: str, *, first_task: bool = False) -> None:
+        """*child* drains to be recycled: its replacement starts now, not once it has exited.
+        *first_task*: it passed the memory limit with its first task; twice in a row in a slot,
+        the limit leaves no room for a task, and that is said once."""
         if child.retiring or self._current.get(child.slot) is not child:
             return
+        streak = self._first_task_recycles
+        streak[child.slot] = streak.get(child.slot, 0) + 1 if first_task else 0
+        if streak[child.slot] == 2 and not self._said_no_room:
+            self._said_no_room = True
+            self._say(
+                f"worker process {child.pid} recycled after its first task, as the one before it"
+                f" in slot {child.slot}: {reason}. Each process now runs about one task; give"
+                " --max-memory-per-child more room (this is reported once)"
+            )
         child.retiring = True
         del self._current[child.slot]
         self.health.child_gone(child.slot, child.pid)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from ..client import DialCut
 from ..clock import Clock, WorkerClock
@@ -34,7 +34,7 @@ from ._link import Link
 from ._machine import Phase
 from ._outbox import Outbox
 from ._pool import DaemonPool
-from ._report import ShutdownReport
+from ._report import AttemptInfo, ShutdownReport
 from ._shell import Attempt, AttemptShell, Registry
 from ._watchdog import WatchdogThread
 
@@ -250,8 +250,7 @@ class Shutdown:
             "worker shutdown is stuck after %.1fs (a listener or a worker thread does not "
             "return); unreported: %s",
             waited,
-            ", ".join(f"task {a.task_id} (attempt {a.attempt_id})" for a in report.unreported)
-            or "nothing",
+            _named(report.unreported),
         )
         return report
 
@@ -266,14 +265,27 @@ class Shutdown:
         except BaseException as exc:  # never leave stop() waiting forever
             self._log.exception("worker shutdown failed")
             report = ShutdownReport(drained=False, error=exc)
-        self._stopped(report)
-        self._log.info(
-            "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d",
+        # Each task a stop cut short, by id: what an operator looks up on the server.
+        cut = [
+            f"; {what}: {_named(infos)}"
+            for what, infos in (
+                ("cancelled", report.cancelled),
+                ("abandoned, finished UNKNOWN SHUTDOWN_TIMEOUT", report.abandoned),
+                ("unreported", report.unreported),
+            )
+            if infos
+        ]
+        self._log.log(
+            logging.WARNING if cut else logging.INFO,
+            "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d%s",
             report.drained,
             len(report.cancelled),
             len(report.abandoned),
             len(report.unreported),
+            "".join(cut),
         )
+        # Logged first: once stopped, stop() returns and the process may exit.
+        self._stopped(report)
 
     def _shutdown(self) -> ShutdownReport:
         # A plan over the clock (see ._shutdown): at most drain + cancel_grace + flush_timeout,
@@ -294,6 +306,14 @@ class Shutdown:
             #    report's answer and runs here too (nothing hands it back, and its claim spent
             #    an attempt): the drain waits for the answer, then for every attempt.
             drained = phases.drain(self._drain_deadline)
+            if not drained:
+                with self._reg.cond:
+                    held = [a.info for a in self._reg.attempts.values()]
+                self._log.warning(
+                    "drain ended with %d attempt(s) still held, cancelling them: %s",
+                    len(held),
+                    _named(held),
+                )
             # 2. Cancel what is still running, and give it a grace period to return.
             cancelled = phases.cancel(self._cancel_grace)
             # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
@@ -348,3 +368,8 @@ class Shutdown:
                 thread.join(max(0.0, close_end - REAL_TIME.now()))
         if self.outbox is not None:
             self.outbox.close()  # after the replay thread: it writes to the file
+
+
+def _named(infos: Iterable[AttemptInfo]) -> str:
+    """Attempts for a log line, by task and attempt id."""
+    return ", ".join(f"task {a.task_id} (attempt {a.attempt_id})" for a in infos) or "nothing"
