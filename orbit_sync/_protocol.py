@@ -7,7 +7,7 @@ receiving them (PROTOCOL §6, §10, §11):
 * each call's deadline (default and cap :data:`CALL_TIMEOUT`) and the read-idle deadline
   (:data:`READ_IDLE_TIMEOUT`), read off an injected clock;
 * routing of every server frame: an answer to its call, a push to the caller's queue or callback;
-* the assignment-buffer rule (:data:`ASSIGNMENT_BUFFER` unread assignments);
+* the assignment-buffer rule: a ``queue.Queue`` of :data:`ASSIGNMENT_BUFFER` unread assignments;
 * fatal error codes (the answer is delivered, then the connection ends);
 * lease deadline math (each answered lease is anchored at the moment its request was sent).
 
@@ -22,7 +22,7 @@ call under one lock, moves bytes, wakes threads and runs callbacks outside that 
 
 from __future__ import annotations
 
-import collections
+import queue
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final, NamedTuple, Union
 
@@ -184,9 +184,10 @@ class ClientProtocol:
         self.calls: dict[str, Call] = {}
         #: Why the session ended (the first error wins); ``None`` while it is open.
         self.err: OrbitError | None = None
-        #: Unread pushes of each kind that has no callback (*callbacks* names those that do).
-        self.unread: dict[str, collections.deque[Any]] = {
-            kind: collections.deque() for kind in _BUFFERS if kind not in callbacks
+        #: Unread pushes of each kind that has no callback (*callbacks* names those that do):
+        #: a bounded ``queue.Queue`` each, which the reader fills without ever blocking.
+        self.unread: dict[str, queue.Queue[Any]] = {
+            kind: queue.Queue(_BUFFERS[kind]) for kind in _BUFFERS if kind not in callbacks
         }
 
     # ------------------------------------------------------------------ requests
@@ -330,21 +331,26 @@ class ClientProtocol:
         unread = self.unread.get(kind)
         if unread is None:
             return [Pushed(kind, item)]
-        limit = _BUFFERS[kind]
-        if len(unread) >= limit:
+        try:
+            unread.put_nowait(item)
+        except queue.Full:
             # The reader never blocks: a consumer that fell behind loses the session (§10).
             return self._end(
                 WorkerBackpressure(
-                    f"more than {limit} {kind}s left unread; the connection is closed"
+                    f"more than {unread.maxsize} {kind}s left unread; the connection is closed"
                 )
             )
-        unread.append(item)
         return [Queued(kind)]
 
     def take(self, kind: str) -> Any:
-        """The oldest unread push of *kind*, or ``None``."""
-        unread = self.unread[kind]
-        return unread.popleft() if unread else None
+        """The oldest unread push of *kind*, or ``None`` (always once the session has ended: a
+        reservation on a dead session grants nothing)."""
+        if self.err is not None:
+            return None
+        try:
+            return self.unread[kind].get_nowait()
+        except queue.Empty:
+            return None
 
     # ------------------------------------------------------------------ failure and deadlines
 
@@ -359,8 +365,8 @@ class ClientProtocol:
         self.err = err
         calls = list(self.calls.values())
         self.calls.clear()
-        for unread in self.unread.values():
-            unread.clear()  # a reservation on a dead session grants nothing
+        # The unread pushes stay queued: the worker still takes the assignments that reached it
+        # (its intake resumes them on the next session); take() no longer returns them.
         return [Ended(err, calls)]
 
     def next_deadline(self, last_rx: float) -> tuple[float, Call | None]:

@@ -7,16 +7,17 @@ it moves frames, holds the one lock around the protocol's state and wakes whoeve
 
 Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`:
 
-* the **reader** decodes every server frame, completes the call it answers (waking a blocked
-  caller or running a pipelined request's callback), queues pushes (or hands them to the
-  ``on_assignment`` / ``on_cancel`` callbacks) and never blocks (a full assignment queue closes
-  the connection with ``WorkerBackpressure``). It is the only thread that reads the socket:
-  every call in flight holds one of at most 32 slots, each a reused ``threading.Event`` the
-  reader sets (:class:`_Slot`); a blocking caller waits on its own slot until its deadline, so
-  an interrupted or timed-out caller abandons its slot and never leaves a frame half read. Code
-  running on the reader (a completion or push callback) must not block: a request or a queue
-  wait made from it raises ``RuntimeError`` at once, and ``close()`` from it does not wait for
-  the reader;
+* the **reader** only reads: it decodes every server frame, sets the slot of the call it
+  answers (waking a blocked caller, or running a pipelined request's completion), puts pushes on
+  their bounded ``queue.Queue`` (or hands them to the ``on_assignment`` / ``on_cancel``
+  callbacks), answers pings, and never blocks (a full assignment queue closes the connection with
+  ``WorkerBackpressure``). It is the only thread that reads the socket: every call in flight
+  holds one of at most 32 slots, each a reused ``threading.Event`` the reader sets
+  (:class:`_Slot`); a blocking caller waits on its own slot until its deadline, so an
+  interrupted or timed-out caller abandons its slot and never leaves a frame half read. Code
+  running on a reader (a completion or push callback) neither blocks nor writes: a request
+  (blocking or pipelined) or a queue wait made from it raises ``RuntimeError`` at once, and
+  ``close()`` from it does not wait for the reader;
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send), and a caller
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -185,8 +187,6 @@ class WorkerConnection:
         # The deadline thread sleeps on this; it is woken only for a call due before that.
         self._timer = threading.Condition(self._lock)
         self._wake_at = math.inf
-        # Threads waiting for a push of each kind that has no callback.
-        self._arrived = {kind: threading.Condition(self._lock) for kind in self._core.unread}
         self._done = threading.Event()
         tag = welcome.session_id[:8]
         self._deadlines = threading.Thread(
@@ -298,21 +298,40 @@ class WorkerConnection:
         """The next unread push of *kind*, waiting at most *timeout* seconds (None: no bound)."""
         if timeout != 0:
             self._refuse_on_reader(f"waiting for the next {kind}")
-        core = self._core
-        arrived = self._arrived[kind]
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
-            while True:
-                if core.err is not None:
-                    # A reservation on a dead session grants nothing; the server reclaims it.
-                    raise core.err.with_message_id(None)
-                item = core.take(kind)
-                if item is not None:
-                    return item
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"no {kind} within {timeout:g} s")
-                arrived.wait(left)
+        unread = self._core.unread[kind]
+        if self._core.err is None:
+            try:
+                item = unread.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"no {kind} within {timeout:g} s") from None
+            if item is _ENDED:
+                _end_queue(unread)  # for the next taker
+            elif self._core.err is None:
+                return item
+        # A reservation on a dead session grants nothing; the server reclaims it.
+        err = self._core.err
+        assert err is not None
+        raise err.with_message_id(None)
+
+    def _intake(self) -> Assignment | None:
+        """The next assignment, waiting until one arrives (internal: the Worker's intake, which
+        passes no ``on_assignment``). Unlike :meth:`next_assignment`, it still returns those
+        received before the connection ended (the Worker resumes them on its next session);
+        ``None`` once none is left after the end."""
+        unread = self._core.unread[ASSIGNMENT]
+        while True:
+            item = unread.get()
+            if item is _ENDED:
+                _end_queue(unread)  # for the next taker
+                return None
+            if isinstance(item, Assignment):
+                return item
+            item()  # a function put behind the assignments by _after_assignments
+
+    def _after_assignments(self, fn: Callable[[], None]) -> None:
+        """Have :meth:`_intake` run *fn* once every assignment received before now has been
+        taken (internal: called on the reader, the order is the frames' order)."""
+        _put_over_bound(self._core.unread[ASSIGNMENT], fn)
 
     # ------------------------------------------------------------------ requests
 
@@ -386,10 +405,12 @@ class WorkerConnection:
         the answer (a lease in it carries its local ``deadline``), with the server's error, or
         with the connection's error once it ends (a timeout included). It runs on the reader
         thread, the deadline thread or the thread that ended the connection, never under the
-        connection's lock: it must not block (a request made from it raises at once), and it
-        must not take a lock held by a thread that calls ``_submit``. Errors raised here mean
-        nothing was sent and ``on_done`` is not called.
+        connection's lock: it must not block, it makes no request (one made on a reader raises
+        ``RuntimeError`` at once: the reader only reads), and it must not take a lock held by a
+        thread that calls ``_submit``. Errors raised here mean nothing was sent and ``on_done``
+        is not called.
         """
+        self._refuse_on_reader(f"a {request_type} request")
         self._check_request(request_type, body)
         call, _ = self._send(request_type, body, message_id, timeout, on_done)
         return call.message_id
@@ -405,6 +426,7 @@ class WorkerConnection:
         ``on_done`` gets that error once the others are written, and its place in the returned
         list is ``None`` instead of its ``message_id``.
         """
+        self._refuse_on_reader("a batch of requests")
         for request in requests:
             if not isinstance(request, Submission):
                 raise TypeError("requests must be Submission tuples")
@@ -452,10 +474,11 @@ class WorkerConnection:
         return value
 
     def _refuse_on_reader(self, what: str) -> None:
-        """Fail at once for a blocking wait on the reader thread: only it could end the wait."""
-        if threading.current_thread() is self._reader:
+        """Fail at once on a connection's reader thread: it only reads (a wait there could only
+        be ended by itself, and it writes no request)."""
+        if on_reader_thread():
             raise RuntimeError(
-                f"{what} cannot wait on the connection's reader thread (a callback of this "
+                f"{what} cannot be made on a connection's reader thread (a callback of a "
                 "connection: on_assignment, on_cancel or a completion); make it from another thread"
             )
 
@@ -560,6 +583,7 @@ class WorkerConnection:
         return False
 
     def _read_loop(self) -> None:
+        _READER.active = True
         try:
             while self._read_one():
                 pass
@@ -583,9 +607,7 @@ class WorkerConnection:
             self._fail(exc)
             return False
         with self._lock:
-            events = core.route(event)
-            if events and type(events[0]) is Queued:
-                self._arrived[events[0].kind].notify()
+            events = core.route(event)  # a push without a callback is put on its queue
         return self._handle(events)
 
     def _handle(self, events: list[Event]) -> bool:
@@ -613,11 +635,38 @@ class WorkerConnection:
         err = event.error
         with self._lock:
             self._timer.notify()
-            for arrived in self._arrived.values():
-                arrived.notify_all()
+        for unread in self._core.unread.values():
+            _end_queue(unread)  # wakes every thread waiting for a push
         self._teardown(err)
         for call in event.calls:
             _run_done(call.on_done, None, err.with_message_id(call.message_id), call.request_type)
+
+
+#: Marks the reader threads of every connection (a thread-local flag, set as a reader starts).
+_READER = threading.local()
+
+
+def on_reader_thread() -> bool:
+    """Is the calling thread a connection's reader? It only reads: it makes no request and
+    never waits for one (internal: the Worker hands such work to another thread)."""
+    return getattr(_READER, "active", False)
+
+
+#: Put on a push queue once the connection has ended, behind what is still unread: it wakes
+#: every waiting taker, each of which puts it back for the next.
+_ENDED: Any = object()
+
+
+def _end_queue(unread: queue.Queue[Any]) -> None:
+    """Put the end marker on *unread* (the reader puts nothing after it)."""
+    _put_over_bound(unread, _ENDED)
+
+
+def _put_over_bound(unread: queue.Queue[Any], item: object) -> None:
+    """Put *item* on *unread* past its bound, uncounted: a marker, not a push."""
+    with unread.mutex:
+        unread.queue.append(item)
+        unread.not_empty.notify()
 
 
 def _caused(err: OrbitError, cause: BaseException) -> OrbitError:

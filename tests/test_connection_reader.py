@@ -196,8 +196,9 @@ def test_a_completion_that_closes_the_connection_ends_it_without_a_deadlock(
 def test_a_blocking_call_from_a_completion_fails_at_once(
     pair: tuple[WorkerConnection, Peer],
 ) -> None:
-    """A request made from a completion (the reader thread) raises RuntimeError at once
-    instead of waiting out its bound; the connection stays open."""
+    """A request made from a completion (the reader thread) raises RuntimeError at once,
+    blocking or pipelined (the reader only reads), instead of waiting out its bound or writing;
+    the connection stays open."""
     conn, peer = pair
     seen: dict[str, BaseException] = {}
     ran = threading.Event()
@@ -206,6 +207,8 @@ def test_a_blocking_call_from_a_completion_fails_at_once(
         for name, call in (
             ("renew", lambda: conn.renew(REF, timeout=CALL_BOUND)),
             ("next_assignment", lambda: conn.next_assignment(timeout=CALL_BOUND)),
+            ("_submit", lambda: conn._submit("task.renew", REF, lambda v, e: None)),
+            ("_submit_many", lambda: conn._submit_many([])),
         ):
             try:
                 call()
@@ -219,7 +222,7 @@ def test_a_blocking_call_from_a_completion_fails_at_once(
     peer.send_raw(_ack(first) + _ack(second))
     assert ran.wait(WAIT)
     thread.join(WAIT)
-    for name in ("renew", "next_assignment"):
+    for name in ("renew", "next_assignment", "_submit", "_submit_many"):
         assert isinstance(seen[name], RuntimeError), seen
         assert "reader thread" in str(seen[name])
     assert isinstance(out.get("result"), CommandResult), out

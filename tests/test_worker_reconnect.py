@@ -18,6 +18,7 @@ from _scripted import (
     lease_body,
     welcome_body,
 )
+from _worker_helpers import Sessions
 from test_worker_session_setup import (
     OTHER_ATTEMPT,
     OTHER_TASK,
@@ -72,7 +73,8 @@ def _renew_due(peer: Peer, clock: FakeClock) -> dict[str, Any]:
 def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() -> None:
     """The connection drops before the finish is answered: on the next one the attempt is
     resumed first, then the same finish (same message_id) is re-sent, and delivered."""
-    with _scripted() as (server, worker, handlers):
+    sessions = Sessions()
+    with _scripted(listeners=[sessions]) as (server, worker, handlers):
         peer = _first_session(server, handlers)
         handlers.release.set()
         finish = peer.recv()
@@ -80,7 +82,9 @@ def test_a_finish_cut_in_flight_goes_out_after_the_resume_with_its_message_id() 
         peer, again = _sent_again(server, peer, finish)
         done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
         peer.ack(again, {**done, "deduplicated": True})
-        assert worker.wait_ready(WAIT)
+        # The re-sent finish may be answered before the connection thread has stepped the
+        # resume's answer (the session is counted then): wait for it before reading the count.
+        assert sessions.wait(lambda s: s.established >= 2), "the worker never reconnected"
         assert handlers.runs == {ATTEMPT_ID: 1}
     stats = worker.stats()
     assert stats.succeeded == 1 and stats.reconnects == 1

@@ -1,29 +1,33 @@
-"""Admission: what the connection's reader thread does with the server's pushes.
+"""Admission: what the worker does with the server's pushes.
 
-:class:`Admission` records each ``task.assign`` as an attempt and starts its machine (PROTOCOL
-§6.1: an attempt assigned twice runs once), and turns each ``task.cancel`` into its attempt's
-cancellation. A stopping worker starts what reaches it too: the protocol has no way to hand an
-unstarted assignment back (§5.7: ``drain`` releases nothing already held) and its claim already
-spent one of the task's attempts (§6.1), so skipping it would burn that attempt. Past the drain,
-the attempt starts with its context cancelled and finishes by the outcome rules.
+:class:`Admission` takes each ``task.assign`` from the connection's assignment queue on the
+session's intake thread (:meth:`Admission.take_all`), records it as an attempt and starts its
+machine (PROTOCOL §6.1: an attempt assigned twice runs once): the start goes out from that
+thread, pipelined. A stopping worker starts what reaches it too: the protocol has no way to hand
+an unstarted assignment back (§5.7: ``drain`` releases nothing already held) and its claim
+already spent one of the task's attempts (§6.1), so skipping it would burn that attempt. Past
+the drain, the attempt starts with its context cancelled and finishes by the outcome rules.
 
-Both run on the reader thread, so neither blocks nor waits for an answer: the registry's lock
-they take is never held across a wait for the network, and the start goes out pipelined (or
-queued for a request slot).
+It turns each ``task.cancel`` into its attempt's cancellation (``on_cancel``, on the reader
+thread: it only flags the context). The registry's lock is never held across a wait for the
+network.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 
 from ..clock import Clock
 from ..models import Assignment, CancelNotice
 from ._context import TaskContext
 from ._handlers import Handlers
+from ._link import Connection
 from ._listeners import Hooks
 from ._machine import AttemptMachine
 from ._shell import Attempt, AttemptShell, Registry, attempt_event
+from ._window import CapacityWindow
 
 __all__ = ["SEEN_LIMIT", "Admission"]
 
@@ -32,7 +36,7 @@ SEEN_LIMIT = 65_536
 
 
 class Admission:
-    """The ``on_assignment`` and ``on_cancel`` callbacks of the worker's connections."""
+    """The intake of the worker's connections and their ``on_cancel`` callback."""
 
     def __init__(
         self,
@@ -44,6 +48,8 @@ class Admission:
         clock: Clock,
         retry_delay: float,
         log: logging.Logger,
+        window: CapacityWindow,
+        wake: Callable[[], None],
     ) -> None:
         self._reg = registry
         self._handlers = handlers
@@ -52,6 +58,9 @@ class Admission:
         self._clock = clock
         self._retry_delay = retry_delay
         self._log = log
+        self._window = window
+        #: Wakes the connection thread (a capacity raise is due).
+        self._wake = wake
         #: Attempt ids seen, oldest first (under the registry's lock).
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -62,6 +71,17 @@ class Admission:
             return
         if att.ctx._cancel("cancel_requested"):
             att.ctx._log.info("cancel requested by the server")
+
+    def take_all(self, conn: Connection) -> None:
+        """The session's intake (its own thread): take each assignment from *conn*'s queue,
+        record it and send its start, until the connection has ended and none is left unread.
+        Those that arrive before the end but are taken after it are recorded all the same: the
+        next session resumes them, then sends their starts."""
+        while True:
+            assignment = conn._intake()
+            if assignment is None:
+                return
+            self.dispatch(assignment)
 
     def dispatch(self, assignment: Assignment) -> None:
         """A ``task.assign`` push: record the attempt and send its start."""
@@ -98,6 +118,8 @@ class Admission:
             self._reg.attempts[att.id] = att
             if self._reg.drain_over:
                 ctx._cancel("shutdown")
+        if self._window.taken():
+            self._wake()  # the connection thread raises the reported capacity
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )

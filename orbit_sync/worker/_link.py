@@ -65,6 +65,10 @@ class Connection(Protocol):
 
     def _submit_many(self, requests: Sequence[Submission]) -> list[str | None]: ...
 
+    def _intake(self) -> Assignment | None: ...
+
+    def _after_assignments(self, fn: Callable[[], None]) -> None: ...
+
     def close(self) -> None: ...
 
 
@@ -77,7 +81,6 @@ class Dialer(Protocol):
         timeout: float = ...,
         *,
         on_cancel: Callable[[CancelNotice], None] | None = ...,
-        on_assignment: Callable[[Assignment], None] | None = ...,
     ) -> Any: ...
 
 
@@ -86,14 +89,15 @@ class GaveUp(Exception):
 
 
 class Gate:
-    """A counting semaphore for requests whose waiters hold no thread: a request that finds no
-    free slot is queued as a *job* (:meth:`acquire_or_queue`), and :meth:`free` hands the
-    freed slot to the first queued job, in arrival order, and runs it. Once closed, no new
+    """A counting semaphore for requests. A request that finds no free slot is either queued as
+    a *job* (:meth:`acquire_or_queue`: its waiter holds no thread), and :meth:`release` hands
+    the freed slot to the first queued job, in arrival order; or its thread waits for a slot
+    (:meth:`acquire`: a start, sent by the thread that took its assignment). Once closed, no new
     request takes a slot (:class:`GaveUp`), so nothing waits for one past shutdown.
     """
 
     def __init__(self, slots: int) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
         self._free = slots
         #: Jobs waiting for a slot, in arrival order (only while no slot is free).
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
@@ -102,7 +106,7 @@ class Gate:
     def acquire_or_queue(self, job: Callable[[], None]) -> bool:
         """Take a slot (True), or queue *job* for the next slot freed (False: a later
         :meth:`release` returns it). Raise :class:`GaveUp` once closed."""
-        with self._lock:
+        with self._cond:
             if self._closed:
                 raise GaveUp("worker stopped")
             if self._free > 0:
@@ -111,26 +115,33 @@ class Gate:
             self._queue.append(job)
             return False
 
+    def acquire(self) -> None:
+        """Take a slot, waiting for one to be freed (each is, by its request's answer or
+        failure, within a call timeout). Raise :class:`GaveUp` once closed."""
+        with self._cond:
+            while not self._closed and self._free <= 0:
+                self._cond.wait()
+            if self._closed:
+                raise GaveUp("worker stopped")
+            self._free -= 1
+
     def release(self) -> Callable[[], None] | None:
         """Give a slot back: to the first queued job (returned: the caller must run it, the
-        slot is its), else to the free slots."""
-        with self._lock:
+        slot is its), else to the free slots (a waiting thread takes it)."""
+        with self._cond:
             if self._queue:
                 return self._queue.popleft()
             self._free += 1
+            self._cond.notify()
             return None
 
-    def free(self) -> None:
-        """Give a slot back; a job queued for one runs now, on this thread."""
-        job = self.release()
-        if job is not None:
-            job()
-
     def close(self) -> None:
-        """Refuse new requests. Queued jobs stay: slots still in use are released as their
-        requests end, and each goes to a job (which then finds no connection)."""
-        with self._lock:
+        """Refuse new requests and wake the threads waiting for a slot. Queued jobs stay:
+        slots still in use are released as their requests end, and each goes to a job (which
+        then finds no connection)."""
+        with self._cond:
             self._closed = True
+            self._cond.notify_all()
 
 
 class Link:

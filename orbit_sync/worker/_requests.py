@@ -7,7 +7,10 @@ the machine that sent it. What the machine answers to a failure (:mod:`._errors`
 classification) comes back as an action this class performs too: a request whose connection
 failed is *kept* by the link and re-sent, same ``message_id``, once a newer connection is
 published; a transient error answer is kept for its retry delay the same way; the thread that
-drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer.
+drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer (a start's
+thread may wait for a request slot, which an answer or a failure frees within a call timeout).
+Nothing is sent from a connection's reader: a send decided there goes to the thread that drives
+the link (:meth:`RequestPath.handoff`).
 
 A resume (:attr:`~._machine.Request.early`) may go out on a connection the link has only
 opened, not yet published: publishing waits for the resumes to go out, every other request for
@@ -26,9 +29,11 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
+from .._protocol import Done
+from ..connection import on_reader_thread
 from ..errors import OrbitError
 from ._errors import NotConnected
-from ._link import GaveUp, Link
+from ._link import Connection, GaveUp, Link
 from ._machine import (
     Action,
     AttemptMachine,
@@ -108,49 +113,71 @@ class RequestPath(Generic[S]):
         return True
 
     def _send(self, subject: S, request: Request) -> None:
-        """Send *request* within the link's request slots (or queue it for the next free
-        slot); never blocks."""
+        """Send *request* within the link's request slots. A start waits for a slot on this
+        thread (the one that took its assignment, or re-sends it); any other request is queued
+        for the next free slot instead. A send decided on a reader goes to another thread."""
+        if on_reader_thread():
+            self.handoff(partial(self._send, subject, request))
+            return
+        gate = self._link.gate
         try:
-            if not self._link.gate.acquire_or_queue(partial(self._transmit, subject, request)):
+            if request.request_type == "task.start":
+                gate.acquire()
+            elif not gate.acquire_or_queue(partial(self._transmit, subject, request)):
                 return  # a freed slot sends it
         except GaveUp:
             self.outcome(subject, request, lambda m: m.gave_up(request))
             return
         self._transmit(subject, request)
 
+    def _free_slot(self) -> None:
+        """Give a request slot back; a request queued for one goes now (from another thread
+        when this is a reader)."""
+        job = self._link.gate.release()
+        if job is not None:
+            if on_reader_thread():
+                self.handoff(job)
+            else:
+                job()
+
     def _transmit(self, subject: S, request: Request) -> None:
         """Send *request*, whose request slot is taken, on the current connection."""
         current = self._link.current(early=request.early)
         if current is None:
-            self._link.gate.free()  # a request queued for the slot goes now
+            self._free_slot()  # a request queued for the slot goes now
             self.sent(subject, request)
             unsent = NotConnected("no connection")
             self.outcome(subject, request, self.failure(subject, request, unsent, 0))
             return
         conn, gen = current
         try:
-            conn._submit(
-                request.request_type,
-                request.body,
-                partial(self._answered, subject, request, gen),
-                message_id=request.message_id,
-                timeout=self._call_timeout,
-            )
+            self.write(subject, request, conn, partial(self._answered, subject, request, gen))
         except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
-            self._link.gate.free()  # a request queued for the slot goes now
+            self._free_slot()  # a request queued for the slot goes now
             self.sent(subject, request)
             self.outcome(subject, request, self.failure(subject, request, exc, gen))
             return
         except BaseException:
-            self._link.gate.free()  # a request queued for the slot goes now
+            self._free_slot()  # a request queued for the slot goes now
             raise
         self.sent(subject, request)
+
+    def write(self, subject: S, request: Request, conn: Connection, on_done: Done) -> None:
+        """Write *request* on *conn*, pipelined (raise if nothing was sent); a driver may send
+        something ahead of it."""
+        conn._submit(
+            request.request_type,
+            request.body,
+            on_done,
+            message_id=request.message_id,
+            timeout=self._call_timeout,
+        )
 
     def _answered(
         self, subject: S, request: Request, gen: int, value: Any, error: OrbitError | None
     ) -> None:
         # On the reader thread (or the thread that ended the connection): never blocks.
-        self._link.gate.free()  # a request queued for the slot goes now
+        self._free_slot()  # a request queued for the slot goes now
         if error is not None:
             self.outcome(subject, request, self.failure(subject, request, error, gen))
         else:
@@ -172,6 +199,17 @@ class RequestPath(Generic[S]):
             self._wake()
         else:
             self.outcome(subject, request, lambda m: m.gave_up(request))
+
+    def handoff(self, job: Callable[[], None]) -> None:
+        """Run *job*, a send decided on a connection's reader (an answer's consequence), on the
+        thread that drives the link: the reader only reads
+        (:func:`~orbit_sync.connection.on_reader_thread`), and a pool thread may never come free
+        (each may hold a handler that waits). At once if the link is closed: the job then finds
+        no connection and writes nothing."""
+        if self._link.keep(job, early=True):
+            self._wake()
+        else:
+            job()
 
     def resend_due(self) -> float:
         """Re-send the kept requests whose connection and time have come (the link's driver);

@@ -61,6 +61,7 @@ from ._signals import StopSignals, announce
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, check_time_limit
 from ._timers import Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
+from ._window import CapacityWindow
 
 __all__ = ["Handler", "Worker"]
 
@@ -230,6 +231,7 @@ class Worker:
             self._watchdog, wake=Wakeup(self._time), timers=self._timers
         )
         self._pool = DaemonPool(opts.capacity, clock=self._time)
+        self._window = CapacityWindow(opts.capacity)
         self._shell = AttemptShell(
             self._reg,
             link=self._link,
@@ -247,6 +249,7 @@ class Worker:
             own_thread=self._owns_current_thread,
             timers=self._timers,
             capacity=opts.capacity,
+            window=self._window,
         )
         self._admission = Admission(
             self._reg,
@@ -256,6 +259,8 @@ class Worker:
             clock=self._time,
             retry_delay=self._retry_delay,
             log=self._log,
+            window=self._window,
+            wake=self._serve_wake.set,
         )
         self._threads: list[threading.Thread] = []
         self._shutdown = Shutdown(
@@ -284,7 +289,6 @@ class Worker:
         self._sessions = SessionLoop(
             client,
             registration=lambda: self.registration,
-            capacity=opts.capacity,
             notifications=opts.cancellation_notifications,
             dial_timeout=self._dial_timeout,
             call_timeout=self._call_timeout,
@@ -301,7 +305,8 @@ class Worker:
             ready=self._ready,
             dial_cut=self._dial_cut,
             on_cancel=self._admission.on_cancel,
-            on_assignment=self._admission.dispatch,
+            take_assignments=self._admission.take_all,
+            window=self._window,
             fail=self._fail,
             first_connect_timeout=opts.first_connect_timeout,
         )

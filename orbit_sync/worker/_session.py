@@ -23,12 +23,12 @@ import math
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 from ..client import Client, DialCut
 from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
-from ..models import Assignment, CancelNotice, CapacityReport, Registration, Welcome
+from ..models import CancelNotice, CapacityReport, Registration, Welcome
 from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import (
@@ -46,18 +46,18 @@ from ._redial import Redial
 from ._shell import AttemptShell, Registry
 from ._shutdown import CLOSE_ALLOWANCE
 from ._watchdog import LeaseWatchdog
+from ._window import CapacityWindow
 
 __all__ = ["SESSION_BUG_LIMIT", "SessionLoop"]
-
-T = TypeVar("T")
 
 #: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
 #: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
 SESSION_BUG_LIMIT = 2
 
 
-class _FirstReport:
-    """The session's first capacity report, sent behind the resumes, and its answer."""
+class _ReportAnswer:
+    """A capacity report this thread sent (the session's first goes behind the resumes), and
+    its answer."""
 
     def __init__(self) -> None:
         self.event = threading.Event()
@@ -65,10 +65,14 @@ class _FirstReport:
         self.sent_at = 0.0
         self.value: Any = None
         self.error: OrbitError | None = None
+        #: Run on the reader as a drain report is acknowledged (see SessionLoop._drain_answered).
+        self.on_drain_ack: Callable[[], None] | None = None
 
     def answered(self, value: Any, error: OrbitError | None) -> None:
         # Runs on the connection's reader (or deadline) thread: it only records and wakes.
         self.value, self.error = value, error
+        if error is None and self.on_drain_ack is not None:
+            self.on_drain_ack()
         self.event.set()
 
 
@@ -80,7 +84,6 @@ class SessionLoop:
         client: Dialer,
         *,
         registration: Callable[[], Registration],
-        capacity: int,
         notifications: bool,
         dial_timeout: float,
         call_timeout: float,
@@ -97,7 +100,8 @@ class SessionLoop:
         ready: threading.Event,
         dial_cut: DialCut,
         on_cancel: Callable[[CancelNotice], None],
-        on_assignment: Callable[[Assignment], None],
+        take_assignments: Callable[[Connection], None],
+        window: CapacityWindow,
         fail: Callable[[BaseException], None],
         first_connect_timeout: float | None = None,
     ) -> None:
@@ -122,32 +126,28 @@ class SessionLoop:
         self._ready = ready
         self._dial_cut = dial_cut
         self._on_cancel = on_cancel
-        self._on_assignment = on_assignment
+        #: The intake: takes a connection's assignments until its queue ends (see _session).
+        self._take_assignments = take_assignments
         self._fail = fail
         #: Tells a wrong URL (nothing there ever spoke the protocol) from a server that is down.
         self._endpoint = EndpointCheck(time.now)
         #: Sessions in a row ended by an unexpected error (this thread only).
         self._session_bugs = 0
-        # Capacity reports: only this thread sends them; report_drain() queues the drain one.
-        # The lock is never held across a request.
-        self._capacity_lock = threading.Lock()
-        self._report_next = CapacityReport(sequence=1, capacity=capacity, drain=False)
-        self._report_sent: CapacityReport | None = None
+        # Capacity reports: built by the window, under whose lock each one is written; this
+        # thread waits for their answers (a finish may send a lowering one ahead of it).
+        self._window = window
+        window.answered = self._report_answered
         self._drain_acked = threading.Event()
         #: A session's capacity report without drain was answered and its connection has not
         #: ended yet: the server may be assigning to this process (see assignments_over).
         self._assigning = False
+        self._beat_lock = threading.Lock()
         self._heartbeat = 15.0
         self._next_heartbeat = 0.0
 
     def report_drain(self) -> None:
         """Queue a capacity report with ``drain: true`` (from any thread; sent by this one)."""
-        with self._capacity_lock:
-            if not self._report_next.drain:
-                current = self._report_next
-                self._report_next = CapacityReport(
-                    sequence=current.sequence + 1, capacity=current.capacity, drain=True
-                )
+        self._window.request_drain()
         self._serve_wake.set()
 
     def assignments_over(self) -> bool:
@@ -258,7 +258,6 @@ class SessionLoop:
                 self._registration(),
                 timeout=self._dial_timeout,
                 on_cancel=self._on_cancel if self._notifications else None,
-                on_assignment=self._on_assignment,
                 clock=self._time,
                 cut=self._dial_cut,
             )
@@ -267,7 +266,6 @@ class SessionLoop:
             self._registration(),
             timeout=self._dial_timeout,
             on_cancel=self._on_cancel if self._notifications else None,
-            on_assignment=self._on_assignment,
         )
         return conn
 
@@ -281,10 +279,10 @@ class SessionLoop:
         """Reconcile, publish and serve one connection until it ends."""
         gen: int | None = None
         reason = "closed"
-        watcher = threading.Thread(
-            target=self._watch_connection, args=(conn,), name="orbit-worker-watch", daemon=True
+        intake = threading.Thread(
+            target=self._intake, args=(conn,), name="orbit-worker-intake", daemon=True
         )
-        watcher.start()
+        intake.start()
         try:
             if self._link.is_closed():
                 return
@@ -334,27 +332,29 @@ class SessionLoop:
                 self._link.retract(gen)
             conn.close()  # completes what is still in flight on it
             self._shell.drive_resumes()  # resumes it failed end now, not on a later connection
-            watcher.join()  # at once: close() returns once the reader exited and set conn.done
-            # Its reader has exited: nothing more is assigned through this connection.
+            # The intake has dispatched what the connection left unread (before the next
+            # session's resumes, which then include those attempts). Quick: each start finds
+            # the connection gone and is kept, or the link closed and gives up.
+            intake.join(self._call_timeout + CLOSE_ALLOWANCE)
+            if intake.is_alive():
+                self._log.error("the intake of session %s did not end", conn.session_id)
+            # Its reader has exited and its intake has taken what it left: nothing more is
+            # assigned through this connection.
             self._assigning = False
             self._assignments_changed()
         if not self._link.is_closed() and self._hooks:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
 
-    def _watch_connection(self, conn: Connection) -> None:
-        # The connection thread sleeps on _serve_wake; this turns "the connection ended" into it.
-        conn.done.wait()
-        self._serve_wake.set()
-
-    def _in_place(self, conn: Connection, fn: Callable[[], T]) -> T:
-        """One request of the connection thread, retried on this same connection after a
-        transient error answer (``RATE_LIMITED``, ``UNAVAILABLE``, busy): the session itself is
-        fine, so it is not torn down. A link failure still raises (reconnect)."""
-        while True:
-            try:
-                return fn()
-            except OrbitError as exc:
-                self._pause_to_retry_in_place(conn, exc)
+    def _intake(self, conn: Connection) -> None:
+        """The session's intake thread: takes the connection's assignments and sends each start
+        until the connection has ended and none is left unread; then wakes this thread."""
+        try:
+            self._take_assignments(conn)
+        except Exception:  # a bug of ours: the session cannot take assignments any more
+            self._log.exception("worker error in the intake; closing the connection")
+            conn.close()
+        finally:
+            self._serve_wake.set()
 
     def _pause_to_retry_in_place(self, conn: Connection, error: OrbitError) -> None:
         """Raise *error* unless it is a transient answer on a live session; else log it and
@@ -363,7 +363,7 @@ class SessionLoop:
             is_link_failure(error)
             or not is_transient(error)
             or self._link.is_closed()
-            or conn.done.is_set()
+            or conn.err is not None
         ):
             raise error
         self._log.info(
@@ -376,7 +376,7 @@ class SessionLoop:
         """Wait before re-sending after a transient error (longer for our own busy gate)."""
         self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
 
-    def _reconcile(self, conn: Connection) -> tuple[_FirstReport, bool]:
+    def _reconcile(self, conn: Connection) -> tuple[_ReportAnswer, bool]:
         """Resume every held attempt on *conn* (opened, not yet published); once every resume
         went out, publish *conn* (the starts and finishes kept for it go out right behind the
         resumes, and the renewals due, see :meth:`LeaseWatchdog.connected`) and send the
@@ -401,8 +401,7 @@ class SessionLoop:
         self._link.publish(conn)
         self._shell.resend_due()  # the kept starts and finishes, behind their resumes
         self._watchdog.connected()  # the renewals due, sent from the watchdog's thread
-        first = _FirstReport()
-        self._submit_first_capacity(conn, first)
+        first = self._submit_report(conn)
         self._drive_resumes(conn, resumes.all_over)
         with self._reg.cond:
             # A reconnect is a session established (its resumes over) after an earlier one,
@@ -424,7 +423,7 @@ class SessionLoop:
             moved = self._shell.drive_resumes()
             next_resend = self._shell.resend_due()
             # First: a resume whose connection failed is over too, and broke the connection.
-            if self._link.is_closed() or conn.done.is_set():
+            if self._link.is_closed() or conn.err is not None:
                 raise conn.err or NotConnected("the connection ended during its resumes")
             if done():
                 return
@@ -437,69 +436,103 @@ class SessionLoop:
                 raise CallTimeout("a resume of the connection thread was never completed")
             self._serve_wake.wait(min(next_resend, quiet_until) - now)
 
-    def _submit_first_capacity(self, conn: Connection, first: _FirstReport) -> None:
-        """Send the session's first report without waiting; its answer lands in *first*."""
-        with self._capacity_lock:
-            first.report = self._report_next
-        first.sent_at = self._clock()
-        try:
-            conn._submit(
-                "worker.capacity", first.report, first.answered, timeout=self._call_timeout
-            )
-        except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-            first.answered(None, exc)
+    def _submit_report(self, conn: Connection) -> _ReportAnswer:
+        """Send the report in force without waiting (under the window's lock, so reports reach
+        the wire in sequence order); its answer lands in the returned object."""
+        pending = _ReportAnswer()
+        with self._window.lock:
+            pending.report = self._window.report()
+            pending.sent_at = self._clock()
+            if pending.report.drain:
+                pending.on_drain_ack = partial(self._drain_answered, conn, pending.report)
+            try:
+                conn._submit(
+                    "worker.capacity", pending.report, pending.answered, timeout=self._call_timeout
+                )
+            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
+                pending.answered(None, exc)
+        return pending
 
-    def _first_capacity(self, conn: Connection, first: _FirstReport) -> None:
-        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
-        answer is retried in place, like any later report."""
-        # Completed by its own call timeout at the latest (see _await_answers).
-        if not first.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
-            raise CallTimeout("the first capacity report was never completed")
-        error = first.error
+    def _await_report(self, conn: Connection, pending: _ReportAnswer) -> bool:
+        """Wait for *pending*'s answer (its own call timeout completes it at the latest): True
+        once acknowledged, False after a transient error answer (waited out: send again);
+        anything else raises."""
+        if not pending.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
+            raise CallTimeout("a capacity report was never completed")
+        error = pending.error
         if error is None:
             # The connection checked the ack's body: a capacity ack carries a Welcome.
-            assert isinstance(first.value, Welcome) and first.report is not None
-            self._capacity_acked(first.report, first.sent_at, first.value)
-            return
+            assert isinstance(pending.value, Welcome) and pending.report is not None
+            self._capacity_acked(pending.report, pending.sent_at, pending.value)
+            return True
         self._pause_to_retry_in_place(conn, error)
-        self._send_capacity(conn)
+        return False
+
+    def _first_capacity(self, conn: Connection, first: _ReportAnswer) -> None:
+        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
+        answer is retried in place, like any later report."""
+        if not self._await_report(conn, first):
+            self._send_capacity(conn)
 
     def _send_capacity(self, conn: Connection) -> None:
-        # Only this (connection) thread sends reports. The lock is never held across the call:
-        # request_stop() takes it to queue the drain report and must not wait for an answer.
-        with self._capacity_lock:
-            report = self._report_next
-        sent_at = self._clock()
-        welcome = self._in_place(conn, partial(conn.capacity, report, timeout=self._call_timeout))
-        self._capacity_acked(report, sent_at, welcome)
+        """Send the report in force and wait for its answer; a transient error answer is
+        retried on this connection (with the report then in force)."""
+        while not self._await_report(conn, self._submit_report(conn)):
+            pass
 
-    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
-        with self._capacity_lock:
-            self._report_sent = report
-            # PROTOCOL §5.6: repeat the report at least every third of the session window.
-            self._heartbeat = max(0.1, welcome.session_window / 3)
-            self._next_heartbeat = sent_at + self._heartbeat
-        if not report.drain:
-            self._assigning = True
-        elif not self._drain_acked.is_set():
+    def _report_answered(
+        self,
+        conn: Connection,
+        report: CapacityReport,
+        sent_at: float,
+        value: Any,
+        error: OrbitError | None,
+    ) -> None:
+        """The answer to a report a finish sent ahead of itself (on the reader: records only);
+        after an error this thread sends the report in force again."""
+        if error is None:
+            if report.drain:
+                self._drain_answered(conn, report)
+            self._capacity_acked(report, sent_at, value)
+        else:
+            self._serve_wake.set()
+
+    def _drain_answered(self, conn: Connection, report: CapacityReport) -> None:
+        """A drain report was acknowledged (on the reader): the server assigns nothing more
+        after it, and the assignments it made before are on the connection's queue ahead of
+        this answer. The drain counts as answered once the intake has taken all of them."""
+        conn._after_assignments(partial(self._drain_taken, report))
+
+    def _drain_taken(self, report: CapacityReport) -> None:
+        """On the intake, behind every assignment made before the drain report was applied:
+        each of them is in the registry now."""
+        if not self._drain_acked.is_set():
             self._drain_acked.set()
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
             self._assignments_changed()
 
+    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
+        self._window.acked(report)
+        with self._beat_lock:
+            # PROTOCOL §5.6: repeat the report at least every third of the session window.
+            self._heartbeat = max(0.1, welcome.session_window / 3)
+            self._next_heartbeat = max(self._next_heartbeat, sent_at + self._heartbeat)
+        if not report.drain:
+            self._assigning = True
+
     def _serve(self, conn: Connection) -> None:
-        # Assignments are dispatched by the connection's reader (on_assignment); this thread
-        # keeps the session alive, reports capacity changes and re-sends the kept starts and
-        # finishes until the connection ends. It sleeps until the next heartbeat or re-send
-        # unless woken (new report, a request kept, connection ended, shutdown).
+        # Assignments are taken by the session's intake; this thread keeps the session alive,
+        # reports capacity changes (a raise the intake asked for, a drain) and re-sends the kept
+        # starts and finishes until the connection ends. It sleeps until the next heartbeat or
+        # re-send unless woken (new report, a request kept, connection ended, shutdown).
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
-            if self._link.is_closed() or conn.done.is_set():
+            if self._link.is_closed() or conn.err is not None:
                 break
             next_resend = self._shell.resend_due()
-            with self._capacity_lock:
-                changed = self._report_next is not self._report_sent
+            with self._beat_lock:
                 next_heartbeat = self._next_heartbeat
-            if changed or self._clock() >= next_heartbeat:
+            if self._window.unacked() or self._clock() >= next_heartbeat:
                 self._send_capacity(conn)
                 continue
             self._serve_wake.wait(min(next_heartbeat, next_resend) - self._clock())

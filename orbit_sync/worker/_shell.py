@@ -10,10 +10,12 @@ every held attempt's machine, which resumes its lease; the outcomes of those res
 by the connection thread (:mod:`._resumes`), which publishes the connection once all went out
 (the kept starts and finishes follow them on the wire).
 
-Threads: an assignment's start goes out from the connection's reader thread (``on_assignment``);
-answers are handled on the reader thread without blocking; the handler runs on a pool thread,
-which also sends its finish: one hand-off per attempt. An outbox write or a listener (user code)
-never runs on the reader thread (those actions go to a pool thread). Each attempt's machine is
+Threads: an assignment's start goes out from the session's intake thread, which took it from
+the connection's queue (:mod:`._admission`); answers are handled on the reader thread without
+blocking or writing (a send they decide goes to the connection thread); the handler runs on a
+pool thread, which also sends its finish (behind a lowered capacity report when the window needs
+one, :mod:`._window`). An outbox write or a listener (user code) never runs on the reader thread
+(those actions go to a pool thread). Each attempt's machine is
 read and changed only under the attempt's lock; lease and context actions are performed under it
 too (shutdown's abandon step must never see a lease tracked after its untrack); everything else
 after it is released.
@@ -29,6 +31,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from .._protocol import Done
+from ..connection import Submission
 from ..errors import OrbitError
 from ..models import (
     Assignment,
@@ -40,7 +44,7 @@ from ..models import (
 )
 from ._context import TaskContext
 from ._encoding import ResultEncoder
-from ._link import Link
+from ._link import Connection, Link
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,
@@ -73,6 +77,7 @@ from ._resumes import Resumes
 from ._time_limits import Interruptible, TimeLimit
 from ._timers import Timers
 from ._watchdog import LeaseWatchdog
+from ._window import CapacityWindow
 
 __all__ = ["Attempt", "AttemptShell", "Handler", "Registry", "attempt_event", "lease_event"]
 
@@ -84,7 +89,17 @@ class Attempt:
     """One assignment as the worker tracks it: its context, its handler, and its state machine
     (:class:`._machine.AttemptMachine`), which is read and changed only under ``lock``."""
 
-    __slots__ = ("ctx", "handler", "limit_at", "lock", "machine", "ref", "running_on", "task")
+    __slots__ = (
+        "ctx",
+        "handler",
+        "held",
+        "limit_at",
+        "lock",
+        "machine",
+        "ref",
+        "running_on",
+        "task",
+    )
 
     def __init__(
         self,
@@ -108,6 +123,8 @@ class Attempt:
         )
         #: When the handler reaches its time limit (clock time; set as it starts).
         self.limit_at = 0.0
+        #: Counted by the capacity window until its finish goes out or it settles without one.
+        self.held = True
 
     @property
     def time_limit(self) -> TimeLimit | None:
@@ -206,6 +223,7 @@ class AttemptShell(RequestPath[Attempt]):
         own_thread: Callable[[], bool],
         timers: Timers,
         capacity: int,
+        window: CapacityWindow,
     ) -> None:
         # *wake* wakes the connection thread, which drives the link (a request was kept).
         super().__init__(link, call_timeout=call_timeout, log=log, wake=wake)
@@ -216,6 +234,7 @@ class AttemptShell(RequestPath[Attempt]):
         self._clock = clock
         self._encoder = encoder
         self._instance_id = instance_id
+        self._window = window
         #: Is the current thread one of the worker's own (pool, connection, shutdown, ...)?
         self._own_thread = own_thread
         #: The handlers' time limits and their grace run on these (the watchdog's thread).
@@ -315,11 +334,31 @@ class AttemptShell(RequestPath[Attempt]):
 
     def _offload(self, job: Callable[[], None]) -> None:
         """Run *job* on a pool thread; once the pool is shut down (a late answer at the very end
-        of shutdown), here."""
+        of shutdown, when the link is closed and nothing is written any more), here."""
         try:
             self._pool.submit(job)
         except RuntimeError:
             job()
+
+    def write(self, att: Attempt, request: Request, conn: Connection, on_done: Done) -> None:
+        """A finish frees the attempt's place in the capacity window; when that leaves the
+        reported capacity too high for the connection's assignment queue, a lowered report goes
+        out ahead of it in the same write (see :mod:`._window`)."""
+        if request.request_type != "task.finish":
+            super().write(att, request, conn, on_done)
+            return
+        window = self._window
+        with window.lock:  # held across the write: reports reach the wire in sequence order
+            window.release(att)
+            report = window.lowering()
+            if report is None:
+                super().write(att, request, conn, on_done)
+                return
+            finish = Submission(
+                "task.finish", request.body, on_done, request.message_id, self._call_timeout
+            )
+            ahead = window.submission(conn, report, self._clock(), self._call_timeout)
+            conn._submit_many([ahead, finish])
 
     def outcome(self, att: Attempt, request: Request, event: Event) -> None:
         if request.early:
@@ -566,6 +605,7 @@ class AttemptShell(RequestPath[Attempt]):
 
     def settle(self, att: Attempt) -> None:
         """The worker is done with *att* (its machine reached a settled phase)."""
+        self._window.release(att)
         with self._reg.cond:
             self._reg.attempts.pop(att.id, None)
             if self._reg.stop_requested:

@@ -1,0 +1,103 @@
+"""The Worker's intake, against the mock server: assignments reach it through the connection's
+bounded queue (8), never overflow it, and each start goes out from the thread that took it."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import pytest
+from _worker_helpers import Sessions, events, make_worker, running
+
+from orbit_sync import TaskContext
+from orbit_sync.connection import ASSIGNMENT_BUFFER, WorkerConnection, on_reader_thread
+from orbit_sync.models import TaskState
+from orbit_sync.testing import MockOrbitServer
+
+DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
+CAPACITY = 32
+
+
+def test_bursts_of_capacity_assignments_never_overflow_the_queue() -> None:
+    """Capacity 32 and no assignment rate: 32 tasks enqueued at once, three times over, all run
+    once on the first session; no report ever leaves more than 8 assignments free beyond what
+    the worker holds, so the queue of 8 never overflows."""
+    runs: Counter[str] = Counter()
+    lock = threading.Lock()
+    sessions = Sessions()
+    with MockOrbitServer(assignment_rate=None) as server:
+        worker = make_worker(server, capacity=CAPACITY, listeners=[sessions])
+
+        @worker.handler("burst")
+        def burst(ctx: TaskContext, payload: Any) -> None:
+            with lock:
+                runs[ctx.task_id] += 1
+
+        with running(worker):
+            for _ in range(3):
+                tasks = server.enqueue_many([{"handler": "burst", "payload": {}}] * CAPACITY)
+                for task_id in tasks:
+                    assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+            stats = worker.stats()
+        server.check_invariants()
+    assert len(runs) == 3 * CAPACITY and set(runs.values()) == {1}
+    assert stats.reconnects == 0 and sessions.established == 1, "a burst ended the session"
+    reported = [e for e in events(server, "session.capacity")]
+    assert reported, "the worker reported its capacity"
+
+
+def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The reader only reads: every start is written by the session's intake thread, and no
+    request of the worker is made on a reader thread."""
+    writers: list[tuple[str, str, bool]] = []
+    submit = WorkerConnection._submit
+    submit_many = WorkerConnection._submit_many
+
+    def recording_submit(self: WorkerConnection, request_type: str, *args: Any, **kw: Any) -> str:
+        writers.append((request_type, threading.current_thread().name, on_reader_thread()))
+        return submit(self, request_type, *args, **kw)
+
+    def recording_many(self: WorkerConnection, requests: Any) -> Any:
+        for request in requests:
+            name = threading.current_thread().name
+            writers.append((request.request_type, name, on_reader_thread()))
+        return submit_many(self, requests)
+
+    monkeypatch.setattr(WorkerConnection, "_submit", recording_submit)
+    monkeypatch.setattr(WorkerConnection, "_submit_many", recording_many)
+    with MockOrbitServer(assignment_rate=None) as server:
+        worker = make_worker(server, capacity=4)
+
+        @worker.handler("work")
+        def work(ctx: TaskContext, payload: Any) -> None:
+            pass
+
+        with running(worker):
+            tasks = server.enqueue_many([{"handler": "work", "payload": {}}] * 12)
+            for task_id in tasks:
+                assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+    starts = [name for kind, name, _ in writers if kind == "task.start"]
+    assert len(starts) == 12
+    assert set(starts) == {"orbit-worker-intake"}
+    assert not [w for w in writers if w[2]], "a request was made on a reader thread"
+
+
+def test_the_queue_holds_the_protocol_buffer() -> None:
+    """The connection's assignment queue is a queue.Queue bounded at the protocol's 8."""
+    import queue
+
+    from orbit_sync._protocol import ASSIGNMENT
+
+    with MockOrbitServer() as server:
+        worker = make_worker(server)
+        worker.handler("work")(lambda ctx, payload: None)
+        with running(worker):
+            current = worker._link.current()
+            assert current is not None
+            conn = current[0]
+            assert isinstance(conn, WorkerConnection)
+            unread = conn._core.unread[ASSIGNMENT]
+            assert isinstance(unread, queue.Queue) and unread.maxsize == ASSIGNMENT_BUFFER
