@@ -10,6 +10,9 @@ inside (process CPU time of every thread, peak RSS). Prints one table and writes
 Sections:
 
 - codec: our strict decode / encode against ``json.loads`` / ``json.dumps`` of the same frames;
+  reading a server frame with our frame path against websocket-client's own codec
+  (``frame_buffer``/``ABNF`` over one buffered read, :mod:`benchmarks.frames_cpu`), and what the
+  difference is per no-op task;
 - call overhead: ``conn.renew()`` against a bare websocket-client round trip of the same frame to
   the same server, 1 thread, and 32 threads (one connection) against 32 raw sockets; with 1
   thread taking turns call by call (the target's figure: each side then finds the machine's CPU
@@ -54,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import contextlib
 
-from benchmarks import _server_proc, mockserver, roundtrip
+from benchmarks import _server_proc, frames_cpu, mockserver, roundtrip
 from benchmarks._common import HERE, ROOT, Child, percentile
 from benchmarks.processes import bench_processes
 from orbit_sync import _codec
@@ -220,9 +223,19 @@ def bench_codec(quick: bool) -> list[dict[str, Any]]:
         number=number,
     )
     enc_base = _per_call(lambda: json.dumps(as_dict), repeat=repeat, number=number)
+    ours, theirs = frames_cpu.frame_cpu(rounds=3 if quick else 7, tasks=50 if quick else 2000)
+    per_task = len(frames_cpu.FRAMES_PER_TASK)
     return [
         row("decode start ack vs json.loads", dec, dec_base, "us"),
         row("encode finish vs json.dumps", enc, enc_base, "us"),
+        row(
+            "read a server frame vs websocket-client ABNF",
+            ours,
+            theirs,
+            "us",
+            note=f"worker CPU per no-op task ({per_task} server frames) with websocket-client's "
+            f"codec: {(theirs - ours) * per_task * 1e6:+.1f} us",
+        ),
     ]
 
 

@@ -1,8 +1,10 @@
 """The WebSocket transport: our own frame path on the socket :mod:`._dial` upgraded.
 
 websocket-client performs the opening handshake only. From then on every frame is read and
-written here, on the raw socket: websocket-client's per-frame machinery (a lock, a frame object, a
-header parse in 2-3 ``recv`` calls per frame) cost more than the rest of a call.
+written here, on the raw socket: websocket-client's own codec (``frame_buffer`` and ``ABNF``: a
+lock, a frame object and 2-3 buffer reads per frame), even over one buffered read, costs about
+six times ours per frame, some 10 us of worker CPU per task (``benchmarks/frames_cpu.py``, the
+"read a server frame" row of ``make bench``).
 
 Frames (RFC 6455, client side):
 
@@ -28,7 +30,6 @@ Frames (RFC 6455, client side):
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import select
 import signal
@@ -142,8 +143,6 @@ class Transport:
         self._pos = 0
         self._parts: list[bytes] | None = None
         self._size = 0
-        #: TLS only: how many decrypted bytes OpenSSL holds (a poll of the socket cannot see them).
-        self._tls_pending = getattr(sock, "pending", None)
 
     @property
     def subprotocol_header(self) -> str | None:
@@ -218,26 +217,6 @@ class Transport:
             self._write_lock.release()
 
     # ------------------------------------------------------------------ reading
-
-    def buffered(self) -> bool:
-        """True when bytes already received wait to be parsed (the socket may never wake a
-        poll for them). A hint when read from a thread that does not own the reads."""
-        pending = self._tls_pending
-        return self._pos < len(self._buf) or (pending is not None and pending() > 0)
-
-    def wait_readable(self, timeout: float | None = None) -> bool:
-        """Block until the socket has something to read (bytes, end of stream, an error) or
-        *timeout* seconds pass; True if readable. Reads nothing, so a thread may wait here while
-        another one reads (see ``WorkerConnection``)."""
-        if self._closed:
-            return True  # the descriptor may already belong to another socket
-        ms = None if timeout is None else max(0, math.ceil(timeout * 1000))
-        try:
-            poller = select.poll()  # one per wait: a poll object refuses concurrent use
-            poller.register(self._sock, select.POLLIN | select.POLLPRI)
-            return bool(poller.poll(ms))
-        except (OSError, ValueError):
-            return True  # torn down under the waiter: the next read reports it
 
     def recv_message(self) -> bytes:
         """The next text message as bytes.

@@ -120,21 +120,25 @@ class _Slot:
         self.free = free
 
     def complete(self, value: Any, error: OrbitError | None) -> None:
-        """The call's answer (or failure) arrived: set the slot, then run the completion (a
-        pipelined call's slot is then free again; a blocking caller frees its own)."""
-        self.value = value
-        self.error = error
-        self.event.set()
+        """The call's answer (or failure) arrived: set the slot. A pipelined call's completion
+        runs in place of the wake-up (nobody waits on its event, which stays clear), and its slot
+        is free again; a blocking caller is woken and frees its own."""
         on_done = self.on_done
-        if on_done is not None:
-            try:
-                on_done(value, error)
-            finally:
-                self.release()
+        if on_done is None:
+            self.value = value
+            self.error = error
+            self.event.set()
+            return
+        try:
+            on_done(value, error)
+        finally:
+            self.on_done = None
+            self.free.append(self)
 
     def release(self) -> None:
-        """Back to the idle slots, cleared (list.append is atomic: no lock needed)."""
-        self.value = self.error = self.on_done = None
+        """A blocking caller's slot back to the idle ones, cleared (list.append is atomic: no
+        lock needed)."""
+        self.value = self.error = None
         self.event.clear()
         self.free.append(self)
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable
 
 from ..clock import Clock
 from ..models import Assignment, CancelNotice
@@ -27,7 +26,6 @@ from ._link import Connection
 from ._listeners import Hooks
 from ._machine import AttemptMachine
 from ._shell import Attempt, AttemptShell, Registry, attempt_event
-from ._window import CapacityWindow
 
 __all__ = ["SEEN_LIMIT", "Admission"]
 
@@ -48,8 +46,6 @@ class Admission:
         clock: Clock,
         retry_delay: float,
         log: logging.Logger,
-        window: CapacityWindow,
-        wake: Callable[[], None],
     ) -> None:
         self._reg = registry
         self._handlers = handlers
@@ -58,9 +54,6 @@ class Admission:
         self._clock = clock
         self._retry_delay = retry_delay
         self._log = log
-        self._window = window
-        #: Wakes the connection thread (a capacity raise is due).
-        self._wake = wake
         #: Attempt ids seen, oldest first (under the registry's lock).
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 
@@ -118,8 +111,6 @@ class Admission:
             self._reg.attempts[att.id] = att
             if self._reg.drain_over:
                 ctx._cancel("shutdown")
-        if self._window.taken():
-            self._wake()  # the connection thread raises the reported capacity
         ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )

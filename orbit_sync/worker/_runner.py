@@ -259,8 +259,6 @@ class Worker:
             clock=self._time,
             retry_delay=self._retry_delay,
             log=self._log,
-            window=self._window,
-            wake=self._serve_wake.set,
         )
         self._threads: list[threading.Thread] = []
         self._shutdown = Shutdown(

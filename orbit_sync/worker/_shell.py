@@ -123,8 +123,9 @@ class Attempt:
         )
         #: When the handler reaches its time limit (clock time; set as it starts).
         self.limit_at = 0.0
-        #: Counted by the capacity window until its finish goes out or it settles without one.
-        self.held = True
+        #: Counted by the capacity window from its handler's start until its finish goes out
+        #: (or it settles without one).
+        self.held = False
 
     @property
     def time_limit(self) -> TimeLimit | None:
@@ -400,6 +401,8 @@ class AttemptShell(RequestPath[Attempt]):
         """The attempt's one pool job: record the launch, run the handler, send its finish."""
         try:
             launched = self.record_launch(att)
+            if launched and self._window.take(att):
+                self._wake()  # the connection thread raises the reported capacity
             verdict = self.execute(att) if launched else None
         except Exception:
             att.ctx._log.exception("worker error while running the attempt; finishing UNKNOWN")

@@ -6,17 +6,19 @@ The reader of a connection puts each ``task.assign`` on a ``queue.Queue`` of
 server may send as many assignments as the reported capacity leaves free, all in one TCP read,
 and the reader decodes them faster than the thread that takes them wakes (the GIL): with a
 capacity of 32, a burst of 32 would overflow. So the report never leaves more than 8 free: the
-worker reports ``capacity`` as at most the attempts it *holds* (taken from the queue, finish not
-yet sent) plus 8, and never more than the Worker's capacity. The server counts what it has
-assigned and not seen finished; what it can still send is the reported capacity minus that,
-never more than 8 beyond what the worker took, so at most 8 are ever unread.
+worker reports ``capacity`` as at most the attempts whose handler is *running* (started, finish
+not yet sent) plus 8, and never more than the Worker's capacity. The server counts what it has
+assigned and not seen finished, which includes every running attempt; what it can still send is
+the reported capacity minus that, never more than 8, so at most 8 are ever unread. Counting the
+running handlers (not every attempt taken) keeps the report still while short tasks flow: 8 in
+flight keep a worker busy, and the report grows only as handlers that last pile up.
 
 The bound must hold in the server's order of frames: a finish frees a slot on the server, so a
 finish that would leave more than 8 free goes out right behind a lowered report, in the same
-write (:meth:`CapacityWindow.lowering`). Raising is never urgent for the bound: the intake
-asks for it (:meth:`CapacityWindow.taken`) and the connection thread sends it. Hysteresis keeps
-reports rare: a lowering leaves :data:`LOWER_TO` free, a raise comes once fewer than
-:data:`RAISE_BELOW` are free, so a steady flow of tasks sends none.
+write (:meth:`CapacityWindow.lowering`). Raising is never urgent for the bound: a starting
+handler asks for it (:meth:`CapacityWindow.take`) and the connection thread sends it.
+Hysteresis keeps reports rare: every new report leaves :data:`SETTLE_AT` free, and the next one
+comes only once fewer than :data:`RAISE_BELOW` or more than 8 are free.
 
 Every report goes out under :attr:`CapacityWindow.lock`, held across its write, so reports reach
 the wire in sequence order from whichever thread sends them.
@@ -34,16 +36,18 @@ from ..errors import OrbitError
 from ..models import CapacityReport
 from ._link import Connection
 
-__all__ = ["LOWER_TO", "RAISE_BELOW", "CapacityWindow", "Held"]
+__all__ = ["RAISE_BELOW", "SETTLE_AT", "CapacityWindow", "Held"]
 
-#: Free capacity left by a lowering report (the next few finishes then need none).
-LOWER_TO = ASSIGNMENT_BUFFER // 2
+#: Free capacity a new report leaves (after the first): room for a few takes and a few finishes
+#: before the next one.
+SETTLE_AT = 5
 #: A raise is asked for once fewer than this many are free (and the capacity allows more).
 RAISE_BELOW = 2
 
 
 class Held(Protocol):
-    """An attempt as the window counts it: ``held`` until released."""
+    """An attempt as the window counts it: ``held`` from :meth:`CapacityWindow.take` until
+    :meth:`CapacityWindow.release`."""
 
     held: bool
 
@@ -56,7 +60,7 @@ class CapacityWindow:
         #: completion may run inside the write).
         self.lock = threading.RLock()
         self._capacity = capacity
-        #: Attempts taken from a connection's queue whose finish has not gone out yet.
+        #: Attempts whose handler started and whose finish has not gone out yet.
         self._held = 0
         self._count_lock = threading.Lock()  # guards _held and each attempt's held flag
         self._drain = False
@@ -76,20 +80,22 @@ class CapacityWindow:
 
     @property
     def held(self) -> int:
-        """Attempts taken whose finish has not gone out (what the window is counted from)."""
+        """Attempts whose handler started and whose finish has not gone out (what the window is
+        counted from)."""
         return self._held
 
-    def taken(self) -> bool:
-        """The intake took one more assignment; True when a raise is due (the connection
-        thread sends it)."""
+    def take(self, attempt: Held) -> bool:
+        """*attempt*'s handler starts: it counts until :meth:`release`. True when a raise is due
+        (the connection thread sends it)."""
         with self._count_lock:
+            attempt.held = True
             self._held += 1
         with self.lock:
             return self._wanted() != self._current_capacity()
 
     def release(self, attempt: Held) -> None:
-        """*attempt*, taken earlier, no longer counts (once): its finish goes out now, or it
-        ended without one. Never waits for ``lock`` (it may run on a reader)."""
+        """*attempt* no longer counts (once, if it did): its finish goes out now, or it ended
+        without one. Never waits for ``lock`` (it may run on a reader)."""
         with self._count_lock:
             if attempt.held:
                 attempt.held = False
@@ -148,14 +154,13 @@ class CapacityWindow:
     def _wanted(self) -> int:
         """The capacity to report now (under the lock)."""
         held = self._held
-        top = min(self._capacity, held + ASSIGNMENT_BUFFER)
         report = self._report
         if report is None:
-            return top
-        if report.capacity > held + ASSIGNMENT_BUFFER:  # more than the queue holds is free
-            return min(self._capacity, held + LOWER_TO)
-        if report.capacity < top and report.capacity - held < RAISE_BELOW:
-            return top
+            return min(self._capacity, held + ASSIGNMENT_BUFFER)
+        free = report.capacity - held
+        # More free than the queue holds, or (room to grow) almost none left.
+        if free > ASSIGNMENT_BUFFER or (free < RAISE_BELOW and report.capacity < self._capacity):
+            return min(self._capacity, held + SETTLE_AT)
         return report.capacity
 
 
