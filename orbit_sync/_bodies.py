@@ -444,8 +444,9 @@ for _body in _CLOSED:
 
 def structure(value: Any, cls: type[T]) -> T:
     """*value* (a JSON body) as model *cls*, or :class:`Fault` naming the field and the rule."""
+    structure_body = _STRUCTURE[cls]  # a KeyError here is a caller's mistake, not a fault
     try:
-        structured: T = _STRUCTURE[cls](value, cls)
+        structured: T = structure_body(value, cls)
     except Exception:
         raise _explained(value, cls) from None
     return structured

@@ -15,6 +15,7 @@ REJECTED: list[tuple[str, bytes]] = [
     ("minus-infinity", b'{"a":-Infinity}'),
     ("huge-exponent", b'{"a":1e400}'),
     ("huge-integer", b'{"a":' + b"9" * 400 + b"}"),
+    ("integer-past-doubles", b'{"a":[1,-' + b"2" + b"0" * 308 + b"]}"),
     ("lone-surrogate", b'{"a":"\\ud800"}'),
     ("lone-surrogate-key", b'{"\\udfff":1}'),
     ("lone-surrogate-upper", b'{"a":"\\uD800x"}'),
@@ -70,3 +71,12 @@ def test_dumps_is_compact_utf8_and_strict() -> None:
     for bad in (float("nan"), "\udc00", {"a": object()}):
         with pytest.raises(FrameError):
             _json.dumps(bad)
+
+
+def test_integers_up_to_the_largest_double_are_accepted() -> None:
+    """Integers of every length a double holds (up to 309 digits) are read exactly, among many
+    short ones and next to long runs of digits inside strings."""
+    big = 10**308
+    text = f'{{"a":[{big},-{big},1,-0,42],"s":"{"7" * 400}","n":{2**53 + 1}}}'
+    assert _json.loads(text) == {"a": [big, -big, 1, 0, 42], "s": "7" * 400, "n": 2**53 + 1}
+    assert _json.loads('{"a":' + "9" * 308 + "}") == {"a": int("9" * 308)}
