@@ -4,6 +4,7 @@ against the mock server, stopped with SIGTERM; the rows are read back from the S
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import sqlite3
@@ -142,3 +143,29 @@ def test_manage_py_orbit_worker_runs_several_processes(
     assert proc.stderr.count("worker manage.py orbit_worker (pid") == 2
     assert "capacity:  1, drain timeout 30 s" in proc.stderr
     assert paid(database) == [(f"P-{n}", 1) for n in range(4)]
+
+
+def test_readme_enqueue_reaches_the_example_handler(database: Path, procs: list[Proc]) -> None:
+    """The example README's Python block, run as a script with the mock server's admin
+    variables, enqueues its sample payload through the admin API, and the example's worker
+    charges that invoice (the README's links to the docs resolve in a checkout)."""
+    from orbit_sync.testing._admin import AdminAPI
+
+    readme = (PROJECT / "README.md").read_text(encoding="utf-8")
+    for target in re.findall(r"\]\(([^)#\s]+)", readme):
+        assert (PROJECT / target).resolve().exists(), target
+    (block,) = re.findall(r"```python\n(.*?)```", readme, re.S)
+    api = AdminAPI("admin-token-for-the-readme-0123")
+    with MockOrbitServer(admin_handler=api, assignment_rate=None) as server:
+        argv = [sys.executable, "manage.py", "orbit_worker"]
+        proc = Proc(argv, env=project_env(server, database), cwd=PROJECT)
+        procs.append(proc)
+        env = clean_env(ORBIT_ADMIN_URL=f"{server.url.replace('ws:', 'http:')}/admin/v1")
+        env["ORBIT_ADMIN_TOKEN"] = api.token
+        done = subprocess.run(
+            [sys.executable, "-c", block], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr + proc.stderr
+        assert "'number': 'INV-1'" in done.stdout and "'amount': '19.90'" in done.stdout
+        assert proc.stop(signal.SIGTERM) == 0, proc.stderr
+    assert paid(database) == [("INV-1", 1)]

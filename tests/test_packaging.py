@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import email
 import email.message
+import os
 import re
 import shutil
 import subprocess
@@ -188,3 +189,57 @@ def test_wheel_metadata(dists: tuple[Path, Path]) -> None:
     low, high = _dial.SUPPORTED_WEBSOCKET_CLIENT
     bounds = set(ws.replace(" ", "").removeprefix("websocket-client").split(","))
     assert bounds == {f">={_dotted(low)}", f"<{_dotted(high)}"}, ws
+
+
+def test_readme_installs_the_wheel_the_build_writes(
+    dists: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """The README's install-from-a-wheel lines name the file the build writes, and that wheel
+    installs: the package imports from where it went, and the console script is there."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert set(re.findall(r"dist/(orbit_sync-[^\s'\[]+\.whl)", readme)) == {dists[1].name}
+    target = tmp_path / "installed"
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index"]
+    done = subprocess.run(
+        [*pip, "--target", str(target), str(dists[1])],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    where = subprocess.run(
+        [sys.executable, "-c", "import orbit_sync; print(orbit_sync.__file__)"],
+        env={**os.environ, "PYTHONPATH": str(target)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert where.stdout.strip() == str(target / "orbit_sync" / "__init__.py"), where.stderr
+    assert (target / "bin" / "orbit-sync").exists()
+
+
+def test_editable_install_prints_no_warning(tmp_path: Path) -> None:
+    """The editable wheel ``pip install -e .`` builds (``make`` does, once per Python) is a
+    plain .pth file naming the source tree, not the import hook ("meta path finder") for
+    which setuptools prints its "Editable installation" warning."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=_SKIP)
+    out = tmp_path / "out"
+    out.mkdir()
+    build = "import sys\nfrom setuptools import build_meta\nbuild_meta.build_editable(sys.argv[1])"
+    done = subprocess.run(
+        [sys.executable, "-W", "always", "-c", build, str(out)],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Editable installation" not in done.stdout + done.stderr
+    (wheel,) = out.glob("*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        assert not [name for name in names if name.endswith("_finder.py")], names
+        (pth,) = [name for name in names if name.endswith(".pth")]
+        assert zf.read(pth).decode().split() == [str(src)]
