@@ -139,3 +139,17 @@ def allocate(ctx: TaskContext, payload: dict[str, Any]) -> Any:
     """Allocate *mb* megabytes for the attempt only; report the pid."""
     block = bytearray(payload["mb"] * 1024 * 1024)
     return {"pid": os.getpid(), "size": len(block)}
+
+
+def sleeper(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Blocked in a C call for an hour: an interrupt waits for it, only a kill ends it."""
+    _started(payload)
+    time.sleep(3600)
+    return {"slept": True}
+
+
+def spinner(ctx: TaskContext, payload: dict[str, Any]) -> Any:
+    """Loops in Python, ignoring its context, until interrupted."""
+    _started(payload)
+    while True:
+        pass

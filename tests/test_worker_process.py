@@ -185,6 +185,58 @@ def test_dead_child_is_finished_unknown_at_once(
         assert server.wait_for(again, DONE, timeout=15).state is TaskState.SUCCEEDED
 
 
+def _pid_started(directory: Path) -> int:
+    return int(next(directory.iterdir()).name.split("-")[1])
+
+
+def test_time_limit_kills_a_child_blocked_in_c_and_fails_handler_timeout(
+    server: MockOrbitServer, tmp_path: Path, started: threading.Event
+) -> None:
+    """A handler in time.sleep(3600) cannot be interrupted: past its limit and the cancel grace
+    its child is killed, the attempt finishes FAILED HANDLER_TIMEOUT (nothing runs on), and the
+    next attempt gets a new child."""
+    worker = make_worker(server, process_pool=1, cancel_grace=0.5)
+    worker.register("sleeper", handlers.sleeper, executor="process", time_limit=0.5)
+    _register(worker, "pid")
+    with running(worker):
+        task_id = server.enqueue("sleeper", {"dir": str(tmp_path)}, max_attempts=1)
+        _wait_started(started)
+        assert _last(server, task_id) == (TaskState.FAILED, Outcome.FAILED, "HANDLER_TIMEOUT")
+        again = server.enqueue("pid", {})
+        result = server.wait_for(again, DONE, timeout=15).result
+        assert worker.stats().stuck == 0
+    assert result is not None and result["pid"] != _pid_started(tmp_path)
+
+
+def test_time_limit_interrupts_a_child_looping_in_python_and_keeps_it(
+    server: MockOrbitServer, tmp_path: Path, started: threading.Event
+) -> None:
+    """A handler looping in Python in its child is interrupted there at its limit, well within
+    a grace it never needs: FAILED HANDLER_TIMEOUT (retryable as asked), and the same child runs
+    the next attempt (it was not killed)."""
+    worker = make_worker(server, process_pool=1, cancel_grace=30.0)
+    worker.register(
+        "spinner",
+        handlers.spinner,
+        executor="process",
+        time_limit=0.5,
+        time_limit_retryable=True,
+    )
+    _register(worker, "pid")
+    with running(worker):
+        task_id = server.enqueue("spinner", {"dir": str(tmp_path)}, max_attempts=1)
+        _wait_started(started)
+        snap = server.wait_for(task_id, DONE, timeout=15)
+        att = snap.attempts[-1]
+        assert (att.outcome, att.error_code, att.retryable) == (
+            Outcome.FAILED,
+            "HANDLER_TIMEOUT",
+            True,
+        )
+        again = server.enqueue("pid", {})
+        assert server.wait_for(again, DONE, timeout=15).result == {"pid": _pid_started(tmp_path)}
+
+
 def test_registration_mistakes_raise_at_once(server: MockOrbitServer) -> None:
     """Handlers a child cannot import, unknown executors and bad pool sizes raise at once."""
     worker = make_worker(server)

@@ -12,7 +12,11 @@ in a child process instead; the parent's pool thread only relays:
   ended (a value, ``Fail``, ``UnknownEffect``, a cancellation, or another exception's type).
 
 Bounded exit: a child that ignores a cancellation for *cancel_grace* is terminated (SIGTERM,
-then SIGKILL) and the attempt ends ``UNKNOWN`` with ``HANDLER_TERMINATED``; a child that dies
+then SIGKILL) and the attempt ends ``UNKNOWN`` with ``HANDLER_TERMINATED``. At a handler's time
+limit the cancellation (``time_limit``) also raises ``TimeLimitExceeded`` in the child's handler
+thread; a child still running *cancel_grace* later is terminated the same way, and the attempt
+ends ``FAILED`` with ``HANDLER_TIMEOUT`` (the process is gone: nothing of the handler still
+runs, unlike a thread that cannot be stopped). A child that dies
 (segfault, OOM kill, ``os._exit``) is seen at once through its process sentinel and the attempt
 ends ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``. The pool replaces such a child on next use.
 
@@ -48,7 +52,7 @@ from typing import Any
 
 from ..client import HANDLER_PROCESS_ENV
 from ._context import TaskContext
-from ._outcomes import Fail, TaskCancelled, UnknownEffect
+from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._process_child import SECRET_ENV, child_main
 from ._process_limits import ChildLimits
 
@@ -457,7 +461,7 @@ class ProcessHandler:
             code, message, details = data
             raise UnknownEffect(code, message, details=details)
         if kind == "cancelled":
-            raise TaskCancelled(data)
+            raise TimeLimitExceeded() if data == "time_limit" else TaskCancelled(data)
         if kind == "error":
             raise _remote_error(*data)
         if kind == "unpicklable":
@@ -470,6 +474,12 @@ class ProcessHandler:
                 HANDLER_IMPORT_ERROR,
                 f"the handler could not be loaded in its process ({data}); see the worker log",
             )
+        if kind == "terminated" and ctx.cancel_reason == "time_limit":
+            ctx._log.warning(
+                "handler still running %.1f s after its time limit: process killed",
+                self._pool._cancel_grace,
+            )
+            raise TimeLimitExceeded()
         if kind == "terminated":
             ctx._log.warning(
                 "handler ignored its cancellation (%s) for %.1f s: process terminated",

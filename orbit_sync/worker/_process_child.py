@@ -22,7 +22,8 @@ from typing import Any
 from ..models import Task
 from ._context import TaskContext
 from ._outbox_lock import hold_instance_shared
-from ._outcomes import Fail, TaskCancelled, UnknownEffect
+from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
+from ._time_limits import Interruptible
 
 __all__ = ["ORPHAN_EXIT", "SECRET_ENV", "child_main"]
 
@@ -72,6 +73,8 @@ class _Child:
         self._ctx: TaskContext | None = None
         self._job: int | None = None
         self._closed = False
+        #: The handler's call on the main thread: interrupted at its time limit.
+        self._running = Interruptible(threading.Lock())
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
@@ -98,6 +101,9 @@ class _Child:
                     ctx._cancel(reason)
                     if requested:
                         ctx._cancel("cancel_requested")
+                    if reason == "time_limit":
+                        # As on a thread: the parent kills this process past the grace.
+                        self._running.interrupt(TimeLimitExceeded)
                 elif kind == "deadline":
                     ctx._set_deadline(message[2])
         except (EOFError, OSError):
@@ -144,7 +150,7 @@ class _Child:
         with self._cond:
             self._ctx, self._job = ctx, job
         try:
-            value = fn(ctx, task.payload)
+            value = self._running.run(lambda: fn(ctx, task.payload))
         except Fail as exc:
             return "fail", (exc.code, exc.message, exc.retryable, exc.details)
         except UnknownEffect as exc:
