@@ -148,6 +148,13 @@ def add_arguments(parser: argparse.ArgumentParser, *, target: bool = True) -> No
         help="seconds running handlers get after the first signal (default: module's, 30)",
     )
     parser.add_argument(
+        "--time-limit",
+        type=_positive_seconds,
+        metavar="S",
+        help="seconds a handler may run, for handlers registered without a time_limit of their"
+        " own (default: module's, none)",
+    )
+    parser.add_argument(
         "--first-connect-timeout",
         type=_positive_seconds,
         metavar="S",
@@ -414,6 +421,8 @@ def _apply_options(worker: Any, args: argparse.Namespace, token: str | None) -> 
         changes["drain_timeout"] = args.drain_timeout
     if args.first_connect_timeout is not None:
         changes["first_connect_timeout"] = args.first_connect_timeout
+    if args.time_limit is not None:
+        changes["time_limit"] = args.time_limit
     if args.queue is not None:
         changes["queue_id"] = args.queue
     if args.url is not None or token is not None:

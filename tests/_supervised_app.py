@@ -6,6 +6,7 @@ sees which process ran what.
 
 import os
 import sys
+import threading
 import time
 
 from orbit_sync.client import Client
@@ -55,6 +56,12 @@ def make() -> Worker:
     def slow(ctx, payload):
         print("started", os.getpid(), payload["n"], flush=True)
         ctx.sleep(120)  # returns early (TaskCancelled) only when cancelled
+
+    @worker.handler("hang")
+    def hang(ctx, payload):
+        # Blocked in C for good: a time limit's interrupt never lands, only a new process helps.
+        print("started", os.getpid(), payload["n"], flush=True)
+        threading.Event().wait()
 
     return worker
 

@@ -33,6 +33,7 @@ from orbit_sync.worker import (
     LeaseEvent,
     SessionEvent,
     ShutdownReport,
+    StuckEvent,
     TaskContext,
 )
 
@@ -120,6 +121,18 @@ def test_prometheus_listener_counts_events() -> None:
     assert value("orbit_lease_renewal_lag_seconds_bucket", {"le": "0.025"}) == 1
     assert value("orbit_lease_renewal_lag_seconds_bucket", {"le": "0.01"}) == 0
     assert value("orbit_lease_losses_total", {"reason": "lease_lost"}) == 1
+
+
+def test_prometheus_listener_follows_the_stuck_slots() -> None:
+    """orbit_slots_stuck follows the handlers finished UNKNOWN that still run, up and down."""
+    registry = CollectorRegistry()
+    metrics = PrometheusListener(registry=registry)
+    assert registry.get_sample_value("orbit_slots_stuck") == 0
+    for n, stuck in enumerate([1, 2]):
+        metrics.handler_stuck(StuckEvent("t" * 32, f"{n:032x}", "resize", "time_limit", stuck, 4))
+    assert registry.get_sample_value("orbit_slots_stuck") == 2
+    metrics.handler_unstuck(StuckEvent("t" * 32, "0" * 32, "resize", "time_limit", 1, 4))
+    assert registry.get_sample_value("orbit_slots_stuck") == 1
 
 
 def test_prometheus_example_runs() -> None:

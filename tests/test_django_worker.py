@@ -194,3 +194,41 @@ def test_handler_declarations_are_checked() -> None:
 
     reg.handler("a")(first)  # the same function again (a module imported twice) is fine
     assert reg.keys() == [("a", "1", "1")]
+
+
+def test_time_limit_comes_from_the_argument_then_settings_then_the_handler(
+    django_project: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ORBIT_SYNC['TIME_LIMIT'] (or manage.py orbit_worker --time-limit, passed to build_worker)
+    is the worker's default; a handler declared with its own time_limit keeps it."""
+    from django.conf import settings
+
+    from orbit_sync.contrib.django import handler, registry
+
+    key = ("invoice.charge", "1", "1")
+
+    def limit_of(worker: Any, key: tuple[str, str, str]) -> Any:
+        limit = worker._registered.find(key)[2]
+        return None if limit is None else (limit.seconds, limit.retryable)
+
+    with MockOrbitServer() as server:
+        monkeypatch.setattr(settings, "ORBIT_SYNC", {"TIME_LIMIT": 7})
+        assert limit_of(build(server), key) == (7.0, False)
+        assert limit_of(build(server, time_limit=3), key) == (3.0, False)
+
+        @handler("report.build", time_limit=None)
+        def report(ctx: Any, payload: Any) -> Any:
+            return {}
+
+        @handler("report.send", time_limit=2, time_limit_retryable=True)
+        def send(ctx: Any, payload: Any) -> Any:
+            return {}
+
+        try:
+            worker = build(server)
+            assert limit_of(worker, ("report.build", "1", "1")) is None
+            assert limit_of(worker, ("report.send", "1", "1")) == (2.0, True)
+        finally:
+            for name in ("report.build", "report.send"):
+                registry._handlers.pop((name, "1", "1"))
+                registry._limits.pop((name, "1", "1"))

@@ -324,6 +324,34 @@ def test_recycling_starts_the_replacement_before_the_old_child_exits(
     assert "ChildLink" not in proc.stderr and "RecycleLimits" not in proc.stderr
 
 
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_a_process_with_a_stuck_slot_is_recycled_and_the_host_keeps_serving(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],
+) -> None:
+    """--time-limit 0.5: a handler blocked in C past its limit and the cancel grace finishes
+    UNKNOWN HANDLER_TIMEOUT; its process (one stuck slot: the default --max-stuck-per-child)
+    drains and is replaced, and the next task runs on the new one."""
+    proc = start(procs, orbit_server, project, "--processes", "1", "--time-limit", "0.5")
+    (first,) = serving(orbit_server, 1)
+    hung = orbit_server.enqueue("hang", {"n": 0}, max_attempts=1)
+    stuck_pid = int(proc.line().split()[1])  # "started PID 0"
+    snap = orbit_server.wait_for(hung, {"NEEDS_REVIEW", "FAILED"}, 15)
+    assert (snap.attempts[0].outcome.value, snap.attempts[0].error_code) == (
+        "UNKNOWN",
+        "HANDLER_TIMEOUT",
+    )
+    orbit_server.wait_until(lambda s: _serving(s) not in ([], [first]), 30)
+    after = orbit_server.enqueue("echo", {"n": 1})
+    assert orbit_server.wait_for(after, {"SUCCEEDED"}, 15).result["pid"] != stuck_pid
+    assert proc.stop(signal.SIGTERM, timeout=30) == 0
+    assert (
+        "recycling this worker process after 1 of 2 slots stuck past a time limit"
+        " (--max-stuck-per-child 1)" in proc.stderr
+    )
+
+
 @pytest.mark.orbit_server(assignment_rate=None, lease_duration=2.0, exact_recovery=True)
 def test_recycling_burns_no_attempt(
     orbit_server: MockOrbitServer,

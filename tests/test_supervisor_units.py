@@ -27,7 +27,7 @@ from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
 from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
 from orbit_sync.testing import FakeClock
-from orbit_sync.worker import AttemptEvent, AttemptFinished
+from orbit_sync.worker import AttemptEvent, AttemptFinished, StuckEvent
 
 
 def test_worst_status_prefers_the_ones_restarting_cannot_fix() -> None:
@@ -262,6 +262,22 @@ def test_processes_recycled_after_their_first_task_in_a_row_are_reported_once() 
         " --max-memory-per-child more room (this is reported once)"
     ]
     assert supervisor.recycled == 7
+
+
+def test_stuck_limit_recycles_once_n_slots_are_stuck() -> None:
+    """--max-stuck-per-child 2: one stuck slot keeps the process, the second recycles it (once),
+    whatever the other limits say."""
+    reasons: list[str] = []
+    limits = RecycleLimits(max_tasks=None, max_memory_mb=None, max_stuck=2, on_limit=reasons.append)
+
+    def stuck(n: int) -> StuckEvent:
+        return StuckEvent("b" * 32, f"{n:032x}", "h", "time_limit", n, 4)
+
+    limits.handler_stuck(stuck(1))
+    assert reasons == []
+    limits.handler_stuck(stuck(2))
+    limits.handler_stuck(stuck(3))
+    assert reasons == ["2 of 4 slots stuck past a time limit (--max-stuck-per-child 2)"]
 
 
 def test_messages_survive_arbitrary_splits_and_garbage_is_dropped() -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from _worker_helpers import Probe, make_worker
 
+from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.models import AttemptRef, Outcome, TaskState, new_id, new_secret
 from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
 from orbit_sync.worker import (
@@ -239,14 +241,10 @@ def test_the_worker_default_applies_and_a_handler_may_opt_out(
         worker.stop(drain=False)
 
 
-def test_a_thread_that_cannot_be_interrupted_finishes_unknown_and_its_slot_sticks(
-    server: MockOrbitServer, manual: ManualClock
-) -> None:
-    """A handler blocked in C ignores the interrupt: past the grace it is finished UNKNOWN
-    HANDLER_TIMEOUT and its slot counts stuck until it returns; its late result is dropped."""
-    probe = Probe()
-    stuck = _Stuck()
-    worker = _worker(server, manual, listeners=[stuck])
+def _stick(server: MockOrbitServer, worker: Worker, probe: Probe) -> str:
+    """Start *worker* with a handler blocked in C (until *probe* is released) and time limit
+    LIMIT, run one task of it past LIMIT + GRACE: finished UNKNOWN HANDLER_TIMEOUT, its slot
+    stuck. Its task id."""
 
     @worker.handler("blocked", time_limit=LIMIT)
     def blocked(ctx: TaskContext, payload: Any) -> Any:
@@ -256,13 +254,25 @@ def test_a_thread_that_cannot_be_interrupted_finishes_unknown_and_its_slot_stick
 
     task_id = server.enqueue("blocked", {}, max_attempts=1)
     worker.start()
+    probe.wait_started()
+    server.advance(LIMIT)
+    server.advance(GRACE)
+    assert _attempt(server, task_id)[1:3] == (Outcome.UNKNOWN, "HANDLER_TIMEOUT")
+    return task_id
+
+
+def test_a_thread_that_cannot_be_interrupted_finishes_unknown_and_its_slot_sticks(
+    server: MockOrbitServer, manual: ManualClock
+) -> None:
+    """A handler blocked in C ignores the interrupt: past the grace it is finished UNKNOWN
+    HANDLER_TIMEOUT and its slot counts stuck until it returns; its late result is dropped."""
+    probe = Probe()
+    stuck = _Stuck()
+    worker = _worker(server, manual, listeners=[stuck])
+
     try:
-        probe.wait_started()
-        server.advance(LIMIT)
-        server.advance(GRACE)
-        state, outcome, code, _ = _attempt(server, task_id)
-        assert (outcome, code) == (Outcome.UNKNOWN, "HANDLER_TIMEOUT")
-        assert state is TaskState.NEEDS_REVIEW
+        task_id = _stick(server, worker, probe)
+        assert server.task(task_id).state is TaskState.NEEDS_REVIEW
         assert stuck.wait(1) and worker.stats().stuck == 1
         kind, event = stuck.events[0]
         assert (kind, event.task_id, event.reason, event.stuck) == (
@@ -295,3 +305,36 @@ def test_bad_time_limits_raise_at_registration(
         worker.register("b", lambda ctx, p: None, time_limit="5")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="time_limit_retryable"):
         worker.register("c", lambda ctx, p: None, time_limit=1, time_limit_retryable=1)  # type: ignore[arg-type]
+
+
+def test_a_stuck_slot_is_not_offered_to_the_server(
+    server: MockOrbitServer, manual: ManualClock
+) -> None:
+    """While a handler that cannot be stopped holds the only slot, the worker reports capacity
+    0 (the next task waits on the server, not behind the stuck thread), /healthz says not live;
+    once it returns, the slot is offered again and the next task runs."""
+    probe = Probe()
+    health = HealthProbe()
+    worker = _worker(server, manual, capacity=1, listeners=[health])
+
+    @worker.handler("quick")
+    def quick(ctx: TaskContext, payload: Any) -> Any:
+        return {"ran": True}
+
+    def offered(capacity: int) -> Callable[[MockOrbitServer], bool]:
+        return lambda s: [x.capacity for x in s.sessions() if x.connected] == [capacity]
+
+    try:
+        _stick(server, worker, probe)
+        server.wait_until(offered(0), timeout=10)
+        later = server.enqueue("quick", {})
+        assert server.task(later).state is TaskState.WAITING
+        state = health.state()
+        assert state["stuck_slots"] == 1 and not state["live"]
+        probe.release.set()
+        assert server.wait_for(later, DONE, timeout=10).result == {"ran": True}
+        assert offered(1)(server)
+        assert health.state()["live"] and health.state()["stuck_slots"] == 0
+    finally:
+        probe.release.set()
+        worker.stop(drain=False)

@@ -39,6 +39,7 @@ from ..worker import (
     DrainEvent,
     SessionEvent,
     ShutdownReport,
+    StuckEvent,
     WorkerListener,
 )
 from ..worker._memory import rss_bytes
@@ -83,7 +84,9 @@ def check_memory_limit(
 
 class RecycleLimits(WorkerListener):
     """Calls *on_limit* once with the reason when a limit is reached: the ``max_tasks``-th
-    attempt started, or more than ``max_memory_mb`` of RSS after an attempt finished.
+    attempt started, more than ``max_memory_mb`` of RSS after an attempt finished, or
+    ``max_stuck`` slots stuck (held by handlers past their time limit that could not be stopped:
+    only a new process frees them).
 
     Tasks are counted as they start, not as their finish is answered: a child then runs
     ``max_tasks`` handlers plus the ones already starting beside the last and those the server
@@ -99,8 +102,10 @@ class RecycleLimits(WorkerListener):
         max_memory_mb: int | None,
         on_limit: Any,
         rss: Any = rss_bytes,
+        max_stuck: int | None = None,
     ) -> None:
         self._max_tasks = max_tasks
+        self._max_stuck = max_stuck
         self._max_bytes = None if max_memory_mb is None else max_memory_mb * _MB
         self._on_limit = on_limit
         self._rss = rss
@@ -132,6 +137,14 @@ class RecycleLimits(WorkerListener):
         if rss is not None and rss > self._max_bytes:
             self.first_task = first
             self._limit(f"RSS {rss / _MB:.0f} MB (--max-memory-per-child {self._max_bytes // _MB})")
+
+    def handler_stuck(self, event: StuckEvent) -> None:
+        """A slot stuck: at the limit, recycle (once)."""
+        if self._max_stuck is not None and event.stuck >= self._max_stuck:
+            self._limit(
+                f"{event.stuck} of {event.capacity} slots stuck past a time limit"
+                f" (--max-stuck-per-child {self._max_stuck})"
+            )
 
     def _limit(self, reason: str) -> None:
         with self._lock:
@@ -225,9 +238,12 @@ class ChildLink(WorkerListener):
         if self._named:
             name_this_process(self.name)  # again: the application may have set up logging
         check_memory_limit(s.max_memory_mb)  # before anything is started or subscribed
-        if s.max_tasks is not None or s.max_memory_mb is not None:
+        if s.max_tasks is not None or s.max_memory_mb is not None or s.max_stuck is not None:
             self._limits = RecycleLimits(
-                max_tasks=s.max_tasks, max_memory_mb=s.max_memory_mb, on_limit=self._recycle
+                max_tasks=s.max_tasks,
+                max_memory_mb=s.max_memory_mb,
+                max_stuck=s.max_stuck,
+                on_limit=self._recycle,
             )
             attached.append(self._limits)
         for listener in attached:

@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recycle a worker process whose RSS exceeds MB after a task (checked after each)",
     )
     group.add_argument(
+        "--max-stuck-per-child",
+        type=_positive,
+        metavar="N",
+        help="recycle a worker process once N of its slots are held by handlers past their"
+        " time limit that could not be stopped: it drains while its replacement starts"
+        " (default: 1)",
+    )
+    group.add_argument(
         "--health-port",
         type=_port,
         metavar="PORT",
@@ -94,6 +102,7 @@ def requested(options: Any) -> bool:
             "processes",
             "max_tasks_per_child",
             "max_memory_per_child",
+            "max_stuck_per_child",
             "health_port",
             "metrics_port",
         )
@@ -110,6 +119,7 @@ def child_arguments(options: Any) -> list[str]:
         "capacity",
         "drain_timeout",
         "first_connect_timeout",
+        "time_limit",
     ):
         value = _option(options, name)
         if value is None:
@@ -144,6 +154,7 @@ def supervise(options: Any, command: Sequence[str], label: str) -> int:
             label=label,
             max_tasks_per_child=get("max_tasks_per_child"),
             max_memory_per_child=get("max_memory_per_child"),
+            max_stuck_per_child=get("max_stuck_per_child") or 1,
             health_port=get("health_port"),
             metrics_port=get("metrics_port"),
             http_host=get("http_host") or "127.0.0.1",

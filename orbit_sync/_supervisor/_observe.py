@@ -33,7 +33,7 @@ __all__ = ["STALE_REPORT", "HostHealth", "MetricsTarget"]
 #: A child silent for this long (its reports come every half second) is not live.
 STALE_REPORT = 30.0
 #: Keys summed over the children in the host's state.
-_SUMMED = ("in_flight", "reconnects")
+_SUMMED = ("in_flight", "reconnects", "stuck_slots")
 
 
 class HostHealth(HealthProbe):

@@ -63,6 +63,9 @@ class SupervisorOptions:
     label: str
     max_tasks_per_child: int | None = None
     max_memory_per_child: int | None = None
+    #: Recycle a process once this many of its slots are stuck (a handler past its time limit
+    #: that cannot be stopped holds one).
+    max_stuck_per_child: int = 1
     health_port: int | None = None
     metrics_port: int | None = None
     http_host: str = "127.0.0.1"  # where both listen: loopback unless asked
@@ -224,6 +227,7 @@ class Supervisor:
             slot=slot,
             max_tasks=self.options.max_tasks_per_child,
             max_memory_mb=self.options.max_memory_per_child,
+            max_stuck=self.options.max_stuck_per_child,
             metrics=self._metrics is not None,
         )
         env = {**os.environ, ENV: settings.to_env()}
@@ -408,6 +412,9 @@ class Supervisor:
             limits.append(f"{o.max_tasks_per_child} tasks")
         if o.max_memory_per_child is not None:
             limits.append(f"{o.max_memory_per_child} MB RSS")
+        limits.append(
+            f"{o.max_stuck_per_child} stuck slot{'s' if o.max_stuck_per_child > 1 else ''}"
+        )
         recycle = f", recycled after {' or '.join(limits)}" if limits else ""
         self._say(
             f"supervisor (pid {os.getpid()}) running {o.processes} worker processes of"

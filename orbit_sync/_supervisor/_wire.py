@@ -52,6 +52,7 @@ class ChildSettings:
     slot: int
     max_tasks: int | None = None
     max_memory_mb: int | None = None
+    max_stuck: int | None = None
     metrics: bool = False
 
     def to_env(self) -> str:

@@ -12,16 +12,18 @@
 - **ready** (``/readyz``): a session is established and the worker is not draining or stopped;
   take the pod out of rotation otherwise (nothing is served over HTTP by a worker, so this is
   mostly for rollouts and dashboards).
-- **live** (``/livez``; ``/healthz`` is the same): the worker has not stopped, and while handlers
-  are running, a lease was renewed within *stale_after* seconds (a wedged process renews
-  nothing). Disconnected is still live: the worker is reconnecting on its own.
+- **live** (``/livez``; ``/healthz`` is the same): the worker has not stopped, while handlers
+  are running a lease was renewed within *stale_after* seconds (a wedged process renews
+  nothing), and not every slot is stuck (held by a handler that ran past its time limit and
+  could not be stopped: such a worker can run nothing more). Disconnected is still live: the
+  worker is reconnecting on its own.
 
 Both answer ``200`` or ``503`` with the state as JSON: ``status`` (one word: ``starting``,
 ``unreached``: not once connected since the start and its dials fail, ``ready``,
 ``reconnecting``: connected before and lost, ``draining``, ``stopped``), ``reached`` (a session
 was established since the start), ``unreached_s`` (while unreached: seconds since the first
-failed dial), ``connected``, ``session_age_s``,
-``last_renewal_age_s``, ``in_flight``, ``draining``, ``stopped``, ``reconnects`` (sessions
+failed dial), ``connected``, ``session_age_s``, ``last_renewal_age_s``, ``in_flight``,
+``stuck_slots`` (see *live*), ``draining``, ``stopped``, ``reconnects`` (sessions
 established after the first), ``dial_failures`` (connection attempts that failed) (no session id:
 anyone who can reach the port reads this). The HTTP server is bounded (``_probe_server``): one
 thread, a connection cap and a deadline per connection. The heartbeat file holds the same JSON,
@@ -55,6 +57,7 @@ from ..worker import (
     LeaseEvent,
     SessionEvent,
     ShutdownReport,
+    StuckEvent,
     WorkerListener,
 )
 from ._probe_server import ProbeServer
@@ -84,6 +87,9 @@ class HealthProbe(WorkerListener):
         self._stopped = False
         self._reconnects = 0
         self._dial_failures = 0
+        #: Slots held by stuck handlers, out of the worker's capacity (None: none seen).
+        self._stuck = 0
+        self._capacity: int | None = None
         self._reached = False
         #: When the first dial failed, while no session was ever established.
         self._unreached_since: float | None = None
@@ -121,6 +127,15 @@ class HealthProbe(WorkerListener):
         with self._lock:
             self._running_since.pop(event.attempt_id, None)
 
+    def handler_stuck(self, event: StuckEvent) -> None:
+        """A handler that could not be stopped holds a slot."""
+        with self._lock:
+            self._stuck, self._capacity = event.stuck, event.capacity
+
+    def handler_unstuck(self, event: StuckEvent) -> None:
+        """A stuck handler returned: its slot is free."""
+        self.handler_stuck(event)
+
     def lease_renewed(self, event: LeaseEvent) -> None:
         """The watchdog is alive and the server answered."""
         with self._lock:
@@ -153,7 +168,9 @@ class HealthProbe(WorkerListener):
             if oldest is not None:
                 latest = max(oldest, self._last_renewal or oldest)
                 wedged = now - latest > self._stale_after
-            live = not self._stopped and not wedged
+            # Every slot held by a handler that cannot be stopped: nothing more can run here.
+            all_stuck = self._capacity is not None and self._stuck >= self._capacity
+            live = not self._stopped and not wedged and not all_stuck
             ready = connected and not self._draining
             return {
                 "live": live,
@@ -169,6 +186,7 @@ class HealthProbe(WorkerListener):
                 else round(now - self._session_since, 3),
                 "last_renewal_age_s": None if renewal_age is None else round(renewal_age, 3),
                 "in_flight": len(self._running_since),
+                "stuck_slots": self._stuck,
                 "draining": self._draining,
                 "stopped": self._stopped,
                 "reconnects": self._reconnects,

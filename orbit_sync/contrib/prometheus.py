@@ -15,6 +15,8 @@ metric (default namespace ``orbit``)           type       labels
 ``orbit_attempts_total``                       counter    ``handler``, ``outcome``
 ``orbit_attempt_duration_seconds``             histogram  ``handler``, ``outcome``
 ``orbit_attempts_in_flight``                   gauge      ``handler`` (handlers running now)
+``orbit_slots_stuck``                          gauge      - (slots held by handlers that could not
+                                                          be stopped: see ``WorkerStats.stuck``)
 ``orbit_finishes_undelivered_total``           counter    ``handler``
 ``orbit_lease_renewals_total``                 counter    -
 ``orbit_lease_renewal_lag_seconds``            histogram  - (how late renewals were sent)
@@ -37,6 +39,7 @@ from ..worker import (
     LeaseEvent,
     SessionEvent,
     ShutdownReport,
+    StuckEvent,
     WorkerListener,
 )
 
@@ -118,6 +121,14 @@ class PrometheusListener(WorkerListener):
         self.dial_failures = Counter(
             "dial_failures", "Connection attempts that failed.", namespace=ns, registry=reg
         )
+        self.stuck = Gauge(
+            "slots_stuck",
+            "Slots held by handlers finished UNKNOWN that still run (past their time limit and"
+            " the cancel grace, or at shutdown).",
+            namespace=ns,
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
         self.connected_gauge = Gauge(
             "connected",
             "1 while a session is established.",
@@ -153,6 +164,14 @@ class PrometheusListener(WorkerListener):
     def lease_lost(self, event: LeaseEvent) -> None:
         """Count the loss by reason."""
         self.losses.labels(event.reason or "unknown").inc()
+
+    def handler_stuck(self, event: StuckEvent) -> None:
+        """One more slot stuck."""
+        self.stuck.set(event.stuck)
+
+    def handler_unstuck(self, event: StuckEvent) -> None:
+        """A stuck slot freed."""
+        self.stuck.set(event.stuck)
 
     def connected(self, event: SessionEvent) -> None:
         """A session is up."""

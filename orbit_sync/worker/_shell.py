@@ -547,6 +547,7 @@ class AttemptShell(RequestPath[Attempt]):
         with self._reg.cond:
             self._reg.stuck[att.id] = att.info
             stuck = len(self._reg.stuck)
+        self._offer(stuck)
         if reason == "shutdown":
             att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
         else:
@@ -566,6 +567,7 @@ class AttemptShell(RequestPath[Attempt]):
         with self._reg.cond:
             self._reg.stuck.pop(att.id, None)
             stuck = len(self._reg.stuck)
+        self._offer(stuck)
         att.ctx._log.warning(
             "handler returned after it was finished UNKNOWN; its result is dropped and its "
             "slot is free again"
@@ -573,6 +575,13 @@ class AttemptShell(RequestPath[Attempt]):
         if self._hooks:
             reason = "time_limit" if att.machine.timed_out else "shutdown"
             self._hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
+
+    def _offer(self, stuck: int) -> None:
+        """The capacity reported leaves out the *stuck* slots: no task waits behind a thread
+        that cannot be stopped (the connection thread sends the new report)."""
+        with self._window.lock:
+            self._window.stuck = stuck
+        self._wake()
 
     @staticmethod
     def _grace(att: Attempt) -> float:

@@ -60,6 +60,9 @@ class CapacityWindow:
         #: completion may run inside the write).
         self.lock = threading.RLock()
         self._capacity = capacity
+        #: Slots held by handlers that could not be stopped (past their time limit): never
+        #: offered (set under the lock).
+        self.stuck = 0
         #: Attempts whose handler started and whose finish has not gone out yet.
         self._held = 0
         self._count_lock = threading.Lock()  # guards _held and each attempt's held flag
@@ -155,12 +158,18 @@ class CapacityWindow:
         """The capacity to report now (under the lock)."""
         held = self._held
         report = self._report
+        capacity = max(0, self._capacity - self.stuck)
         if report is None:
-            return min(self._capacity, held + ASSIGNMENT_BUFFER)
+            return min(capacity, held + ASSIGNMENT_BUFFER)
         free = report.capacity - held
-        # More free than the queue holds, or (room to grow) almost none left.
-        if free > ASSIGNMENT_BUFFER or (free < RAISE_BELOW and report.capacity < self._capacity):
-            return min(self._capacity, held + SETTLE_AT)
+        # More than the slots left, more free than the queue holds, or (room to grow) almost
+        # none left.
+        if (
+            report.capacity > capacity
+            or free > ASSIGNMENT_BUFFER
+            or (free < RAISE_BELOW and report.capacity < capacity)
+        ):
+            return min(capacity, held + SETTLE_AT)
         return report.capacity
 
 

@@ -8,6 +8,7 @@ from typing import Any, TypeVar
 
 from ...models import Capability
 from ...worker import TaskContext, Worker
+from ...worker._time_limits import WORKER_DEFAULT, HandlerLimit
 
 __all__ = ["HandlerRegistry", "handler", "registry"]
 
@@ -26,12 +27,22 @@ class HandlerRegistry:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._handlers: dict[tuple[str, str, str], Handler] = {}
+        #: Each handler's time limit and whether a timeout is retried, as declared.
+        self._limits: dict[tuple[str, str, str], tuple[HandlerLimit, bool]] = {}
 
     def handler(
-        self, name: str, *, version: str | int = "1", payload_version: str | int = "1"
+        self,
+        name: str,
+        *,
+        version: str | int = "1",
+        payload_version: str | int = "1",
+        time_limit: HandlerLimit = WORKER_DEFAULT,
+        time_limit_retryable: bool = False,
     ) -> Callable[[H], H]:
         """Declare the decorated function as the handler of (*name*, *version*,
-        *payload_version*), called as ``fn(ctx, payload)`` on a worker thread."""
+        *payload_version*), called as ``fn(ctx, payload)`` on a worker thread; *time_limit*
+        and *time_limit_retryable* as for ``Worker.handler`` (checked when the worker is
+        built)."""
         if callable(name) or not isinstance(name, str):
             # @handler without parentheses would otherwise register nothing, silently.
             raise TypeError('use @handler("task-name"), with the handler name in parentheses')
@@ -50,6 +61,7 @@ class HandlerRegistry:
                         f" by {_qualname(known)}"
                     )
                 self._handlers[key] = fn
+                self._limits[key] = (time_limit, time_limit_retryable)
             return fn
 
         return register
@@ -62,14 +74,22 @@ class HandlerRegistry:
     def apply(self, worker: Worker) -> None:
         """Register every declared handler on *worker*."""
         with self._lock:
-            handlers = dict(self._handlers)
-        for (name, version, payload_version), fn in handlers.items():
-            worker.register(name, fn, version=version, payload_version=payload_version)
+            handlers = [(key, fn, self._limits[key]) for key, fn in self._handlers.items()]
+        for (name, version, payload_version), fn, (time_limit, retryable) in handlers:
+            worker.register(
+                name,
+                fn,
+                version=version,
+                payload_version=payload_version,
+                time_limit=time_limit,
+                time_limit_retryable=retryable,
+            )
 
     def clear(self) -> None:
         """Forget every handler (for tests)."""
         with self._lock:
             self._handlers.clear()
+            self._limits.clear()
 
 
 def _qualname(fn: object) -> str:

@@ -8,6 +8,7 @@ Settings, all optional, in ``settings.ORBIT_SYNC`` (each falls back to the envir
         "QUEUE_ID": "0123...",                # else $ORBIT_QUEUE_ID
         "CAPACITY": 8,
         "DRAIN_TIMEOUT": 30,
+        "TIME_LIMIT": 600,                    # seconds per handler run; default: none
         "TASK_MODULE": "orbit_tasks",         # imported from every installed app; None: none
         "TASK_MODULES": ["billing.jobs"],     # more modules to import
         "WORKER_OPTIONS": {"cancel_grace": 5},  # any other Worker keyword argument
@@ -39,6 +40,7 @@ _KEYS = frozenset(
         "QUEUE_ID",
         "CAPACITY",
         "DRAIN_TIMEOUT",
+        "TIME_LIMIT",
         "TASK_MODULE",
         "TASK_MODULES",
         "WORKER_OPTIONS",
@@ -107,6 +109,7 @@ def build_worker(
     queue_id: str | None = None,
     capacity: int | None = None,
     drain_timeout: float | None = None,
+    time_limit: float | None = None,
 ) -> Worker:
     """A Worker with every handler declared with ``@handler``, configured from the arguments,
     then ``settings.ORBIT_SYNC``, then the environment; its handlers run between
@@ -149,6 +152,7 @@ def build_worker(
         queue_id=queue_id,
         capacity=capacity if capacity is not None else conf.get("CAPACITY", 8),
         drain_timeout=drain_timeout if drain_timeout is not None else conf.get("DRAIN_TIMEOUT", 30),
+        time_limit=time_limit if time_limit is not None else conf.get("TIME_LIMIT"),
         listeners=listeners,
         **options,
     )

@@ -61,6 +61,7 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
                 queue_id=options["queue"],
                 capacity=options["capacity"],
                 drain_timeout=options["drain_timeout"],
+                time_limit=options["time_limit"],
             )
         except (ImproperlyConfigured, ValueError) as exc:
             # Configuration, not a bug: the message, not a traceback (and never the token).
