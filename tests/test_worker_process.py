@@ -237,6 +237,20 @@ def test_time_limit_interrupts_a_child_looping_in_python_and_keeps_it(
         assert server.wait_for(again, DONE, timeout=15).result == {"pid": _pid_started(tmp_path)}
 
 
+def test_time_limit_passed_while_the_child_starts_is_not_lost(server: MockOrbitServer) -> None:
+    """A limit that passes while the child still loads the handler's (slow) module: the
+    cancellation that reaches the child before the handler runs is kept for it, so the attempt
+    ends FAILED HANDLER_TIMEOUT at once instead of running unbounded until the grace (30 s)
+    kills the child."""
+    import _slow_import_handlers
+
+    worker = make_worker(server, process_pool=1, cancel_grace=30.0)
+    worker.register("spin", _slow_import_handlers.spin, executor="process", time_limit=0.1)
+    with running(worker):
+        task_id = server.enqueue("spin", {}, max_attempts=1)
+        assert _last(server, task_id) == (TaskState.FAILED, Outcome.FAILED, "HANDLER_TIMEOUT")
+
+
 def test_registration_mistakes_raise_at_once(server: MockOrbitServer) -> None:
     """Handlers a child cannot import, unknown executors and bad pool sizes raise at once."""
     worker = make_worker(server)

@@ -34,7 +34,7 @@ from orbit_sync.worker._machine import (
     UntrackLease,
 )
 from orbit_sync.worker._outcomes import outcome_of
-from orbit_sync.worker._time_limits import TimeLimit
+from orbit_sync.worker._time_limits import Interruptible, TimeLimit
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 LIMIT = 5.0
@@ -118,6 +118,20 @@ def test_a_handler_stopped_at_its_limit_fails_handler_timeout(retryable: bool) -
         error=TimeLimitExceeded(), cancel_reason="cancel_requested", cancel_requested=True
     )
     assert verdict.outcome is Outcome.CANCELLED
+
+
+def test_an_interrupt_before_the_call_raises_as_it_starts_and_after_it_does_nothing() -> None:
+    """The limit may pass before the handler's call starts (a slow start): the call is then
+    not made; once the call is over, a late interrupt marks nothing."""
+    early = Interruptible(threading.Lock())
+    assert early.interrupt(TimeLimitExceeded)
+    calls: list[int] = []
+    with pytest.raises(TimeLimitExceeded):
+        early.run(lambda: calls.append(1))
+    assert calls == []
+    late = Interruptible(threading.Lock())
+    assert late.run(lambda: 7) == 7
+    assert not late.interrupt(TimeLimitExceeded)
 
 
 # ------------------------------------------------------------------------------ a worker

@@ -73,8 +73,12 @@ class _Child:
         self._ctx: TaskContext | None = None
         self._job: int | None = None
         self._closed = False
-        #: The handler's call on the main thread: interrupted at its time limit.
-        self._running = Interruptible(threading.Lock())
+        #: The running job's handler call: interrupted at its time limit.
+        self._running: Interruptible | None = None
+        #: Cancels that came for a job not started yet: applied as it starts.
+        self._early: dict[int, tuple[str, bool]] = {}
+        #: The last job done (the parent numbers them in order).
+        self._last_done = 0
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
@@ -94,16 +98,15 @@ class _Child:
                     if kind == "exit":
                         break
                     ctx = self._ctx if message[1] == self._job else None
-                if ctx is None:
+                    running = self._running
+                    if ctx is None and kind == "cancel" and message[1] > self._last_done:
+                        # Queued, or loading its handler: applied once it starts.
+                        self._early[message[1]] = (message[2], message[3])
+                if ctx is None or running is None:
                     continue
                 if kind == "cancel":
                     _, _, reason, requested = message
-                    ctx._cancel(reason)
-                    if requested:
-                        ctx._cancel("cancel_requested")
-                    if reason == "time_limit":
-                        # As on a thread: the parent kills this process past the grace.
-                        self._running.interrupt(TimeLimitExceeded)
+                    self._cancel(ctx, running, reason, requested)
                 elif kind == "deadline":
                     ctx._set_deadline(message[2])
         except (EOFError, OSError):
@@ -120,6 +123,15 @@ class _Child:
             self._closed = True
             self._cond.notify()
 
+    @staticmethod
+    def _cancel(ctx: TaskContext, running: Interruptible, reason: str, requested: bool) -> None:
+        ctx._cancel(reason)
+        if requested:
+            ctx._cancel("cancel_requested")
+        if reason == "time_limit":
+            # As on a thread: the parent kills this process past the grace.
+            running.interrupt(TimeLimitExceeded)
+
     def serve(self) -> None:
         while True:
             with self._cond:
@@ -131,6 +143,9 @@ class _Child:
                     return  # a job queued before the parent went away is not started
                 _, job, fn_bytes, task, attempt_id, deadline = self._jobs.pop(0)
             outcome = self._run(job, fn_bytes, task, attempt_id, deadline)
+            with self._cond:
+                self._last_done = job
+                self._early.pop(job, None)
             try:
                 self.send(("done", job, *outcome))
             except OSError:
@@ -147,10 +162,15 @@ class _Child:
             )
             return "import_error", _type_name(exc)
         ctx = TaskContext(task, attempt_id, deadline=deadline)
+        running = Interruptible(threading.Lock())
         with self._cond:
-            self._ctx, self._job = ctx, job
+            self._ctx, self._job, self._running = ctx, job, running
+            early = self._early.pop(job, None)
+        if early is not None:
+            # Cancelled while it was starting (a slow import, a short time limit).
+            self._cancel(ctx, running, *early)
         try:
-            value = self._running.run(lambda: fn(ctx, task.payload))
+            value = running.run(lambda: fn(ctx, task.payload))
         except Fail as exc:
             return "fail", (exc.code, exc.message, exc.retryable, exc.details)
         except UnknownEffect as exc:
@@ -162,7 +182,7 @@ class _Child:
             return "error", (_type_name(exc), traceback.format_exc())
         finally:
             with self._cond:
-                self._ctx, self._job = None, None
+                self._ctx, self._job, self._running = None, None, None
         try:
             pickle.dumps(value)
         except Exception:

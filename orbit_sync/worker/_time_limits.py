@@ -85,13 +85,16 @@ def _mark(ident: int, exc_type: type[BaseException] | None) -> bool:
 
 class Interruptible:
     """One handler call that another thread may interrupt (under *lock*, which the caller owns:
-    the attempt's lock)."""
+    the attempt's lock). An interrupt that comes before the call starts is raised as it starts;
+    one after it ended does nothing."""
 
-    __slots__ = ("_ident", "_lock")
+    __slots__ = ("_ident", "_lock", "_over", "_pending")
 
     def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self._ident: int | None = None
+        self._pending: type[BaseException] | None = None
+        self._over = False
 
     def run(self, call: Callable[[], T]) -> T:
         """Run *call* on this thread, interruptible meanwhile. A mark that arrives as *call*
@@ -99,16 +102,24 @@ class Interruptible:
         handler."""
         with self._lock:
             self._ident = threading.get_ident()
+            pending = self._pending
         try:
+            if pending is not None:
+                raise pending()
             return call()
         finally:
             with self._lock:
                 self._ident = None
+                self._over = True
                 _mark(threading.get_ident(), None)
 
     def interrupt(self, exc_type: type[BaseException]) -> bool:
-        """Raise *exc_type* in the thread running the call, if one is; True when marked."""
+        """Raise *exc_type* in the thread running the call (or as the call starts); True when
+        marked."""
         with self._lock:
-            if self._ident is None:
+            if self._over:
                 return False
+            if self._ident is None:
+                self._pending = exc_type
+                return True
             return _mark(self._ident, exc_type)
