@@ -95,3 +95,16 @@ def test_a_drain_makes_a_new_report_with_the_next_sequence() -> None:
     window.acked(drained)
     window.acked(first)  # an older answer does not undo a newer one
     assert not window.unacked()
+
+
+def test_stuck_slots_are_never_offered_and_come_back_once_freed() -> None:
+    """Capacity 4 with 1 held: one slot stuck lowers the report to 3, a second to 2 even with
+    room free; freed again, the next report offers them (at most what is held plus 5)."""
+    window = CapacityWindow(4)
+    held = _Held()
+    window.take(held)
+    assert window.report().capacity == 4
+    for stuck, capacity in [(1, 3), (2, 2), (0, 4)]:
+        with window.lock:
+            window.stuck = stuck
+        assert window.report().capacity == capacity
