@@ -28,13 +28,13 @@ import contextlib
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
 import websocket
 
 from ._foreign import kept, mapped
+from ._realtime import monotonic
 from ._transport import Transport, shutdown_socket
 from .errors import CallTimeout, HTTPError, WorkerDisconnected, WorkerProtocolError
 
@@ -70,7 +70,7 @@ class DialGuard:
     """
 
     def __init__(self, timeout: float) -> None:
-        self.deadline = time.monotonic() + timeout
+        self.deadline = monotonic() + timeout
         self.fired = False
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
@@ -81,7 +81,7 @@ class DialGuard:
 
     def remaining(self) -> float:
         """Seconds left; raises CallTimeout once none are."""
-        left = self.deadline - time.monotonic()
+        left = self.deadline - monotonic()
         if left <= 0 or self.fired:
             raise CallTimeout("dial did not complete in time")
         return left

@@ -36,12 +36,12 @@ import signal
 import socket
 import struct
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any, Final
 
 from ._foreign import kept, mapped
 from ._json import MAX_FRAME_BYTES
+from ._realtime import monotonic
 from .errors import WorkerDisconnected, WorkerProtocolError
 
 __all__ = ["FrameRejected", "Transport", "frame_header", "shutdown_socket"]
@@ -128,7 +128,7 @@ class Transport:
         self._ws = ws  # websocket-client's object: the upgrade answer's headers, nothing else
         self._sock = sock
         #: time.monotonic() of the last bytes received (the read-idle bound's reference).
-        self.last_rx = time.monotonic()
+        self.last_rx = monotonic()
         # Every frame is written under this lock, so a thread holding it is the only writer: the
         # descriptor is closed while holding it (a write racing a close could otherwise land on a
         # reused descriptor: another socket, another peer). ``_closed`` changes under both locks.
@@ -327,7 +327,7 @@ class Transport:
                 raise WorkerDisconnected("connection to the Orbit server lost") from exc
             if not data:
                 raise WorkerDisconnected("connection to the Orbit server lost")
-            self.last_rx = time.monotonic()
+            self.last_rx = monotonic()
             chunks.append(data)
             have += len(data)
         self._buf = chunks[0] if len(chunks) == 1 else b"".join(chunks)

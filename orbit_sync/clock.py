@@ -16,9 +16,10 @@ network, not the worker's schedule.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol, runtime_checkable
+
+from ._realtime import monotonic
 
 __all__ = ["Clock", "WorkerClock"]
 
@@ -43,11 +44,12 @@ class Clock(Protocol):
 
 
 class WorkerClock:
-    """Real time: ``time.monotonic`` and the condition variable's own timeout (the default)."""
+    """Real time: the monotonic clock (out of freezegun's reach, see :mod:`orbit_sync._realtime`)
+    and the condition variable's own timeout (the default)."""
 
     def now(self) -> float:
         """Seconds on a monotonic clock."""
-        return time.monotonic()
+        return monotonic()
 
     def park(self, lock: threading.Lock, deadline: float) -> bool:
         """Acquire *lock* (held by the caller's parking place), waiting until *deadline* (clock
@@ -101,8 +103,8 @@ def as_clock(clock: Clock | Callable[[], float] | None, *, _frames: int = 0) -> 
 
 
 def now_reader(clock: Clock | Callable[[], float] | None) -> Callable[[], float]:
-    """What reads *clock*'s time (see :func:`as_clock`): ``time.monotonic`` itself for real time
+    """What reads *clock*'s time (see :func:`as_clock`): the monotonic clock itself for real time
     (no extra call on the hot paths that stamp every request), else the clock's ``now``."""
     if clock is None or type(clock) is WorkerClock:
-        return time.monotonic
+        return monotonic
     return as_clock(clock, _frames=1).now

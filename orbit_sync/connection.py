@@ -37,7 +37,6 @@ import logging
 import math
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -60,6 +59,7 @@ from ._protocol import (
     Queued,
 )
 from ._protocol import Submission as Submission  # the Worker's batches
+from ._realtime import monotonic
 from ._seconds import wait_seconds
 from ._transport import Transport
 from .errors import (
@@ -163,7 +163,7 @@ class WorkerConnection:
         *,
         on_cancel: Callable[[CancelNotice], None] | None = None,
         on_assignment: Callable[[Assignment], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
         max_call_timeout: float = CALL_TIMEOUT,
         read_idle_timeout: float = READ_IDLE_TIMEOUT,
     ) -> None:
@@ -178,7 +178,7 @@ class WorkerConnection:
         # Deadlines are waited for in real time; *clock* only anchors the leases it returns.
         self._core = ClientProtocol(
             _codec.SessionContext(welcome.session_id, welcome.epoch, registration),
-            clock=time.monotonic,
+            clock=monotonic,
             lease_clock=clock,
             max_call_timeout=max_call_timeout,
             read_idle_timeout=read_idle_timeout,
@@ -465,7 +465,7 @@ class WorkerConnection:
         call, slot = self._send(request_type, body, message_id, timeout, None)
         # The slot is freed only after a completed wait: after an exception (Ctrl-C while the
         # call may be in flight) it is left to the late answer, and never reused.
-        if not slot.event.wait(max(0.0, call.deadline - time.monotonic())):
+        if not slot.event.wait(max(0.0, call.deadline - monotonic())):
             # Normally the deadline thread ends the connection first; if it did not, do it here.
             with self._lock:
                 events = self._core.give_up(call)

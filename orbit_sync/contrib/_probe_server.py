@@ -23,9 +23,9 @@ import logging
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 
+from .._realtime import monotonic
 from .._seconds import seconds
 
 __all__ = ["ProbeServer"]
@@ -85,7 +85,7 @@ class ProbeServer:
         *,
         max_connections: int = 8,
         timeout: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
     ) -> None:
         if type(max_connections) is not int or max_connections < 1:
             raise ValueError("max_connections must be a positive int")

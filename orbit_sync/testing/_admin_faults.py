@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
+from .._realtime import monotonic
 from ..models import CODE_RE
 from ._admin_client import MAX_WAIT
 from ._admin_endpoint import Answer, Endpoint
@@ -143,13 +143,13 @@ class FaultDesk:
         timeout = p.opt_seconds("timeout", high=MAX_WAIT)
         p.done()
         number, fault = self._fault(m)
-        deadline = time.monotonic() + (10.0 if timeout is None else timeout)
+        deadline = monotonic() + (10.0 if timeout is None else timeout)
         # A fault's firing does not always notify the server's condition (a refused upgrade
         # changes no state), so wait on the fault's own event, in slices short enough to notice
         # a stopping server (whose stop() joins this thread).
         reached = fault.wait(0)
         while not reached and not server.stopping:
-            remaining = deadline - time.monotonic()
+            remaining = deadline - monotonic()
             if remaining <= 0:
                 break
             reached = fault.wait(min(remaining, 0.1))

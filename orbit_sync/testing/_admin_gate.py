@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import socket
-import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, cast
 
 from websockets.http11 import Response
 
+from .._realtime import monotonic
 from . import _http
 from ._hub import Hub
 
@@ -184,7 +184,7 @@ class AdminGate:
         assert self._handler is not None
         try:
             body = _http.read_body(
-                sock, request.headers, length, surplus, time.monotonic() + ADMIN_IO_TIMEOUT
+                sock, request.headers, length, surplus, monotonic() + ADMIN_IO_TIMEOUT
             )
         except _http.HttpError as exc:
             return admin_error(exc.status, exc.message)

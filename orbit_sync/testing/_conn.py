@@ -20,11 +20,11 @@ from __future__ import annotations
 import collections
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 from websockets.server import ServerProtocol
 
+from .._realtime import monotonic
 from ..models import MAX_CAPACITY
 from ._wire import ServerWire, text_frame
 
@@ -76,7 +76,7 @@ class Conn:
         self._items: collections.deque[tuple[bytes, float, bool] | _End] = collections.deque()
         self._frames = 0
         # When the writer last took a frame, or was last handed one while idle (monotonic s).
-        self._took = time.monotonic()
+        self._took = monotonic()
         self._idle = False
         # The writer holds an item it took and has not finished writing.
         self._busy = False
@@ -111,7 +111,7 @@ class Conn:
         more) while the writer keeps up, i.e. took a frame within the write deadline. False
         when the writer is stuck on a socket that accepts no data, or too far behind."""
         with self._cv:
-            keeping_up = time.monotonic() - self._took < self._write_timeout
+            keeping_up = monotonic() - self._took < self._write_timeout
             return self._put(text, 0.0, OUTBOX_FRAMES + (SPILL_FRAMES if keeping_up else 0))
 
     def _put(self, text: str, delay: float, limit: int) -> bool:
@@ -137,7 +137,7 @@ class Conn:
         except OSError:
             return True  # the connection is failing: its reader sees the end and closes it
         if sent == len(data):
-            self._took = time.monotonic()
+            self._took = monotonic()
             if self._want_kick and self._frames < PUSH_ROOM:
                 # Dispatch paused for room that never filled: the writer runs it again (not
                 # this thread, which may be inside dispatch).
@@ -151,7 +151,7 @@ class Conn:
     def _queue(self, data: bytes, delay: float, counted: bool = True) -> None:
         if self._idle:
             self._idle = False
-            self._took = time.monotonic()  # the writer had nothing to do: its clock starts now
+            self._took = monotonic()  # the writer had nothing to do: its clock starts now
         self._items.append((data, delay, counted))
         if counted:
             self._frames += 1
@@ -230,7 +230,7 @@ class Conn:
                     self._busy = True
                     if not isinstance(item, _End) and item[2]:
                         self._frames -= 1
-                        self._took = time.monotonic()
+                        self._took = monotonic()
                         self._cv.notify_all()  # an answer may be waiting for this room
             if item is None:
                 self._kick()

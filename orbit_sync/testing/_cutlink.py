@@ -23,8 +23,9 @@ import random
 import socket
 import struct
 import threading
-import time
 import urllib.parse
+
+from .._realtime import monotonic
 
 __all__ = ["CuttingLink"]
 
@@ -59,7 +60,7 @@ class _Direction:
             except OSError:
                 data = b""
             with self._cond:
-                self._queue.append((time.monotonic() + self._delay, data))
+                self._queue.append((monotonic() + self._delay, data))
                 self._cond.notify()
             if not data:
                 return
@@ -72,7 +73,7 @@ class _Direction:
                         return
                     if self._queue:
                         due, data = self._queue[0]
-                        wait = due - time.monotonic()
+                        wait = due - monotonic()
                         if wait <= 0:
                             self._queue.popleft()
                             break
@@ -136,10 +137,10 @@ class _Pair:
         self._link._forget(self)
 
     def join(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         for thread in self.threads:
             if thread is not threading.current_thread():
-                thread.join(max(0.0, deadline - time.monotonic()))
+                thread.join(max(0.0, deadline - monotonic()))
         for sock in (self.client, self.upstream):
             sock.close()
 
@@ -282,9 +283,9 @@ class CuttingLink:
                 if not self._active() or mean is None:
                     self._cond.wait()
                     continue
-                due = time.monotonic() + self._rng.expovariate(1.0 / mean)
-                while self._active() and time.monotonic() < due:
-                    self._cond.wait(due - time.monotonic())
+                due = monotonic() + self._rng.expovariate(1.0 / mean)
+                while self._active() and monotonic() < due:
+                    self._cond.wait(due - monotonic())
                 if not self._active():
                     continue
                 pairs = list(self._pairs)

@@ -15,7 +15,6 @@ import http
 import logging
 import socket
 import ssl
-import time
 from typing import Any
 
 from websockets.http11 import Request, Response
@@ -24,6 +23,7 @@ from websockets.server import ServerProtocol
 
 from .._codec import SUBPROTOCOL
 from .._json import MAX_FRAME_BYTES
+from .._realtime import monotonic
 from . import _http
 from ._admin_gate import ADMIN_IO_TIMEOUT, AdminGate, admin_error
 from ._hub import Hub
@@ -82,7 +82,7 @@ class FrontDoor:
     def serve_socket(self, sock: socket.socket, addr: Any, admission: Admission) -> None:
         """One accepted connection, on its own thread: TLS handshake and request head within
         the handshake deadline, then an admin answer or a WebSocket session."""
-        deadline = time.monotonic() + self._handshake_timeout
+        deadline = monotonic() + self._handshake_timeout
         target = None
         try:
             with contextlib.suppress(OSError):
@@ -90,7 +90,7 @@ class FrontDoor:
             if self._ssl is not None:
                 sock = self._ssl.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
                 admission.sock = sock
-                sock.settimeout(max(deadline - time.monotonic(), 0.001))
+                sock.settimeout(max(deadline - monotonic(), 0.001))
                 sock.do_handshake()
             head, surplus = _http.read_head(sock, deadline)
             target = head.split(b" ", 2)[1] if head.count(b" ") >= 2 else b""
@@ -174,7 +174,7 @@ class FrontDoor:
         try:
             for data in protocol.data_to_send():
                 if data:
-                    _http.send_all(sock, data, time.monotonic() + self._write_timeout)
+                    _http.send_all(sock, data, monotonic() + self._write_timeout)
                 else:
                     sock.shutdown(socket.SHUT_WR)  # websockets' SEND_EOF
         except (OSError, TimeoutError):

@@ -16,7 +16,6 @@ import http
 import re
 import socket
 import ssl
-import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -24,6 +23,7 @@ from websockets.datastructures import Headers
 from websockets.http11 import Response
 
 from .. import _json
+from .._realtime import monotonic
 
 __all__ = [
     "MAX_HEAD_BYTES",
@@ -212,7 +212,7 @@ def linger_close(sock: socket.socket, *, drain_bytes: int = 1 << 20, timeout: fl
     try:
         if not isinstance(sock, ssl.SSLSocket):
             sock.shutdown(socket.SHUT_WR)
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         drained = 0
         while drained < drain_bytes:
             chunk = _recv(sock, deadline, 65536)
@@ -229,7 +229,7 @@ def answer_and_close(sock: socket.socket, response: Response, timeout: float) ->
     """Send a final answer within *timeout* seconds, then close (:func:`linger_close`): a peer
     that takes nothing is cut."""
     with contextlib.suppress(OSError, TimeoutError):
-        send_all(sock, serialize(response), time.monotonic() + timeout)
+        send_all(sock, serialize(response), monotonic() + timeout)
     linger_close(sock)
 
 
@@ -239,7 +239,7 @@ def send_all(sock: socket.socket, data: bytes, deadline: float) -> None:
 
 
 def _recv(sock: socket.socket, deadline: float, size: int) -> bytes:
-    remaining = deadline - time.monotonic()
+    remaining = deadline - monotonic()
     if remaining <= 0:
         raise TimeoutError("deadline passed")
     sock.settimeout(remaining)
@@ -247,7 +247,7 @@ def _recv(sock: socket.socket, deadline: float, size: int) -> bytes:
 
 
 def _send(sock: socket.socket, data: bytes, deadline: float) -> None:
-    remaining = deadline - time.monotonic()
+    remaining = deadline - monotonic()
     if remaining <= 0:
         raise TimeoutError("deadline passed")
     sock.settimeout(remaining)

@@ -19,9 +19,10 @@ import logging
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
+
+from .._realtime import monotonic
 
 __all__ = ["Admission", "Listener"]
 
@@ -165,7 +166,7 @@ class Listener:
                     if exc.errno not in _EXHAUSTED:
                         raise
                     if failing_since is None:
-                        failing_since = time.monotonic()
+                        failing_since = monotonic()
                         name = errno.errorcode.get(exc.errno or 0, str(exc.errno))
                         _LOG.warning(
                             "cannot accept connections (%s: %s); retrying with backoff",
@@ -180,7 +181,7 @@ class Listener:
                     continue
                 if failing_since is not None:
                     _LOG.warning(
-                        "accepting connections again after %.1f s", time.monotonic() - failing_since
+                        "accepting connections again after %.1f s", monotonic() - failing_since
                     )
                     failing_since = None
                     delay = _BACKOFF_FIRST

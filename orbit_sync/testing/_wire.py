@@ -20,13 +20,13 @@ import select
 import socket
 import ssl
 import threading
-import time
 from collections.abc import Callable
 
 from websockets.frames import Frame, Opcode
 from websockets.protocol import State
 from websockets.server import ServerProtocol
 
+from .._realtime import monotonic
 from .._transport import _OP_TEXT, frame_header
 
 __all__ = ["CLOSE_TIMEOUT", "InvalidText", "ServerWire", "WireClosed", "text_frame"]
@@ -93,7 +93,7 @@ class ServerWire:
         Raises :class:`TimeoutError` when none came within *timeout* seconds, :class:`InvalidText`
         for a text message that is not UTF-8, and :class:`WireClosed` once the connection ended.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else monotonic() + timeout
         while not self._messages:
             if self._ended:
                 raise WireClosed("the connection is closed")
@@ -106,7 +106,7 @@ class ServerWire:
     def _read(self, deadline: float | None) -> bytes:
         sock = self.sock
         if not (self._tls and sock.pending()):  # type: ignore[attr-defined]
-            remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            remaining = None if deadline is None else max(deadline - monotonic(), 0.0)
             if not self._readable(remaining):
                 raise TimeoutError("no frame within the read deadline")
         try:
@@ -185,7 +185,7 @@ class ServerWire:
         if graceful:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_WR)
-            deadline = time.monotonic() + CLOSE_TIMEOUT
+            deadline = monotonic() + CLOSE_TIMEOUT
             with contextlib.suppress(OSError, TimeoutError):
                 while self._read(deadline):
                     pass

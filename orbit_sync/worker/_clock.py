@@ -13,10 +13,10 @@ import abc
 import collections
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Protocol
 
+from .._realtime import monotonic
 from .._seconds import seconds as check_seconds
 from ..clock import Clock, WorkerClock
 
@@ -82,10 +82,10 @@ class ManualWaits(abc.ABC):
     def wait_for_sleepers(self, count: int, prefix: str = "", timeout: float = 10.0) -> bool:
         """Wait (real time, at most *timeout*) until at least *count* threads named with
         *prefix* are in a timed wait on this clock: what a move of the clock will then wake."""
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         with self._lock:
             while sum(n for name, n in self._sleepers.items() if name.startswith(prefix)) < count:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - monotonic()
                 if remaining <= 0:
                     return False
                 self._sleep_change.wait(remaining)

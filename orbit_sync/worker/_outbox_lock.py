@@ -31,6 +31,8 @@ import threading
 import time
 from collections.abc import Iterator
 
+from .._realtime import monotonic
+
 __all__ = ["LockFile", "check_private_file", "hold_instance_shared", "instance_offset", "lock_path"]
 
 #: How often a bounded wait for an instance's lock tries again.
@@ -121,13 +123,13 @@ class LockFile:
         """Hold *instance_id*'s byte exclusively (yields True), waiting up to *timeout* seconds
         for that instance's handler processes to be gone; yields False if they are not."""
         offset = instance_offset(instance_id)
-        end = time.monotonic() + timeout
+        end = monotonic() + timeout
         while True:
             try:
                 fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
                 break
             except OSError:
-                if time.monotonic() >= end:
+                if monotonic() >= end:
                     yield False
                     return
                 time.sleep(_POLL)  # no blocking lock with a timeout exists: poll

@@ -13,9 +13,9 @@ import collections
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 
+from .._realtime import monotonic
 from ..clock import Clock, WorkerClock
 
 __all__ = ["DaemonPool"]
@@ -103,14 +103,14 @@ class DaemonPool:
         *stuck* threads are left (handlers known to ignore cancellation, never waited for) or
         for *timeout* real seconds (threads end on events, not on the pool's clock, which may be
         a test's clock that nobody moves). Return the names of the threads still running."""
-        deadline = time.monotonic() + timeout
+        deadline = monotonic() + timeout
         with self._cond:
             self._closed = True
             for parked in self._parked:  # no job: the thread exits
                 self._clock.unpark(parked.lock)
             self._parked.clear()
             while len(self._threads) > stuck:
-                remaining = deadline - time.monotonic()
+                remaining = deadline - monotonic()
                 if remaining <= 0:
                     break
                 self._cond.wait(remaining)

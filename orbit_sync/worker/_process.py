@@ -46,10 +46,10 @@ import pickle
 import queue
 import socket
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
+from .._realtime import monotonic
 from ..client import HANDLER_PROCESS_ENV
 from ._context import TaskContext
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
@@ -194,7 +194,7 @@ class _Process:
             while True:
                 timeout = None
                 if ctx.cancelled.is_set():
-                    now = time.monotonic()
+                    now = monotonic()
                     if cancelled_at is None:
                         cancelled_at = now
                         self.send(
@@ -422,9 +422,9 @@ class ProcessPool:
                 child.send(("exit",))
         for child in busy:
             child.proc.terminate()
-        deadline = time.monotonic() + _KILL_AFTER
+        deadline = monotonic() + _KILL_AFTER
         for child in idle + busy:
-            child.proc.join(max(0.0, deadline - time.monotonic()))
+            child.proc.join(max(0.0, deadline - monotonic()))
         for child in idle + busy:
             child.stop(kill=True)  # SIGKILL for any that lingered; closes the pipes
         if spawner is not None:

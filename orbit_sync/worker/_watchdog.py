@@ -43,12 +43,12 @@ import itertools
 import logging
 import math
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
 
+from .._realtime import monotonic
 from ..errors import OrbitError, WorkerError
 from ..models import Lease, grants_run, new_message_id
 from ._context import TaskContext
@@ -146,7 +146,7 @@ class LeaseWatchdog:
         send: SendRenew,
         *,
         send_many: SendRenewMany | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = monotonic,
         retry_delay: float = 1.0,
         on_change: Callable[[], None] | None = None,
         on_loss: Callable[[str, str], None] | None = None,
