@@ -7,7 +7,7 @@ from typing import Any
 from ._deprecated import moved
 from ._version import __version__
 from .client import Client
-from .clock import Clock
+from .clock import Clock, SystemClock
 from .connection import WorkerConnection
 from .errors import (
     CallTimeout,
@@ -83,6 +83,7 @@ __all__ = [
     "Registration",
     "ServerUnreachable",
     "ShutdownReport",
+    "SystemClock",
     "Task",
     "TaskCancelled",
     "TaskContext",

@@ -1,13 +1,13 @@
-"""Time for the client and the worker: one :class:`Clock` protocol and its real-time clock.
+"""Time: one :class:`Clock` protocol and its real-time implementation, :class:`SystemClock`.
 
 ``Client.dial_worker(clock=...)`` (it anchors each lease's local deadline),
 ``Worker(clock=...)`` (lease deadlines, heartbeats, retry delays, drain and idle periods),
 ``Lease.may_run(clock)`` / ``Lease.remaining(clock)``, ``TaskContext(clock=...)``,
-``HandlerEnvironment(clock=...)`` and ``HealthProbe(clock=...)`` take the same kind of object, so
-one clock drives a connection, a worker and what observes them alike. Leave it out for real
-time (:class:`WorkerClock`); in tests pass ``orbit_sync.testing.ManualClock`` (the mock server's
-clock: ``server.advance(30)`` then moves the server's time and yours together) or
-``orbit_sync.testing.FakeClock`` (moved by hand, or following a ``ManualClock``).
+``HandlerEnvironment(clock=...)``, ``HealthProbe(clock=...)`` and ``MockOrbitServer(clock=...)``
+take the same kind of object, so one clock drives a server, a connection, a worker and what
+observes them alike. Leave it out for real time (:class:`SystemClock`); in tests pass
+``orbit_sync.testing.ManualClock``, the test implementation (``server.advance(30)``, or a
+freezegun ``tick()`` with ``ManualClock(follow=frozen)``, then moves every holder's time).
 
 Network bounds (dial, call and read-idle timeouts) always run in real time: they measure the
 network, not the worker's schedule.
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._realtime import monotonic
 
-__all__ = ["Clock", "WorkerClock"]
+__all__ = ["Clock", "SystemClock"]
 
 
 @runtime_checkable
@@ -43,7 +43,7 @@ class Clock(Protocol):
         """Release *lock*, waking the thread parked on it."""
 
 
-class WorkerClock:
+class SystemClock:
     """Real time: the monotonic clock (out of freezegun's reach, see :mod:`orbit_sync._realtime`)
     and the condition variable's own timeout (the default)."""
 
@@ -77,11 +77,11 @@ class WorkerClock:
                 cond.wait(remaining)
 
     def __repr__(self) -> str:
-        return "WorkerClock()"
+        return "SystemClock()"
 
 
 def as_clock(clock: Clock | Callable[[], float] | None, *, _frames: int = 0) -> Clock:
-    """*clock* as a :class:`Clock`: real time (:class:`WorkerClock`) when ``None``.
+    """*clock* as a :class:`Clock`: real time (:class:`SystemClock`) when ``None``.
 
     A bare function returning seconds was the old form of a clock: it still works for one
     release, wrapped by :func:`orbit_sync._deprecated.function_clock`, with a DeprecationWarning
@@ -89,7 +89,7 @@ def as_clock(clock: Clock | Callable[[], float] | None, *, _frames: int = 0) -> 
     between that function and this one). Anything else raises ``TypeError``.
     """
     if clock is None:
-        return WorkerClock()
+        return SystemClock()
     # A clock has a `now`; asked first because a protocol's isinstance() costs ~10 us for an
     # object that is not one, on paths that may still pass a function per call.
     if hasattr(clock, "now") and isinstance(clock, Clock):
@@ -105,6 +105,15 @@ def as_clock(clock: Clock | Callable[[], float] | None, *, _frames: int = 0) -> 
 def now_reader(clock: Clock | Callable[[], float] | None) -> Callable[[], float]:
     """What reads *clock*'s time (see :func:`as_clock`): the monotonic clock itself for real time
     (no extra call on the hot paths that stamp every request), else the clock's ``now``."""
-    if clock is None or type(clock) is WorkerClock:
+    if clock is None or type(clock) is SystemClock:
         return monotonic
     return as_clock(clock, _frames=1).now
+
+
+def __getattr__(name: str) -> Any:
+    if name == "WorkerClock":
+        # Imported here: _deprecated builds on this module.
+        from ._deprecated import moved
+
+        return moved(__name__, name, "orbit_sync", "SystemClock")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -29,7 +29,7 @@ if __name__ == "__main__":  # the child process: make the package importable fro
 
 from orbit_sync.client import Client
 from orbit_sync.models import Task, TaskState, new_id
-from orbit_sync.testing import EventRecord, FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.testing import EventRecord, ManualClock, MockOrbitServer
 from orbit_sync.worker import (
     Backoff,
     DisconnectEvent,
@@ -120,7 +120,7 @@ class Sessions(WorkerListener):
             return self._cond.wait_for(lambda: done(self), timeout)
 
 
-def let_reconnect(server: MockOrbitServer, clock: FakeClock, sessions: Sessions) -> None:
+def let_reconnect(server: MockOrbitServer, clock: ManualClock, sessions: Sessions) -> None:
     """After a cut, on *server*'s ManualClock followed by the worker's *clock*: wait until the
     worker saw its session end and sleeps out its reconnect delay, move time past the delay
     (the longest of :data:`FAST_BACKOFF`), and wait for the next session (its resumes answered:
@@ -177,7 +177,7 @@ class FailedDials(logging.Handler):
 
 
 def run_until_it_gives_up(
-    worker: Worker, clock: FakeClock, dials: FailedDials, *, step: float = 10.0
+    worker: Worker, clock: ManualClock, dials: FailedDials, *, step: float = 10.0
 ) -> BaseException | None:
     """Run *worker* on a thread whose every failed dial is followed by its reconnect delay
     passing at once on the worker's fake *clock* (moved by *step*), until ``run()`` raises (the

@@ -13,7 +13,7 @@ from _worker_helpers import leased_task, make_worker, running
 
 from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.models import AttemptState, Lease, TaskState, new_id
-from orbit_sync.testing import FakeClock, HandlerEnvironment, ManualClock, MockOrbitServer
+from orbit_sync.testing import HandlerEnvironment, ManualClock, MockOrbitServer
 from orbit_sync.worker import SessionEvent, TaskContext
 
 DEPRECATED = r"function as clock is deprecated.*orbit_sync\.Clock"
@@ -31,7 +31,7 @@ def _lease() -> Lease:
 def test_lease_may_run_and_remaining_read_the_clock_given() -> None:
     """Lease.may_run/remaining decide on the Clock passed, however far real time is from it."""
     lease = _lease()
-    clock = FakeClock(129.0)
+    clock = ManualClock(129.0)
     assert lease.may_run(clock) and lease.remaining(clock) == pytest.approx(0.75)
     clock.advance(0.75)
     assert not lease.may_run(clock) and lease.remaining(clock) == 0.0
@@ -51,7 +51,7 @@ def test_lease_takes_a_function_with_a_warning_and_refuses_a_non_clock() -> None
 
 def test_task_context_counts_down_on_its_clock() -> None:
     """TaskContext(clock=Clock): remaining() follows the fake clock, not real time."""
-    clock = FakeClock(50.0)
+    clock = ManualClock(50.0)
     ctx = TaskContext(leased_task(), new_id(), deadline=80.0, clock=clock)
     assert ctx.remaining() == 30.0
     clock.advance(29.5)
@@ -74,7 +74,7 @@ def test_task_context_takes_a_function_with_a_warning_and_refuses_a_non_clock() 
 
 def test_health_probe_measures_ages_on_its_clock() -> None:
     """HealthProbe(clock=Clock): the session age is fake time elapsed."""
-    clock = FakeClock(10.0)
+    clock = ManualClock(10.0)
     probe = HealthProbe(clock=clock)
     probe.connected(SessionEvent("s" * 32, reconnect=False))
     clock.advance(7.5)

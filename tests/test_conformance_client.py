@@ -58,7 +58,7 @@ from orbit_sync import (
     WorkerError,
     WorkerProtocolError,
 )
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 
 # The frame vectors kept in tests/vectors (a fresh clone must pass).
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
@@ -579,7 +579,7 @@ def test_lease_deadline_uses_only_the_server_difference(
     raw: RawServer, conns: list[WorkerConnection]
 ) -> None:
     """deadline = t_sent + (lease_until - server_time) - 250 ms, never the wall clock (§6.6)."""
-    clock = FakeClock(1000.0)
+    clock = ManualClock(1000.0)
     conn, peer = session(raw, conns, clock=clock)
     call = Background(conn.start, REF)
     req = peer.recv()

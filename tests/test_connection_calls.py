@@ -40,7 +40,7 @@ from orbit_sync.models import (
     Welcome,
     new_message_id,
 )
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 
 REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
 
@@ -62,7 +62,7 @@ def _in_thread(fn: Any, *args: Any, **kwargs: Any) -> tuple[threading.Thread, di
 
 def test_each_request_sends_its_frame_and_returns_its_answer() -> None:
     """capacity/resume/start/renew/finish send well-formed frames and return typed answers."""
-    clock = FakeClock(1000.0)
+    clock = ManualClock(1000.0)
     with ScriptedServer() as server:
         conn, peer = open_pair(server, clock=clock)
         try:
@@ -108,7 +108,7 @@ def test_each_request_sends_its_frame_and_returns_its_answer() -> None:
 
 def test_local_deadline_is_anchored_at_call_entry() -> None:
     """t_sent is read when the call starts: time spent waiting for the answer is deducted."""
-    clock = FakeClock(50.0)
+    clock = ManualClock(50.0)
     with ScriptedServer() as server:
         conn, peer = open_pair(server, clock=clock)
         try:

@@ -24,7 +24,7 @@ from orbit_sync.contrib.health import HealthProbe, check_heartbeat
 from orbit_sync.contrib.otel import OpenTelemetryListener
 from orbit_sync.contrib.prometheus import PrometheusListener
 from orbit_sync.models import Outcome
-from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import (
     AttemptEvent,
     AttemptFinished,
@@ -154,7 +154,7 @@ def test_prometheus_example_runs() -> None:
 
 def test_health_probe_states() -> None:
     """Ready needs a session and no drain; live fails when running work sees no renewal."""
-    clock = FakeClock(100.0)
+    clock = ManualClock(100.0)
     probe = HealthProbe(stale_after=10.0, clock=clock)
     assert probe.state()["live"] and not probe.state()["ready"]
     probe.connected(SessionEvent("s" * 32, reconnect=False))

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import re
 import time
 import warnings
+from typing import Any
 
 import pytest
 
@@ -42,31 +44,37 @@ def test_subpackage_all_sorted_and_resolvable(package: str) -> None:
             assert getattr(module, name) is not None, name
 
 
-#: (package, name, where it lives now): old paths that resolve with a DeprecationWarning.
+#: (package, name, where it lives now, its name there): old paths that resolve with a
+#: DeprecationWarning.
 MOVED = [
-    ("orbit_sync", "HandlerEnvironment", "orbit_sync.testing"),
-    ("orbit_sync.worker", "HandlerEnvironment", "orbit_sync.testing"),
-    ("orbit_sync.worker", "FakeClock", "orbit_sync.testing"),
-    ("orbit_sync.worker", "OutboxError", "orbit_sync"),
-    ("orbit_sync.testing", "OrbitState", "orbit_sync.testing._state"),
-    ("orbit_sync.testing", "InvariantError", "orbit_sync.testing._state"),
-    ("orbit_sync.testing", "SCOPE_CONNECT", "orbit_sync.testing._state"),
-    ("orbit_sync.testing", "SCOPE_CONSUME", "orbit_sync.testing._state"),
-    ("orbit_sync.testing", "queue_scope", "orbit_sync.testing._state"),
+    ("orbit_sync", "HandlerEnvironment", "orbit_sync.testing", "HandlerEnvironment"),
+    ("orbit_sync.worker", "HandlerEnvironment", "orbit_sync.testing", "HandlerEnvironment"),
+    ("orbit_sync.worker", "OutboxError", "orbit_sync", "OutboxError"),
+    ("orbit_sync.testing", "OrbitState", "orbit_sync.testing._state", "OrbitState"),
+    ("orbit_sync.testing", "InvariantError", "orbit_sync.testing._state", "InvariantError"),
+    ("orbit_sync.testing", "SCOPE_CONNECT", "orbit_sync.testing._state", "SCOPE_CONNECT"),
+    ("orbit_sync.testing", "SCOPE_CONSUME", "orbit_sync.testing._state", "SCOPE_CONSUME"),
+    ("orbit_sync.testing", "queue_scope", "orbit_sync.testing._state", "queue_scope"),
+    # The clocks folded into one protocol and its real implementation.
+    ("orbit_sync.clock", "WorkerClock", "orbit_sync", "SystemClock"),
+    ("orbit_sync.worker", "WorkerClock", "orbit_sync", "SystemClock"),
+    ("orbit_sync.testing", "ServerClock", "orbit_sync", "Clock"),
+    ("orbit_sync.testing", "Clock", "orbit_sync", "Clock"),
 ]
 
 
-@pytest.mark.parametrize(("package", "name", "home"), MOVED)
+@pytest.mark.parametrize(("package", "name", "home", "new_name"), MOVED)
 def test_an_old_import_path_warns_and_gives_the_same_object(
-    package: str, name: str, home: str
+    package: str, name: str, home: str, new_name: str
 ) -> None:
     """A name that left a package's ``__all__`` still resolves there, with a DeprecationWarning
-    naming its new home, to the very object of the new home."""
+    naming its new home (and name), to the very object of the new home."""
     module = importlib.import_module(package)
     assert name not in module.__all__
-    with pytest.warns(DeprecationWarning, match=home.replace(".", r"\.")):
+    new = home if new_name == name else f"{home}.{new_name}"
+    with pytest.warns(DeprecationWarning, match=rf"{package}\.{name} is .*{re.escape(new)}"):
         old = getattr(module, name)
-    assert old is getattr(importlib.import_module(home), name)
+    assert old is getattr(importlib.import_module(home), new_name)
 
 
 def test_outbox_error_is_exported_once() -> None:
@@ -86,14 +94,27 @@ def test_pipelined_requests_are_not_public() -> None:
 
 
 def test_every_clock_speaks_the_one_clock_protocol() -> None:
-    """Real time, the worker's FakeClock and the mock server's ManualClock are all Clocks."""
-    from orbit_sync.testing import FakeClock, ManualClock
-    from orbit_sync.worker import WorkerClock
+    """Real time (SystemClock) and the test clock (ManualClock, from a date or from zero) are
+    Clocks; a bare function is not."""
+    from orbit_sync.testing import ManualClock
 
-    manual = ManualClock()
-    for clock in (WorkerClock(), FakeClock(), manual, FakeClock(follow=manual)):
+    for clock in (orbit_sync.SystemClock(), ManualClock(), ManualClock(0.0)):
         assert isinstance(clock, orbit_sync.Clock), clock
     assert not isinstance(time.monotonic, orbit_sync.Clock)
+
+
+def test_one_clock_protocol_one_real_and_one_test_clock_are_public() -> None:
+    """The public clocks are orbit_sync.Clock (the protocol), orbit_sync.SystemClock (real
+    time) and orbit_sync.testing.ManualClock (tests), and nothing else named a clock."""
+    import orbit_sync.testing as testing
+    import orbit_sync.worker as worker
+
+    def clocks(module: Any) -> set[str]:
+        return {name for name in module.__all__ if "Clock" in name}
+
+    assert clocks(orbit_sync) == {"Clock", "SystemClock"}
+    assert clocks(testing) == {"ManualClock"}
+    assert clocks(worker) == set()
 
 
 def test_a_function_as_dial_clock_is_deprecated_but_still_anchors_leases() -> None:
@@ -124,13 +145,37 @@ def test_a_function_as_dial_clock_is_deprecated_but_still_anchors_leases() -> No
             orbit_sync.Worker(client, queue_id=server.queue_id, clock=time.monotonic)  # type: ignore[arg-type]
 
 
-def test_the_mock_servers_clock_protocol_is_server_clock() -> None:
-    """testing.Clock (the mock server's now/advance protocol) is now testing.ServerClock: the
-    old name warns and gives it, so orbit_sync.Clock is the only public Clock."""
+def test_the_old_fake_clock_warns_and_keeps_its_behaviour() -> None:
+    """testing.FakeClock and worker.FakeClock warn towards ManualClock; the old class still counts
+    from 0 and advances by hand."""
     import orbit_sync.testing as testing
+    import orbit_sync.worker as worker
+    from orbit_sync.testing import ManualClock
 
-    assert "Clock" not in testing.__all__ and "ServerClock" in testing.__all__
-    with pytest.warns(DeprecationWarning, match=r"use orbit_sync\.testing\.ServerClock"):
-        old = testing.Clock
-    assert old is testing.ServerClock
-    assert isinstance(testing.SystemClock(), testing.ServerClock)
+    with pytest.warns(DeprecationWarning, match=r"testing\.FakeClock.*testing\.ManualClock"):
+        fake_clock = testing.FakeClock
+    with pytest.warns(DeprecationWarning, match=r"worker\.FakeClock"):
+        assert worker.FakeClock is fake_clock
+    alone = fake_clock()
+    alone.advance(2.5)
+    assert alone.now() == 2.5
+    assert isinstance(alone, ManualClock) and isinstance(alone, orbit_sync.Clock)
+    # Following a ManualClock: test_worker_clock.py's deprecated-FakeClock test.
+
+
+def test_the_old_testing_system_clock_warns_and_still_advances() -> None:
+    """testing.SystemClock warns towards orbit_sync.SystemClock; the old class still reads POSIX
+    seconds, moves forward with advance(), and runs a mock server."""
+    import orbit_sync.testing as testing
+    from orbit_sync.testing import MockOrbitServer
+
+    with pytest.warns(DeprecationWarning, match=r"use orbit_sync\.SystemClock"):
+        old = testing.SystemClock
+    clock = old()
+    assert isinstance(clock, orbit_sync.Clock)
+    assert abs(clock.now() - time.time()) < 60
+    before = clock.now()
+    clock.advance(3600)
+    assert clock.now() - before >= 3600
+    with MockOrbitServer(clock=clock) as server:
+        assert abs(server.now().timestamp() - clock.now()) < 60

@@ -83,9 +83,11 @@ def test_every_caller_refuses_nan_the_same_way() -> None:
 
 def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
     """Health probes, heartbeat checks, backoff bounds and clock steps follow the one rule."""
+    from orbit_sync import SystemClock
     from orbit_sync.contrib._probe_server import ProbeServer
     from orbit_sync.contrib.health import FileHeartbeat, HealthProbe, check_heartbeat, main
-    from orbit_sync.testing import FakeClock, ManualClock, SystemClock
+    from orbit_sync.testing import ManualClock
+    from orbit_sync.testing._clock import ServerTime
     from orbit_sync.worker import Backoff
 
     probe = HealthProbe()
@@ -95,9 +97,8 @@ def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
         lambda v: ProbeServer(lambda: (200, b""), "127.0.0.1", 0, timeout=v),  # type: ignore[arg-type,return-value]
         lambda v: Backoff(maximum=v),
         lambda v: check_heartbeat("missing", v),
-        lambda v: FakeClock().advance(v),
-        lambda v: ManualClock().advance(v),
-        lambda v: SystemClock().advance(v),
+        lambda v: ManualClock(0.0).advance(v),
+        lambda v: ServerTime(SystemClock()).advance(v),
     ]
     for make in makers:
         with pytest.raises(ValueError, match="not NaN"):

@@ -26,7 +26,7 @@ from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, 
 from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
 from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 from orbit_sync.worker import AttemptEvent, AttemptFinished, StuckEvent
 
 
@@ -101,7 +101,7 @@ READY = {"live": True, "ready": True, "connected": True, "in_flight": 2, "reconn
 
 def test_host_is_ready_only_when_every_slot_is() -> None:
     """Two slots: starting, one ready, both ready; a replacement starting makes it unready."""
-    health = HostHealth(2, clock=FakeClock(100.0))
+    health = HostHealth(2, clock=ManualClock(100.0))
     assert health.state()["ready"] is False and health.state()["live"] is True
     health.child_started(0, 10)
     health.child_started(1, 11)
@@ -124,7 +124,7 @@ def test_host_is_ready_only_when_every_slot_is() -> None:
 
 def test_a_silent_or_unlive_child_makes_the_host_unlive() -> None:
     """A child's own live=false, or no report for STALE_REPORT seconds, is not live."""
-    clock = FakeClock(100.0)
+    clock = ManualClock(100.0)
     health = HostHealth(1, clock=clock)
     health.child_started(0, 10)
     health.child_reported(0, 10, READY)

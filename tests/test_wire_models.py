@@ -32,7 +32,7 @@ from orbit_sync.models import (
     Welcome,
     new_secret,
 )
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 from tests.test_wire_bodies import INDEPENDENT
 
 ids = st.text(alphabet="0123456789abcdef", min_size=32, max_size=32)
@@ -373,17 +373,17 @@ def test_lease_deadline_and_may_run() -> None:
     lease = Lease(True, AttemptState.RUNNING, now + dt.timedelta(seconds=30), now)
     anchored = lease.with_deadline(100.0)
     assert anchored.deadline == pytest.approx(129.75)
-    assert anchored.may_run(FakeClock(129.7))
-    assert not anchored.may_run(FakeClock(129.75))
-    assert anchored.remaining(FakeClock(120.0)) == pytest.approx(9.75)
+    assert anchored.may_run(ManualClock(129.7))
+    assert not anchored.may_run(ManualClock(129.75))
+    assert anchored.remaining(ManualClock(120.0)) == pytest.approx(9.75)
     reserved = attrs.evolve(anchored, state=AttemptState.LEASED)
-    assert not reserved.may_run(FakeClock(100.0))
+    assert not reserved.may_run(ManualClock(100.0))
     cancelled = attrs.evolve(anchored, cancel_requested_at=now)
-    assert not cancelled.may_run(FakeClock(100.0))
+    assert not cancelled.may_run(ManualClock(100.0))
     inactive = Lease(False, AttemptState.EXPIRED, now, now).with_deadline(100.0)
     assert inactive.deadline is None
-    assert not inactive.may_run(FakeClock(100.0))
-    assert lease.may_run(FakeClock(0.0)) is False  # never anchored: grants nothing
+    assert not inactive.may_run(ManualClock(100.0))
+    assert lease.may_run(ManualClock(0.0)) is False  # never anchored: grants nothing
 
 
 def test_anchoring_builds_new_models_and_changes_none() -> None:

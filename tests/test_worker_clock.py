@@ -9,9 +9,10 @@ import pytest
 from _scripted import WAIT
 from _worker_helpers import Probe, make_worker, running
 
+from orbit_sync import SystemClock
 from orbit_sync.models import TaskState
-from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
-from orbit_sync.worker import TaskContext, WorkerClock
+from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.worker import TaskContext
 from orbit_sync.worker._clock import Wakeup
 from orbit_sync.worker._pool import IDLE_TIMEOUT, DaemonPool
 
@@ -20,9 +21,9 @@ def _pool_threads(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def test_fake_clock_wakes_a_timed_wait_when_advanced_past_its_deadline() -> None:
+def test_manual_clock_wakes_a_timed_wait_when_advanced_past_its_deadline() -> None:
     """A Wakeup waiting 30 fake seconds returns once the clock is advanced, not before."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     wake = Wakeup(clock)
     waiting = threading.Event()
     result: list[bool] = []
@@ -43,10 +44,14 @@ def test_fake_clock_wakes_a_timed_wait_when_advanced_past_its_deadline() -> None
     assert clock.now() == 30.0
 
 
-def test_fake_clock_follows_a_manual_clock() -> None:
-    """A FakeClock following a ManualClock moves (and wakes waiters) with it."""
+def test_the_old_fake_clock_following_a_manual_clock_wakes_its_waiters() -> None:
+    """The deprecated FakeClock(follow=ManualClock) still moves, and wakes waiters, with it."""
+    import orbit_sync.testing as testing
+
+    with pytest.warns(DeprecationWarning, match=r"FakeClock"):
+        fake_clock = testing.FakeClock
     manual = ManualClock()
-    clock = FakeClock(5.0, follow=manual)
+    clock = fake_clock(5.0, follow=manual)
     wake = Wakeup(clock)
     done = threading.Event()
     threading.Thread(target=lambda: (wake.wait(2.0), done.set()), daemon=True).start()
@@ -57,9 +62,12 @@ def test_fake_clock_follows_a_manual_clock() -> None:
         clock.advance(1.0)
 
 
-def test_fake_clock_rejects_bad_steps() -> None:
-    """Time never moves backwards, by NaN, or by a non-number."""
-    clock = FakeClock()
+def test_manual_clock_rejects_bad_steps_and_starts() -> None:
+    """Time never moves backwards, by NaN, or by a non-number, nor starts at NaN or infinity."""
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite"):
+            ManualClock(bad)
+    clock = ManualClock(0.0)
     for bad in (-1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError):
             clock.advance(bad)
@@ -69,7 +77,7 @@ def test_fake_clock_rejects_bad_steps() -> None:
 
 def test_idle_pool_threads_retire_after_the_idle_period() -> None:
     """After a burst, pool threads exit once idle for IDLE_TIMEOUT (fake) seconds, not before."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     pool = DaemonPool(8, name="test-idle-pool", clock=clock)
     release = threading.Event()
     started = threading.Semaphore(0)
@@ -103,7 +111,7 @@ def test_idle_pool_threads_retire_after_the_idle_period() -> None:
 def test_worker_handler_threads_retire_after_a_burst() -> None:
     """A Worker(capacity=16) drops its handler threads once they have been idle long enough."""
     with MockOrbitServer(assignment_rate=None) as server:
-        clock = FakeClock()
+        clock = ManualClock(0.0)
         together = threading.Barrier(16, timeout=WAIT)
         worker = make_worker(server, capacity=16, clock=clock)
 
@@ -136,7 +144,7 @@ def test_worker_handler_threads_retire_after_a_burst() -> None:
             )
 
 
-class _RecordingClock(WorkerClock):
+class _RecordingClock(SystemClock):
     """Real time, recording the deadlines the connection thread sleeps until."""
 
     def __init__(self) -> None:
@@ -227,7 +235,7 @@ def test_handler_environment_takes_the_same_clock() -> None:
     """HandlerEnvironment's context counts its lease down on the Clock it is given."""
     from orbit_sync.testing import HandlerEnvironment
 
-    clock = FakeClock(100.0)
+    clock = ManualClock(100.0)
     env = HandlerEnvironment(lease_seconds=30.0, clock=clock)
 
     def handler(ctx: TaskContext, payload: Any) -> Any:

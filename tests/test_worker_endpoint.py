@@ -12,7 +12,7 @@ from _worker_helpers import FailedDials, run_until_it_gives_up
 from orbit_sync import Client
 from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
 from orbit_sync.errors import HTTPError
-from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import Backoff, Worker
 from orbit_sync.worker._errors import EndpointCheck
 
@@ -29,7 +29,7 @@ def server() -> Iterator[MockOrbitServer]:
 def test_a_wrong_path_stops_the_worker_after_the_window(server: MockOrbitServer) -> None:
     """Every dial answered 404 (a wrong path) for 60 s of the worker's clock: run() raises an
     HTTPError that names the URL and the status, and the CLI maps it to exit 5."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     worker = Worker(
         Client(server.url + "/not-orbit", server.token),
         queue_id=server.queue_id,

@@ -10,7 +10,7 @@ import pytest
 from _worker_helpers import Probe, events, has_event, make_worker, running
 
 from orbit_sync.models import TaskState
-from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import AttemptFinished, TaskContext, Worker, WorkerListener
 
 WAIT = 10.0
@@ -79,7 +79,7 @@ def test_stop_while_a_finish_is_in_flight_returns_once_it_is_answered(
 ) -> None:
     """stop() while a finish's answer is still on its way: on a clock that never moves, only
     the answer can end the drain, and the report counts the finish as delivered."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     worker, probe = _counting_worker(server, clock=clock, drain_timeout=60.0, flush_timeout=60.0)
     report: list[Any] = []
     with running(worker):

@@ -21,7 +21,7 @@ from orbit_sync import Client, ServerUnreachable
 from orbit_sync._cli_worker import EXIT_UNREACHABLE, exit_status_for
 from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.errors import WorkerDisconnected
-from orbit_sync.testing import FakeClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import Backoff, DisconnectEvent, SessionEvent, Worker, WorkerListener
 from orbit_sync.worker._errors import FirstContact
 
@@ -51,7 +51,7 @@ class _Lost(WorkerListener, threading.Event):
         self.set()
 
 
-def _worker(url: str, clock: FakeClock, **options: Any) -> Worker:
+def _worker(url: str, clock: ManualClock, **options: Any) -> Worker:
     worker = Worker(
         Client(url, "some-token-0123456789"),
         queue_id=QUEUE,
@@ -70,7 +70,7 @@ def test_a_server_never_reached_stops_the_worker_after_first_connect_timeout(
     """Dials refused for first_connect_timeout of the worker's clock: run() raises
     ServerUnreachable naming the URL, the dials and the last failure (exit 6); the first failed
     dial said at ERROR that the server was never reached, the retries at WARNING."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     worker = _worker(closed_url, clock, first_connect_timeout=30)
     # After each failed dial the connection thread waits out its backoff on the fake clock: let
     # it pass at once, until the worker gives up.
@@ -93,7 +93,7 @@ def test_a_server_never_reached_stops_the_worker_after_first_connect_timeout(
 def test_a_server_reached_once_is_retried_past_first_connect_timeout(lines: FailedDials) -> None:
     """A worker that connected, then lost its server, keeps retrying long after
     first_connect_timeout, at WARNING, without saying it was never reached."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     lost = _Lost()
     server = MockOrbitServer()
     server.start()
@@ -129,7 +129,7 @@ def test_a_server_reached_once_is_retried_past_first_connect_timeout(lines: Fail
 def test_readyz_says_a_worker_never_reached_its_server(closed_url: str, lines: FailedDials) -> None:
     """While no dial has succeeded since the start, /readyz answers 503 with status
     "unreached", reached false and how long ago the first dial failed."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     probe = HealthProbe(clock=clock)
     worker = _worker(closed_url, clock, listeners=[probe])
     with probe.serve(port=0) as http_server:
@@ -151,7 +151,7 @@ def test_readyz_says_a_worker_never_reached_its_server(closed_url: str, lines: F
 
 def test_probe_status_words() -> None:
     """starting, unreached, ready, reconnecting, draining, stopped: in that life order."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     probe = HealthProbe(clock=clock)
     assert probe.state()["status"] == "starting"
     probe.dial_failed(DisconnectEvent("WorkerDisconnected"))

@@ -6,7 +6,7 @@ import math
 import threading
 from typing import Any
 
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 from orbit_sync.worker._link import Link
 
 
@@ -21,8 +21,8 @@ class _Conn:
         self.closed.set()
 
 
-def _link() -> tuple[Link, FakeClock]:
-    clock = FakeClock()
+def _link() -> tuple[Link, ManualClock]:
+    clock = ManualClock(0.0)
     return Link(clock, slots=4), clock
 
 

@@ -8,7 +8,7 @@ import pytest
 from _worker_helpers import Probe, events, make_worker, running
 
 from orbit_sync.models import TaskState
-from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import TaskContext
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
@@ -36,7 +36,7 @@ def test_a_held_renewal_does_not_delay_another_attempts_renewal() -> None:
     manual = ManualClock()
     with MockOrbitServer(clock=manual, assignment_rate=None, lease_duration=2.0) as server:
         probe = Probe()
-        worker = make_worker(server, capacity=2, clock=FakeClock(follow=manual))
+        worker = make_worker(server, capacity=2, clock=manual)
         _blocked(worker, probe)
         lost = server.faults.drop_reply("task.renew")
         tasks = [server.enqueue("work", {}) for _ in range(2)]

@@ -28,7 +28,7 @@ from test_worker_session_setup import (
     _scripted,
 )
 
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 from orbit_sync.worker import SessionEvent
 
 
@@ -59,7 +59,7 @@ def _sent_again(
     return peer, again
 
 
-def _renew_due(peer: Peer, clock: FakeClock) -> dict[str, Any]:
+def _renew_due(peer: Peer, clock: ManualClock) -> dict[str, Any]:
     """Move the clock past half the 30 s lease; return the renew that follows (the session's
     own report, repeated meanwhile, is answered)."""
     clock.advance(16.0)

@@ -12,7 +12,7 @@ from test_worker_attempt import NOW, _finishing, _kinds, _lease, _machine, _resu
 
 from orbit_sync.errors import WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Finish, Outcome
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 from orbit_sync.worker._errors import NotConnected
 from orbit_sync.worker._link import Link
 from orbit_sync.worker._machine import (
@@ -300,7 +300,7 @@ class _Conn:
 def test_an_opened_connection_carries_resumes_only_until_published() -> None:
     """Opened, a connection is current for early requests (resumes) and their kept re-sends
     only; published, for every request, with the generation it was opened with."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     link = Link(clock)
     conn = _Conn()
     gen = link.open(conn)  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from _worker_helpers import (
 )
 
 from orbit_sync.models import SECRET_RE, AttemptState, Outcome, TaskState
-from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import (
     Fail,
     LeaseEvent,
@@ -99,7 +99,7 @@ def test_long_handler_kept_alive_across_short_leases() -> None:
             def lease_renewed(self, event: LeaseEvent) -> None:
                 renewed.release()
 
-        worker = make_worker(server, clock=FakeClock(follow=manual), listeners=[Renewals()])
+        worker = make_worker(server, clock=manual, listeners=[Renewals()])
 
         @worker.handler("long")
         def long(ctx: TaskContext, payload: Any) -> Any:
@@ -136,7 +136,7 @@ def test_lease_loss_cancels_handler_and_late_result_is_evidence() -> None:
     """The server losing the lease cancels the handler (lease_lost); its late result is evidence.
     Fake time: the server's clock jumps past the lease, the worker's only to its renewal."""
     probe = Probe()
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     with MockOrbitServer(clock=ManualClock(), lease_duration=2.0, assignment_rate=None) as server:
         worker = make_worker(server, clock=clock)
 
@@ -179,7 +179,7 @@ def test_connection_cut_mid_handler(
     probe = Probe()
     sessions = Sessions()
     assert isinstance(server.clock, ManualClock)
-    clock = FakeClock(follow=server.clock)
+    clock = server.clock
     worker = make_worker(server, clock=clock, listeners=[sessions])
 
     @worker.handler("work")
@@ -278,7 +278,7 @@ def test_renew_answer_lost_is_resent(server: MockOrbitServer) -> None:
     probe = Probe()
     sessions = Sessions()
     assert isinstance(server.clock, ManualClock)
-    clock = FakeClock(follow=server.clock)
+    clock = server.clock
     worker = make_worker(server, clock=clock, listeners=[sessions])
 
     @worker.handler("work")
@@ -376,7 +376,7 @@ def test_cancel_seen_on_renewal_stops_handler() -> None:
     the server's clock, followed by the worker's, moves to the renewal)."""
     manual = ManualClock()
     with MockOrbitServer(clock=manual, lease_duration=1.0, assignment_rate=None) as server:
-        _, stats = _cancel_running_task(server, notifications=False, clock=FakeClock(follow=manual))
+        _, stats = _cancel_running_task(server, notifications=False, clock=manual)
         server.check_invariants()
     assert stats.cancelled == 1 and stats.renewals >= 1 and stats.lease_losses == 0
 
@@ -415,12 +415,12 @@ def test_exceptions_mapped_to_outcomes() -> None:
     (the retry's backoff passes in fake time)."""
     manual = ManualClock()
     with MockOrbitServer(clock=manual, assignment_rate=None) as server:
-        snaps = _run_outcome_handlers(server, FakeClock(follow=manual))
+        snaps = _run_outcome_handlers(server, manual)
         server.check_invariants()
     _check_outcomes(snaps)
 
 
-def _run_outcome_handlers(server: MockOrbitServer, clock: FakeClock) -> dict[str, Any]:
+def _run_outcome_handlers(server: MockOrbitServer, clock: ManualClock) -> dict[str, Any]:
     """Run one task per ending through a worker on *clock*; return their final snapshots."""
     worker = make_worker(server, clock=clock)
 

@@ -24,7 +24,7 @@ from _scripted import (
 )
 
 from orbit_sync.client import Client
-from orbit_sync.testing import FakeClock
+from orbit_sync.testing import ManualClock
 from orbit_sync.worker import Backoff, SessionEvent, TaskContext, Worker
 
 OTHER_TASK = "66666666666666666666666666666666"
@@ -53,7 +53,7 @@ class _Handlers:
 
 @contextlib.contextmanager
 def _scripted(
-    clock: FakeClock | None = None, listeners: list[object] | None = None
+    clock: ManualClock | None = None, listeners: list[object] | None = None
 ) -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
     """A scripted server and a Worker (capacity 2, on *clock*) connected to it; stopped at once
     at the end."""
@@ -107,11 +107,11 @@ def _first_session(server: ScriptedServer, handlers: _Handlers) -> Peer:
 @contextlib.contextmanager
 def _on_still_time(
     seconds: float = 1.0,
-) -> Iterator[tuple[ScriptedServer, Worker, _Handlers, FakeClock, Callable[[], None]]]:
+) -> Iterator[tuple[ScriptedServer, Worker, _Handlers, ManualClock, Callable[[], None]]]:
     """:func:`_scripted` on a worker clock only the test moves; also yields what, after a cut,
     lets the reconnect's wait pass: once the worker waits to reconnect, the clock moves
     *seconds*."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     cut = threading.Event()
 
     class Cut:

@@ -20,7 +20,7 @@ from _worker_helpers import Probe, events, has_event, make_worker, running, work
 from orbit_sync.client import Client
 from orbit_sync.errors import HTTPError
 from orbit_sync.models import Outcome, TaskState
-from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import DrainEvent, ShutdownReport, TaskContext, Worker, WorkerListener
 from orbit_sync.worker._outbox import Outbox
 
@@ -48,7 +48,7 @@ def test_drain_keeps_leases_renewed_and_takes_no_new_work() -> None:
     (fake time: the server's clock, followed by the worker's, moves to the next renewal)."""
     manual = ManualClock()
     with MockOrbitServer(clock=manual, lease_duration=2.0, assignment_rate=None) as server:
-        worker = make_worker(server, drain_timeout=20.0, clock=FakeClock(follow=manual))
+        worker = make_worker(server, drain_timeout=20.0, clock=manual)
         _drain_keeps_renewing(server, worker)
         server.check_invariants()
 
@@ -138,7 +138,7 @@ def test_drain_waits_for_an_assignment_sent_before_the_drain_was_answered() -> N
     effects: collections.Counter[str] = collections.Counter()
     manual = ManualClock()
     with MockOrbitServer(clock=manual, lease_duration=2.0, assignment_rate=None) as server:
-        clock = FakeClock(follow=manual)
+        clock = manual
         worker = make_worker(
             server, capacity=1, drain_timeout=20.0, renew_retry_delay=1.0, clock=clock
         )
@@ -281,7 +281,7 @@ def test_request_stop_returns_while_a_capacity_report_is_unanswered() -> None:
     with MockOrbitServer(
         clock=manual, lease_duration=2.0, session_window=1.5, assignment_rate=None
     ) as server:
-        worker = make_worker(server, call_timeout=5.0, clock=FakeClock(follow=manual))
+        worker = make_worker(server, call_timeout=5.0, clock=manual)
 
         @worker.handler("work")
         def work(ctx: TaskContext, payload: Any) -> Any:
@@ -492,9 +492,9 @@ class _Stopped(WorkerListener):
 
 
 def _unanswered_finish(
-    server: MockOrbitServer, clock: FakeClock, **kwargs: Any
+    server: MockOrbitServer, clock: ManualClock, **kwargs: Any
 ) -> tuple[Worker, str, _Stopped]:
-    """A started worker on a FakeClock nobody moves, whose one finish the server never answers."""
+    """A started worker on a ManualClock nobody moves, whose one finish the server never answers."""
     dropped = server.faults.drop_reply("task.finish", count=1_000)
     stopped = _Stopped()
     worker = make_worker(
@@ -522,7 +522,7 @@ def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothin
     reported unreported and kept in the outbox (the worker cannot know the server applied it)."""
     path = tmp_path / "outbox.sqlite"
     worker, task_id, stopped = _unanswered_finish(
-        server, FakeClock(), outbox=path if with_outbox else None
+        server, ManualClock(0.0), outbox=path if with_outbox else None
     )
     worker.request_stop(drain=False)
     # The bound is 0.05 + 0.05 s plus the close allowance: well inside.
@@ -540,7 +540,7 @@ def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothin
 def test_stop_that_shortens_a_drain_ends_in_real_time(server: MockOrbitServer) -> None:
     """stop(drain=False) after a 30 s drain was asked, on a clock nobody moves: stop() cuts the
     shutdown short past its own bound, though the shutdown's alarm was set for the drain."""
-    clock = FakeClock()
+    clock = ManualClock(0.0)
     worker, task_id, _ = _unanswered_finish(server, clock)
     worker.request_stop(drain=True)
     assert clock.wait_for_sleepers(1, "orbit-worker-shutdown")  # draining, alarm set

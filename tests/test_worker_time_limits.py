@@ -13,7 +13,7 @@ from _worker_helpers import Probe, make_worker
 
 from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.models import AttemptRef, Outcome, TaskState, new_id, new_secret
-from orbit_sync.testing import FakeClock, ManualClock, MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import (
     StuckEvent,
     TaskCancelled,
@@ -161,7 +161,7 @@ class _Stuck(WorkerListener):
 
 @pytest.fixture
 def manual() -> ManualClock:
-    """The mock server's hand-moved clock (the worker's FakeClock follows it)."""
+    """The mock server's hand-moved clock (the worker's ManualClock follows it)."""
     return ManualClock()
 
 
@@ -175,7 +175,7 @@ def server(manual: ManualClock) -> Any:
 
 def _worker(server: MockOrbitServer, manual: ManualClock, **kwargs: Any) -> Worker:
     kwargs.setdefault("cancel_grace", GRACE)
-    return make_worker(server, clock=FakeClock(follow=manual), **kwargs)
+    return make_worker(server, clock=manual, **kwargs)
 
 
 def _attempt(server: MockOrbitServer, task_id: str) -> tuple[Any, ...]:

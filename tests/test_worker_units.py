@@ -11,7 +11,7 @@ import pytest
 from _worker_helpers import leased_task
 
 from orbit_sync.models import Outcome, Task, new_id
-from orbit_sync.testing import FakeClock, HandlerEnvironment
+from orbit_sync.testing import HandlerEnvironment, ManualClock
 from orbit_sync.worker import (
     Backoff,
     Fail,
@@ -159,7 +159,7 @@ def test_context_cancel_first_reason_wins() -> None:
 
 def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -> None:
     """The context exposes the task; remaining() follows the deadline; its logger names ids."""
-    clock = FakeClock(50.0)
+    clock = ManualClock(50.0)
     task = _task()
     attempt_id = new_id()
     ctx = TaskContext(task, attempt_id, deadline=60.0, clock=clock)

@@ -15,7 +15,6 @@ from _worker_helpers import Probe, leased_task, make_worker, running
 from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Lease, Task, new_id
-from orbit_sync.testing import FakeClock as WorkerFakeClock
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import LeaseEvent, WorkerListener
 from orbit_sync.worker._context import TaskContext
@@ -30,8 +29,9 @@ from orbit_sync.worker._watchdog import (
 T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
 
 
-class FakeClock(WorkerFakeClock):
-    """The worker's fake clock, also callable: the watchdog core reads time through a function."""
+class CallClock(ManualClock):
+    """A hand-moved clock from 1000 s, also callable: the watchdog core reads time through a
+    function."""
 
     def __init__(self) -> None:
         super().__init__(1000.0)
@@ -71,7 +71,7 @@ class Renewer:
     """A scripted send function that records every renewal (attempt_id, message_id, time) and
     answers it at once, or holds it when ``hold`` is set (answer later with ``release``)."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: CallClock) -> None:
         self.clock = clock
         self.calls: list[tuple[str, str, float]] = []
         self.script: list[Callable[[], Lease]] = []
@@ -117,22 +117,22 @@ def _raise(exc: Exception) -> Callable[[], Lease]:
 
 
 @pytest.fixture
-def clock() -> FakeClock:
+def clock() -> CallClock:
     """A fresh fake clock."""
-    return FakeClock()
+    return CallClock()
 
 
 @pytest.fixture
-def renewer(clock: FakeClock) -> Renewer:
+def renewer(clock: CallClock) -> Renewer:
     """A renew function over the fake clock."""
     return Renewer(clock)
 
 
-def _ctx(clock: FakeClock) -> TaskContext:
+def _ctx(clock: CallClock) -> TaskContext:
     return TaskContext(_task(), new_id(), clock=clock)
 
 
-def test_renews_at_half_the_remaining_window(clock: FakeClock, renewer: Renewer) -> None:
+def test_renews_at_half_the_remaining_window(clock: CallClock, renewer: Renewer) -> None:
     """A 30 s lease is renewed after 15 s, then every 15 s, never earlier."""
     wd = LeaseWatchdog(renewer, clock=clock)
     ctx = _ctx(clock)
@@ -152,7 +152,7 @@ def test_renews_at_half_the_remaining_window(clock: FakeClock, renewer: Renewer)
     assert not ctx.cancelled.is_set()
 
 
-def test_one_heap_for_many_attempts(clock: FakeClock, renewer: Renewer) -> None:
+def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer) -> None:
     """Attempts with different deadlines are renewed in deadline order by one core."""
     wd = LeaseWatchdog(renewer, clock=clock)
     ids = ["1" * 32, "2" * 32, "3" * 32]
@@ -170,7 +170,7 @@ def test_one_heap_for_many_attempts(clock: FakeClock, renewer: Renewer) -> None:
     assert wd.stats().lease_losses == 0
 
 
-def test_deadline_passing_cancels_with_lease_expired(clock: FakeClock, renewer: Renewer) -> None:
+def test_deadline_passing_cancels_with_lease_expired(clock: CallClock, renewer: Renewer) -> None:
     """When renewals keep failing until the local deadline, the context is cancelled."""
     renewer.script = [_raise(WorkerDisconnected("down"))] * 100
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=1.0)
@@ -188,7 +188,7 @@ def test_deadline_passing_cancels_with_lease_expired(clock: FakeClock, renewer: 
 
 
 def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
-    clock: FakeClock, renewer: Renewer
+    clock: CallClock, renewer: Renewer
 ) -> None:
     """Busy/disconnect/timeout retry after retry_delay and re-send the unanswered message_id."""
     renewer.script = [
@@ -212,7 +212,7 @@ def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
     assert renewer.calls[-1][1] != ids[0]
 
 
-def test_retry_never_scheduled_past_the_deadline(clock: FakeClock, renewer: Renewer) -> None:
+def test_retry_never_scheduled_past_the_deadline(clock: CallClock, renewer: Renewer) -> None:
     """A retry that would land after the deadline is replaced by the deadline itself."""
     renewer.script = [_raise(WorkerDisconnected("down"))]
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
@@ -232,7 +232,7 @@ def test_retry_never_scheduled_past_the_deadline(clock: FakeClock, renewer: Rene
     ids=["cancel_requested_at", "inactive", "not-running"],
 )
 def test_lease_answer_cancels_context(
-    clock: FakeClock, renewer: Renewer, answer: Callable[[FakeClock], Lease], reason: str
+    clock: CallClock, renewer: Renewer, answer: Callable[[CallClock], Lease], reason: str
 ) -> None:
     """A renewal answer with a cancel request or without a running lease cancels the handler."""
     renewer.script = [lambda: answer(clock)]
@@ -245,7 +245,7 @@ def test_lease_answer_cancels_context(
     assert not wd.is_tracked("a" * 32)
 
 
-def test_lease_lost_error_cancels_context(clock: FakeClock, renewer: Renewer) -> None:
+def test_lease_lost_error_cancels_context(clock: CallClock, renewer: Renewer) -> None:
     """The server answering LEASE_LOST cancels the context with lease_lost, once."""
     renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="e" * 32))]
     losses: list[tuple[str, str]] = []
@@ -259,7 +259,7 @@ def test_lease_lost_error_cancels_context(clock: FakeClock, renewer: Renewer) ->
     assert wd.stats().lease_losses == 1
 
 
-def test_rate_limited_is_retried_not_lost(clock: FakeClock, renewer: Renewer) -> None:
+def test_rate_limited_is_retried_not_lost(clock: CallClock, renewer: Renewer) -> None:
     """RATE_LIMITED/UNAVAILABLE are transient: the attempt keeps its lease and is retried."""
     renewer.script = [_raise(WorkerError("RATE_LIMITED", "slow down", message_id="e" * 32))]
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=1.0)
@@ -270,7 +270,7 @@ def test_rate_limited_is_retried_not_lost(clock: FakeClock, renewer: Renewer) ->
     assert not ctx.cancelled.is_set()
 
 
-def test_never_renews_cancelled_or_untracked(clock: FakeClock, renewer: Renewer) -> None:
+def test_never_renews_cancelled_or_untracked(clock: CallClock, renewer: Renewer) -> None:
     """A cancelled context or an untracked (finished) attempt is never renewed."""
     wd = LeaseWatchdog(renewer, clock=clock)
     cancelled, finished = _ctx(clock), _ctx(clock)
@@ -285,7 +285,7 @@ def test_never_renews_cancelled_or_untracked(clock: FakeClock, renewer: Renewer)
     assert not finished.cancelled.is_set()
 
 
-def test_finished_during_renew_is_not_rescheduled(clock: FakeClock, renewer: Renewer) -> None:
+def test_finished_during_renew_is_not_rescheduled(clock: CallClock, renewer: Renewer) -> None:
     """An attempt untracked while its renew was in flight is dropped, not renewed again."""
     wd = LeaseWatchdog(renewer, clock=clock)
 
@@ -300,7 +300,7 @@ def test_finished_during_renew_is_not_rescheduled(clock: FakeClock, renewer: Ren
     assert wd.stats().renewals == 0
 
 
-def test_lag_is_measured(clock: FakeClock, renewer: Renewer) -> None:
+def test_lag_is_measured(clock: CallClock, renewer: Renewer) -> None:
     """Waking after the scheduled time shows up as lag in the stats."""
     wd = LeaseWatchdog(renewer, clock=clock)
     wd.track("a" * 32, _ctx(clock), clock() + 30.0)
@@ -310,7 +310,7 @@ def test_lag_is_measured(clock: FakeClock, renewer: Renewer) -> None:
     assert wd.stats().lag_max == pytest.approx(0.75)
 
 
-def test_a_resume_moves_the_deadline_later_never_sooner(clock: FakeClock, renewer: Renewer) -> None:
+def test_a_resume_moves_the_deadline_later_never_sooner(clock: CallClock, renewer: Renewer) -> None:
     """A resumed lease that ends later (a renewal applied whose answer a cut took) moves the
     deadline; one that ends sooner (a resume answered before the renewal behind it) does not:
     each is a safe bound, and the later stands."""
@@ -327,7 +327,7 @@ def test_a_resume_moves_the_deadline_later_never_sooner(clock: FakeClock, renewe
     assert len(renewer.calls) == 1
 
 
-def test_reconnects_never_put_off_a_renewal(clock: FakeClock, renewer: Renewer) -> None:
+def test_reconnects_never_put_off_a_renewal(clock: CallClock, renewer: Renewer) -> None:
     """Resumes that leave the lease as it was keep its renewal at half of the granted window,
     however many reconnects come before it; a resumed lease that ends sooner brings it forward."""
     wd = LeaseWatchdog(renewer, clock=clock)
@@ -345,7 +345,7 @@ def test_reconnects_never_put_off_a_renewal(clock: FakeClock, renewer: Renewer) 
 
 
 def test_a_new_connection_renews_the_leases_past_a_quarter_of_their_window(
-    clock: FakeClock, renewer: Renewer
+    clock: CallClock, renewer: Renewer
 ) -> None:
     """Once a quarter of the window its last grant gave has passed, a lease is renewed on the
     next connection published, not left for its half-way point (the link may be down by
@@ -372,7 +372,7 @@ def test_retry_delay_is_bounded() -> None:
     """retry_delay outside [0.1, 5] s is refused."""
     for bad in (0.0, 0.05, 6.0):
         with pytest.raises(ValueError):
-            LeaseWatchdog(sync(lambda a, m: lease(FakeClock())), retry_delay=bad)
+            LeaseWatchdog(sync(lambda a, m: lease(CallClock())), retry_delay=bad)
 
 
 def test_thread_shell_renews_and_stops() -> None:
@@ -396,7 +396,7 @@ def test_thread_shell_renews_and_stops() -> None:
     assert not shell._thread.is_alive()
 
 
-def test_a_held_renewal_does_not_delay_another_attempts(clock: FakeClock, renewer: Renewer) -> None:
+def test_a_held_renewal_does_not_delay_another_attempts(clock: CallClock, renewer: Renewer) -> None:
     """Renewals are pipelined: B is sent on time while A's answer is held."""
     renewer.hold = True
     wd = LeaseWatchdog(renewer, clock=clock)
@@ -413,7 +413,7 @@ def test_a_held_renewal_does_not_delay_another_attempts(clock: FakeClock, renewe
     assert wd.stats().renewals == 2 and len(renewer.calls) == 2
 
 
-def test_an_unanswered_renewal_still_expires_the_lease(clock: FakeClock, renewer: Renewer) -> None:
+def test_an_unanswered_renewal_still_expires_the_lease(clock: CallClock, renewer: Renewer) -> None:
     """While a renewal is in flight the deadline is watched; a late answer is then ignored."""
     renewer.hold = True
     wd = LeaseWatchdog(renewer, clock=clock)
@@ -428,7 +428,7 @@ def test_an_unanswered_renewal_still_expires_the_lease(clock: FakeClock, renewer
     assert wd.stats().renewals == 0 and not wd.is_tracked("a" * 32)
 
 
-def test_refresh_during_a_renewal_survives_its_failure(clock: FakeClock, renewer: Renewer) -> None:
+def test_refresh_during_a_renewal_survives_its_failure(clock: CallClock, renewer: Renewer) -> None:
     """A reconnect's refresh (new deadline) made while a renewal is in flight is kept when that
     renewal then fails: every entry field is written under the watchdog's lock."""
     renewer.hold = True
@@ -445,7 +445,7 @@ def test_refresh_during_a_renewal_survives_its_failure(clock: FakeClock, renewer
 
 
 def test_a_new_connection_resends_a_renew_left_unanswered(
-    clock: FakeClock, renewer: Renewer
+    clock: CallClock, renewer: Renewer
 ) -> None:
     """A renew the lost connection left unanswered (sent past a quarter of its window, like
     every renewal) goes out again as soon as the next connection is published, same
@@ -473,7 +473,7 @@ def test_a_new_connection_resends_a_renew_left_unanswered(
 
 @pytest.mark.parametrize("pending", [False, True])
 def test_a_loss_answering_the_reconnect_renewal_is_session_replaced(
-    clock: FakeClock, renewer: Renewer, pending: bool
+    clock: CallClock, renewer: Renewer, pending: bool
 ) -> None:
     """The renewal sent behind a new connection's resumes, answered LEASE_LOST, cancels the
     handler as the resume's answer would (session_replaced); a later renewal's loss is
@@ -507,7 +507,7 @@ class BatchRenewer(Renewer):
     """A scripted send_many: records each batch (attempt ids) and answers every renewal at once
     like :class:`Renewer`; its single send must never be used."""
 
-    def __init__(self, clock: FakeClock) -> None:
+    def __init__(self, clock: CallClock) -> None:
         super().__init__(clock)
         self.batches: list[list[str]] = []
         self.fail_with: Exception | None = None
@@ -524,12 +524,12 @@ class BatchRenewer(Renewer):
 
 
 @pytest.fixture
-def batcher(clock: FakeClock) -> BatchRenewer:
+def batcher(clock: CallClock) -> BatchRenewer:
     """A batch send function over the fake clock."""
     return BatchRenewer(clock)
 
 
-def test_renewals_due_together_go_out_in_one_batch(clock: FakeClock, batcher: BatchRenewer) -> None:
+def test_renewals_due_together_go_out_in_one_batch(clock: CallClock, batcher: BatchRenewer) -> None:
     """Attempts due at the same moment are handed to send_many once, all of them."""
     wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
     ids = ["1" * 32, "2" * 32, "3" * 32]
@@ -541,7 +541,7 @@ def test_renewals_due_together_go_out_in_one_batch(clock: FakeClock, batcher: Ba
     assert wd.stats().renewals == 3
 
 
-def test_nearly_due_renewals_join_a_batch(clock: FakeClock, batcher: BatchRenewer) -> None:
+def test_nearly_due_renewals_join_a_batch(clock: CallClock, batcher: BatchRenewer) -> None:
     """A renewal within a quarter of its wait joins the batch sent now (lag 0: it is early); one
     further away waits for its own time."""
     lags: dict[str, float] = {}
@@ -566,7 +566,7 @@ def test_nearly_due_renewals_join_a_batch(clock: FakeClock, batcher: BatchRenewe
 
 
 def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
-    clock: FakeClock, batcher: BatchRenewer
+    clock: CallClock, batcher: BatchRenewer
 ) -> None:
     """A lease granted less than MIN_RENEW_INTERVAL ago is not renewed early with a batch."""
     wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
@@ -582,7 +582,7 @@ def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
 
 
 def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
-    clock: FakeClock, batcher: BatchRenewer
+    clock: CallClock, batcher: BatchRenewer
 ) -> None:
     """send_many raising (a bug) is a failure of each renewal in it: all retried, none lost."""
     batcher.fail_with = RuntimeError("send bug")
@@ -626,9 +626,7 @@ def test_the_worker_renews_attempts_due_together_in_one_write(
             def lease_renewed(self, event: LeaseEvent) -> None:
                 renewed.release()
 
-        worker = make_worker(
-            server, capacity=3, clock=WorkerFakeClock(follow=manual), listeners=[Renewals()]
-        )
+        worker = make_worker(server, capacity=3, clock=manual, listeners=[Renewals()])
 
         @worker.handler("hold")
         def hold(ctx: TaskContext, payload: Any) -> None:
@@ -648,7 +646,7 @@ def test_the_worker_renews_attempts_due_together_in_one_write(
         assert worker.stats().lease_losses == 0
 
 
-def test_early_additions_stop_at_a_bounded_batch(clock: FakeClock, batcher: BatchRenewer) -> None:
+def test_early_additions_stop_at_a_bounded_batch(clock: CallClock, batcher: BatchRenewer) -> None:
     """Nearly due renewals fill a batch only up to MAX_EARLY_BATCH; renewals that are due all go."""
     wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
     due_now = [f"{i:032x}" for i in range(MAX_EARLY_BATCH - 2)]

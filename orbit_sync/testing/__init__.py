@@ -13,9 +13,10 @@ with a Python API to enqueue tasks, inspect them, move server time and inject fa
         snap = server.wait_for(task_id, {"SUCCEEDED", "NEEDS_REVIEW"})
 
 Also here for tests of code that uses the worker: :class:`HandlerEnvironment` (run a handler
-without a server) and :class:`FakeClock` (moved by hand or following a ``ManualClock``). Both
-clocks are an :class:`orbit_sync.Clock`: pass the server's ``ManualClock`` to ``Worker(clock=...)``
-and ``dial_worker(clock=...)`` and ``server.advance()`` moves the worker's time too.
+without a server) and :class:`ManualClock`, the :class:`orbit_sync.Clock` for tests: pass the
+server's ``ManualClock`` to ``Worker(clock=...)`` and ``dial_worker(clock=...)`` and
+``server.advance()`` moves the worker's time too (``ManualClock(follow=frozen)`` follows
+freezegun's frozen time instead).
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .._deprecated import moved
+from .._deprecated import deprecated, moved
 
 if TYPE_CHECKING:
-    from ..worker._clock import FakeClock
     from ..worker._environment import HandlerEnvironment
     from ._admin import AdminAPI
     from ._admin_client import AdminClient, AdminError
-    from ._clock import ManualClock, ServerClock, SystemClock
+    from ._clock import ManualClock
     from ._cutlink import CuttingLink
     from ._faults import Fault, Faults
     from ._server import AdminHandler, MockOrbitServer
@@ -58,19 +58,19 @@ _EXPORTS: dict[str, str] = {
     "EventLog": "._snapshots",
     "EventRecord": "._snapshots",
     "EvidenceSnapshot": "._snapshots",
-    "FakeClock": "..worker._clock",
     "Fault": "._faults",
     "Faults": "._faults",
     "HandlerEnvironment": "..worker._environment",
     "ManualClock": "._clock",
     "MockOrbitServer": "._server",
     "RetrySafety": "._snapshots",
-    "ServerClock": "._clock",
     "SessionSnapshot": "._snapshots",
-    "SystemClock": "._clock",
     "TaskPolicy": "._snapshots",
     "TaskSnapshot": "._snapshots",
 }
+#: Clocks folded into ManualClock and orbit_sync.SystemClock: the class in ._clock that keeps
+#: the old behaviour for one more release (its INSTEAD says what to use).
+_OLD_CLOCKS = {"FakeClock": "FakeClock", "SystemClock": "AdvancingSystemClock"}
 #: The server state machine's internals: no longer public, reachable for one more release.
 _MOVED = ("InvariantError", "OrbitState", "SCOPE_CONNECT", "SCOPE_CONSUME", "queue_scope")
 
@@ -84,25 +84,27 @@ __all__ = [
     "EventLog",
     "EventRecord",
     "EvidenceSnapshot",
-    "FakeClock",
     "Fault",
     "Faults",
     "HandlerEnvironment",
     "ManualClock",
     "MockOrbitServer",
     "RetrySafety",
-    "ServerClock",
     "SessionSnapshot",
-    "SystemClock",
     "TaskPolicy",
     "TaskSnapshot",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name == "Clock":
-        # Renamed: orbit_sync.Clock is the one clock the client and the worker take.
-        return moved(__name__, name, __name__, "ServerClock")
+    if name in ("Clock", "ServerClock"):
+        # orbit_sync.Clock is the one clock protocol: the server takes it too.
+        return moved(__name__, name, "orbit_sync", "Clock")
+    if name in _OLD_CLOCKS:
+        from . import _clock
+
+        old = getattr(_clock, _OLD_CLOCKS[name])
+        return deprecated(__name__, name, old.INSTEAD, old)
     if name in _MOVED:
         return moved(__name__, name, f"{__name__}._state")
     module = _EXPORTS.get(name)

@@ -1,88 +1,53 @@
-"""Server time for the mock Orbit server.
+"""The clock for tests, :class:`ManualClock`, and how the mock server reads time.
 
-The state machine never reads the system clock: it asks a clock object for ``now()`` (POSIX
-seconds). Two clocks ship with the package:
+:class:`ManualClock` is the test implementation of :class:`orbit_sync.Clock` (the real one is
+:class:`orbit_sync.SystemClock`): time moves only when told to, by :meth:`ManualClock.advance`,
+by ``MockOrbitServer.advance()`` (which steps it through every due moment: lease expiry,
+recovery scans, backoff) or, with ``follow=``, by freezegun's frozen time. One object serves the
+mock server, a connection and a worker, so a test moves all their times at once.
 
-* :class:`SystemClock` — real time (the default). Anchored once to the wall clock, then driven by
-  the monotonic clock so NTP steps cannot move server time backwards (both read as at import:
-  freezegun's frozen time does not reach it, see :mod:`orbit_sync._realtime`); ``advance()`` adds an
-  offset, so a test can jump over a lease window without waiting.
-* :class:`ManualClock` — time moves only when told to. ``MockOrbitServer.advance()`` steps it
-  through every due moment (lease expiry, recovery scans, backoff) before returning. With
-  ``follow=`` it moves with freezegun's frozen time instead (see :meth:`ManualClock._follow`).
+The mock server speaks POSIX time on the wire; :class:`ServerTime` reads it from the server's
+clock: a ``ManualClock``'s readings as they are (POSIX seconds, from ``start``), any other clock
+anchored once to the wall clock (so NTP steps cannot move server time backwards), with
+``server.advance()`` then adding an offset.
 
-Any :class:`ServerClock` (``now() -> float`` and ``advance(seconds) -> None``) works; one whose
-``real_time`` attribute is true is treated as moving by itself (the server then wakes on its own
-to run due work). A :class:`ManualClock` is also an :class:`orbit_sync.Clock`, the clock the
-client and the worker take, so one object can drive the server and the worker under test.
+The deprecated forms of this module's old names (``FakeClock``, ``SystemClock`` with
+``advance``) live here too, reachable through ``orbit_sync.testing`` with a DeprecationWarning.
 """
 
 from __future__ import annotations
 
 import calendar
+import collections
 import datetime as _dt
+import math
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from .._realtime import monotonic, wall
 from .._seconds import seconds as check_seconds
-from ..worker._clock import ManualWaits
+from ..clock import Clock, SystemClock
 
 if TYPE_CHECKING:
     from freezegun.api import FrozenDateTimeFactory
 
-__all__ = ["DEFAULT_START", "ManualClock", "ServerClock", "SystemClock"]
+__all__ = ["DEFAULT_START", "ManualClock", "ServerTime", "moves_by_itself"]
 
 #: Where a :class:`ManualClock` starts unless told otherwise: a fixed, readable instant.
 DEFAULT_START = _dt.datetime(2026, 1, 1, tzinfo=_dt.timezone.utc)
 
 
-@runtime_checkable
-class ServerClock(Protocol):
-    """What the mock server needs from a clock (the client and the worker take an
-    :class:`orbit_sync.Clock`, which :class:`ManualClock` also is)."""
+class ManualClock:
+    """A clock that moves only when :meth:`advance` is called: the :class:`orbit_sync.Clock`
+    for tests.
 
-    def now(self) -> float:
-        """Current server time in POSIX seconds."""
-
-    def advance(self, seconds: float) -> None:
-        """Move server time forward by *seconds* (>= 0)."""
-
-
-class SystemClock:
-    """Real time plus an offset that :meth:`advance` grows."""
-
-    real_time = True
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._wall0 = wall()
-        self._mono0 = monotonic()
-        self._offset = 0.0
-
-    def now(self) -> float:
-        """Wall time at creation plus monotonic progress plus the advanced offset."""
-        # One attribute read is atomic; the lock only serializes advance()'s read-modify-write.
-        return self._wall0 + (monotonic() - self._mono0) + self._offset
-
-    def advance(self, seconds: float) -> None:
-        """Jump forward by *seconds*."""
-        step = check_seconds(seconds, "seconds")
-        with self._lock:
-            self._offset += step
-
-    def __repr__(self) -> str:
-        return f"SystemClock(offset={self._offset:.3f})"
-
-
-class ManualClock(ManualWaits):
-    """A clock that moves only when :meth:`advance` is called.
-
-    Listeners (the mock server subscribes one) are called after each move, so time advanced
-    directly on the clock still runs the server's due work, on the server's scheduler thread.
-    It is also an :class:`orbit_sync.Clock`: pass the same object to ``dial_worker(clock=...)``
-    and ``Worker(clock=...)``, and their timed waits end when server time passes their deadlines.
+    Its readings are POSIX seconds from *start* (an aware datetime, or seconds: ``0.0`` for a
+    clock counting from zero; 2026-01-01T00:00:00Z when left out). Pass the same object to
+    ``MockOrbitServer(clock=...)``, ``dial_worker(clock=...)`` and ``Worker(clock=...)``: every
+    timed wait on it re-checks its deadline after each move, and listeners (the mock server
+    subscribes one) are called after each move, so time advanced directly on the clock still runs
+    the server's due work, on the server's scheduler thread.
 
     With *follow* (what freezegun's ``freeze_time()`` returns), the clock starts at the frozen
     time and moves with it: each ``tick()`` or ``move_to()`` of that object advances this clock
@@ -90,8 +55,6 @@ class ManualClock(ManualWaits):
     ``time.time()`` and ``time.monotonic()`` return, but cannot end a wait already sleeping
     towards a deadline; this is the bridge.
     """
-
-    real_time = False
 
     def __init__(
         self,
@@ -111,9 +74,18 @@ class ManualClock(ManualWaits):
             start = start.timestamp()
         if isinstance(start, bool) or not isinstance(start, int | float):
             raise TypeError("start must be POSIX seconds or an aware datetime")
-        super().__init__()
+        if not math.isfinite(start):
+            raise ValueError("start must be a finite number of seconds")
+        self._lock = threading.Lock()
         self._now = float(start)
         self._listeners: list[Callable[[], None]] = []
+        #: Conditions someone waits on with a deadline, with how many waiters each.
+        self._waiting: dict[threading.Condition, int] = {}
+        #: Threads in a timed wait on this clock (notified on every change).
+        self._sleepers: collections.Counter[str] = collections.Counter()
+        self._sleep_change = threading.Condition(self._lock)
+        #: Notified by unpark(), so that parked threads re-check their locks.
+        self._park_change = threading.Condition()
         if follow is not None:
             self._follow(follow)
 
@@ -148,12 +120,13 @@ class ManualClock(ManualWaits):
         frozen.move_to = moved  # type: ignore[assignment, method-assign]
 
     def now(self) -> float:
-        """The current manual time."""
+        """The current manual time (POSIX seconds)."""
         with self._lock:
             return self._now
 
     def advance(self, seconds: float) -> None:
-        """Move forward by *seconds* and notify listeners."""
+        """Move forward by *seconds*, notify listeners and wake every timed waiter to re-check
+        its deadline."""
         step = check_seconds(seconds, "seconds")
         with self._lock:
             self._now += step
@@ -174,9 +147,188 @@ class ManualClock(ManualWaits):
 
         return unsubscribe
 
+    # ------------------------------------------------------------------ timed waits
+
+    def wait(self, cond: threading.Condition, deadline: float | None) -> None:
+        """Wait on *cond* until notified, or until the clock moves past *deadline*."""
+        if deadline is None:
+            cond.wait()
+            return
+        # Registered before time is read: a move after the read then finds us and
+        # notifies (it needs cond, which we hold until cond.wait releases it), so no move is lost.
+        name = threading.current_thread().name
+        with self._lock:
+            self._waiting[cond] = self._waiting.get(cond, 0) + 1
+            self._sleepers[name] += 1
+            self._sleep_change.notify_all()
+        try:
+            if self.now() < deadline:
+                cond.wait()
+        finally:
+            with self._lock:
+                left = self._waiting[cond] - 1
+                if left:
+                    self._waiting[cond] = left
+                else:
+                    del self._waiting[cond]
+                self._sleepers[name] -= 1
+                if not self._sleepers[name]:
+                    del self._sleepers[name]
+                self._sleep_change.notify_all()
+
+    def park(self, lock: threading.Lock, deadline: float) -> bool:
+        """Acquire *lock*, or return False once the clock moves past *deadline*.
+
+        The lock must be released through :meth:`unpark`: it and every move of the clock wake
+        this wait.
+        """
+        with self._park_change:
+            while not lock.acquire(blocking=False):
+                if self.now() >= deadline:
+                    return False
+                self.wait(self._park_change, deadline)
+            return True
+
+    def unpark(self, lock: threading.Lock) -> None:
+        """Release *lock* and wake the threads in :meth:`park`."""
+        with self._park_change:
+            lock.release()
+            self._park_change.notify_all()
+
+    def sleepers(self, prefix: str = "") -> int:
+        """How many threads (named with *prefix*) are in a timed wait on this clock now."""
+        with self._lock:
+            return sum(n for name, n in self._sleepers.items() if name.startswith(prefix))
+
+    def wait_for_sleepers(self, count: int, prefix: str = "", timeout: float = 10.0) -> bool:
+        """Wait (real time, at most *timeout*) until at least *count* threads named with
+        *prefix* are in a timed wait on this clock: what a move of the clock will then wake."""
+        deadline = monotonic() + timeout
+        with self._lock:
+            while sum(n for name, n in self._sleepers.items() if name.startswith(prefix)) < count:
+                remaining = deadline - monotonic()
+                if remaining <= 0:
+                    return False
+                self._sleep_change.wait(remaining)
+            return True
+
+    def _wake_all(self) -> None:
+        with self._lock:
+            conds = list(self._waiting)
+        for cond in conds:
+            with cond:
+                cond.notify_all()
+
     def __repr__(self) -> str:
-        when = _dt.datetime.fromtimestamp(self._now, tz=_dt.timezone.utc)
+        when = _dt.datetime.fromtimestamp(self.now(), tz=_dt.timezone.utc)
         return f"ManualClock({when.isoformat()})"
+
+
+class ServerTime:
+    """The mock server's time in POSIX seconds, read from its :class:`orbit_sync.Clock`.
+
+    A clock with an ``advance`` of its own (a :class:`ManualClock`, or a deprecated server clock)
+    is read as POSIX seconds, and :meth:`advance` moves it; any other clock
+    (:class:`orbit_sync.SystemClock` by default) is read from the wall-clock time at creation
+    on, and :meth:`advance` adds an offset.
+    """
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        own = getattr(clock, "advance", None)
+        self._advance: Callable[[float], None] | None = own if callable(own) else None
+        self._lock = threading.Lock()
+        self._offset = 0.0 if self._advance is not None else wall() - clock.now()
+
+    def now(self) -> float:
+        """Server time, POSIX seconds."""
+        # One attribute read is atomic; the lock only serializes advance()'s read-modify-write.
+        return self.clock.now() + self._offset
+
+    def advance(self, seconds: float) -> None:
+        """Move server time forward by *seconds*."""
+        step = check_seconds(seconds, "seconds")
+        if self._advance is not None:
+            self._advance(step)
+            return
+        with self._lock:
+            self._offset += step
+
+
+def moves_by_itself(clock: object) -> bool:
+    """Whether *clock*'s time passes without anyone moving it (the mock server then wakes on its
+    own for due work): all but a :class:`ManualClock`, unless the clock says otherwise with a
+    ``real_time`` attribute (as the deprecated server clocks do)."""
+    return bool(getattr(clock, "real_time", not isinstance(clock, ManualClock)))
+
+
+# ---------------------------------------------------------------------- deprecated forms
+
+
+class FakeClock(ManualClock):
+    """Deprecated: ``ManualClock(0.0)`` (or ``ManualClock(start)``); instead of following the
+    server's ``ManualClock``, pass that clock itself. Counts from *start* (default 0); with
+    *follow*, reads that clock minus where it stood at creation and cannot be advanced itself."""
+
+    #: What the deprecation warning of the old name says to use.
+    INSTEAD = (
+        "use orbit_sync.testing.ManualClock (ManualClock(0.0) counts from zero; pass the server's "
+        "ManualClock itself instead of following it)"
+    )
+
+    def __init__(self, start: float = 0.0, *, follow: ManualClock | None = None) -> None:
+        if isinstance(start, bool) or not isinstance(start, int | float):
+            raise TypeError("start must be a number of seconds")
+        super().__init__(start)
+        self._followed = follow
+        self._origin = 0.0 if follow is None else follow.now() - float(start)
+        if follow is not None:
+            follow.subscribe(self._wake_all)
+
+    def now(self) -> float:
+        """The fake time."""
+        if self._followed is not None:
+            return self._followed.now() - self._origin
+        return super().now()
+
+    def advance(self, seconds: float) -> None:
+        """Move forward by *seconds* (not while following another clock)."""
+        check_seconds(seconds, "seconds")
+        if self._followed is not None:
+            raise RuntimeError("this clock follows another: advance that one")
+        super().advance(seconds)
+
+    def __repr__(self) -> str:
+        return f"FakeClock(now={self.now():.3f})"
+
+
+class AdvancingSystemClock(SystemClock):
+    """Deprecated (the old ``orbit_sync.testing.SystemClock``): real time in POSIX seconds,
+    anchored once to the wall clock, plus an offset that :meth:`advance` grows. Use
+    :class:`orbit_sync.SystemClock`, and ``server.advance()`` to move a real-time server."""
+
+    #: What the deprecation warning of the old name says to use.
+    INSTEAD = "use orbit_sync.SystemClock, and server.advance() to move a real-time server"
+
+    real_time = True
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._epoch = wall() - monotonic()
+        self._offset = 0.0
+
+    def now(self) -> float:
+        """Wall time at creation plus monotonic progress plus the advanced offset."""
+        return monotonic() + self._epoch + self._offset
+
+    def advance(self, seconds: float) -> None:
+        """Jump forward by *seconds*."""
+        step = check_seconds(seconds, "seconds")
+        with self._lock:
+            self._offset += step
+
+    def __repr__(self) -> str:
+        return f"SystemClock(offset={self._offset:.3f})"
 
 
 def _check_frozen(frozen: object) -> FrozenDateTimeFactory:

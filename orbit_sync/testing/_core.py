@@ -22,7 +22,7 @@ import hmac
 from collections.abc import Callable
 
 from ..models import Receipt, new_id
-from ._clock import ServerClock
+from ._clock import ServerTime
 from ._records import (
     SCAN_INTERVAL_US,
     US,
@@ -53,7 +53,7 @@ class StateCore:
     def __init__(
         self,
         *,
-        clock: ServerClock,
+        clock: ServerTime,
         lease_us: int,
         session_us: int,
         assignment_rate: float | None,

@@ -38,9 +38,10 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from .._protocol import READ_IDLE_TIMEOUT
+from ..clock import Clock, SystemClock
 from ..models import TaskState
 from ._admin_gate import AdminGate, AdminHandler
-from ._clock import ManualClock, ServerClock, SystemClock
+from ._clock import ManualClock, moves_by_itself
 from ._front import FrontDoor
 from ._hub import Hub
 from ._listener import Listener
@@ -75,7 +76,7 @@ class MockOrbitServer:
         port: int = 0,
         lease_duration: float = 30.0,
         session_window: float = 45.0,
-        clock: ServerClock | None = None,
+        clock: Clock | None = None,
         assignment_rate: float | None = 4.0,
         ssl_context: ssl.SSLContext | None = None,
         request_rate: float | None = None,
@@ -134,7 +135,7 @@ class MockOrbitServer:
         self._host = host
         self._port = port
         self._ssl = ssl_context
-        self._clock: ServerClock = SystemClock() if clock is None else clock
+        self._clock: Clock = SystemClock() if clock is None else clock
         self._state = OrbitState(
             clock=self._clock,
             lease_duration=lease_duration,
@@ -151,7 +152,7 @@ class MockOrbitServer:
         )
         self._max_pending = max_pending_connections
         # A clock that moves by itself makes the scheduler wake on its own for due work.
-        real_time = bool(getattr(self._clock, "real_time", False))
+        real_time = moves_by_itself(self._clock)
         hub = self._hub = Hub(self._state, real_time=real_time)
         self._cond = hub.cond
         #: Arm faults here (see :class:`~orbit_sync.testing.Faults`).
@@ -304,7 +305,7 @@ class MockOrbitServer:
         return self._state.namespace_id
 
     @property
-    def clock(self) -> ServerClock:
+    def clock(self) -> Clock:
         """The server's clock."""
         return self._clock
 

@@ -31,6 +31,7 @@ from typing import Any
 
 from .. import _json
 from .._codec import unstructure
+from ..clock import Clock
 from ..models import (
     ID_RE,
     MAX_LEASE_WINDOW,
@@ -40,7 +41,7 @@ from ..models import (
     TaskState,
     new_id,
 )
-from ._clock import ServerClock
+from ._clock import ServerTime
 from ._inspect import Inspection
 from ._options import TOKEN_RE
 from ._records import (
@@ -107,7 +108,7 @@ class OrbitState(Requests, Inspection):
     def __init__(
         self,
         *,
-        clock: ServerClock,
+        clock: Clock,
         lease_duration: float = 30.0,
         session_window: float = 45.0,
         assignment_rate: float | None = 4.0,
@@ -145,7 +146,7 @@ class OrbitState(Requests, Inspection):
         if type(max_receipts) is not int or max_receipts < 1:
             raise ValueError("max_receipts must be an int >= 1")
         super().__init__(
-            clock=clock,
+            clock=ServerTime(clock),
             lease_us=round(lease_duration * US),
             session_us=round(session_window * US),
             assignment_rate=assignment_rate,

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._deprecated import moved
-from ..clock import WorkerClock
+from .._deprecated import deprecated, moved
 from ._backoff import Backoff
 from ._context import TaskContext
 from ._encoding import result_converter
@@ -47,21 +46,27 @@ __all__ = [
     "UnknownEffect",
     "Verdict",
     "Worker",
-    "WorkerClock",
     "WorkerListener",
     "WorkerStats",
     "result_converter",
 ]
 
-#: Names that moved, and their new home; the old path warns until the next release.
+#: Names that moved (and were renamed), and their new home; the old path warns until the next
+#: release.
+_RENAMED = {"WorkerClock": ("orbit_sync", "SystemClock")}
 _MOVED = {
-    "FakeClock": "orbit_sync.testing",
     "HandlerEnvironment": "orbit_sync.testing",
     "OutboxError": "orbit_sync",
 }
 
 
 def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        return moved(__name__, name, *_RENAMED[name])
+    if name == "FakeClock":
+        from ..testing._clock import FakeClock
+
+        return deprecated(__name__, name, FakeClock.INSTEAD, FakeClock)
     new = _MOVED.get(name)
     if new is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

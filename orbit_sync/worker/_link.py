@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from ..clock import Clock, WorkerClock
+from ..clock import Clock, SystemClock
 from ..connection import Submission
 from ..errors import OrbitError
 from ..models import (
@@ -149,7 +149,7 @@ class Link:
     gate that bounds the attempts' requests on it (starts, finishes and resumes)."""
 
     def __init__(self, clock: Clock | None = None, *, slots: int = 24) -> None:
-        self._clock = clock or WorkerClock()
+        self._clock = clock or SystemClock()
         self._cond = threading.Condition()
         self._conn: Connection | None = None
         self._gen = 0

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 
 from .._realtime import monotonic
-from ..clock import Clock, WorkerClock
+from ..clock import Clock, SystemClock
 
 __all__ = ["DaemonPool"]
 
@@ -56,7 +56,7 @@ class DaemonPool:
         self._size = size
         self._name = name
         self._idle_timeout = idle_timeout
-        self._clock = clock or WorkerClock()
+        self._clock = clock or SystemClock()
         self._cond = threading.Condition(threading.Lock())
         #: Jobs waiting for a thread (only while every thread is busy).
         self._jobs: collections.deque[Callable[[], None]] = collections.deque()

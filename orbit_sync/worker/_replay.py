@@ -38,7 +38,7 @@ import collections
 import logging
 from functools import partial
 
-from ..clock import Clock, WorkerClock
+from ..clock import Clock, SystemClock
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
 from ._backoff import Backoff
@@ -129,7 +129,7 @@ def replay(
     failure (the caller retries with backoff). Never raises for a server or network problem.
     Closing *stop* (the worker's link, at shutdown) ends a try in progress.
     """
-    clock = clock or WorkerClock()
+    clock = clock or SystemClock()
     complete = True
     for stored in outbox.instances(exclude=exclude):
         if stop is not None and stop.is_closed():

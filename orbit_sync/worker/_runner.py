@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import cattrs
 
 from ..client import DialCut, queue_id_from_env
-from ..clock import Clock, WorkerClock
+from ..clock import Clock, SystemClock
 from ..models import (
     Outcome,
     Registration,
@@ -132,8 +132,7 @@ class Worker:
     *clock* (an :class:`orbit_sync.Clock`, the kind of object ``dial_worker`` takes) is the
     worker's time: lease deadlines, renewals, heartbeats, retry delays, the shutdown phases and
     idle handler threads run on it. Tests pass the mock server's
-    :class:`~orbit_sync.testing.ManualClock` (or a :class:`~orbit_sync.testing.FakeClock`) to let
-    those windows pass without sleeping.
+    :class:`~orbit_sync.testing.ManualClock` to let those windows pass without sleeping.
     """
 
     def __init__(
@@ -178,7 +177,7 @@ class Worker:
         self._retry_delay = float(opts.renew_retry_delay)
         self._handle_signals = opts.handle_signals
         self._log = opts.logger or _LOG
-        self._time = opts.clock or WorkerClock()
+        self._time = opts.clock or SystemClock()
         self._clock = self._time.now
         self._hooks = Hooks(listeners, logger=self._log)
 

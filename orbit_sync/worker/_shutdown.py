@@ -27,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from ..client import DialCut
-from ..clock import Clock, WorkerClock
+from ..clock import Clock, SystemClock
 from ._clock import Wakeup
 from ._handlers import Handlers
 from ._link import Link
@@ -46,7 +46,7 @@ __all__ = ["CLOSE_ALLOWANCE", "AttemptPhases", "Shutdown", "real_time_bound"]
 CLOSE_ALLOWANCE = 0.5
 
 #: The real-time clock of what runs in real time whatever the worker's clock: the close.
-REAL_TIME: Clock = WorkerClock()
+REAL_TIME: Clock = SystemClock()
 
 
 def real_time_bound(window: float, cancel_grace: float, flush_timeout: float) -> float:
