@@ -387,5 +387,5 @@ def decode_client_frame(raw: bytes | str) -> ClientFrame:
             check_result(model.result)
     except FrameError as exc:
         raise bad(str(exc)) from None
-    assert isinstance(body, dict)  # its decoder accepted it as an object
+    assert isinstance(body, dict)  # the converter accepted it as an object
     return ClientFrame(kind, message_id, frame.get("session_id"), model, body)

@@ -118,7 +118,8 @@ class Operation(str, enum.Enum):
 
 # --------------------------------------------------------------------------- value rules
 
-# The rules live in _rules (shared with the wire decoders); their names stay importable here.
+# The rules live in _rules (the wire converter builds bodies through these models); their names
+# stay importable here.
 ID_RE = _rules.ID_RE
 SECRET_RE = _rules.SECRET_RE
 HANDLER_RE = _rules.HANDLER_RE
@@ -221,7 +222,7 @@ E = TypeVar("E", bound=enum.Enum)
 
 
 def _enum_converter(cls: type[E]) -> Callable[[Any], E]:
-    """Members pass; a string is looked up by the same rule the wire decoder uses."""
+    """Members pass; a string is looked up by the same rule the wire converter uses."""
     member = _rules.member_of(cls)
     name = cls.__name__
 
