@@ -28,6 +28,7 @@ from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import (
     AttemptEvent,
     AttemptFinished,
+    DisconnectEvent,
     DrainEvent,
     Fail,
     LeaseEvent,
@@ -133,6 +134,37 @@ def test_prometheus_listener_follows_the_stuck_slots() -> None:
     assert registry.get_sample_value("orbit_slots_stuck") == 2
     metrics.handler_unstuck(StuckEvent("t" * 32, "0" * 32, "resize", "time_limit", 1, 4))
     assert registry.get_sample_value("orbit_slots_stuck") == 1
+
+
+def test_prometheus_listener_follows_slots_offered_busy_and_waited_for() -> None:
+    """orbit_slots is the capacity while connected and not draining; orbit_slots_busy counts
+    running handlers and stuck ones; each start observes its assignment's wait once."""
+    registry = CollectorRegistry()
+    metrics = PrometheusListener(registry=registry)
+    value = registry.get_sample_value
+    metrics.connected(SessionEvent("s" * 32, reconnect=False, capacity=4))
+    assert value("orbit_slots") == 4 and value("orbit_slots_busy") == 0
+    a, b = (AttemptEvent("t" * 32, n * 32, "resize", 1, 3) for n in "ab")
+    for event in (a, b):
+        metrics.attempt_received(event)
+    metrics.attempt_started(a)
+    assert value("orbit_slots_busy") == 1 and value("orbit_slot_wait_seconds_count") == 1
+    # b never ran (its start was refused): no wait observed, nothing busy.
+    metrics.attempt_finished(
+        AttemptFinished("t" * 32, "b" * 32, "resize", 1, Outcome.FAILED, "X", None, False, True)
+    )
+    metrics.handler_stuck(StuckEvent("t" * 32, "a" * 32, "resize", "time_limit", 1, 4))
+    metrics.attempt_finished(
+        AttemptFinished("t" * 32, "a" * 32, "resize", 1, Outcome.UNKNOWN, "X", 9.0, True, True)
+    )
+    assert value("orbit_slots_busy") == 1, "a stuck handler still holds its slot"
+    metrics.handler_unstuck(StuckEvent("t" * 32, "a" * 32, "resize", "time_limit", 0, 4))
+    assert value("orbit_slots_busy") == 0 and value("orbit_slot_wait_seconds_count") == 1
+    metrics.draining(DrainEvent(True, 30.0, 0))
+    assert value("orbit_slots") == 0
+    metrics.connected(SessionEvent("s" * 32, reconnect=True, capacity=4))
+    metrics.disconnected(DisconnectEvent("WorkerDisconnected"))
+    assert value("orbit_slots") == 0
 
 
 def test_prometheus_example_runs() -> None:

@@ -5,14 +5,21 @@ from __future__ import annotations
 
 import inspect
 import re
+import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
+
+from _worker_helpers import make_worker, running
+from prometheus_client import CollectorRegistry
 
 from orbit_sync import _cli_worker, cli
 from orbit_sync._supervisor import _cli as supervisor_cli
 from orbit_sync._supervisor import _observe, _policy, _supervisor, _wire
-from orbit_sync.worker import Worker, _shutdown
+from orbit_sync.contrib.prometheus import PrometheusListener
+from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import SessionEvent, TaskContext, Worker, WorkerListener, _shutdown
 
 PAGE = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
 DEFAULTS = {
@@ -146,3 +153,50 @@ def test_probe_paths_are_served() -> None:
             assert status in (200, 503), path
     finally:
         server.close()
+
+
+def test_the_keda_query_reads_the_saturation_of_a_real_worker() -> None:
+    """The ScaledObject's query, over a worker's own metrics: 2 of its 4 slots busy read 0.5,
+    and a draining worker offers no slot (the query then reads its busy slots over 1)."""
+    query = find(r"query: (.+)\n").group(1)
+    match = re.fullmatch(
+        r"sum\((\w+)\{[^}]*\}\) / clamp_min\(sum\((\w+)\{[^}]*\}\), 1\)", query.strip()
+    )
+    assert match, query
+    busy_name, slots_name = match.groups()
+    assert find(r'metricType: Value\n\s+metadata:(?:\n.*)*?threshold: "(0\.\d+)"')
+    registry = CollectorRegistry()
+    release = threading.Event()
+    started = threading.Semaphore(0)
+    connected = threading.Event()
+
+    class Connected(WorkerListener):
+        def connected(self, event: SessionEvent) -> None:
+            connected.set()  # after the metrics' own listener, which comes first
+
+    with MockOrbitServer(assignment_rate=None) as server:
+        metrics = PrometheusListener(registry=registry)
+        worker = make_worker(server, capacity=4, listeners=[metrics, Connected()])
+
+        @worker.handler("hold")
+        def hold(ctx: TaskContext, payload: Any) -> Any:
+            started.release()
+            release.wait(10)
+            return {}
+
+        def saturation() -> float:
+            busy = registry.get_sample_value(busy_name) or 0.0
+            return busy / max(registry.get_sample_value(slots_name) or 0.0, 1.0)
+
+        with running(worker):
+            assert connected.wait(10)
+            ids = [server.enqueue("hold", {}) for _ in range(2)]
+            for _ in ids:
+                assert started.acquire(timeout=10)
+            assert saturation() == 0.5
+            assert registry.get_sample_value("orbit_slot_wait_seconds_count") == 2
+            worker.request_stop()
+            assert registry.get_sample_value(slots_name) == 0
+            release.set()
+            for task_id in ids:
+                server.wait_for(task_id, {"SUCCEEDED"})

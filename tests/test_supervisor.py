@@ -422,8 +422,12 @@ def test_metrics_of_every_child_are_summed_on_one_port(
 
     text = scrape_until(lambda text: counted(text) >= len(ids))
     assert counted(text) == len(ids), text  # every child's finishes, recycled ones included, once
-    # Gauges count live processes only: two connected once recycling settles.
-    scrape_until(lambda text: re.search(r"^orbit_connected 2\.0$", text, re.M) is not None)
+    # Gauges count live processes only: two connected once recycling settles, offering their
+    # 2 slots each (the saturation an autoscaler reads is orbit_slots_busy over this).
+    text = scrape_until(lambda text: re.search(r"^orbit_connected 2\.0$", text, re.M) is not None)
+    assert re.search(r"^orbit_slots 4\.0$", text, re.M), text
+    assert re.search(r"^orbit_slots_busy 0\.0$", text, re.M), text
+    assert re.search(r"^orbit_slot_wait_seconds_count (\S+)$", text, re.M), text
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
 
 

@@ -17,6 +17,13 @@ metric (default namespace ``orbit``)           type       labels
 ``orbit_attempts_in_flight``                   gauge      ``handler`` (handlers running now)
 ``orbit_slots_stuck``                          gauge      - (slots held by handlers that could not
                                                           be stopped: see ``WorkerStats.stuck``)
+``orbit_slots``                                gauge      - (slots offered to the server: the
+                                                          capacity; 0 while draining or
+                                                          disconnected)
+``orbit_slots_busy``                           gauge      - (slots in use: handlers running, and
+                                                          stuck ones)
+``orbit_slot_wait_seconds``                    histogram  - (from an assignment's arrival to its
+                                                          handler's start)
 ``orbit_finishes_undelivered_total``           counter    ``handler``
 ``orbit_lease_renewals_total``                 counter    -
 ``orbit_lease_renewal_lag_seconds``            histogram  - (how late renewals were sent)
@@ -28,14 +35,24 @@ metric (default namespace ``orbit``)           type       labels
 
 ``outcome`` is ``SUCCEEDED``, ``FAILED``, ``CANCELLED`` or ``UNKNOWN``. Pass *registry* to keep
 the metrics out of prometheus_client's global registry (one registry per worker, or tests).
+
+Saturation, for an autoscaler: ``sum(orbit_slots_busy) / sum(orbit_slots)`` is the share of the
+offered slots in use (the gauges add up over the processes of ``orbit-sync worker --processes
+N``); near 1 the server has work waiting for slots. ``orbit_slot_wait_seconds`` is how long an
+assignment waited before its handler started: the start's round trip and the hand-off to a
+handler thread (see ``docs/deploy.md``).
 """
 
 from __future__ import annotations
+
+import threading
+import time
 
 from ..worker import (
     AttemptEvent,
     AttemptFinished,
     DisconnectEvent,
+    DrainEvent,
     LeaseEvent,
     SessionEvent,
     ShutdownReport,
@@ -55,6 +72,8 @@ __all__ = ["PrometheusListener"]
 
 #: Renewal lag is normally a few milliseconds; past a second the lease margin is at risk.
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+#: An assignment's wait for its handler: a round trip (milliseconds) unless no thread is free.
+WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class PrometheusListener(WorkerListener):
@@ -129,6 +148,33 @@ class PrometheusListener(WorkerListener):
             registry=reg,
             multiprocess_mode="livesum",
         )
+        self.slots = Gauge(
+            "slots",
+            "Handler slots offered to the server (the capacity; 0 while draining or disconnected).",
+            namespace=ns,
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.slots_busy = Gauge(
+            "slots_busy",
+            "Slots in use: handlers running, and stuck ones.",
+            namespace=ns,
+            registry=reg,
+            multiprocess_mode="livesum",
+        )
+        self.slot_wait = Histogram(
+            "slot_wait_seconds",
+            "From an assignment's arrival to its handler's start.",
+            buckets=WAIT_BUCKETS,
+            namespace=ns,
+            registry=reg,
+        )
+        # What the busy gauge sums, and when each attempt not started yet arrived (bounded by
+        # the attempts held: each leaves at its start or its finish).
+        self._lock = threading.Lock()
+        self._running = 0
+        self._stuck = 0
+        self._arrived: dict[str, float] = {}
         self.connected_gauge = Gauge(
             "connected",
             "1 while a session is established.",
@@ -140,14 +186,27 @@ class PrometheusListener(WorkerListener):
     def attempt_received(self, event: AttemptEvent) -> None:
         """Count the assignment."""
         self.received.labels(event.handler).inc()
+        with self._lock:
+            self._arrived[event.attempt_id] = time.monotonic()
 
     def attempt_started(self, event: AttemptEvent) -> None:
-        """One more handler running."""
+        """One more handler running; how long its assignment waited."""
         self.in_flight.labels(event.handler).inc()
+        with self._lock:
+            arrived = self._arrived.pop(event.attempt_id, None)
+            self._running += 1
+            self._busy()
+        if arrived is not None:
+            self.slot_wait.observe(time.monotonic() - arrived)
 
     def attempt_finished(self, event: AttemptFinished) -> None:
         """Count the outcome and time the handler."""
         outcome = event.outcome.value
+        with self._lock:
+            self._arrived.pop(event.attempt_id, None)  # one that never started
+            if event.ran:
+                self._running -= 1
+                self._busy()
         if event.ran:
             self.in_flight.labels(event.handler).dec()
         self.finished.labels(event.handler, outcome).inc()
@@ -168,20 +227,36 @@ class PrometheusListener(WorkerListener):
     def handler_stuck(self, event: StuckEvent) -> None:
         """One more slot stuck."""
         self.stuck.set(event.stuck)
+        with self._lock:
+            self._stuck = event.stuck
+            self._busy()
 
     def handler_unstuck(self, event: StuckEvent) -> None:
         """A stuck slot freed."""
         self.stuck.set(event.stuck)
+        with self._lock:
+            self._stuck = event.stuck
+            self._busy()
+
+    def _busy(self) -> None:
+        # Under the lock: the gauge is set from one sum, whatever the order of the events.
+        self.slots_busy.set(self._running + self._stuck)
 
     def connected(self, event: SessionEvent) -> None:
-        """A session is up."""
+        """A session is up: its slots are offered."""
         self.connected_gauge.set(1)
+        self.slots.set(event.capacity)
         if event.reconnect:
             self.reconnects.inc()
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """The session is down; the worker reconnects."""
         self.connected_gauge.set(0)
+        self.slots.set(0)
+
+    def draining(self, event: DrainEvent) -> None:
+        """The worker takes no new work: it offers no slot."""
+        self.slots.set(0)
 
     def dial_failed(self, event: DisconnectEvent) -> None:
         """Count the failed connection attempt."""
@@ -190,3 +265,4 @@ class PrometheusListener(WorkerListener):
     def stopped(self, report: ShutdownReport) -> None:
         """The worker is gone."""
         self.connected_gauge.set(0)
+        self.slots.set(0)

@@ -143,10 +143,12 @@ class StuckEvent:
 
 @attrs.frozen
 class SessionEvent:
-    """A session was established (``connected``); ``reconnect`` is False for the first one."""
+    """A session was established (``connected``); ``reconnect`` is False for the first one.
+    ``capacity`` is the worker's slots (stuck ones included), 0 once it drains."""
 
     session_id: str
     reconnect: bool
+    capacity: int = 0
 
 
 @attrs.frozen

@@ -299,7 +299,8 @@ class SessionLoop:
             self._ready.set()
             self._log.info("session %s established", conn.session_id)
             if self._hooks:
-                self._hooks.emit("connected", SessionEvent(conn.session_id, again))
+                event = SessionEvent(conn.session_id, again, self._window.offered)
+                self._hooks.emit("connected", event)
             self._serve(conn)
             self._session_bugs = 0
         except OrbitError as exc:  # the connection failed: reconnect

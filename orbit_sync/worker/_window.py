@@ -82,6 +82,13 @@ class CapacityWindow:
         ] = _ignored
 
     @property
+    def offered(self) -> int:
+        """The Worker's slots, stuck ones included (whatever part of them the window reports
+        free now); 0 once it drains."""
+        with self.lock:
+            return 0 if self._drain else self._capacity
+
+    @property
     def held(self) -> int:
         """Attempts whose handler started and whose finish has not gone out (what the window is
         counted from)."""
