@@ -113,6 +113,7 @@ class _Child:
             # The parent went away: nobody keeps the lease any more. Cancel the handler and
             # give it cancel_grace to stop, then leave whatever it does.
             timer = threading.Timer(self._cancel_grace, os._exit, (ORPHAN_EXIT,))
+            timer.name = "orbit-process-orphan-exit"
             timer.daemon = True
             timer.start()
             with self._cond:
