@@ -19,7 +19,9 @@ _THREAD_NAME_HEAD = re.compile(r"(?:orbit|cutlink)(?:-[a-z]+)*-")
 #: Keywords whose values have that shape without naming a thread: a program, a temp directory.
 _NOT_A_THREAD = frozenset({"prog", "prefix"})
 #: A module named through its subpackage: `worker._pool.DaemonPool`, `orbit_sync.testing._state`.
-_THROUGH_PACKAGE = re.compile(r"`(?:orbit_sync\.)?(worker|testing|contrib|_supervisor)\.([a-z_]\w*)")
+_THROUGH_PACKAGE = re.compile(
+    r"`(?:orbit_sync\.)?(worker|testing|contrib|_supervisor)\.(_[a-z]\w*)"
+)
 
 
 def _modules() -> set[str]:
