@@ -3,12 +3,13 @@ bounded queue (8), never overflow it, and each start goes out from the thread th
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import Counter
 from typing import Any
 
 import pytest
-from _worker_helpers import Sessions, events, make_worker, running
+from _worker_helpers import Sessions, events, make_worker, running, worker_threads
 
 from orbit_sync import TaskContext
 from orbit_sync.connection import ASSIGNMENT_BUFFER, WorkerConnection, on_reader_thread
@@ -83,6 +84,21 @@ def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
     assert len(starts) == 12
     assert set(starts) == {"orbit-worker-intake"}
     assert not [w for w in writers if w[2]], "a request was made on a reader thread"
+
+
+def test_a_session_runs_the_cards_threads_and_no_watch_thread() -> None:
+    """A session's threads: the connection's reader and deadline thread, the intake, the
+    connection thread, the lease watchdog, the shutdown thread and handler threads; no thread
+    only forwards the end of the connection any more."""
+    with MockOrbitServer() as server:
+        worker = make_worker(server)
+        worker.handler("work")(lambda ctx, payload: None)
+        with running(worker):
+            task_id = server.enqueue("work", {})
+            assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+            kinds = {re.sub(r"-[0-9a-f]+$", "", name) for name in worker_threads()}
+    assert "orbit-worker-intake" in kinds and "orbit-sync-reader" in kinds
+    assert not [k for k in kinds if "watch" in k and k != "orbit-lease-watchdog"], kinds
 
 
 def test_the_queue_holds_the_protocol_buffer() -> None:
