@@ -241,7 +241,7 @@ class SessionLoop:
             )
             return
         self._log.warning(
-            "cannot connect to %s (%s: %s); not reached once since the start %.0f s ago"
+            "cannot connect to %s (%s: %s); not reached once since the start, %.1f s ago"
             " (%d dials); retrying",
             self._server,
             type(exc).__name__,
