@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -169,3 +170,28 @@ def test_readme_enqueue_reaches_the_example_handler(database: Path, procs: list[
         assert "'number': 'INV-1'" in done.stdout and "'amount': '19.90'" in done.stdout
         assert proc.stop(signal.SIGTERM) == 0, proc.stderr
     assert paid(database) == [("INV-1", 1)]
+
+
+def test_manage_py_names_a_refused_token_and_honours_first_connect_timeout(
+    orbit_server: MockOrbitServer, database: Path, tmp_path: Path
+) -> None:
+    """manage.py orbit_worker: a refused --token-file is named by its path with what 401 means
+    (exit 4, the token never shown); --first-connect-timeout against a closed port exits 6."""
+    token = "not-a-valid-token-0123456789"
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    argv = [sys.executable, "manage.py", "orbit_worker", "--token-file", str(token_file)]
+    done = run_in_project(argv, project_env(orbit_server, database))
+    assert done.returncode == 4, done.stderr
+    assert f"the server does not accept the token from --token-file {token_file} (401" in (
+        done.stderr
+    )
+    assert token not in done.stderr + done.stdout
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"ws://127.0.0.1:{closed.getsockname()[1]}"
+    argv = [sys.executable, "manage.py", "orbit_worker", "--first-connect-timeout", "0.5"]
+    env = {**project_env(orbit_server, database), "ORBIT_URL": url}
+    done = run_in_project(argv, env)
+    assert done.returncode == 6, done.stderr
+    assert f"ServerUnreachable: {url} was not reached within 0.5 s" in done.stderr
