@@ -21,7 +21,8 @@ MAX_FRAME_BYTES = 512 * 1024
 MAX_RESULT_BYTES = 256 * 1024
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+def unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An ``object_pairs_hook`` that refuses a duplicate key (the stdlib keeps the last)."""
     obj = dict(pairs)
     if len(obj) != len(pairs):
         raise FrameError("duplicate key in JSON object")
@@ -52,7 +53,7 @@ def _int(text: str) -> int:
 
 
 _DECODER = json.JSONDecoder(
-    object_pairs_hook=_pairs, parse_constant=_constant, parse_float=_float, parse_int=_int
+    object_pairs_hook=unique_keys, parse_constant=_constant, parse_float=_float, parse_int=_int
 )
 
 

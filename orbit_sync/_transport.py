@@ -47,7 +47,7 @@ from .errors import WorkerDisconnected, WorkerProtocolError
 __all__ = ["FrameRejected", "Transport", "frame_header", "shutdown_socket"]
 
 _OP_CONT = 0x0
-_OP_TEXT = 0x1
+OP_TEXT = 0x1
 _OP_BINARY = 0x2
 _OP_CLOSE = 0x8
 _OP_PING = 0x9
@@ -163,13 +163,13 @@ class Transport:
 
     def send_text(self, text: str) -> None:
         """Send one text frame."""
-        self._write(_OP_TEXT, (text.encode("utf-8"),))
+        self._write(OP_TEXT, (text.encode("utf-8"),))
 
     def send_texts(self, texts: Sequence[str]) -> None:
         """Send several text frames, in order, in one ``sendall`` (nothing for an empty batch)."""
         payloads = [text.encode("utf-8") for text in texts]
         if payloads:
-            self._write(_OP_TEXT, payloads)
+            self._write(OP_TEXT, payloads)
 
     def _write(self, opcode: int, payloads: Sequence[bytes]) -> None:
         try:
@@ -257,7 +257,7 @@ class Transport:
             payload = buf[start:end]
             self._pos = end
             opcode = b0 & 0x0F
-            if opcode == _OP_TEXT:
+            if opcode == OP_TEXT:
                 if b0 & 0x80:
                     return payload
                 self._parts = [payload]
@@ -287,7 +287,7 @@ class Transport:
         if b1 & 0x80:
             raise FrameRejected("server frames must not be masked")
         opcode = b0 & 0x0F
-        if opcode == _OP_TEXT:
+        if opcode == OP_TEXT:
             if self._parts is not None:
                 raise FrameRejected("new message inside a fragmented message")
             size = n

@@ -379,9 +379,9 @@ def _run_mock_server(
 
 
 def _token_ok(token: str) -> bool:
-    from .testing._admin import _TOKEN_RE
+    from .testing._options import TOKEN_RE
 
-    return bool(_TOKEN_RE.fullmatch(token))
+    return bool(TOKEN_RE.fullmatch(token))
 
 
 def _replace_worker_token(server: MockOrbitServer, token: str) -> None:

@@ -13,12 +13,10 @@ from __future__ import annotations
 from ._admin_client import ADMIN_PREFIX, MAX_WAIT, AdminClient, AdminError, admin_url
 from ._admin_endpoint import jsonable
 from ._admin_routes import AdminAPI
-from ._options import TOKEN_RE as _TOKEN_RE
 
 __all__ = [
     "ADMIN_PREFIX",
     "MAX_WAIT",
-    "_TOKEN_RE",  # the CLI checks tokens with it
     "AdminAPI",
     "AdminClient",
     "AdminError",

@@ -27,7 +27,7 @@ from websockets.protocol import State
 from websockets.server import ServerProtocol
 
 from .._realtime import monotonic
-from .._transport import _OP_TEXT, frame_header
+from .._transport import OP_TEXT, frame_header
 
 __all__ = ["CLOSE_TIMEOUT", "InvalidText", "ServerWire", "WireClosed", "text_frame"]
 
@@ -49,7 +49,7 @@ class InvalidText(Exception):
 def text_frame(text: str) -> bytes:
     """One unfragmented, unmasked text frame carrying *text* (RFC 6455 §5.2)."""
     payload = text.encode()
-    return frame_header(_OP_TEXT, len(payload), 0) + payload
+    return frame_header(OP_TEXT, len(payload), 0) + payload
 
 
 #: Receives what the protocol wants written (pongs, the echo of a close frame) and whether

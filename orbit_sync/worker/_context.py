@@ -11,7 +11,13 @@ from ..clock import Clock, now_reader
 from ..models import Task
 from ._outcomes import CANCEL_REASONS, TaskCancelled
 
-__all__ = ["TaskContext"]
+__all__ = [
+    "TaskContext",
+    "add_watcher",
+    "lease_deadline",
+    "remove_watcher",
+    "set_lease_deadline",
+]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 #: ``ctx.logger`` logs under ``orbit_sync.task.<handler>``: a tree users route apart from the
@@ -158,19 +164,6 @@ class TaskContext:
 
     # ------------------------------------------------------------------ worker side
 
-    def _set_deadline(self, deadline: float | None) -> None:
-        self._deadline = deadline
-        for watcher in self._watchers:
-            watcher()
-
-    def _watch(self, watcher: Callable[[], None]) -> None:
-        with self._lock:
-            self._watchers = (*self._watchers, watcher)
-
-    def _unwatch(self, watcher: Callable[[], None]) -> None:
-        with self._lock:
-            self._watchers = tuple(w for w in self._watchers if w is not watcher)
-
     def _cancel(self, reason: str) -> bool:
         """Cancel with *reason*; True when this call cancelled it (the first reason wins)."""
         if reason not in CANCEL_REASONS:
@@ -185,3 +178,31 @@ class TaskContext:
         for watcher in self._watchers:
             watcher()
         return True
+
+
+# The worker's other calls on a context are functions of this module rather than methods: the
+# class is the handler's API, and a handler has no business moving its own lease deadline.
+
+
+def lease_deadline(ctx: TaskContext) -> float | None:
+    """*ctx*'s local lease deadline (on its clock), or ``None`` before the first lease."""
+    return ctx._deadline
+
+
+def set_lease_deadline(ctx: TaskContext, deadline: float | None) -> None:
+    """Move *ctx*'s local lease deadline (a lease was granted or renewed) and tell its watchers."""
+    ctx._deadline = deadline
+    for watcher in ctx._watchers:
+        watcher()
+
+
+def add_watcher(ctx: TaskContext, watcher: Callable[[], None]) -> None:
+    """Call *watcher* (no arguments, on the changing thread) after each cancel or deadline move."""
+    with ctx._lock:
+        ctx._watchers = (*ctx._watchers, watcher)
+
+
+def remove_watcher(ctx: TaskContext, watcher: Callable[[], None]) -> None:
+    """Stop calling *watcher* (added by :func:`add_watcher`)."""
+    with ctx._lock:
+        ctx._watchers = tuple(w for w in ctx._watchers if w is not watcher)

@@ -208,7 +208,7 @@ class ResultEncoder:
         """*text* with its integers beyond 2**53 - 1 as decimal strings (``large_ints="string"``),
         or ``ResultProblem`` naming the first one (``"refuse"``)."""
         # Python's own parser (unbounded integers), refusing duplicate keys as the strict one does.
-        doc = json.loads(text, object_pairs_hook=_json._pairs)
+        doc = json.loads(text, object_pairs_hook=_json.unique_keys)
         root = [doc]
         changed = False
         stack: list[tuple[Any, Any, str]] = [(root, 0, "$")]

@@ -51,7 +51,7 @@ from typing import Any
 
 from .._realtime import monotonic
 from ..client import HANDLER_PROCESS_ENV
-from ._context import TaskContext
+from ._context import TaskContext, add_watcher, lease_deadline, remove_watcher
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._process_child import SECRET_ENV, child_main
 from ._process_limits import ChildLimits
@@ -186,9 +186,9 @@ class _Process:
     def run(self, fn_bytes: bytes, ctx: TaskContext, cancel_grace: float) -> tuple[str, Any]:
         """Run one job; relay until it ends. Returns ``(kind, data)`` as the child sent it."""
         job = next(self._jobs)
-        sent_deadline = ctx._deadline
+        sent_deadline = lease_deadline(ctx)
         self.send(("run", job, fn_bytes, ctx.task, ctx.attempt_id, sent_deadline))
-        ctx._watch(self.poke)
+        add_watcher(ctx, self.poke)
         cancelled_at: float | None = None
         try:
             while True:
@@ -205,7 +205,7 @@ class _Process:
                         # SIGTERM, then SIGKILL: the attempt is finished only once it is gone.
                         self.stop(kill=True)
                         return "terminated", self.proc.exitcode
-                deadline = ctx._deadline
+                deadline = lease_deadline(ctx)
                 if deadline != sent_deadline:
                     sent_deadline = deadline
                     self.send(("deadline", job, deadline))
@@ -228,7 +228,7 @@ class _Process:
         except (BrokenPipeError, EOFError, OSError):
             return "died", self._exit_code()
         finally:
-            ctx._unwatch(self.poke)
+            remove_watcher(ctx, self.poke)
 
     def _exit_code(self) -> int | None:
         self.healthy = False

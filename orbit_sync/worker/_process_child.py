@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..models import Task
-from ._context import TaskContext
+from ._context import TaskContext, set_lease_deadline
 from ._outbox_lock import hold_instance_shared
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._time_limits import Interruptible
@@ -108,7 +108,7 @@ class _Child:
                     _, _, reason, requested = message
                     self._cancel(ctx, running, reason, requested)
                 elif kind == "deadline":
-                    ctx._set_deadline(message[2])
+                    set_lease_deadline(ctx, message[2])
         except (EOFError, OSError):
             # The parent went away: nobody keeps the lease any more. Cancel the handler and
             # give it cancel_grace to stop, then leave whatever it does.

@@ -51,7 +51,7 @@ import attrs
 from .._realtime import monotonic
 from ..errors import OrbitError, WorkerError
 from ..models import Lease, grants_run, new_message_id
-from ._context import TaskContext
+from ._context import TaskContext, set_lease_deadline
 from ._errors import is_transient
 from ._timers import Timers
 
@@ -191,7 +191,7 @@ class LeaseWatchdog:
             entry.granted = (now, deadline)
             self._entries[attempt_id] = entry
             wake = self._push(entry, entry.due)
-        ctx._set_deadline(deadline)
+        set_lease_deadline(ctx, deadline)
         self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float) -> None:
@@ -215,7 +215,7 @@ class LeaseWatchdog:
             # watch the later one. Otherwise its renewal, due before either deadline, stands.
             wake = self._push(entry, deadline) if entry.flight else False
             ctx = entry.ctx
-        ctx._set_deadline(deadline)
+        set_lease_deadline(ctx, deadline)
         self._wake(wake)
 
     def connected(self) -> None:
@@ -456,7 +456,7 @@ class LeaseWatchdog:
             self._lose(entry, reason, count=reason != "cancel_requested", detail=detail)
             return
         if error is None:
-            entry.ctx._set_deadline(deadline)
+            set_lease_deadline(entry.ctx, deadline)
             if self._on_renew is not None:
                 self._on_renew(entry.attempt_id, lag)
         else:
