@@ -4,10 +4,10 @@
 
     orbit-sync --version
     orbit-sync mock-server --port 8765          # also: python -m orbit_sync.testing
-    orbit-sync worker myapp.tasks:worker        # runs an orbit_sync.worker.Worker (see _cli_worker)
+    orbit-sync worker myapp.tasks:worker        # runs an orbit_sync.worker.Worker
 
 ``mock-server`` exits 0 after SIGTERM/SIGINT, 1 when it cannot start, 2 for a usage error. The
-worker's exit statuses are in :mod:`orbit_sync._cli_worker` (and docs/cli.md).
+worker's exit statuses are in ``orbit-sync worker --help`` (and docs/cli.md).
 """
 
 from __future__ import annotations

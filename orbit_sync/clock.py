@@ -44,8 +44,8 @@ class Clock(Protocol):
 
 
 class SystemClock:
-    """Real time: the monotonic clock (out of freezegun's reach, see :mod:`orbit_sync._realtime`)
-    and the condition variable's own timeout (the default)."""
+    """Real time: the monotonic clock (out of freezegun's reach: freezing time does not stop
+    it) and the condition variable's own timeout (the default)."""
 
     def now(self) -> float:
         """Seconds on a monotonic clock."""

@@ -1,9 +1,9 @@
 """``WorkerConnection``: one ``pulse.worker.v1`` session over one WebSocket.
 
 No reconnects, renewals or handlers here (that is :mod:`orbit_sync.worker`): a thread-safe,
-bounded client of the protocol. The rules live in
-:class:`orbit_sync._protocol.ClientProtocol` (pure, no threads); this module is its threaded shell:
-it moves frames, holds the one lock around the protocol's state and wakes whoever waits.
+bounded client of the protocol. The rules live in a pure protocol core, without threads (see
+docs/architecture.md); this module is its threaded shell: it moves frames, holds the one lock
+around the protocol's state and wakes whoever waits.
 
 Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`:
 
@@ -38,7 +38,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from . import _codec
 from ._protocol import (
@@ -61,7 +61,6 @@ from ._protocol import (
 from ._protocol import Submission as Submission  # the Worker's batches
 from ._realtime import monotonic
 from ._seconds import wait_seconds
-from ._transport import Transport
 from .errors import (
     OrbitError,
     WorkerClosed,
@@ -86,6 +85,7 @@ __all__ = [
     "CANCEL_BUFFER",
     "MAX_IN_FLIGHT",
     "READ_IDLE_TIMEOUT",
+    "FrameTransport",
     "WorkerConnection",
 ]
 
@@ -97,6 +97,31 @@ log = logging.getLogger("orbit_sync.connection")
 READER_EXIT_WAIT = 5.0
 
 T = TypeVar("T")
+
+
+class FrameTransport(Protocol):
+    """What a :class:`WorkerConnection` needs of its WebSocket once the opening handshake is
+    done (:meth:`orbit_sync.Client.dial_worker` makes one): text frames out, whole messages in,
+    the time of the last bytes received, and two ways to end it. Every failure is an
+    :class:`~orbit_sync.errors.OrbitError` (``WorkerDisconnected`` for a lost socket)."""
+
+    #: When bytes last arrived (monotonic seconds): the read-idle bound is counted from it.
+    last_rx: float
+
+    def send_text(self, text: str) -> None:
+        """Write one text frame."""
+
+    def send_texts(self, texts: Sequence[str]) -> None:
+        """Write several text frames at once."""
+
+    def recv_message(self) -> bytes:
+        """Block until the next whole message (pings answered, the close handshake done)."""
+
+    def abort(self, close_code: int | None = None) -> None:
+        """End at once (sending a close frame with *close_code* when it can), any thread."""
+
+    def close(self) -> None:
+        """Release the socket once the reader is done with it."""
 
 
 class _Slot:
@@ -157,7 +182,7 @@ class WorkerConnection:
 
     def __init__(
         self,
-        transport: Transport,
+        transport: FrameTransport,
         welcome: Welcome,
         registration: Registration,
         *,

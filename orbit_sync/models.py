@@ -8,7 +8,7 @@ Secrets (``instance_secret``, ``lease_secret``) never appear in ``repr()``/``str
 
 No I/O here. Each field's metadata says how it travels where that is not its type's usual
 form (a counter as decimal text, a field the wire may leave out, a field that never travels);
-the wire converter, :mod:`orbit_sync._bodies`, reads it.
+the wire converter reads it.
 """
 
 from __future__ import annotations

@@ -33,6 +33,8 @@ if TYPE_CHECKING:
     from ._clock import ManualClock
     from ._cutlink import CuttingLink
     from ._faults import Fault, Faults
+    from ._http import AdminExchange, HttpRequest
+    from ._options import EnqueueOptions
     from ._server import AdminHandler, MockOrbitServer
     from ._snapshots import (
         AttemptSnapshot,
@@ -52,15 +54,18 @@ _EXPORTS: dict[str, str] = {
     "AdminAPI": "._admin",
     "AdminClient": "._admin_client",
     "AdminError": "._admin_client",
+    "AdminExchange": "._http",
     "AdminHandler": "._server",
     "AttemptSnapshot": "._snapshots",
     "CuttingLink": "._cutlink",
+    "EnqueueOptions": "._options",
     "EventLog": "._snapshots",
     "EventRecord": "._snapshots",
     "EvidenceSnapshot": "._snapshots",
     "Fault": "._faults",
     "Faults": "._faults",
     "HandlerEnvironment": "..worker._environment",
+    "HttpRequest": "._http",
     "ManualClock": "._clock",
     "MockOrbitServer": "._server",
     "RetrySafety": "._snapshots",
@@ -71,22 +76,26 @@ _EXPORTS: dict[str, str] = {
 #: Clocks folded into ManualClock and orbit_sync.SystemClock: the class in ._clock that keeps
 #: the old behaviour for one more release (its INSTEAD says what to use).
 _OLD_CLOCKS = {"FakeClock": "FakeClock", "SystemClock": "AdvancingSystemClock"}
-#: The server state machine's internals: no longer public, reachable for one more release.
-_MOVED = ("InvariantError", "OrbitState", "SCOPE_CONNECT", "SCOPE_CONSUME", "queue_scope")
+#: The server state machine's internals: no longer public, reachable for one more release
+#: (with no public home to point at).
+_INTERNAL = ("InvariantError", "OrbitState", "SCOPE_CONNECT", "SCOPE_CONSUME", "queue_scope")
 
 __all__ = [
     "AdminAPI",
     "AdminClient",
     "AdminError",
+    "AdminExchange",
     "AdminHandler",
     "AttemptSnapshot",
     "CuttingLink",
+    "EnqueueOptions",
     "EventLog",
     "EventRecord",
     "EvidenceSnapshot",
     "Fault",
     "Faults",
     "HandlerEnvironment",
+    "HttpRequest",
     "ManualClock",
     "MockOrbitServer",
     "RetrySafety",
@@ -105,8 +114,11 @@ def __getattr__(name: str) -> Any:
 
         old = getattr(_clock, _OLD_CLOCKS[name])
         return deprecated(__name__, name, old.INSTEAD, old)
-    if name in _MOVED:
-        return moved(__name__, name, f"{__name__}._state")
+    if name in _INTERNAL:
+        from . import _state
+
+        instead = "it is internal to the mock server: drive it through MockOrbitServer"
+        return deprecated(__name__, name, instead, getattr(_state, name))
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

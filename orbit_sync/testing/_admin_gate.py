@@ -39,7 +39,7 @@ __all__ = [
 #: before any byte of body is read: a response it returns is the answer, and the body is never
 #: read (so an unauthenticated caller costs no memory and no waiting for its body).
 AdminHandler = Callable[
-    ["MockOrbitServer", _http.AdminExchange, _http.HttpRequest], "Response | None"
+    ["MockOrbitServer", _http.AdminExchange, _http.HttpRequest], Response | None
 ]
 
 #: The largest admin request body (a bulk enqueue of 100,000 small tasks is ~5 MiB).

@@ -13,6 +13,7 @@ from .._deprecated import deprecated, moved
 from ._backoff import Backoff
 from ._context import TaskContext
 from ._encoding import result_converter
+from ._link import Dialer
 from ._listeners import (
     AttemptEvent,
     AttemptFinished,
@@ -32,6 +33,7 @@ __all__ = [
     "AttemptFinished",
     "AttemptInfo",
     "Backoff",
+    "Dialer",
     "DisconnectEvent",
     "DrainEvent",
     "Fail",

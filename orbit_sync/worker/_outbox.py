@@ -74,6 +74,8 @@ CREATE TABLE finishes (
 class OutboxError(OrbitError):
     """The outbox file cannot be used (permissions, corruption, another process holds it)."""
 
+    __module__ = "orbit_sync"  # where users import it from: tracebacks say so
+
 
 def _file_error(path: str, exc: BaseException) -> BaseException:
     """The error to raise for a file of the outbox that cannot be opened as ours.

@@ -106,6 +106,8 @@ class Fail(OrbitError):
     *message* and *details* (any JSON) travel in the result, so keep secrets out of them.
     """
 
+    __module__ = "orbit_sync.worker"  # where users import it from: tracebacks say so
+
     def __init__(
         self, code: str, message: str = "", *, retryable: bool = False, details: Any = None
     ) -> None:
@@ -126,6 +128,8 @@ class UnknownEffect(OrbitError):
     cancelled and budget remains); otherwise the task goes to ``NEEDS_REVIEW``.
     """
 
+    __module__ = "orbit_sync.worker"  # where users import it from: tracebacks say so
+
     def __init__(self, code: str, message: str = "", *, details: Any = None) -> None:
         _check_code(code)
         super().__init__(f"{code}: {message}" if message else code)
@@ -141,6 +145,8 @@ class TaskCancelled(BaseException):
     ``except Exception:`` does not swallow the stop by accident.
     """
 
+    __module__ = "orbit_sync.worker"  # where users import it from: tracebacks say so
+
     def __init__(self, reason: str) -> None:
         super().__init__(f"task cancelled: {reason}")
         self.reason = reason
@@ -152,6 +158,8 @@ class TimeLimitExceeded(TaskCancelled):
     interrupt). Its ``reason`` is ``time_limit``. Catch it only to clean up, then re-raise:
     the attempt finishes ``FAILED`` with ``HANDLER_TIMEOUT``.
     """
+
+    __module__ = "orbit_sync.worker"  # where users import it from: tracebacks say so
 
     def __init__(self) -> None:
         super().__init__("time_limit")
