@@ -586,8 +586,12 @@ class WorkerConnection:
                 due, _ = core.next_deadline(self._transport.last_rx)
                 now = core.clock()
                 if now < due:
-                    self._wake_at = due
-                    self._timer.wait(due - now)
+                    # Asleep one call bound at most: a call opened meanwhile (its deadline at
+                    # least that bound away unless it asked for less) then needs no wake-up,
+                    # which would otherwise cost one per call whenever none was in flight.
+                    wake = min(due, now + core.max_call)
+                    self._wake_at = wake
+                    self._timer.wait(wake - now)
                     self._wake_at = math.inf
                     continue
                 # Data may have arrived since: then nothing has expired and the wait goes on.

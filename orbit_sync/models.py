@@ -199,9 +199,12 @@ def _check_optional_bool(_: Any, attribute: attrs.Attribute[Any], value: Any) ->
 
 
 _ZERO = _dt.timedelta(0)
+_UTC = _dt.timezone.utc
 
 
 def _check_time(_: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if type(value) is _dt.datetime and value.tzinfo is _UTC:
+        return  # what the wire converter builds: no offset to compute
     if not isinstance(value, _dt.datetime) or value.utcoffset() != _ZERO:
         raise ValueError(f"{attribute.name} must be an aware UTC datetime")
 

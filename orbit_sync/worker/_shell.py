@@ -349,17 +349,20 @@ class AttemptShell(RequestPath[Attempt]):
             super().write(att, request, conn, on_done)
             return
         window = self._window
-        with window.lock:  # held across the write: reports reach the wire in sequence order
+        with window.lock:  # held across a report's write: reports reach the wire in order
             window.release(att)
             report = window.lowering()
-            if report is None:
-                super().write(att, request, conn, on_done)
+            if report is not None:
+                finish = Submission(
+                    "task.finish", request.body, on_done, request.message_id, self._call_timeout
+                )
+                ahead = window.submission(conn, report, self._clock(), self._call_timeout)
+                conn._submit_many([ahead, finish])
                 return
-            finish = Submission(
-                "task.finish", request.body, on_done, request.message_id, self._call_timeout
-            )
-            ahead = window.submission(conn, report, self._clock(), self._call_timeout)
-            conn._submit_many([ahead, finish])
+        # No report needed: the finish goes out without the lock, which handlers starting
+        # elsewhere take (CapacityWindow.take). Any report built from now on counts this
+        # attempt as released already, so the finish may reach the server before or after it.
+        super().write(att, request, conn, on_done)
 
     def outcome(self, att: Attempt, request: Request, event: Event) -> None:
         if request.early:
@@ -432,11 +435,10 @@ class AttemptShell(RequestPath[Attempt]):
             )
         began = time.perf_counter()
         try:
-            if hooks:
-                call = partial(hooks.call_handler, att.handler, ctx)
-            else:
-                call = partial(att.handler, ctx, ctx.payload)
-            value = call() if att.running_on is None else att.running_on.run(call)
+            if att.running_on is None:
+                value = self._call_handler(att)
+            else:  # a time limit interrupts it on this thread
+                value = att.running_on.run(partial(self._call_handler, att))
         except BaseException as exc:  # every ending is an outcome; the thread must survive
             error = exc
         finally:
@@ -470,6 +472,13 @@ class AttemptShell(RequestPath[Attempt]):
             ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
         return verdict
 
+    def _call_handler(self, att: Attempt) -> Any:
+        """The handler's own call (through the listeners' hook when there are listeners)."""
+        ctx = att.ctx
+        if self._hooks:
+            return self._hooks.call_handler(att.handler, ctx)
+        return att.handler(ctx, ctx.payload)
+
     def _record_finish(self, att: Attempt, request: Request) -> None:
         """Commit the finish to the outbox before it is sent."""
         finish = request.body
@@ -491,14 +500,15 @@ class AttemptShell(RequestPath[Attempt]):
                 self._reg.counts[verdict.outcome.value] += 1
                 if evidence:
                     self._reg.counts["evidence_only"] += 1
-            ctx._log.info(
-                "handler %s finished %s%s%s%s",
-                att.task.handler,
-                verdict.outcome,
-                "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
-                " (kept as evidence only)" if evidence else "",
-                " (deduplicated)" if result.deduplicated else "",
-            )
+            if ctx._log.isEnabledFor(logging.INFO):  # a line per task: its text only when kept
+                ctx._log.info(
+                    "handler %s finished %s%s%s%s",
+                    att.task.handler,
+                    verdict.outcome,
+                    "" if verdict.duration is None else f" in {verdict.duration:.3f}s",
+                    " (kept as evidence only)" if evidence else "",
+                    " (deduplicated)" if result.deduplicated else "",
+                )
         elif reported.error is not None:
             with self._reg.cond:
                 self._reg.counts["finish_rejected"] += 1
