@@ -185,19 +185,19 @@ def dumps(value: Any) -> str:
 # --------------------------------------------------------------------------- field rules
 
 
-def _obj(value: Any, where: str) -> dict[str, Any]:
+def check_object(value: Any, where: str) -> dict[str, Any]:
     if type(value) is not dict:
         raise Violation(f"{where} must be a JSON object")
     return value
 
 
-def _get(obj: dict[str, Any], name: str, where: str) -> Any:
+def member(obj: dict[str, Any], name: str, where: str) -> Any:
     if name not in obj:
         raise Violation(f"{where}.{name} is missing")
     return obj[name]
 
 
-def _closed(obj: dict[str, Any], allowed: set[str] | frozenset[str], where: str) -> None:
+def check_closed(obj: dict[str, Any], allowed: set[str] | frozenset[str], where: str) -> None:
     extra = set(obj) - set(allowed)
     if extra:
         raise Violation(f"{where} has unknown fields {sorted(extra)}")
@@ -275,14 +275,14 @@ def check_version(value: Any, where: str) -> str:
 
 
 def check_capability(value: Any, where: str, *, closed: bool) -> tuple[str, str, str]:
-    cap = _obj(value, where)
+    cap = check_object(value, where)
     if closed:
-        _closed(cap, {"handler", "handler_version", "payload_version"}, where)
-    handler = _get(cap, "handler", where)
+        check_closed(cap, {"handler", "handler_version", "payload_version"}, where)
+    handler = member(cap, "handler", where)
     if type(handler) is not str or not HANDLER_RE.fullmatch(handler):
         raise Violation(f"{where}.handler must be 1-64 characters of [a-z][a-z0-9._-]*")
-    hv = check_version(_get(cap, "handler_version", where), f"{where}.handler_version")
-    pv = check_version(_get(cap, "payload_version", where), f"{where}.payload_version")
+    hv = check_version(member(cap, "handler_version", where), f"{where}.handler_version")
+    pv = check_version(member(cap, "payload_version", where), f"{where}.payload_version")
     return handler, hv, pv
 
 
@@ -291,25 +291,25 @@ def check_capability(value: Any, where: str, *, closed: bool) -> tuple[str, str,
 
 def check_welcome(body: Any, where: str = "welcome") -> dict[str, Any]:
     """§4 Welcome, checked as §5.2 says. Unknown fields are tolerated (§2 [decided])."""
-    w = _obj(body, where)
-    check_id(_get(w, "session_id", where), f"{where}.session_id")
-    check_counter(_get(w, "epoch", where), f"{where}.epoch", 1)
-    t0 = check_time(_get(w, "server_time", where), f"{where}.server_time")
-    t1 = check_time(_get(w, "expires_at", where), f"{where}.expires_at")
+    w = check_object(body, where)
+    check_id(member(w, "session_id", where), f"{where}.session_id")
+    check_counter(member(w, "epoch", where), f"{where}.epoch", 1)
+    t0 = check_time(member(w, "server_time", where), f"{where}.server_time")
+    t1 = check_time(member(w, "expires_at", where), f"{where}.expires_at")
     if not 0 < t1 - t0 <= MAX_SESSION_WINDOW_NS:
         raise Violation(f"{where}.expires_at must be after server_time, at most 5 minutes")
-    check_int(_get(w, "lease_duration_ms", where), f"{where}.lease_duration_ms", 1_000, 120_000)
-    check_bool(_get(w, "draining", where), f"{where}.draining")
+    check_int(member(w, "lease_duration_ms", where), f"{where}.lease_duration_ms", 1_000, 120_000)
+    check_bool(member(w, "draining", where), f"{where}.draining")
     return w
 
 
 def check_lease(body: Any, where: str = "lease") -> dict[str, Any]:
     """§4 Lease with §6.6's rule for active leases; cancel_requested_at absent or valid (§12)."""
-    lease = _obj(body, where)
-    active = check_bool(_get(lease, "active", where), f"{where}.active")
-    state = check_enum(_get(lease, "state", where), ATTEMPT_STATES, f"{where}.state")
-    until = check_time(_get(lease, "lease_until", where), f"{where}.lease_until")
-    now = check_time(_get(lease, "server_time", where), f"{where}.server_time")
+    lease = check_object(body, where)
+    active = check_bool(member(lease, "active", where), f"{where}.active")
+    state = check_enum(member(lease, "state", where), ATTEMPT_STATES, f"{where}.state")
+    until = check_time(member(lease, "lease_until", where), f"{where}.lease_until")
+    now = check_time(member(lease, "server_time", where), f"{where}.server_time")
     if "cancel_requested_at" in lease:
         check_time(lease["cancel_requested_at"], f"{where}.cancel_requested_at")
     if active:
@@ -322,41 +322,41 @@ def check_lease(body: Any, where: str = "lease") -> dict[str, Any]:
 
 def check_receipt(body: Any, operation: str, where: str = "receipt") -> dict[str, Any]:
     """§4 Receipt, checked as §6.8 says."""
-    r = _obj(body, where)
-    op = check_enum(_get(r, "operation", where), frozenset({"start", "renew", "finish"}), where)
+    r = check_object(body, where)
+    op = check_enum(member(r, "operation", where), frozenset({"start", "renew", "finish"}), where)
     if op != operation:
         raise Violation(f"{where}.operation {op!r} does not match the request ({operation})")
-    check_enum(_get(r, "task_state", where), TASK_STATES, f"{where}.task_state")
-    check_enum(_get(r, "attempt_state", where), ATTEMPT_STATES, f"{where}.attempt_state")
-    check_counter(_get(r, "task_revision", where), f"{where}.task_revision", 1)
-    check_time(_get(r, "lease_until", where), f"{where}.lease_until")
-    check_enum(_get(r, "disposition", where), DISPOSITIONS, f"{where}.disposition")
+    check_enum(member(r, "task_state", where), TASK_STATES, f"{where}.task_state")
+    check_enum(member(r, "attempt_state", where), ATTEMPT_STATES, f"{where}.attempt_state")
+    check_counter(member(r, "task_revision", where), f"{where}.task_revision", 1)
+    check_time(member(r, "lease_until", where), f"{where}.lease_until")
+    check_enum(member(r, "disposition", where), DISPOSITIONS, f"{where}.disposition")
     return r
 
 
 def check_command_result(body: Any, operation: str) -> dict[str, Any]:
-    res = _obj(body, "CommandResult")
-    check_receipt(_get(res, "receipt", "CommandResult"), operation)
-    check_lease(_get(res, "lease", "CommandResult"))
-    check_bool(_get(res, "deduplicated", "CommandResult"), "CommandResult.deduplicated")
+    res = check_object(body, "CommandResult")
+    check_receipt(member(res, "receipt", "CommandResult"), operation)
+    check_lease(member(res, "lease", "CommandResult"))
+    check_bool(member(res, "deduplicated", "CommandResult"), "CommandResult.deduplicated")
     return res
 
 
 def check_task(body: Any, where: str = "task") -> dict[str, Any]:
-    t = _obj(body, where)
+    t = check_object(body, where)
     for name in ("task_id", "queue_id", "namespace_id"):
-        check_id(_get(t, name, where), f"{where}.{name}")
+        check_id(member(t, name, where), f"{where}.{name}")
     check_capability(
-        {k: _get(t, k, where) for k in ("handler", "handler_version", "payload_version")},
+        {k: member(t, k, where) for k in ("handler", "handler_version", "payload_version")},
         where,
         closed=True,
     )
-    if _get(t, "payload", where) is None:
+    if member(t, "payload", where) is None:
         raise Violation(f"{where}.payload must not be null")
-    check_enum(_get(t, "state", where), TASK_STATES, f"{where}.state")
-    check_counter(_get(t, "revision", where), f"{where}.revision", 1)
-    attempt = check_counter(_get(t, "attempt", where), f"{where}.attempt", 1)
-    maximum = check_counter(_get(t, "max_attempts", where), f"{where}.max_attempts", 1)
+    check_enum(member(t, "state", where), TASK_STATES, f"{where}.state")
+    check_counter(member(t, "revision", where), f"{where}.revision", 1)
+    attempt = check_counter(member(t, "attempt", where), f"{where}.attempt", 1)
+    maximum = check_counter(member(t, "max_attempts", where), f"{where}.max_attempts", 1)
     if attempt > maximum:
         raise Violation(f"{where}.attempt exceeds max_attempts")
     return t
@@ -364,13 +364,13 @@ def check_task(body: Any, where: str = "task") -> dict[str, Any]:
 
 def check_assignment(body: Any, ctx: ClientContext) -> dict[str, Any]:
     """§4 Assignment, checked as §6.1 and §12 say under the client's context."""
-    a = _obj(body, "assignment")
-    task = check_task(_get(a, "task", "assignment"))
-    check_id(_get(a, "attempt_id", "assignment"), "assignment.attempt_id")
-    check_counter(_get(a, "epoch", "assignment"), "assignment.epoch", 1)
-    check_secret(_get(a, "lease_secret", "assignment"), "assignment.lease_secret")
-    check_time(_get(a, "lease_until", "assignment"), "assignment.lease_until")
-    check_time(_get(a, "server_time", "assignment"), "assignment.server_time")
+    a = check_object(body, "assignment")
+    task = check_task(member(a, "task", "assignment"))
+    check_id(member(a, "attempt_id", "assignment"), "assignment.attempt_id")
+    check_counter(member(a, "epoch", "assignment"), "assignment.epoch", 1)
+    check_secret(member(a, "lease_secret", "assignment"), "assignment.lease_secret")
+    check_time(member(a, "lease_until", "assignment"), "assignment.lease_until")
+    check_time(member(a, "server_time", "assignment"), "assignment.server_time")
     if task["queue_id"] != ctx.queue_id:
         raise Violation("assignment for another queue")
     if task["state"] != "LEASED":
@@ -381,16 +381,16 @@ def check_assignment(body: Any, ctx: ClientContext) -> dict[str, Any]:
 
 
 def check_cancel(body: Any) -> dict[str, Any]:
-    c = _obj(body, "task.cancel")
-    check_id(_get(c, "task_id", "task.cancel"), "task.cancel.task_id")
-    check_id(_get(c, "attempt_id", "task.cancel"), "task.cancel.attempt_id")
-    check_counter(_get(c, "epoch", "task.cancel"), "task.cancel.epoch", 1)
-    check_time(_get(c, "cancel_requested_at", "task.cancel"), "task.cancel.cancel_requested_at")
+    c = check_object(body, "task.cancel")
+    check_id(member(c, "task_id", "task.cancel"), "task.cancel.task_id")
+    check_id(member(c, "attempt_id", "task.cancel"), "task.cancel.attempt_id")
+    check_counter(member(c, "epoch", "task.cancel"), "task.cancel.epoch", 1)
+    check_time(member(c, "cancel_requested_at", "task.cancel"), "task.cancel.cancel_requested_at")
     return c
 
 
 def check_error(value: Any) -> dict[str, Any]:
-    err = _obj(value, "error")
+    err = check_object(value, "error")
     if set(err) != {"code", "message"}:
         raise Violation("error must be exactly {code, message}")
     check_code(err["code"], "error.code")
@@ -430,8 +430,8 @@ def check_server_frame(raw: str | bytes, ctx: ClientContext) -> dict[str, Any]:
     Before the welcome (``ctx.session_id is None``) the frame must answer the pending hello.
     Returns the parsed frame; raises Violation otherwise.
     """
-    f = _obj(strict_loads(raw), "frame")
-    _closed(f, SERVER_ENVELOPE, "envelope")  # §12: the envelope is closed
+    f = check_object(strict_loads(raw), "frame")
+    check_closed(f, SERVER_ENVELOPE, "envelope")  # §12: the envelope is closed
     if f.get("protocol_version") != "1" or type(f.get("protocol_version")) is not str:
         raise Violation('protocol_version must be "1"')
     kind = f.get("type")
@@ -444,11 +444,11 @@ def check_server_frame(raw: str | bytes, ctx: ClientContext) -> dict[str, Any]:
     if kind == "error":
         if "body" in f:
             raise Violation("an error frame carries no body")
-        check_error(_get(f, "error", "frame"))
+        check_error(member(f, "error", "frame"))
     else:
         if "error" in f:
             raise Violation(f"{kind} carries an error field")
-        _obj(_get(f, "body", "frame"), "body")
+        check_object(member(f, "body", "frame"), "body")
     reply_to = f.get("reply_to")
     if ctx.session_id is None:
         if kind == "error" and reply_to is None:
@@ -503,16 +503,16 @@ def check_server_frame(raw: str | bytes, ctx: ClientContext) -> dict[str, Any]:
 
 
 def check_ref(value: Any, where: str) -> dict[str, Any]:
-    ref = _obj(value, where)
-    _closed(ref, {"task_id", "attempt_id", "epoch", "lease_secret"}, where)
-    check_id(_get(ref, "task_id", where), f"{where}.task_id")
-    check_id(_get(ref, "attempt_id", where), f"{where}.attempt_id")
-    check_counter(_get(ref, "epoch", where), f"{where}.epoch", 1)
-    check_secret(_get(ref, "lease_secret", where), f"{where}.lease_secret")
+    ref = check_object(value, where)
+    check_closed(ref, {"task_id", "attempt_id", "epoch", "lease_secret"}, where)
+    check_id(member(ref, "task_id", where), f"{where}.task_id")
+    check_id(member(ref, "attempt_id", where), f"{where}.attempt_id")
+    check_counter(member(ref, "epoch", where), f"{where}.epoch", 1)
+    check_secret(member(ref, "lease_secret", where), f"{where}.lease_secret")
     return ref
 
 
-def _check_hello(body: dict[str, Any]) -> None:
+def check_hello(body: dict[str, Any]) -> None:
     allowed = {
         "instance_id",
         "instance_secret",
@@ -521,26 +521,26 @@ def _check_hello(body: dict[str, Any]) -> None:
         "capacity",
         "cancellation_notifications",
     }
-    _closed(body, allowed, "hello")
-    check_id(_get(body, "instance_id", "hello"), "hello.instance_id")
-    check_secret(_get(body, "instance_secret", "hello"), "hello.instance_secret")
-    check_id(_get(body, "queue_id", "hello"), "hello.queue_id")
-    caps = _get(body, "capabilities", "hello")
+    check_closed(body, allowed, "hello")
+    check_id(member(body, "instance_id", "hello"), "hello.instance_id")
+    check_secret(member(body, "instance_secret", "hello"), "hello.instance_secret")
+    check_id(member(body, "queue_id", "hello"), "hello.queue_id")
+    caps = member(body, "capabilities", "hello")
     if type(caps) is not list or not 1 <= len(caps) <= 32:
         raise Violation("hello.capabilities must hold 1-32 entries")
     seen = [check_capability(c, "hello.capabilities[]", closed=True) for c in caps]
     if len(set(seen)) != len(seen):
         raise Violation("hello.capabilities must be distinct")
-    check_int(_get(body, "capacity", "hello"), "hello.capacity", 1, 256)
+    check_int(member(body, "capacity", "hello"), "hello.capacity", 1, 256)
     if "cancellation_notifications" in body:
         check_bool(body["cancellation_notifications"], "hello.cancellation_notifications")
 
 
-def _check_finish(body: dict[str, Any]) -> None:
-    _closed(body, {"ref", "outcome", "result", "error_code", "retryable"}, "finish")
-    check_ref(_get(body, "ref", "finish"), "finish.ref")
-    outcome = check_enum(_get(body, "outcome", "finish"), OUTCOMES, "finish.outcome")
-    result = _get(body, "result", "finish")
+def check_finish(body: dict[str, Any]) -> None:
+    check_closed(body, {"ref", "outcome", "result", "error_code", "retryable"}, "finish")
+    check_ref(member(body, "ref", "finish"), "finish.ref")
+    outcome = check_enum(member(body, "outcome", "finish"), OUTCOMES, "finish.outcome")
+    result = member(body, "result", "finish")
     if result is None:
         raise Violation("finish.result must not be null")
     if len(dumps(result).encode("utf-8")) > MAX_RESULT:
@@ -549,7 +549,7 @@ def _check_finish(body: dict[str, Any]) -> None:
         if "error_code" in body:
             raise Violation("a SUCCEEDED finish has no error_code")
     else:
-        check_code(_get(body, "error_code", "finish"), "finish.error_code")
+        check_code(member(body, "error_code", "finish"), "finish.error_code")
     if "retryable" in body:
         retryable = check_bool(body["retryable"], "finish.retryable")
         if retryable and outcome != "FAILED":
@@ -562,11 +562,11 @@ def check_client_frame(raw: str | bytes, session_id: str | None) -> dict[str, An
     *session_id* is the connection's session (``None`` before the welcome: only a hello is
     acceptable then). Returns the parsed frame; raises Violation otherwise.
     """
-    f = _obj(strict_loads(raw), "frame")
+    f = check_object(strict_loads(raw), "frame")
     for key in ("reply_to", "error"):
         if key in f:
             raise Violation(f"a request must not carry {key}")  # §2, not even null
-    _closed(f, CLIENT_ENVELOPE, "envelope")
+    check_closed(f, CLIENT_ENVELOPE, "envelope")
     if f.get("protocol_version") != "1" or type(f.get("protocol_version")) is not str:
         raise Violation('protocol_version must be "1"')
     kind = f.get("type")
@@ -581,16 +581,16 @@ def check_client_frame(raw: str | bytes, session_id: str | None) -> dict[str, An
             raise Violation(f"{kind} before the welcome")
         if f.get("session_id") != session_id:
             raise Violation("request does not carry the session's session_id")
-    body = _obj(_get(f, "body", "frame"), "body")
+    body = check_object(member(f, "body", "frame"), "body")
     if kind == "worker.hello":
-        _check_hello(body)
+        check_hello(body)
     elif kind == "worker.capacity":
-        _closed(body, {"sequence", "capacity", "drain"}, "capacity")
-        check_counter(_get(body, "sequence", "capacity"), "capacity.sequence", 1)
-        check_int(_get(body, "capacity", "capacity"), "capacity.capacity", 0, 256)
-        check_bool(_get(body, "drain", "capacity"), "capacity.drain")
+        check_closed(body, {"sequence", "capacity", "drain"}, "capacity")
+        check_counter(member(body, "sequence", "capacity"), "capacity.sequence", 1)
+        check_int(member(body, "capacity", "capacity"), "capacity.capacity", 0, 256)
+        check_bool(member(body, "drain", "capacity"), "capacity.drain")
     elif kind == "task.finish":
-        _check_finish(body)
+        check_finish(body)
     else:
         check_ref(body, kind)
     return f

@@ -14,7 +14,7 @@ from _cli_process import REFUSE_WEBSOCKETS, Proc, clean_env, command
 from orbit_sync import Finish, Outcome
 from orbit_sync.client import Client
 from orbit_sync.models import Capability, CapacityReport, Registration, new_id, new_secret
-from orbit_sync.testing._admin import AdminClient
+from orbit_sync.testing import AdminClient
 
 FIXED_TOKEN = "fixed-worker-token-0123456789"
 FIXED_ADMIN = "fixed-admin-token-0123456789"

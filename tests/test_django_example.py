@@ -150,7 +150,7 @@ def test_readme_enqueue_reaches_the_example_handler(database: Path, procs: list[
     """The example README's Python block, run as a script with the mock server's admin
     variables, enqueues its sample payload through the admin API, and the example's worker
     charges that invoice (the README's links to the docs resolve in a checkout)."""
-    from orbit_sync.testing._admin import AdminAPI
+    from orbit_sync.testing import AdminAPI
 
     readme = (PROJECT / "README.md").read_text(encoding="utf-8")
     for target in re.findall(r"\]\(([^)#\s]+)", readme):

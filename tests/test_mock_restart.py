@@ -13,10 +13,8 @@ from _cli_process import Proc, command
 
 from orbit_sync import Client
 from orbit_sync.errors import WorkerError
-from orbit_sync.testing import MockOrbitServer
-from orbit_sync.testing._admin import AdminClient
-from orbit_sync.worker import Backoff, Worker
-from orbit_sync.worker._listeners import SessionEvent
+from orbit_sync.testing import AdminClient, MockOrbitServer
+from orbit_sync.worker import Backoff, SessionEvent, Worker
 
 QUEUE = "0123456789abcdef0123456789abcdef"
 TOKEN = "restart-worker-token-0123456789"

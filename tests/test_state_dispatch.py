@@ -274,7 +274,7 @@ def test_ended_task_session_and_instance_are_forgotten_after_retention() -> None
     assert [s.session_id for s in kit.state.session_snapshots()] == [sid]  # not ended yet
     kit.advance(45 + 60)  # expired at 45 s, then a retention
     assert kit.state.session_snapshots() == ()
-    assert kit.state._instances == {}
+    assert kit.state.bounds()["instances"] == 0
     kit.state.check_invariants()
     # The process may come back: a fresh record, as for a new process.
     assert proc.hello().answer.type == "worker.welcome"
@@ -316,10 +316,10 @@ def test_capacity_heartbeats_keep_only_the_latest_receipt() -> None:
     assert proc.capacity(sequence=1, message_id=first).answer.type == "ack"
     for _ in range(50):
         assert proc.capacity(sequence=1).answer.type == "ack"
-    assert len(kit.state._ops) == 1
+    assert kit.state.bounds()["receipts"] == 1
     # The first message_id was forgotten: it now names a new report, not a conflict.
     assert code(proc.capacity(sequence=2, message_id=first)) is None
-    assert list(kit.state._ops) == [first]
+    assert kit.state.bounds()["receipts"] == 1
     assert code(proc.capacity(sequence=3, message_id=first)) == "IDEMPOTENCY_CONFLICT"
 
 
@@ -330,13 +330,14 @@ def test_resume_receipts_end_with_their_session() -> None:
     kit.enqueue()
     ref = proc.take()
     resumed = new_message_id()
+    before = kit.state.bounds()["receipts"]
     assert body(proc.resume(ref, message_id=resumed))["active"] is True
-    assert resumed in kit.state._ops
+    assert kit.state.bounds()["receipts"] == before + 1
     sid = proc.session_id
     assert sid is not None
     proc.hello()  # a reconnect: the old session is stale ...
     kit.route(kit.state.connection_lost(sid))  # ... and closed, so it ended
-    assert resumed not in kit.state._ops
+    assert kit.state.bounds()["receipts"] == before
     assert proc.capacity(sequence=2).answer.type == "ack"
     assert body(proc.resume(ref, message_id=resumed))["active"] is True
 
@@ -345,11 +346,11 @@ def test_forgotten_process_takes_its_capacity_receipt_along() -> None:
     """When retention forgets a worker process, its last capacity receipt goes with it."""
     kit = Kit(retention=5, idempotency_window=3600)
     proc = kit.worker().open()
-    assert len(kit.state._ops) == 1
+    assert kit.state.bounds()["receipts"] == 1
     assert proc.session_id is not None
     kit.route(kit.state.connection_lost(proc.session_id))
     kit.advance(45 + 5)  # the session expires, then a retention
-    assert kit.state._instances == {} and len(kit.state._ops) == 0
+    assert kit.state.bounds()["instances"] == kit.state.bounds()["receipts"] == 0
 
 
 def test_receipt_count_cap_forgets_the_oldest_first() -> None:
@@ -367,7 +368,7 @@ def test_receipt_count_cap_forgets_the_oldest_first() -> None:
     assert kit.state.receipts_evicted == 1
     assert body(proc.start(ref, message_id=started))["deduplicated"] is True
     proc.renew(ref)  # receipt 5: the start's receipt goes
-    assert len(kit.state._ops) == 3 and kit.state.receipts_evicted == 2
+    assert kit.state.bounds()["receipts"] == 3 and kit.state.receipts_evicted == 2
     assert code(proc.start(ref, message_id=started)) == "STATE_CONFLICT"
     assert body(proc.renew(ref, message_id=renewals[1]))["deduplicated"] is True
     with pytest.raises(ValueError, match="max_receipts"):
@@ -401,17 +402,9 @@ def test_state_stays_flat_under_steady_load() -> None:
         kit.inbox.clear()
         kit.advance(1)
         if cycle in (100, 159):
-            s = kit.state
-            sizes.append(
-                (
-                    len(s._tasks),
-                    len(s._attempts),
-                    len(s._sessions),
-                    len(s._instances),
-                    len(s._ops),
-                    len(s._overdue) + len(s._leases) + len(s._expiries) + len(s._forget),
-                )
-            )
+            bounds = kit.state.bounds()
+            kept = ("tasks", "attempts", "sessions", "instances", "receipts", "timers")
+            sizes.append(tuple(bounds[name] for name in kept))
     # Tables hold what the retention and window cover, the same at cycle 100 as at 159;
     # heaps hold at most about twice what they index before they are compacted.
     assert sizes[0][:5] == sizes[1][:5] == (19, 19, 64, 64, 56)

@@ -72,11 +72,11 @@ def _command_result(body: Any) -> None:
 
 
 def _capacity(body: Any) -> None:
-    o = ind._obj(body, "capacity")
-    ind._closed(o, {"sequence", "capacity", "drain"}, "capacity")
-    ind.check_counter(ind._get(o, "sequence", "capacity"), "capacity.sequence", 1)
-    ind.check_int(ind._get(o, "capacity", "capacity"), "capacity.capacity", 0, 256)
-    ind.check_bool(ind._get(o, "drain", "capacity"), "capacity.drain")
+    o = ind.check_object(body, "capacity")
+    ind.check_closed(o, {"sequence", "capacity", "drain"}, "capacity")
+    ind.check_counter(ind.member(o, "sequence", "capacity"), "capacity.sequence", 1)
+    ind.check_int(ind.member(o, "capacity", "capacity"), "capacity.capacity", 0, 256)
+    ind.check_bool(ind.member(o, "drain", "capacity"), "capacity.drain")
 
 
 #: The independent checker of each body: returns when the body is valid, raises Violation.
@@ -90,8 +90,8 @@ INDEPENDENT: dict[type[Any], Callable[[Any], Any]] = {
     CancelNotice: ind.check_cancel,
     Capability: lambda v: ind.check_capability(v, "capability", closed=True),
     AttemptRef: lambda v: ind.check_ref(v, "ref"),
-    Registration: lambda v: ind._check_hello(ind._obj(v, "hello")),
-    Finish: lambda v: ind._check_finish(ind._obj(v, "finish")),
+    Registration: lambda v: ind.check_hello(ind.check_object(v, "hello")),
+    Finish: lambda v: ind.check_finish(ind.check_object(v, "finish")),
     CapacityReport: _capacity,
 }
 

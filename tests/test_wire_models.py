@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orbit_sync import _codec, errors
+from orbit_sync import _codec, _json, errors
 from orbit_sync.models import (
     Assignment,
     AttemptRef,
@@ -155,7 +155,7 @@ cancel_notices = st.builds(CancelNotice, ids, ids, counters, times)
 def test_round_trip(case: tuple[Any, bool]) -> None:
     """Every model survives unstructure → JSON → its body decoder."""
     model, _ = case
-    wire = _codec._json.loads(_codec._json.dumps(_codec.unstructure(model)))
+    wire = _json.loads(_json.dumps(_codec.unstructure(model)))
     assert _codec.decode_body(wire, type(model)) == model
 
 
@@ -207,7 +207,7 @@ def test_finish_result_limit_counts_utf8_bytes() -> None:
     """A result of exactly 256 KiB of UTF-8 (2-byte characters) is sent; one byte more is not."""
     room = 256 * 1024 - len('{"k":""}')
     fits = {"k": "\u00e9" * (room // 2)}
-    assert _codec._json.encoded_size(fits) == 256 * 1024
+    assert _json.encoded_size(fits) == 256 * 1024
     text = _codec.encode_request("task.finish", "4" * 32, "3" * 32, Finish(REF, "SUCCEEDED", fits))
     assert _codec.decode_client_frame(text).body.result == fits
     over = {"k": fits["k"] + "a"}

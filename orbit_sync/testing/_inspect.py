@@ -90,7 +90,8 @@ class Inspection(StateCore):
         """The state bounds in force: ``idempotency_window``, ``retention`` (seconds; ``None``:
         forever), ``max_receipts``, ``event_log_size``, ``exact_recovery``; and how full they
         are: ``receipts``, ``receipts_evicted`` (forgotten early to stay under the cap),
-        ``tasks``, ``sessions``."""
+        ``tasks``, ``attempts``, ``sessions``, ``instances`` (worker processes) and ``timers``
+        (scheduled wake-ups: retries, deadlines, lease and session expiries, forgetting)."""
         return {
             "idempotency_window": self.idempotency_us / 1_000_000,
             "retention": None if self.retention_us is None else self.retention_us / 1_000_000,
@@ -100,7 +101,15 @@ class Inspection(StateCore):
             "receipts": len(self._ops),
             "receipts_evicted": self.receipts_evicted,
             "tasks": len(self._tasks),
+            "attempts": len(self._attempts),
             "sessions": len(self._sessions),
+            "instances": len(self._instances),
+            "timers": sum(map(len, self._ready.values()))
+            + len(self._backoff)
+            + len(self._overdue)
+            + len(self._leases)
+            + len(self._expiries)
+            + len(self._forget),
         }
 
     def record(self, kind: str, *, session: str | None = None, detail: str = "") -> None:
