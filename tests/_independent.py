@@ -234,6 +234,15 @@ def check_time(value: Any, where: str) -> int:
     return calendar.timegm((*parts, 0, 0, 0)) * NS + fraction
 
 
+def parse_time(value: Any) -> _dt.datetime:
+    """An RFC 3339 UTC time (checked by :func:`check_time`) as an aware datetime, to the
+    microsecond."""
+    ns = check_time(value, "time")
+    return _dt.datetime(1970, 1, 1, tzinfo=_dt.timezone.utc) + _dt.timedelta(
+        microseconds=ns // 1000
+    )
+
+
 def check_int(value: Any, where: str, low: int, high: int) -> int:
     if type(value) is not int:
         raise Violation(f"{where} must be a plain integer")

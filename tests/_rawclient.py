@@ -155,9 +155,13 @@ class RawClient:
         if sid is not None:
             frame["session_id"] = sid
         frame["body"] = body if isinstance(body, dict) else unstructure(body)
-        self._pending[mid] = kind
+        self.expect(mid, kind)
         self.send_text(json.dumps(frame))
         return mid
+
+    def expect(self, message_id: str, kind: str) -> None:
+        """Await an answer to *message_id*, a *kind* request sent by other means (fragments)."""
+        self._pending[message_id] = kind
 
     def answer(self, message_id: str, timeout: float = 5.0) -> dict[str, Any]:
         """Read until the frame answering *message_id*; pushes are kept."""

@@ -17,19 +17,14 @@ from orbit_sync.models import (
     new_message_id,
     new_secret,
 )
-from orbit_sync.testing import ManualClock
-from orbit_sync.testing._state import (
-    SCOPE_CONNECT,
-    SCOPE_CONSUME,
-    Action,
-    CloseSession,
-    Handled,
-    OrbitState,
-    Push,
-    queue_scope,
-)
+from orbit_sync.testing import ManualClock, MockOrbitServer
+from orbit_sync.testing._state import Action, CloseSession, Handled, OrbitState, Push
 
 CAP = Capability("resize", "1", "1")
+#: The token scopes a worker needs, as docs/protocol.md names them.
+SCOPE_CONNECT = "workers:connect"
+SCOPE_CONSUME = "workers:consume"
+queue_scope = MockOrbitServer.queue_scope
 
 
 def client_frame(

@@ -12,7 +12,7 @@ import pytest
 from _rawclient import Closed, RawClient, error_code
 from websockets.exceptions import InvalidStatus
 
-from orbit_sync.models import AttemptRef, TaskState, new_message_id
+from orbit_sync.models import AttemptRef, Finish, TaskState, new_message_id
 from orbit_sync.testing import ManualClock, MockOrbitServer
 
 
@@ -71,11 +71,8 @@ def test_close_after_applies_then_cuts(server: MockOrbitServer) -> None:
     assert replay["body"]["deduplicated"] is True
 
 
-def _finish(ref: AttemptRef) -> dict[str, object]:
-    from orbit_sync._codec import unstructure
-    from orbit_sync.models import Finish
-
-    return unstructure(Finish(ref=ref, outcome="SUCCEEDED", result={"ok": True}))
+def _finish(ref: AttemptRef) -> Finish:
+    return Finish(ref=ref, outcome="SUCCEEDED", result={"ok": True})
 
 
 def test_delay_reply_holds_the_answer(server: MockOrbitServer) -> None:

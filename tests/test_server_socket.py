@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 import trustme
+from _independent import parse_time
 from _rawclient import RawClient, error_code, small_window_socket
+from _serverkit import SCOPE_CONNECT
 from websockets.exceptions import InvalidStatus
 
-from orbit_sync._codec import parse_time
-from orbit_sync.models import CapacityReport, Lease, TaskState, new_message_id
+from orbit_sync.models import CapacityReport, Finish, Lease, TaskState, new_message_id
 from orbit_sync.testing import ManualClock, MockOrbitServer
-from orbit_sync.testing._state import SCOPE_CONNECT
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "frames.json").read_text("utf-8"))
 
@@ -374,11 +374,8 @@ def test_resume_and_replay_after_reconnect(server: MockOrbitServer) -> None:
     server.check_invariants()
 
 
-def _finish_body(ref: Any, outcome: str = "SUCCEEDED", code: str | None = None) -> dict[str, Any]:
-    from orbit_sync._codec import unstructure
-    from orbit_sync.models import Finish
-
-    return unstructure(Finish(ref=ref, outcome=outcome, result={"ok": True}, error_code=code))
+def _finish_body(ref: Any, outcome: str = "SUCCEEDED", code: str | None = None) -> Finish:
+    return Finish(ref=ref, outcome=outcome, result={"ok": True}, error_code=code)
 
 
 def test_resume_moves_live_attempt_to_new_session(server: MockOrbitServer) -> None:

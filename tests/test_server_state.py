@@ -7,9 +7,22 @@ from typing import Any
 
 import attrs
 import pytest
-from _serverkit import CAP, Kit, Proc, body, client_frame, code, pushes_of, ref_of
+from _independent import parse_time
+from _serverkit import (
+    CAP,
+    SCOPE_CONNECT,
+    SCOPE_CONSUME,
+    Kit,
+    Proc,
+    body,
+    client_frame,
+    code,
+    pushes_of,
+    queue_scope,
+    ref_of,
+)
 
-from orbit_sync._codec import decode_body, parse_time, unstructure
+from orbit_sync._codec import decode_body, unstructure
 from orbit_sync.models import (
     Assignment,
     AttemptRef,
@@ -19,7 +32,7 @@ from orbit_sync.models import (
     TaskState,
     new_secret,
 )
-from orbit_sync.testing._state import SCOPE_CONNECT, SCOPE_CONSUME, InvariantError, queue_scope
+from orbit_sync.testing._state import InvariantError
 
 # --------------------------------------------------------------------------- sessions
 

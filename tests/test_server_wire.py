@@ -46,7 +46,7 @@ def test_fragmented_request_is_applied_as_one_frame(server: MockOrbitServer) -> 
         }
     )
     third = len(text) // 3
-    client._pending[mid] = "worker.capacity"
+    client.expect(mid, "worker.capacity")
     client.ws.send(iter([text[:third], text[third : 2 * third], text[2 * third :]]))
     assert client.answer(mid)["type"] == "ack"
     assert client.ws.ping(b"after").wait(WAIT)

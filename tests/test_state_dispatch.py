@@ -6,14 +6,12 @@ import datetime as dt
 import itertools
 
 import pytest
+from _independent import parse_time
 from _rawclient import RawClient
-from _serverkit import CAP, Kit, Proc, body, code
+from _serverkit import CAP, SCOPE_CONNECT, SCOPE_CONSUME, Kit, Proc, body, code, queue_scope
 
-from orbit_sync._codec import parse_time
 from orbit_sync.models import Capability, TaskState, new_message_id
 from orbit_sync.testing import AdminAPI, AdminClient, ManualClock, MockOrbitServer
-from orbit_sync.testing._records import to_datetime
-from orbit_sync.testing._state import SCOPE_CONNECT, SCOPE_CONSUME, queue_scope
 
 
 def test_enqueue_many_creates_in_order_and_dispatches_once() -> None:
@@ -130,7 +128,8 @@ def test_backoff_retry_is_reassigned_at_its_moment() -> None:
     kit.advance(0.001)
     bodies = proc.assignments()
     assert [b["task"]["task_id"] for b in bodies] == [task_id]
-    assert parse_time(bodies[0]["server_time"]) == to_datetime(moment)
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+    assert parse_time(bodies[0]["server_time"]) == epoch + dt.timedelta(microseconds=moment)
 
 
 def test_passed_moment_stays_due_until_run() -> None:
