@@ -52,6 +52,7 @@ from .worker import (
     TimeLimitExceeded,
     UnknownEffect,
     Worker,
+    WorkerOptions,
     WorkerStats,
 )
 from .worker._outbox import OutboxError
@@ -98,6 +99,7 @@ __all__ = [
     "WorkerConnection",
     "WorkerDisconnected",
     "WorkerError",
+    "WorkerOptions",
     "WorkerProtocolError",
     "WorkerStats",
     "__version__",

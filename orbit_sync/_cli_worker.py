@@ -28,7 +28,7 @@ import os
 import platform
 import sys
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ._seconds import parse_seconds
 from .client import (
@@ -40,6 +40,9 @@ from .client import (
 )
 from .errors import HTTPError, ServerUnreachable, WorkerError, WorkerProtocolError
 from .models import ID_RE, MAX_CAPACITY
+
+if TYPE_CHECKING:
+    from .worker import Worker
 
 __all__ = [
     "EXIT_AUTH",
@@ -262,7 +265,7 @@ def _run(
     return serve(worker, target, link)
 
 
-def serve(worker: Any, label: str, link: Any = None) -> int:
+def serve(worker: Worker, label: str, link: Any = None) -> int:
     """Print the banner, run *worker* until it stops, report; return the exit status.
 
     *link* (a supervised child's :class:`~orbit_sync._supervisor.ChildLink`) reports the
@@ -283,7 +286,7 @@ def serve(worker: Any, label: str, link: Any = None) -> int:
     except Exception as exc:
         # The worker's errors never carry secrets (errors.py); show the type and message.
         status = exit_status_for(exc)
-        hint = refused_credentials(exc, worker.options["client"])
+        hint = refused_credentials(exc, worker.client)
         why = f"; {hint}" if hint else ""
         report_error(f"worker stopped on {type(exc).__name__}: {exc}{why} (exit {status})")
         if status == EXIT_FAILED:
@@ -412,7 +415,7 @@ def _needs_arguments(fn: Any) -> bool:
     )
 
 
-def _apply_options(worker: Any, args: argparse.Namespace, token: str | None) -> Any:
+def _apply_options(worker: Worker, args: argparse.Namespace, token: str | None) -> Worker:
     """The worker with the command line's options applied (a new Worker when any is given)."""
     changes: dict[str, Any] = {}
     if args.capacity is not None:
@@ -427,8 +430,8 @@ def _apply_options(worker: Any, args: argparse.Namespace, token: str | None) -> 
         changes["queue_id"] = args.queue
     if args.url is not None or token is not None:
         source = None if args.token_file is None else f"--token-file {args.token_file}"
-        changes["client"] = _client(worker.options["client"], args.url, token, source)
-    if not worker.options.get("handle_signals", True):
+        changes["client"] = _client(worker.client, args.url, token, source)
+    if not worker.options.handle_signals:
         changes["handle_signals"] = True  # a supervised process must drain on SIGTERM
     return worker.with_options(**changes) if changes else worker
 
@@ -484,30 +487,30 @@ def _supervised(link: Any) -> str:
     return "; ".join(parts)
 
 
-def _banner(worker: Any, target: str, link: Any = None) -> None:
+def _banner(worker: Worker, target: str, link: Any = None) -> None:
     """What is about to run, on stderr (stdout stays the application's). Never the token."""
     options = worker.options
     registration = worker.registration
-    client = options["client"]
+    client = worker.client
     server = getattr(client, "base_url", None) or type(client).__name__
-    in_process = _process_handlers(worker)
+    in_process = {key for key, executor in worker.executors.items() if executor == "process"}
     handlers = ", ".join(
         f"{c.handler} ({c.handler_version}/{c.payload_version}"
         f"{', process' if (c.handler, c.handler_version, c.payload_version) in in_process else ''})"
         for c in registration.capabilities
     )
-    outbox = options.get("outbox")
+    outbox = options.outbox
     # The supervisor's own listeners are described on their own line, not by class name.
     own = link.attached if link is not None else ()
     listeners = ", ".join(
-        _listener_words(x) for x in worker._hooks.listeners if not any(x is y for y in own)
+        _listener_words(x) for x in worker.listeners if not any(x is y for y in own)
     )
     lines = [
         f"orbit-sync {_version()} worker {target} (pid {os.getpid()},"
         f" Python {platform.python_version()})",
         f"  server:    {server}",
         f"  queue:     {registration.queue_id}",
-        f"  capacity:  {registration.capacity}, drain timeout {options['drain_timeout']:g} s",
+        f"  capacity:  {registration.capacity}, drain timeout {options.drain_timeout:g} s",
         f"  handlers:  {handlers}",
         f"  outbox:    {os.fspath(outbox) if outbox is not None else 'none'}",
         f"  listeners: {listeners or 'none'}",
@@ -516,13 +519,6 @@ def _banner(worker: Any, target: str, link: Any = None) -> None:
         lines.append(f"  supervisor: {_supervised(link)}")
     lines.append("SIGTERM or Ctrl-C drains; a second signal stops at once.")
     print("\n".join(lines), file=sys.stderr, flush=True)
-
-
-def _process_handlers(worker: Any) -> set[tuple[str, str, str]]:
-    """The (name, version, payload version) of the handlers that run in a child process."""
-    from .worker._process import ProcessHandler
-
-    return {key for key, fn in worker._handlers.items() if isinstance(fn, ProcessHandler)}
 
 
 def _version() -> str:

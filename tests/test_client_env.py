@@ -131,5 +131,5 @@ def test_a_worker_without_queue_id_serves_orbit_queue_id(monkeypatch: pytest.Mon
     worker = Worker(Client.from_env({"ORBIT_URL": "ws://127.0.0.1:9", "ORBIT_TOKEN": TOKEN}))
     worker.register("echo", lambda ctx, payload: payload)
     assert worker.registration.queue_id == QUEUE
-    assert worker.options["queue_id"] == QUEUE
+    assert worker.options.queue_id == QUEUE
     assert queue_id_from_env({"ORBIT_QUEUE_ID": QUEUE}) == QUEUE

@@ -27,7 +27,7 @@ from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
 from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
 from orbit_sync.testing import ManualClock
-from orbit_sync.worker import AttemptEvent, AttemptFinished, StuckEvent
+from orbit_sync.worker import AttemptEvent, AttemptFinished, StuckEvent, WorkerOptions
 
 
 def test_worst_status_prefers_the_ones_restarting_cannot_fix() -> None:
@@ -313,7 +313,9 @@ class FakeWorker:
         self.stops: list[bool] = []
         self.stopped = threading.Event()
         self.listeners: list[object] = []
-        self.options = {"drain_timeout": 30.0, "cancel_grace": 5.0, "flush_timeout": 10.0}
+        self.options = WorkerOptions(
+            queue_id="f" * 32, drain_timeout=30.0, cancel_grace=5.0, flush_timeout=10.0
+        )
 
     def add_listener(self, listener: object) -> None:
         self.listeners.append(listener)

@@ -255,9 +255,9 @@ class ChildLink(WorkerListener):
         self.send(
             "hello",
             pid=os.getpid(),
-            drain_timeout=options["drain_timeout"],
-            cancel_grace=options["cancel_grace"],
-            flush_timeout=options["flush_timeout"],
+            drain_timeout=options.drain_timeout,
+            cancel_grace=options.cancel_grace,
+            flush_timeout=options.flush_timeout,
         )
         threading.Thread(target=self._report, name="orbit-sync-report", daemon=True).start()
 

@@ -24,6 +24,7 @@ from ._listeners import (
     StuckEvent,
     WorkerListener,
 )
+from ._options import WorkerOptions
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, Verdict
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
@@ -49,6 +50,7 @@ __all__ = [
     "Verdict",
     "Worker",
     "WorkerListener",
+    "WorkerOptions",
     "WorkerStats",
     "result_converter",
 ]

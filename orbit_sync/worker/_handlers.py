@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 
 from ..models import Capability, Registration, new_id, new_secret
 from ._context import task_logger
+from ._options import WorkerOptions
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
 from ._shell import Handler
@@ -68,27 +69,11 @@ if hasattr(os, "register_at_fork"):  # POSIX only
 class Handlers:
     """The handler table of one Worker (see the module's docstring)."""
 
-    def __init__(
-        self,
-        lock: threading.Condition,
-        *,
-        queue_id: str,
-        capacity: int,
-        notifications: bool,
-        cancel_grace: float,
-        process_pool: int | None,
-        process_limits: ChildLimits,
-        time_limit: float | None = None,
-    ) -> None:
+    def __init__(self, lock: threading.Condition, options: WorkerOptions) -> None:
         self._lock = lock
-        self._queue_id = queue_id
-        self._capacity = capacity
-        self._notifications = notifications
-        self._cancel_grace = cancel_grace
-        self._process_pool_size = process_pool
-        self._process_limits = process_limits
-        #: The worker's time limit: handlers registered without their own get it.
-        self._time_limit = time_limit
+        #: The Worker's options: the registration's queue, capacity and notifications; the
+        #: process pool's size and limits; the time limit handlers registered without one get.
+        self._options = options
         #: Each handler's time limit as registered (for :meth:`specs`) and as it applies.
         self._limit_specs: dict[Key, tuple[HandlerLimit, bool]] = {}
         self._limits: dict[Key, TimeLimit | None] = {}
@@ -122,7 +107,11 @@ class Handlers:
         whether registering is too late."""
         if executor not in ("thread", "process"):
             raise ValueError('executor must be "thread" or "process"')
-        seconds = self._time_limit if time_limit is WORKER_DEFAULT else check_time_limit(time_limit)
+        seconds = (
+            self._options.time_limit
+            if time_limit is WORKER_DEFAULT
+            else check_time_limit(time_limit)
+        )
         if type(time_limit_retryable) is not bool:
             raise TypeError("time_limit_retryable must be a bool")
         check_handler_signature(fn)
@@ -144,9 +133,14 @@ class Handlers:
             if executor == "process":
                 if self.processes is None:
                     # Sized apart from capacity: CPU-bound work wants about one per core.
-                    size = self._process_pool_size or os.cpu_count() or 1
+                    options = self._options
                     self.processes = ProcessPool(
-                        size, cancel_grace=self._cancel_grace, limits=self._process_limits
+                        options.process_pool or os.cpu_count() or 1,
+                        cancel_grace=options.cancel_grace,
+                        limits=ChildLimits(
+                            max_tasks=options.process_max_tasks_per_child,
+                            max_memory_mb=options.process_max_memory_per_child,
+                        ),
                     )
                 fn = ProcessHandler(fn, self.processes)
             self.table[key] = fn
@@ -156,7 +150,7 @@ class Handlers:
                 if seconds is None
                 else TimeLimit(
                     seconds,
-                    self._cancel_grace,
+                    self._options.cancel_grace,
                     retryable=time_limit_retryable,
                     in_process=executor == "process",
                 )
@@ -196,12 +190,12 @@ class Handlers:
                 if not self.table:
                     raise ValueError("register at least one handler before starting the worker")
                 self._registration = Registration(
-                    queue_id=self._queue_id,
+                    queue_id=self._options.queue_id,
                     capabilities=[Capability(*key) for key in self.table],
-                    capacity=self._capacity,
+                    capacity=self._options.capacity,
                     instance_id=self.instance_id,
                     instance_secret=self._instance_secret,
-                    cancellation_notifications=self._notifications,
+                    cancellation_notifications=self._options.cancellation_notifications,
                 )
             return self._registration
 

@@ -1,15 +1,18 @@
-"""The Worker's options, each checked once, when the Worker is built (nothing is sent before).
+"""The Worker's options, each checked once, when they are built (before anything is sent).
 
-:class:`WorkerOptions` holds every constructor argument but the client, validated and
-normalized (seconds as floats, the call timeout capped at the protocol's bound, the handlers'
-share of the request budget derived from *max_in_flight*). Wrong arguments raise ``TypeError``
-or ``ValueError`` naming the option.
+:class:`WorkerOptions` holds every constructor argument of :class:`~orbit_sync.worker.Worker` but
+the client, validated: a wrong value raises ``TypeError`` or ``ValueError`` naming the option.
+What is left out means the default, filled in here (the real clock, the ``orbit_sync.worker``
+logger, the default reconnect backoff), so every reader of an option reads the value in force.
+Derived values (the capped request timeout, the handlers' share of the request budget) are
+properties.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Iterable
 from typing import Any
 
@@ -18,7 +21,7 @@ import cattrs
 
 from .._protocol import MAX_IN_FLIGHT, call_timeout
 from .._seconds import seconds
-from ..clock import Clock
+from ..clock import Clock, SystemClock
 from ..models import ID_RE, MAX_CAPACITY
 from ._backoff import Backoff
 from ._time_limits import check_time_limit
@@ -27,6 +30,10 @@ __all__ = ["RESERVED_SLOTS", "WorkerOptions", "check_seconds"]
 
 #: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
 RESERVED_SLOTS = 8
+
+#: Real time, the clock of a worker given none (stateless: one serves every worker).
+_REAL_TIME = SystemClock()
+_LOG = logging.getLogger("orbit_sync.worker")
 
 
 def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
@@ -76,9 +83,9 @@ def _clock(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise TypeError("clock must be an orbit_sync.Clock (now, wait, park, unpark)")
 
 
-def _process_pool(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (type(value) is not int or value < 1):
-        raise ValueError("process_pool must be a positive int (child processes)")
+        raise ValueError(f"{attribute.name} must be a positive int")
 
 
 def _time_limit(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -90,31 +97,53 @@ def _outbox(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise TypeError("outbox must be a file path")
 
 
+def _real_time_if_none(value: Clock | None) -> Clock:
+    return _REAL_TIME if value is None else value
+
+
+def _default_logger_if_none(value: logging.Logger | None) -> logging.Logger:
+    return _LOG if value is None else value
+
+
+def _default_backoff_if_none(value: Backoff | None) -> Backoff:
+    return Backoff() if value is None else value
+
+
+def _as_tuple(value: Iterable[object]) -> tuple[object, ...]:
+    return tuple(value)
+
+
 @attrs.frozen(kw_only=True)
 class WorkerOptions:
-    """Every Worker option but the client, validated (see :class:`~orbit_sync.worker.Worker`
-    for what each means)."""
+    """Every option of a :class:`~orbit_sync.worker.Worker` but its client, validated once (see
+    the Worker for what each one means); ``Worker.options`` returns the worker's.
+
+    Frozen: derive another with ``attrs.evolve(worker.options, capacity=4)`` and build a worker
+    from it with ``Worker.from_options(client, options)`` (or use :meth:`Worker.with_options`,
+    which also copies the handlers). Options left out, or ``None``, read as their default:
+    ``clock`` is real time (:class:`orbit_sync.SystemClock`), ``logger`` is
+    ``orbit_sync.worker``'s, ``reconnect_backoff`` is ``Backoff()``.
+    """
 
     queue_id: str = attrs.field(validator=_queue_id)
     capacity: int = attrs.field(default=8, validator=_capacity)
     drain_timeout: float = attrs.field(default=30.0, validator=_seconds)
     cancel_grace: float = attrs.field(default=5.0, validator=_seconds)
     flush_timeout: float = attrs.field(default=10.0, validator=_seconds)
-    reconnect_backoff: Backoff | None = None
+    reconnect_backoff: Backoff = attrs.field(default=None, converter=_default_backoff_if_none)
     renew_retry_delay: float = attrs.field(default=1.0, validator=_retry_delay)
     cancellation_notifications: bool = attrs.field(default=True, converter=bool)
     dial_timeout: float = attrs.field(default=8.0, validator=_seconds, metadata=_POSITIVE)
     call_timeout: float | None = attrs.field(default=10.0, validator=_call_timeout)
     max_in_flight: int | None = attrs.field(default=None, validator=_max_in_flight)
     handle_signals: bool = True
-    logger: logging.Logger | None = None
+    logger: logging.Logger = attrs.field(default=None, converter=_default_logger_if_none)
     result_converter: cattrs.BaseConverter | None = None
-    listeners: Iterable[object] = ()
-    clock: Clock | None = attrs.field(default=None, validator=_clock)
-    process_pool: int | None = attrs.field(default=None, validator=_process_pool)
-    #: Checked where they are used, by ``ChildLimits`` (their one home), as the Worker is built.
-    process_max_tasks_per_child: int | None = None
-    process_max_memory_per_child: int | None = None
+    listeners: tuple[object, ...] = attrs.field(default=(), converter=_as_tuple)
+    clock: Clock = attrs.field(default=None, converter=_real_time_if_none, validator=_clock)
+    process_pool: int | None = attrs.field(default=None, validator=_positive_int)
+    process_max_tasks_per_child: int | None = attrs.field(default=None, validator=_positive_int)
+    process_max_memory_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
     time_limit: float | None = attrs.field(default=None, validator=_time_limit)
     first_connect_timeout: float | None = attrs.field(default=None, validator=_optional_seconds)
@@ -132,3 +161,35 @@ class WorkerOptions:
         budget, 2 to 8 slots: a small explicit bound keeps its old split."""
         budget = MAX_IN_FLIGHT if self.max_in_flight is None else self.max_in_flight
         return budget - min(RESERVED_SLOTS, max(2, budget // 4))
+
+    # ``Worker.options`` was a dict of the constructor's arguments: reading it as one still works
+    # until the next release, with a DeprecationWarning.
+
+    def __getitem__(self, name: str) -> Any:
+        """Deprecated: read ``options.name`` (``Worker.options`` was a dict)."""
+        return _read_as_dict(self, name)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        """Deprecated: read ``options.name`` (``Worker.options`` was a dict)."""
+        return _read_as_dict(self, name, default)
+
+
+_NOTHING = object()
+
+
+def _read_as_dict(options: WorkerOptions, name: str, default: Any = _NOTHING) -> Any:
+    """``options[name]`` or ``options.get(name, default)``, the old dict's reads, with a
+    DeprecationWarning pointing at the caller's line."""
+    if name == "client":
+        raise KeyError("the client is not an option: read Worker.client")
+    warnings.warn(
+        f"Worker.options is a WorkerOptions: options[{name!r}] is deprecated and goes in the next"
+        f" release; read options.{name}",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if name in attrs.fields_dict(WorkerOptions):
+        return getattr(options, name)
+    if default is _NOTHING:
+        raise KeyError(name)
+    return default

@@ -320,9 +320,7 @@ class ProcessPool:
     def __init__(
         self, size: int, *, cancel_grace: float, limits: ChildLimits | None = None
     ) -> None:
-        if type(size) is not int or size < 1:
-            raise ValueError("process_pool must be a positive int")
-        self.size = size
+        self.size = size  # the Worker's process_pool option, checked there
         self._cancel_grace = cancel_grace
         self._limits = limits or ChildLimits()  # recycling between attempts (_process_limits)
         self._mp = multiprocessing.get_context("spawn")

@@ -36,15 +36,10 @@ _MB = 1024 * 1024
 _LOG = logging.getLogger("orbit_sync.worker")
 
 
-def _limit(name: str, value: int | None) -> int | None:
-    if value is not None and (type(value) is not int or value < 1):
-        raise ValueError(f"{name} must be a positive int")
-    return value
-
-
 class ChildLimits:
     """When a child of the pool has done enough: *max_tasks* jobs, or more than *max_memory_mb*
-    of RSS after a job."""
+    of RSS after a job (both checked as the Worker's options, ``process_max_tasks_per_child``
+    and ``process_max_memory_per_child``)."""
 
     def __init__(
         self,
@@ -53,8 +48,8 @@ class ChildLimits:
         max_memory_mb: int | None = None,
         rss: Callable[[int], int | None] = rss_bytes,
     ) -> None:
-        self._max_tasks = _limit("process_max_tasks_per_child", max_tasks)
-        self._max_memory_mb = _limit("process_max_memory_per_child", max_memory_mb)
+        self._max_tasks = max_tasks
+        self._max_memory_mb = max_memory_mb
         self._rss = rss
         self._lock = threading.Lock()
         self._jobs: dict[int, int] = {}

@@ -24,10 +24,11 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
 
+import attrs
 import cattrs
 
 from ..client import DialCut, queue_id_from_env
-from ..clock import Clock, SystemClock
+from ..clock import Clock
 from ..models import (
     Outcome,
     Registration,
@@ -46,7 +47,6 @@ from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessPool
-from ._process_limits import ChildLimits
 from ._renewals import Renewals
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
@@ -58,7 +58,7 @@ from ._shell import (
 )
 from ._shutdown import AttemptPhases, Shutdown
 from ._signals import StopSignals, announce
-from ._time_limits import WORKER_DEFAULT, HandlerLimit, check_time_limit
+from ._time_limits import WORKER_DEFAULT, HandlerLimit
 from ._timers import Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
 from ._window import CapacityWindow
@@ -66,8 +66,6 @@ from ._window import CapacityWindow
 __all__ = ["Handler", "Worker"]
 
 H = TypeVar("H", bound=Handler)
-
-_LOG = logging.getLogger("orbit_sync.worker")
 
 
 class Worker:
@@ -162,43 +160,57 @@ class Worker:
         time_limit: float | None = None,
         first_connect_timeout: float | None = None,
     ) -> None:
-        # First, before any other local exists: every constructor argument (see with_options).
-        self._options: dict[str, Any] = {k: v for k, v in locals().items() if k != "self"}
-        if queue_id is None:
-            # Resolved once: options and with_options() then name the queue this worker serves.
-            self._options["queue_id"] = queue_id_from_env()
-        opts = WorkerOptions(**{k: v for k, v in self._options.items() if k != "client"})
-        self._opts = opts
+        self._build(
+            client,
+            WorkerOptions(
+                # Resolved once: options and with_options() then name the queue this worker serves.
+                queue_id=queue_id_from_env() if queue_id is None else queue_id,
+                capacity=capacity,
+                drain_timeout=drain_timeout,
+                cancel_grace=cancel_grace,
+                flush_timeout=flush_timeout,
+                reconnect_backoff=reconnect_backoff,
+                renew_retry_delay=renew_retry_delay,
+                cancellation_notifications=cancellation_notifications,
+                dial_timeout=dial_timeout,
+                call_timeout=call_timeout,
+                max_in_flight=max_in_flight,
+                handle_signals=handle_signals,
+                logger=logger,
+                result_converter=result_converter,
+                listeners=listeners,
+                clock=clock,
+                process_pool=process_pool,
+                process_max_tasks_per_child=process_max_tasks_per_child,
+                process_max_memory_per_child=process_max_memory_per_child,
+                outbox=outbox,
+                time_limit=time_limit,
+                first_connect_timeout=first_connect_timeout,
+            ),
+        )
+
+    @classmethod
+    def from_options(cls, client: Dialer, options: WorkerOptions) -> Worker:
+        """A Worker for *client* with *options* (a :class:`WorkerOptions`, e.g. another worker's
+        ``options`` evolved with ``attrs.evolve``); the same as passing each as a keyword."""
+        if not isinstance(options, WorkerOptions):
+            raise TypeError("options must be an orbit_sync.worker.WorkerOptions")
+        worker = cls.__new__(cls)
+        worker._build(client, options)
+        return worker
+
+    def _build(self, client: Dialer, options: WorkerOptions) -> None:
+        """Wire the worker's parts for *client* and the validated *options* (nothing runs yet)."""
+        self._options = opts = options
         self._client = client
-        self._drain_timeout = opts.drain_timeout
-        self._dial_timeout = opts.dial_timeout
-        self._call_timeout = opts.request_timeout
-        self._backoff = opts.reconnect_backoff or Backoff()
-        self._retry_delay = float(opts.renew_retry_delay)
-        self._handle_signals = opts.handle_signals
-        self._log = opts.logger or _LOG
-        self._time = opts.clock or SystemClock()
-        self._clock = self._time.now
-        self._hooks = Hooks(listeners, logger=self._log)
+        log = opts.logger
+        clock = opts.clock
+        self._hooks = Hooks(opts.listeners, logger=log)
 
         # The attempts and counters, under the worker's lock (the registry's condition).
         self._reg = Registry()
         self._cond = self._reg.cond
-        self._registered = Handlers(
-            self._cond,
-            queue_id=opts.queue_id,
-            capacity=opts.capacity,
-            notifications=opts.cancellation_notifications,
-            cancel_grace=opts.cancel_grace,
-            process_pool=opts.process_pool,
-            process_limits=ChildLimits(
-                max_tasks=opts.process_max_tasks_per_child,
-                max_memory_mb=opts.process_max_memory_per_child,
-            ),
-            time_limit=check_time_limit(opts.time_limit),
-        )
-        #: The handlers by (name, version, payload version), as registered.
-        self._handlers = self._registered.table
+        self._registered = Handlers(self._cond, opts)
         self._started = False
         self._drain_deadline = 0.0
         self._error: BaseException | None = None
@@ -209,27 +221,29 @@ class Worker:
         self._signals: StopSignals | None = None
 
         #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
-        self._serve_wake = Wakeup(self._time)
+        self._serve_wake = Wakeup(clock)
         self._dial_cut = DialCut()
 
-        self._link = Link(self._time, slots=opts.handler_slots)
-        renewals = Renewals(self._reg, self._link, self._hooks, self._call_timeout)
+        self._link = Link(clock, slots=opts.handler_slots)
+        renewals = Renewals(self._reg, self._link, self._hooks, opts.request_timeout)
+        # Wakes the watchdog's thread: a lease tracked or renewed, a time limit set.
+        watchdog_wake = Wakeup(clock)
         self._watchdog = LeaseWatchdog(
             renewals.send_renew,
             send_many=renewals.send_renews,
-            clock=self._clock,
-            retry_delay=self._retry_delay,
-            on_change=lambda: self._watchdog_thread.wake(),
+            clock=clock.now,
+            retry_delay=opts.renew_retry_delay,
+            on_change=watchdog_wake.set,
             on_renew=renewals.on_renewed,
             on_loss=renewals.on_lease_lost,
-            logger=self._log,
+            logger=log,
         )
         # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
-        self._timers = Timers(self._clock, lambda: self._watchdog_thread.wake())
+        self._timers = Timers(clock.now, watchdog_wake.set)
         self._watchdog_thread = WatchdogThread(
-            self._watchdog, wake=Wakeup(self._time), timers=self._timers
+            self._watchdog, wake=watchdog_wake, timers=self._timers
         )
-        self._pool = DaemonPool(opts.capacity, clock=self._time)
+        self._pool = DaemonPool(opts.capacity, clock=clock)
         self._window = CapacityWindow(opts.capacity)
         self._shell = AttemptShell(
             self._reg,
@@ -237,12 +251,12 @@ class Worker:
             pool=self._pool,
             watchdog=self._watchdog,
             hooks=self._hooks,
-            log=self._log,
-            clock=self._clock,
+            log=log,
+            clock=clock.now,
             encoder=DEFAULT_ENCODER
             if opts.result_converter is None
             else ResultEncoder(opts.result_converter),
-            call_timeout=self._call_timeout,
+            call_timeout=opts.request_timeout,
             wake=self._serve_wake.set,
             instance_id=lambda: self._registered.instance_id,
             own_thread=self._owns_current_thread,
@@ -255,20 +269,20 @@ class Worker:
             self._registered,
             self._shell,
             self._hooks,
-            clock=self._time,
-            retry_delay=self._retry_delay,
-            log=self._log,
+            clock=clock,
+            retry_delay=opts.renew_retry_delay,
+            log=log,
         )
         self._threads: list[threading.Thread] = []
         self._shutdown = Shutdown(
             self._reg,
             AttemptPhases(
                 self._reg,
-                self._time,
+                clock,
                 self._shell,
                 assignments_over=lambda: self._sessions.assignments_over(),
             ),
-            self._time,
+            clock,
             link=self._link,
             dial_cut=self._dial_cut,
             wake=self._serve_wake,
@@ -280,24 +294,24 @@ class Worker:
             cancel_grace=opts.cancel_grace,
             flush_timeout=opts.flush_timeout,
             error=self._first_error,
-            log=self._log,
+            log=log,
             stopped=self._stopped,
         )
         self._sessions = SessionLoop(
             client,
             registration=lambda: self.registration,
             notifications=opts.cancellation_notifications,
-            dial_timeout=self._dial_timeout,
-            call_timeout=self._call_timeout,
-            retry_delay=self._retry_delay,
-            backoff=self._backoff,
-            time=self._time,
+            dial_timeout=opts.dial_timeout,
+            call_timeout=opts.request_timeout,
+            retry_delay=opts.renew_retry_delay,
+            backoff=opts.reconnect_backoff,
+            time=clock,
             link=self._link,
             registry=self._reg,
             shell=self._shell,
             watchdog=self._watchdog,
             hooks=self._hooks,
-            log=self._log,
+            log=log,
             wake=self._serve_wake,
             ready=self._ready,
             dial_cut=self._dial_cut,
@@ -309,7 +323,6 @@ class Worker:
         )
         # Opened by start(), not here: a process-executor child imports the module that builds
         # this Worker, and must not contend for the parent's outbox lock.
-        self._outbox_path = opts.outbox
         self._outbox: Outbox | None = None
 
     # ------------------------------------------------------------------ registration
@@ -398,16 +411,36 @@ class Worker:
         )
 
     @property
-    def options(self) -> dict[str, Any]:
-        """The keyword arguments this worker was constructed with (a copy)."""
-        return dict(self._options)
+    def options(self) -> WorkerOptions:
+        """The options this worker was built with (frozen: derive others with ``attrs.evolve``,
+        see :meth:`from_options`). Reading them as a dict, ``options["capacity"]``, still works
+        until the next release, with a ``DeprecationWarning``."""
+        return self._options
+
+    @property
+    def client(self) -> Dialer:
+        """The client this worker dials its server with."""
+        return self._client
+
+    @property
+    def listeners(self) -> tuple[object, ...]:
+        """The listeners subscribed now: those of the options, then :meth:`add_listener`'s."""
+        return self._hooks.listeners
+
+    @property
+    def executors(self) -> dict[tuple[str, str, str], str]:
+        """How each registered handler runs, ``"thread"`` or ``"process"``, by (name, handler
+        version, payload version) as registered (a copy)."""
+        return {key: executor for key, _, executor, _ in self._registered.specs()}
 
     def with_options(self, **changes: Any) -> Worker:
-        """A new, unstarted Worker with this one's handlers and constructor arguments, except
-        *changes* (e.g. ``capacity=4``, ``client=Client(...)``); used by ``orbit-sync worker``
-        to apply its command-line options to the Worker a module defines."""
+        """A new, unstarted Worker with this one's handlers and options, except *changes* (e.g.
+        ``capacity=4``, ``client=Client(...)``), applied with ``attrs.evolve``; used by
+        ``orbit-sync worker`` to apply its command-line options to the Worker a module defines."""
+        client = changes.pop("client", self._client)
         # Listeners added with add_listener() (a health probe, metrics) come along too.
-        worker = Worker(**{**self._options, "listeners": self._hooks.listeners, **changes})
+        options = attrs.evolve(self._options, **{"listeners": self.listeners, **changes})
+        worker = Worker.from_options(client, options)
         for key, fn, executor, (time_limit, retryable) in self._registered.specs():
             name, version, payload_version = key
             worker.register(
@@ -441,16 +474,16 @@ class Worker:
             if self._started:
                 raise RuntimeError("a Worker can be started only once")
             self._started = True
-        self._log.info(
+        self._options.logger.info(
             "worker starting: queue %s, capacity %d, handlers %s",
             registration.queue_id,
             registration.capacity,
             ", ".join(f"{c.handler}@{c.handler_version}" for c in registration.capabilities),
         )
-        if self._outbox_path is not None:
+        if self._options.outbox is not None:
             try:
                 # Raises OutboxError (before anything is sent) for a file we must not use.
-                self._outbox = Outbox.open(self._outbox_path, registration)
+                self._outbox = Outbox.open(self._options.outbox, registration)
             except BaseException:
                 with self._cond:
                     self._started = False  # nothing ran: a later start() may try again
@@ -469,13 +502,13 @@ class Worker:
                 self._outbox,
                 self._client,
                 link=self._link,
-                backoff=self._backoff,
+                backoff=self._options.reconnect_backoff,
                 exclude=self._registered.instance_id,
-                log=self._log,
-                dial_timeout=self._dial_timeout,
-                call_timeout=self._call_timeout,
-                retry_delay=self._retry_delay,
-                clock=self._time,
+                log=self._options.logger,
+                dial_timeout=self._options.dial_timeout,
+                call_timeout=self._options.request_timeout,
+                retry_delay=self._options.renew_retry_delay,
+                clock=self._options.clock,
             )
             targets.append((replay, "orbit-worker-outbox"))
         for target, name in targets:
@@ -492,7 +525,9 @@ class Worker:
         On the main thread, SIGTERM and SIGINT drain (``stop(drain=True)``); a second signal
         stops at once (``stop(drain=False)``). The previous handlers are restored on return.
         """
-        install = self._handle_signals and threading.current_thread() is threading.main_thread()
+        install = (
+            self._options.handle_signals and threading.current_thread() is threading.main_thread()
+        )
         signals = StopSignals(self._on_stop_signal) if install else None
         if signals is not None:
             signals.install()
@@ -519,7 +554,8 @@ class Worker:
     def _on_stop_signal(self, number: int, count: int) -> None:
         with self._cond:
             running = len(self._reg.attempts)
-        announce(self._log, number, count=count, running=running, drain=self._drain_timeout)
+        opts = self._options
+        announce(opts.logger, number, count=count, running=running, drain=opts.drain_timeout)
         self.request_stop(drain=count == 1)
 
     def wait_ready(self, timeout: float | None = None) -> bool:
@@ -537,18 +573,18 @@ class Worker:
         with self._cond:
             if not self._started:
                 return
-            now = self._clock()
-            window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
+            now = self._options.clock.now()
+            window = self._drain_window(drain, timeout)
             first = not self._reg.stop_requested
             if first:
                 self._reg.stop_requested = True
                 self._drain_deadline = now + window
-                self._log.info(
+                self._options.logger.info(
                     "worker stopping (%s)", f"draining for {window:g}s" if drain else "now"
                 )
             elif now + window < self._drain_deadline:
                 self._drain_deadline = now + window
-                self._log.info("worker stop escalated: cancelling handlers now")
+                self._options.logger.info("worker stop escalated: cancelling handlers now")
             self._cond.notify_all()
         self._sessions.report_drain()
         if first and self._hooks:
@@ -576,11 +612,18 @@ class Worker:
         if self._owns_current_thread():
             raise RuntimeError("stop() would wait for itself here; use request_stop()")
         self.request_stop(drain=drain, timeout=timeout)
-        window = (self._drain_timeout if timeout is None else timeout) if drain else 0.0
+        window = self._drain_window(drain, timeout)
         report = self._shutdown.await_report(window, self._done, lambda: self._report)
         with self._cond:
             self._report = self._report or report
             return self._report
+
+    def _drain_window(self, drain: bool, timeout: float | None) -> float:
+        """How long running handlers get to return: *timeout* (default ``drain_timeout``)
+        seconds when draining, none otherwise."""
+        if not drain:
+            return 0.0
+        return self._options.drain_timeout if timeout is None else timeout
 
     def _owns_current_thread(self) -> bool:
         """Is this one of the worker's own threads (not a connection's or the user's)?"""
@@ -633,7 +676,8 @@ class Worker:
 
     def __repr__(self) -> str:
         state = "stopped" if self._done.is_set() else "running" if self._started else "new"
-        return f"<Worker queue={self._opts.queue_id} capacity={self._opts.capacity} {state}>"
+        opts = self._options
+        return f"<Worker queue={opts.queue_id} capacity={opts.capacity} {state}>"
 
     # ------------------------------------------------------------------ shutdown
 
