@@ -22,8 +22,6 @@ MAX_TESTS = 174
 #: Private names still used across modules, each on its way to a public name: (module, name).
 PENDING = {
     ("orbit_sync/_cli_worker.py", "_token"),
-    ("orbit_sync/_cli_worker.py", "_hooks"),
-    ("orbit_sync/_cli_worker.py", "_handlers"),
     ("orbit_sync/worker/_admission.py", "_cancel"),
     ("orbit_sync/worker/_admission.py", "_intake"),
     ("orbit_sync/worker/_environment.py", "_cancel"),

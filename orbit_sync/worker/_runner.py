@@ -131,6 +131,11 @@ class Worker:
     worker's time: lease deadlines, renewals, heartbeats, retry delays, the shutdown phases and
     idle handler threads run on it. Tests pass the mock server's
     :class:`~orbit_sync.testing.ManualClock` to let those windows pass without sleeping.
+
+    The keyword arguments are checked, all of them, as a
+    :class:`~orbit_sync.worker.WorkerOptions` before anything else happens (a wrong one raises
+    ``TypeError`` or ``ValueError`` naming it); :attr:`options` returns them, and
+    :meth:`from_options` builds a Worker from such an object.
     """
 
     def __init__(
