@@ -208,20 +208,22 @@ def test_a_kept_start_goes_out_after_the_resume_and_its_answer_decides() -> None
 
 
 def test_a_resume_whose_connection_fails_ends_and_breaks_that_connection() -> None:
-    """A link failure ends the resume (the next connection sends a new one) and breaks its
-    connection; with no connection at all there is nothing to break; a late answer is
-    ignored."""
+    """A link failure ends the resume unanswered (the next connection sends a new one) and
+    breaks its connection; with no connection at all there is nothing to break; a late answer
+    is ignored."""
     m = _machine()
     _started(m)
     resume = _resume(m)
     assert m.failed(resume, WorkerDisconnected("cut"), gen=3, view=_view()) == [
         BreakConnection(3),
-        ResumeEnded(resume),
+        ResumeEnded(resume, cut=True),
     ]
     assert m.resume is None and m.phase is Phase.RUNNING
     assert m.resume_answered(resume, _lease(), _view()) == []
     again = _resume(m)
-    assert m.failed(again, NotConnected("none"), gen=0, view=_view()) == [ResumeEnded(again)]
+    assert m.failed(again, NotConnected("none"), gen=0, view=_view()) == [
+        ResumeEnded(again, cut=True)
+    ]
 
 
 @pytest.mark.parametrize(
@@ -349,3 +351,20 @@ def test_resumes_count_what_went_out_and_what_is_over() -> None:
     assert resumes.all_sent() and resumes.all_over()
     resumes.deliver("att", lambda mm: [])
     assert [s for s, _ in resumes.take()] == ["att"] and resumes.take() == [] and wakes
+
+
+def test_a_resume_cut_before_its_answer_marks_its_connection_until_the_next() -> None:
+    """A resume ended by its connection's failure marks the connection cut (not established);
+    an older connection's resume ending so does not, and a new connection starts unmarked."""
+    resumes: Resumes[str] = Resumes(lambda: None)
+    old, a, b = _resume(_machine()), _resume(_machine()), _resume(_machine())
+    resumes.begin()
+    resumes.add(a)
+    resumes.add(b)
+    resumes.ended(a)
+    resumes.ended(old, cut=True)  # not one of this connection's
+    assert not resumes.cut()
+    resumes.ended(b, cut=True)
+    assert resumes.all_over() and resumes.cut()
+    resumes.begin()
+    assert not resumes.cut()

@@ -25,7 +25,7 @@ from _scripted import (
 
 from orbit_sync.client import Client
 from orbit_sync.testing import ManualClock
-from orbit_sync.worker import Backoff, SessionEvent, TaskContext, Worker
+from orbit_sync.worker import Backoff, Dialer, SessionEvent, TaskContext, Worker
 
 OTHER_TASK = "66666666666666666666666666666666"
 OTHER_ATTEMPT = "77777777777777777777777777777777"
@@ -53,14 +53,17 @@ class _Handlers:
 
 @contextlib.contextmanager
 def _scripted(
-    clock: ManualClock | None = None, listeners: list[object] | None = None
+    clock: ManualClock | None = None,
+    listeners: list[object] | None = None,
+    dialer: Callable[[Client], Dialer] | None = None,
 ) -> Iterator[tuple[ScriptedServer, Worker, _Handlers]]:
-    """A scripted server and a Worker (capacity 2, on *clock*) connected to it; stopped at once
-    at the end."""
+    """A scripted server and a Worker (capacity 2, on *clock*; dialing through *dialer*, given
+    the client) connected to it; stopped at once at the end."""
     handlers = _Handlers()
     with ScriptedServer() as server:
+        client = Client(server.url, TOKEN)
         worker = Worker(
-            Client(server.url, TOKEN),
+            client if dialer is None else dialer(client),
             queue_id=QUEUE_ID,
             capacity=2,
             reconnect_backoff=Backoff(initial=0.05, maximum=0.2),
@@ -195,16 +198,19 @@ def test_transient_resume_answer_is_retried_and_a_cut_midway_resumes_again() -> 
             sessions.put(event.reconnect)
 
     with _scripted(listeners=[Sessions()]) as (server, worker, handlers):
-        _resume_retried_then_cut(server, worker, handlers)
-    # The session cut during its resumes was never established: one reconnect, not two (read
-    # once the worker said so: the counter moves after the last answer the test sent).
-    assert [sessions.get(timeout=WAIT), sessions.get(timeout=WAIT)] == [False, True]
-    assert worker.stats().reconnects == 1
+        _resume_retried_then_cut(server, handlers, sessions)
+        # The session cut during its resumes was never established: one reconnect, not two.
+        assert worker.stats().reconnects == 1
+    assert sessions.empty(), "no other session was established"
 
 
-def _resume_retried_then_cut(server: ScriptedServer, worker: Worker, handlers: _Handlers) -> None:
-    """The script of the test above, up to the resumed attempt's finish."""
+def _resume_retried_then_cut(
+    server: ScriptedServer, handlers: _Handlers, sessions: queue.Queue[bool]
+) -> None:
+    """The script of the test above, up to the resumed attempt's finish; *sessions* gets each
+    established session's ``reconnect``."""
     _first_session(server, handlers).close()
+    assert sessions.get(timeout=WAIT) is False
     peer, resume = _reconnected(server, "2")
     report = peer.recv()
     assert report["type"] == "worker.capacity"
@@ -218,12 +224,68 @@ def _resume_retried_then_cut(server: ScriptedServer, worker: Worker, handlers: _
     assert report["type"] == "worker.capacity"
     peer.ack(resume, lease_body())
     peer.ack(report, welcome_body(epoch="3"))
-    assert worker.wait_ready(WAIT)
+    # Established once the worker says so: its connection thread steps the resume's answer, and
+    # the finish below does not wait for that (it may be answered, and the worker stopped, first).
+    assert sessions.get(timeout=WAIT) is True
     handlers.release.set()
     finishes = _answer_until_finished(peer, {ATTEMPT_ID})
     assert finishes[ATTEMPT_ID]["outcome"] == "SUCCEEDED"
     assert handlers.reasons[ATTEMPT_ID] is None, "the lease held: never cancelled"
     assert handlers.runs == {ATTEMPT_ID: 1}
+
+
+class _Dialed:
+    """A Dialer through *client* that keeps the connections it dialed (to see one end)."""
+
+    def __init__(self, client: Client) -> None:
+        self._client = client
+        self.connections: list[Any] = []
+
+    def dial_worker(self, registration: Any, timeout: float = 8.0, **kw: Any) -> Any:
+        """Dial through the client; keep the connection."""
+        conn = self._client.dial_worker(registration, timeout, **kw)
+        self.connections.append(conn)
+        return conn
+
+
+def test_a_connection_that_ends_after_its_resumes_were_answered_was_established() -> None:
+    """A connection whose resume and report were answered, and which then ended before the
+    connection thread stepped the resume's outcome, was still established: the worker says so
+    (one reconnect), however late that thread looked."""
+    sessions: queue.Queue[bool] = queue.Queue()
+    stepping = threading.Event()
+    resume_on = threading.Event()
+
+    class Listener:
+        def connected(self, event: SessionEvent) -> None:
+            sessions.put(event.reconnect)
+
+        def lease_lost(self, event: object) -> None:
+            # Called on the connection thread as it steps the resume's refusal: held there.
+            stepping.set()
+            resume_on.wait(WAIT)
+
+    dialed: list[_Dialed] = []
+
+    def dialer(client: Client) -> _Dialed:
+        dialed.append(_Dialed(client))
+        return dialed[-1]
+
+    with _scripted(listeners=[Listener()], dialer=dialer) as (server, worker, handlers):
+        _first_session(server, handlers).close()
+        assert sessions.get(timeout=WAIT) is False
+        peer, resume = _reconnected(server, "2")
+        report = peer.recv()
+        assert report["type"] == "worker.capacity"
+        peer.error(resume, "LEASE_LOST")  # an answer: the lease is gone, the session is not
+        assert stepping.wait(WAIT)
+        peer.ack(report, welcome_body(epoch="2"))
+        peer.close()
+        conn = dialed[0].connections[-1]
+        assert conn.done.wait(WAIT), "the worker never saw the connection end"
+        resume_on.set()
+        assert sessions.get(timeout=WAIT) is True  # Empty: the session was never established
+        assert worker.stats().reconnects == 1
 
 
 def test_an_assignment_read_before_the_connection_is_published_starts_once_it_is() -> None:

@@ -300,10 +300,12 @@ class Ended:
 @attrs.frozen
 class ResumeEnded:
     """The live resume *request* is over (answered, refused, or its connection failed): the
-    connection waiting for its resumes counts it; *refused*: the server's refusal, to log."""
+    connection waiting for its resumes counts it; *refused*: the server's refusal, to log;
+    *cut*: its connection failed before it was answered (that session is not established)."""
 
     request: Request
     refused: OrbitError | None = None
+    cut: bool = False
 
 
 @attrs.frozen
@@ -459,7 +461,7 @@ class AttemptMachine:
             if live_resume:
                 # The next connection resumes the attempt again with a resume of its own.
                 self.resume = None
-                over: Action = ResumeEnded(request)
+                over: Action = ResumeEnded(request, cut=True)
             else:
                 # Maybe sent, maybe applied: the same operation goes out again after the
                 # reconnect.

@@ -5,7 +5,8 @@ When the session opens a connection it steps every held attempt's machine with `
 (:mod:`._requests`). :class:`Resumes` is what the connection thread needs to know of them: when
 every one has gone out (the connection may be published: the kept starts and finishes, the
 renewals due and the first capacity report follow them on the wire) and when every one is over
-(the session counts as established). It decides nothing: what an answer, a refusal or a failure
+(the session counts as established, unless one of them was cut: its connection failed before
+its answer). It decides nothing: what an answer, a refusal or a failure
 means is the machine's; the in-flight count is the gate's.
 
 The outcomes of resumes (answers and failures arrive on the connection's reader) are queued here and
@@ -38,6 +39,8 @@ class Resumes(Generic[T]):
         self._wake = wake
         self._unsent: set[Request] = set()
         self._open: set[Request] = set()
+        #: Did a resume of the connection end unanswered, its connection failed (see cut())?
+        self._cut = False
         self._events: collections.deque[tuple[T, Event]] = collections.deque()
 
     def begin(self) -> None:
@@ -46,6 +49,7 @@ class Resumes(Generic[T]):
         with self._lock:
             self._unsent.clear()
             self._open.clear()
+            self._cut = False
 
     def add(self, request: Request) -> None:
         """*request*, a resume, is about to be sent (or re-sent after a transient answer)."""
@@ -61,9 +65,12 @@ class Resumes(Generic[T]):
         if last:
             self._wake()
 
-    def ended(self, request: Request) -> None:
-        """*request* is over (its machine said so)."""
+    def ended(self, request: Request, *, cut: bool = False) -> None:
+        """*request* is over (its machine said so); *cut*: its connection failed before it was
+        answered."""
         with self._lock:
+            # An older connection's resume says nothing of this one.
+            self._cut |= cut and request in self._open
             # Answered means it was on the wire, even if its sender has not said so yet.
             self._unsent.discard(request)
             self._open.discard(request)
@@ -77,6 +84,12 @@ class Resumes(Generic[T]):
         """Is every resume of the connection over?"""
         with self._lock:
             return not self._open
+
+    def cut(self) -> bool:
+        """Did a resume of the connection end unanswered, its connection failed? Then the
+        session is not established, however the others ended."""
+        with self._lock:
+            return self._cut
 
     def deliver(self, subject: T, event: Event) -> None:
         """Queue *event*, a resume's outcome, for the connection thread (any thread)."""

@@ -416,17 +416,25 @@ class SessionLoop:
         """Step the resumes' outcomes and re-send those due (a transient answer's retry) until
         *done*; raise if the connection ends first, or if nothing moves for a call timeout plus
         the close allowance (each resume completes by its own call timeout: past that, the
-        connection is broken)."""
+        connection is broken).
+
+        A connection that ended after the server answered every resume has still done so: the
+        session is established (what the server answered decides, not how soon this thread
+        looked; its finishes may already be acknowledged). The reader hands over each answer
+        before it reads the next frame, so once the end is seen, the outcomes taken after it
+        hold every answer that came before it."""
+        resumes = self._shell.resumes
         limit = self._call_timeout + CLOSE_ALLOWANCE
         quiet_until = self._clock() + limit
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
+            ended = conn.err is not None  # before the outcomes are taken (see above)
             moved = self._shell.drive_resumes()
             next_resend = self._shell.resend_due()
-            # First: a resume whose connection failed is over too, and broke the connection.
-            if self._link.is_closed() or conn.err is not None:
+            # A resume whose connection failed is over too (and broke the connection): cut.
+            if self._link.is_closed() or resumes.cut() or (ended and not resumes.all_over()):
                 raise conn.err or NotConnected("the connection ended during its resumes")
-            if done():
+            if ended or done():
                 return
             now = self._clock()
             if moved:

@@ -670,7 +670,7 @@ class AttemptShell(RequestPath[Attempt]):
         if ended.refused is not None:
             code = getattr(ended.refused, "code", type(ended.refused).__name__)
             self._log.warning("resume of attempt %s refused (%s)", att.id, code)
-        self.resumes.ended(ended.request)
+        self.resumes.ended(ended.request, cut=ended.cut)
 
     def _resume_lost(self, att: Attempt, reason: str) -> None:
         """The lease did not survive the reconnect: count it, say so, tell the listeners."""
