@@ -63,11 +63,10 @@ def test_the_command_line_uses_the_same_rules(text: str) -> None:
         parse_seconds("0", positive=True)
 
 
-def test_every_caller_refuses_nan_the_same_way() -> None:
+def test_every_caller_refuses_nan_the_same_way(capsys: pytest.CaptureFixture[str]) -> None:
     """The client, the connection, the Worker and both command lines all refuse NaN."""
     from orbit_sync import Client, Worker
-    from orbit_sync._cli_worker import _seconds as worker_cli_seconds
-    from orbit_sync.cli import _positive_float
+    from orbit_sync.cli import main
 
     client = Client("ws://127.0.0.1:1", "t" * 24)
     from _scripted import registration
@@ -76,16 +75,28 @@ def test_every_caller_refuses_nan_the_same_way() -> None:
         client.dial_worker(registration(), timeout=math.nan)
     with pytest.raises(ValueError, match="not NaN"):
         Worker(client, queue_id="a" * 32, drain_timeout=math.nan)
-    for parse in (worker_cli_seconds, _positive_float):
-        with pytest.raises(argparse.ArgumentTypeError, match="not NaN"):
-            parse("nan")
+    for argv in (
+        ["worker", "app:worker", "--drain-timeout", "nan"],
+        ["mock-server", "--lease-duration", "nan"],
+    ):
+        with pytest.raises(SystemExit) as exited:
+            main(argv)
+        assert exited.value.code == 2
+        assert f"argument {argv[-2]}: the value must be a number of seconds, not NaN" in (
+            capsys.readouterr().err
+        )
 
 
 def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
     """Health probes, heartbeat checks, backoff bounds and clock steps follow the one rule."""
     from orbit_sync import SystemClock
-    from orbit_sync.contrib._probe_server import ProbeServer
-    from orbit_sync.contrib.health import FileHeartbeat, HealthProbe, check_heartbeat, main
+    from orbit_sync.contrib.health import (
+        FileHeartbeat,
+        HealthProbe,
+        HealthServer,
+        check_heartbeat,
+        main,
+    )
     from orbit_sync.testing import ManualClock
     from orbit_sync.testing._clock import ServerTime
     from orbit_sync.worker import Backoff
@@ -94,7 +105,7 @@ def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
     makers = [
         lambda v: HealthProbe(stale_after=v),
         lambda v: FileHeartbeat(probe, "unused", v),
-        lambda v: ProbeServer(lambda: (200, b""), "127.0.0.1", 0, timeout=v),  # type: ignore[arg-type,return-value]
+        lambda v: HealthServer(probe, "127.0.0.1", 0, timeout=v),
         lambda v: Backoff(maximum=v),
         lambda v: check_heartbeat("missing", v),
         lambda v: ManualClock(0.0).advance(v),

@@ -24,7 +24,7 @@ from orbit_sync._supervisor._child import ChildLink, RecycleLimits, check_memory
 from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth
 from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, worst
 from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
-from orbit_sync._supervisor._wire import STOP_NOW, ChildSettings, LineReader, encode
+from orbit_sync._supervisor._wire import DRAIN, STOP_NOW, ChildSettings, LineReader, encode
 from orbit_sync.models import Outcome
 from orbit_sync.testing import ManualClock
 from orbit_sync.worker import AttemptEvent, AttemptFinished, StuckEvent, WorkerOptions
@@ -348,7 +348,7 @@ def test_a_stop_asked_before_the_worker_runs_is_applied_once_it_is_attached(
     child, control_w, status_r = link
     os.write(control_w, STOP_NOW)
     os.close(control_w)
-    child._watch_control()  # returns at the end of the pipe
+    child.watch_control()  # returns at the end of the pipe
     worker = FakeWorker()
     assert child.stop_requested and worker.stops == []
     child.attach(worker)
@@ -363,14 +363,20 @@ def test_stop_now_is_never_softened_and_the_end_of_the_pipe_drains(
     """STOP_NOW after DRAIN escalates; a later DRAIN or the pipe's end changes nothing."""
     child, control_w, _ = link
     worker = FakeWorker()
-    child._worker = worker
-    child._request(True, "test")
-    child._request(True, "test")
-    child._request(False, "test")
-    child._request(True, "test")
-    assert worker.stops == [True, False]
-    fresh = ChildLink(child.settings)
-    fresh._worker = FakeWorker()
+    child.attach(worker)
+    os.write(control_w, DRAIN + DRAIN + STOP_NOW + DRAIN)
     os.close(control_w)  # the supervisor is gone
-    fresh._watch_control()
-    assert fresh._worker.stops == [True]
+    child.watch_control()
+    # Its reports apply the current request again (request_stop is idempotent): count changes.
+    assert _changes(worker.stops) == [True, False]
+    fresh = ChildLink(child.settings)
+    other = FakeWorker()
+    fresh.attach(other)
+    fresh.watch_control()  # the pipe has ended: a drain
+    fresh.exit(0, None)
+    assert _changes(other.stops) == [True]
+
+
+def _changes(stops: list[bool]) -> list[bool]:
+    """*stops* without the repeats of the same request."""
+    return [drain for i, drain in enumerate(stops) if i == 0 or stops[i - 1] != drain]

@@ -203,9 +203,11 @@ class ChildLink(WorkerListener):
         # The supervisor may have died before the call above: the kernel would never signal.
         if os.getppid() != self.settings.supervisor_pid:
             self._request(True, "the supervisor is gone")
-        threading.Thread(target=self._watch_control, name="orbit-sync-control", daemon=True).start()
+        threading.Thread(target=self.watch_control, name="orbit-sync-control", daemon=True).start()
 
-    def _watch_control(self) -> None:
+    def watch_control(self) -> None:
+        """Apply the supervisor's requests as they arrive on the control pipe; return at its
+        end, which is a request to drain (the supervisor is gone). Run on its own thread."""
         with contextlib.suppress(OSError):
             while command := os.read(self.settings.control_fd, 64):
                 for byte in command:
