@@ -287,7 +287,7 @@ class Worker:
                 self._shell,
                 assignments_over=lambda: self._sessions.assignments_over(),
             ),
-            clock,
+            opts,
             link=self._link,
             dial_cut=self._dial_cut,
             wake=self._serve_wake,
@@ -296,10 +296,7 @@ class Worker:
             handlers=self._registered,
             threads=self._threads,
             drain_deadline=lambda: self._drain_deadline,
-            cancel_grace=opts.cancel_grace,
-            flush_timeout=opts.flush_timeout,
             error=self._first_error,
-            log=log,
             stopped=self._stopped,
         )
         self._sessions = SessionLoop(

@@ -32,6 +32,7 @@ from ._clock import Wakeup
 from ._handlers import Handlers
 from ._link import Link
 from ._machine import Phase
+from ._options import WorkerOptions
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._report import AttemptInfo, ShutdownReport
@@ -175,7 +176,7 @@ class Shutdown:
         self,
         registry: Registry,
         phases: AttemptPhases,
-        time: Clock,
+        options: WorkerOptions,
         *,
         link: Link,
         dial_cut: DialCut,
@@ -185,15 +186,13 @@ class Shutdown:
         handlers: Handlers,
         threads: list[threading.Thread],
         drain_deadline: Callable[[], float],
-        cancel_grace: float,
-        flush_timeout: float,
         error: Callable[[], BaseException | None],
-        log: logging.Logger,
         stopped: Callable[[ShutdownReport], None],
     ) -> None:
         self._reg = registry
         self._phases = phases
-        self._time = time
+        #: The worker's clock, logger, cancel_grace and flush_timeout.
+        self._options = options
         self._link = link
         self._dial_cut = dial_cut
         self._wake = wake
@@ -203,10 +202,7 @@ class Shutdown:
         #: The worker's threads (this one among them), joined by the close phase.
         self._threads = threads
         self._drain_deadline = drain_deadline
-        self._cancel_grace = cancel_grace
-        self._flush_timeout = flush_timeout
         self._error = error
-        self._log = log
         self._stopped = stopped
         #: Set by Worker.start when the worker has an outbox; closed last.
         self.outbox: Outbox | None = None
@@ -225,7 +221,10 @@ class Shutdown:
         time at most the shutdown's bound (a drain of *window* seconds) plus the close
         allowance; then the phases are cut short (the alarm may not have fired yet: this stop
         shortened the drain), and past two more allowances the shutdown is :meth:`stuck`."""
-        bound = real_time_bound(window, self._cancel_grace, self._flush_timeout) + CLOSE_ALLOWANCE
+        bound = (
+            real_time_bound(window, self._options.cancel_grace, self._options.flush_timeout)
+            + CLOSE_ALLOWANCE
+        )
         if not done.wait(bound):
             self.overdue()
             if not done.wait(2 * CLOSE_ALLOWANCE):
@@ -246,7 +245,7 @@ class Shutdown:
                 unreported=left,
                 error=TimeoutError(f"worker shutdown did not finish within {waited:.1f}s"),
             )
-        self._log.error(
+        self._options.logger.error(
             "worker shutdown is stuck after %.1fs (a listener or a worker thread does not "
             "return); unreported: %s",
             waited,
@@ -263,7 +262,7 @@ class Shutdown:
         try:
             report = self._shutdown()
         except BaseException as exc:  # never leave stop() waiting forever
-            self._log.exception("worker shutdown failed")
+            self._options.logger.exception("worker shutdown failed")
             report = ShutdownReport(drained=False, error=exc)
         # Each task a stop cut short, by id: what an operator looks up on the server.
         cut = [
@@ -275,7 +274,7 @@ class Shutdown:
             )
             if infos
         ]
-        self._log.log(
+        self._options.logger.log(
             logging.WARNING if cut else logging.INFO,
             "worker stopped: drained=%s cancelled=%d abandoned=%d unreported=%d%s",
             report.drained,
@@ -292,9 +291,9 @@ class Shutdown:
         # plus the close allowance; the alarm bounds the same plan in real time.
         phases = self._phases
         bound = real_time_bound(
-            max(0.0, self._drain_deadline() - self._time.now()),
-            self._cancel_grace,
-            self._flush_timeout,
+            max(0.0, self._drain_deadline() - self._options.clock.now()),
+            self._options.cancel_grace,
+            self._options.flush_timeout,
         )
         alarm = threading.Timer(bound, phases.overdue)
         alarm.name = "orbit-worker-shutdown-alarm"
@@ -309,24 +308,24 @@ class Shutdown:
             if not drained:
                 with self._reg.cond:
                     held = [a.info for a in self._reg.attempts.values()]
-                self._log.warning(
+                self._options.logger.warning(
                     "drain ended with %d attempt(s) still held, cancelling them: %s",
                     len(held),
                     _named(held),
                 )
             # 2. Cancel what is still running, and give it a grace period to return.
-            cancelled = phases.cancel(self._cancel_grace)
+            cancelled = phases.cancel(self._options.cancel_grace)
             # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
             gave_up = phases.abandon()
             # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
-            phases.settled(self._time.now() + self._flush_timeout)
+            phases.settled(self._options.clock.now() + self._options.flush_timeout)
         finally:
             alarm.cancel()
             alarm.join()  # at once: cancelled, or done firing
         if phases.overran:
             with self._reg.cond:
                 left = len(self._reg.attempts)
-            self._log.error(
+            self._options.logger.error(
                 "worker shutdown overran its bound of %.1fs in real time (the worker's clock "
                 "did not reach its deadlines): closing now with %d attempt(s) unsettled; what is "
                 "not delivered is reported unreported",
