@@ -23,11 +23,12 @@ Sections:
 - worker: CPU per task, tasks/s and peak RSS draining no-op tasks with ``Worker(capacity=32)``,
   against Dramatiq 2 (``-p 1 -t 32``; pure no-op, the target's figure, and one Redis INCR per
   task) and Celery 5 (``--pool threads -c 32``, ``acks_late``) in the same run; ours and
-  Dramatiq's no-op run in three rounds taken in turns, and each side's median round counts;
+  Dramatiq's no-op run in five rounds taken in turns, and each side's median round counts;
 - dispatch latency: an assignment frame leaving the frame reader to the handler's first line
   (it includes the ``start`` round trip), against the raw round trip;
 - renewal lateness: p99 with 8 CPU-bound handlers and a 2 s lease, against a bare
-  ``Event.wait`` thread in the same process (the floor); lease losses;
+  ``Event.wait`` thread in the same process (the floor), in three rounds of which the median
+  ratio counts (one in ``--quick``); lease losses over all rounds;
 - idle: RSS and threads of ``Worker(capacity=256)`` before and after a burst;
 - mock server: its CPU per task against the worker's with 1,000 and 100,000 tasks waiting
   (flatness), enqueue through the admin API, RSS after 10^5 and 10^6 requests;
@@ -375,8 +376,9 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
 
 
 #: Rounds of our worker and of Dramatiq's no-op worker, taken in turns; each side's median
-#: round is reported, so a burst of other load on the host moves one round, not the ratio.
-WORKER_ROUNDS = 3
+#: round is reported, so a burst of other load on the host moves one round, not the ratio
+#: (Dramatiq's CPU per task moves 2x with the host's load, ours less: five rounds, not three).
+WORKER_ROUNDS = 5
 
 
 def _our_noop_run(servers: Servers, tasks: int, frames: bool) -> dict[str, Any]:
@@ -496,9 +498,12 @@ def bench_dispatch(
     ]
 
 
-def bench_lateness(
-    servers: Servers, o: dict[str, Any], out: dict[str, Any]
-) -> list[dict[str, Any]]:
+#: Rounds of the renewal lateness run: its p99 is the worst one or two of about 100 renewals
+#: on each side, so one hiccup of the host moves a round by 3x; the median round counts.
+LATENESS_ROUNDS = 3
+
+
+def _lateness_round(servers: Servers, o: dict[str, Any]) -> dict[str, Any]:
     server, info = servers.open(lease=2.0)
     try:
         server.send({"op": "enqueue", "n": 8, "handler": "spin"})
@@ -508,29 +513,44 @@ def bench_lateness(
     finally:
         servers.done(server)
     late, floor = r["lateness"], r["floor"]
-    out["lateness"] = {
+    p99, floor_p99 = percentile(late, 99), percentile(floor, 99)
+    return {
         "p50": percentile(late, 50),
-        "p99": percentile(late, 99),
+        "p99": p99,
         "max": max(late, default=float("nan")),
         "n": len(late),
         "floor_p50": percentile(floor, 50),
-        "floor_p99": percentile(floor, 99),
+        "floor_p99": floor_p99,
         "floor_n": len(floor),
+        "ratio": p99 / floor_p99 if floor_p99 else float("nan"),
         "lease_losses": r["lease_losses"],
         "succeeded": r["succeeded"],
     }
-    lat = out["lateness"]
+
+
+def bench_lateness(
+    servers: Servers, o: dict[str, Any], out: dict[str, Any]
+) -> list[dict[str, Any]]:
+    runs = [_lateness_round(servers, o) for _ in range(LATENESS_ROUNDS if o["peers"] else 1)]
+    lat = dict(sorted(runs, key=lambda r: float(r["ratio"]))[len(runs) // 2])
+    lat["rounds"] = [r["ratio"] for r in runs]
+    lat["lease_losses"] = sum(r["lease_losses"] for r in runs)
+    out["lateness"] = lat
+    note = f"{lat['n']} renewals; baseline: bare Event.wait thread, {lat['floor_n']} wakes"
+    if len(runs) > 1:
+        ratios = "/".join(f"{r:.2f}" for r in lat["rounds"])
+        note = f"median of {len(runs)} rounds ({ratios}x); {note}"
     return [
         row(
             "renewal lateness p99 (8 CPU-bound, 2 s lease)",
             lat["p99"],
             lat["floor_p99"],
             "ms",
-            target=1.0,
-            note=f"{lat['n']} renewals; baseline: bare Event.wait thread, {lat['floor_n']} wakes",
+            target=0.5,
+            note=note,
         ),
         row(
-            "lease losses (8 CPU-bound, 2 s lease)",
+            f"lease losses (8 CPU-bound, 2 s lease{', all rounds' if len(runs) > 1 else ''})",
             lat["lease_losses"],
             float("nan"),
             "n",
