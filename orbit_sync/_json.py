@@ -131,24 +131,31 @@ def _not_json(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-def _dumps_by_json(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-
-
-# One C encoder serves every call: json.dumps builds a new one per call, which is most of what a
-# small frame costs. It keeps no table of the containers being written, so a cycle recurses
-# until RecursionError, refused below as too deep. Where the C encoder is missing, json.dumps.
+# json.dumps builds a new encoder per call, which is most of what a small document costs: an
+# encoder made once serves every call. The C one keeps no table of the containers being written,
+# so a cycle recurses until RecursionError, which callers refuse as too deep.
 _c_encoder = getattr(json.encoder, "c_make_encoder", None)
-if _c_encoder is not None:
-    _chunks = _c_encoder(
-        None, _not_json, json.encoder.encode_basestring, None, ":", ",", False, False, False
+
+
+def compact_encoder(default: Callable[[Any], Any] = _not_json) -> Callable[[Any], str]:
+    """A function serializing compactly as ``json.dumps(value, ensure_ascii=False,
+    allow_nan=False, separators=(",", ":"), default=default)`` does, built once."""
+    if _c_encoder is None:  # pragma: no cover - CPython has the C encoder
+        encoder = json.JSONEncoder(
+            ensure_ascii=False, allow_nan=False, separators=(",", ":"), default=default
+        )
+        return encoder.encode
+    chunks = _c_encoder(
+        None, default, json.encoder.encode_basestring, None, ":", ",", False, False, False
     )
 
-    def _serialize(value: Any) -> str:
-        return "".join(_chunks(value, 0))
+    def serialize(value: Any) -> str:
+        return "".join(chunks(value, 0))
 
-else:  # pragma: no cover - CPython has the C encoder
-    _serialize = _dumps_by_json
+    return serialize
+
+
+_serialize = compact_encoder()
 
 
 def dumps(value: Any) -> str:

@@ -153,6 +153,7 @@ class ResultEncoder:
             raise TypeError("result_converter must be a cattrs converter (cattrs.Converter)")
         self.converter = converter if converter is not None else result_converter()
         self._unstructure: Callable[[Any], Any] = self.converter.unstructure
+        self._dumps = _json.compact_encoder(self._convert)
         self._large_ints: str = getattr(self.converter, "large_ints", "number")
 
     def _convert(self, value: Any) -> Any:
@@ -175,13 +176,7 @@ class ResultEncoder:
         """:meth:`encode`, plus the text the copy was parsed from and its size in UTF-8 bytes:
         checked strict JSON within the limits, so the finish can send it as it is."""
         try:
-            text = json.dumps(
-                value,
-                ensure_ascii=False,
-                allow_nan=False,
-                separators=(",", ":"),
-                default=self._convert,
-            )
+            text = self._dumps(value)
             if self._large_ints != "number":
                 text = self._large(text)
             size = len(text.encode("utf-8"))
