@@ -37,6 +37,10 @@ from .client import (
     check_base_url,
     check_environment,
     read_token_file,
+    same_credentials,
+    sends_token,
+    set_token_source,
+    token_source,
 )
 from .errors import HTTPError, ServerUnreachable, WorkerError, WorkerProtocolError
 from .models import ID_RE, MAX_CAPACITY
@@ -317,9 +321,11 @@ def exit_status_for(exc: BaseException) -> int:
 def refused_credentials(exc: BaseException, client: object) -> str | None:
     """What a refusal of the credentials means and which token was used (named by where it came
     from, never shown); None when *exc* is not such a refusal."""
-    source = getattr(client, "_token_source", None) or "the module's client"
-    if isinstance(client, Client) and client._token == os.environ.get("ORBIT_TOKEN"):
-        source = "$ORBIT_TOKEN"  # a module that read the variable itself
+    source = "the module's client"
+    if isinstance(client, Client):
+        source = token_source(client)
+        if sends_token(client, os.environ.get("ORBIT_TOKEN")):
+            source = "$ORBIT_TOKEN"  # a module that read the variable itself
     code = exc.code if isinstance(exc, WorkerError) else None
     status = exc.status_code if isinstance(exc, HTTPError) else None
     if status == 401 or code == "UNAUTHENTICATED":
@@ -447,12 +453,12 @@ def _client(current: object, url: str | None, token: str | None, source: str | N
         token, source = os.environ["ORBIT_TOKEN"], "$ORBIT_TOKEN"
     if token is None and isinstance(current, Client):
         # Same server, new address: keep the module's credentials.
-        token, source = current._token, current._token_source
+        return same_credentials(current, url)
     if token is None:
         raise ValueError("no token: set $ORBIT_TOKEN or use --token-file")
     client = Client(url, token)
     if source is not None:
-        client._token_source = source
+        set_token_source(client, source)
     return client
 
 

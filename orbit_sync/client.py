@@ -15,6 +15,7 @@ certificate authorities come from the OpenSSL default paths, which the ``SSL_CER
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import re
@@ -466,3 +467,30 @@ def read_token_file(path: str | os.PathLike[str]) -> str:
     if not token or not _TOKEN_RE.fullmatch(token):
         raise ValueError(f"the token file {os.fspath(path)} does not hold one bearer token")
     return token
+
+
+# Where a client's token came from, and the token itself, for the command lines and the Django
+# integration: functions of this module rather than methods, so that neither is part of Client's
+# public API (nor of any repr).
+
+
+def token_source(client: Client) -> str:
+    """Where *client*'s token came from (named when the server refuses it; never the token)."""
+    return client._token_source
+
+
+def set_token_source(client: Client, source: str) -> None:
+    """Record where *client*'s token came from (``$ORBIT_TOKEN``, ``--token-file PATH``...)."""
+    client._token_source = source
+
+
+def sends_token(client: Client, token: str | None) -> bool:
+    """Whether *client* sends *token* (compared in constant time)."""
+    return token is not None and hmac.compare_digest(client._token.encode(), token.encode())
+
+
+def same_credentials(client: Client, url: str) -> Client:
+    """A client for *url* with *client*'s token and its source: the same server elsewhere."""
+    moved = Client(url, client._token)
+    moved._token_source = client._token_source
+    return moved

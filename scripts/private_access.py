@@ -160,12 +160,18 @@ def _defined_names(tree: ast.Module) -> set[str]:
         elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
         elif isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
-            names.add(node.attr)
+            # Set on self or cls: the module's own attribute (set on another object, it is a
+            # reach into that object, counted like a read).
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                names.add(node.attr)
         elif isinstance(node, ast.alias):
             names.add((node.asname or node.name).split(".")[0])
-        elif isinstance(node, ast.Constant) and str(node.value).isidentifier():
-            # __slots__ entries and attrs/dataclass field names spelled as strings.
-            names.add(str(node.value))
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
+        ):
+            names.update(
+                str(c.value) for c in ast.walk(node.value) if isinstance(c, ast.Constant)
+            )
     return names
 
 
@@ -195,6 +201,10 @@ def scan_package(root: Path) -> list[Hit]:
             if isinstance(node, ast.Attribute) and is_private(node.attr):
                 if not _owner_is_self(node) and node.attr not in own:
                     hits.append(Hit(rel, node.lineno, "cross-module", node.attr))
+            elif isinstance(node, ast.Call):
+                for what in _string_reaches(node):
+                    if what not in own and not private_path(what):
+                        hits.append(Hit(rel, node.lineno, "cross-module", what))
             elif isinstance(node, ast.ImportFrom):
                 module = _absolute(path, package, node)
                 for alias in node.names:

@@ -17,11 +17,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What the tests reached into at commit 96662c7, counted by the script as it is now: 105
 #: attributes, 89 import statements from private modules. The tests may reach half as far.
 BASELINE_TESTS = 194
-MAX_TESTS = 160
+MAX_TESTS = 157
 
 #: Private names still used across modules, each on its way to a public name: (module, name).
 PENDING = {
-    ("orbit_sync/_cli_worker.py", "_token"),
     ("orbit_sync/worker/_admission.py", "_cancel"),
     ("orbit_sync/worker/_admission.py", "_intake"),
     ("orbit_sync/worker/_environment.py", "_cancel"),

@@ -25,7 +25,7 @@ from typing import Any
 import django
 from django.core.exceptions import ImproperlyConfigured
 
-from ...client import Client, read_token_file
+from ...client import Client, read_token_file, set_token_source
 from ...worker import Worker
 from ._db import CloseOldConnections
 from ._registry import registry
@@ -146,7 +146,7 @@ def build_worker(
     options: dict[str, Any] = dict(conf.get("WORKER_OPTIONS", {}))
     listeners = [CloseOldConnections(), *options.pop("listeners", ())]
     client = Client(url, token)
-    client._token_source = source
+    set_token_source(client, source)
     worker = Worker(
         client,
         queue_id=queue_id,

@@ -13,7 +13,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from orbit_sync import _cli_worker
 from orbit_sync._supervisor import ChildLink
 from orbit_sync._supervisor import _cli as supervisor_cli
-from orbit_sync.client import Client, read_token_file
+from orbit_sync.client import Client, read_token_file, set_token_source
 from orbit_sync.contrib.django._worker import build_worker, discover_handlers
 
 
@@ -67,7 +67,7 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
             # Configuration, not a bug: the message, not a traceback (and never the token).
             raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
         if options["token_file"] is not None and isinstance(worker.client, Client):
-            worker.client._token_source = f"--token-file {options['token_file']}"
+            set_token_source(worker.client, f"--token-file {options['token_file']}")
         if options["first_connect_timeout"] is not None:
             worker = worker.with_options(first_connect_timeout=options["first_connect_timeout"])
         status = _cli_worker.serve(worker, "manage.py orbit_worker", link)
