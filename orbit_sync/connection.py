@@ -12,8 +12,8 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
   their bounded ``queue.Queue`` (or hands them to the ``on_assignment`` / ``on_cancel``
   callbacks), answers pings, and never blocks (a full assignment queue closes the connection with
   ``WorkerBackpressure``). It is the only thread that reads the socket: every call in flight
-  holds one of at most 32 slots, each a reused ``threading.Event`` the reader sets
-  (:class:`_Slot`); a blocking caller waits on its own slot until its deadline, so an
+  holds one of at most 32 slots, each a reused ``threading.Event`` the reader sets; a
+  blocking caller waits on its own slot until its deadline, so an
   interrupted or timed-out caller abandons its slot and never leaves a frame half read. Code
   running on a reader (a completion or push callback) neither blocks nor writes: a request
   (blocking or pipelined) or a queue wait made from it raises ``RuntimeError`` at once, and

@@ -17,9 +17,11 @@ from typing import Any
 
 import orbit_sync
 
-#: A dotted path that goes through a private segment (``orbit_sync.testing._state``).
+#: A dotted path that goes through a private segment (``orbit_sync.testing._state``), or a
+#: cross-reference to a private name (``:class:`_Slot```).
 PRIVATE_PATH = re.compile(
     r"(?<![\w.])(?:orbit_sync|testing|worker|contrib)(?:\.\w+)*\._[A-Za-z]\w*"
+    r"|:[a-z]+:`~?(?:[\w.]*\.)?_[A-Za-z][\w.]*`"
 )
 
 
@@ -178,6 +180,11 @@ def test_the_private_path_pattern_catches_what_it_is_for() -> None:
     """The docstring check recognizes a private module path and leaves public ones alone."""
     hits: Callable[[str], list[str]] = PRIVATE_PATH.findall
     assert hits("see orbit_sync.testing._state.OrbitState") == ["orbit_sync.testing._state"]
-    assert hits("(:mod:`orbit_sync._realtime`)") == ["orbit_sync._realtime"]
+    assert hits("(:mod:`orbit_sync._realtime`)") == [":mod:`orbit_sync._realtime`"]
     assert hits("testing._state and worker._link") == ["testing._state", "worker._link"]
+    assert hits("each slot (:class:`_Slot`), :meth:`~.worker._link.Gate.acquire`") == [
+        ":class:`_Slot`",
+        ":meth:`~.worker._link.Gate.acquire`",
+    ]
     assert hits("orbit_sync.testing.MockOrbitServer, ctx.raise_if_cancelled()") == []
+    assert hits(":meth:`Worker.stop`, :class:`~orbit_sync.Clock`, :meth:`__enter__`") == []
