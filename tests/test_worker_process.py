@@ -15,7 +15,7 @@ import pytest
 from _worker_helpers import make_worker, running
 
 from orbit_sync.models import Outcome, TaskState
-from orbit_sync.testing import MockOrbitServer
+from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import TaskContext, Worker, result_converter
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
@@ -214,8 +214,10 @@ def test_time_limit_interrupts_a_child_looping_in_python_and_keeps_it(
 ) -> None:
     """A handler looping in Python in its child is interrupted there at its limit, well within
     a grace it never needs: FAILED HANDLER_TIMEOUT (retryable as asked), and the same child runs
-    the next attempt (it was not killed)."""
-    worker = make_worker(server, process_pool=1, cancel_grace=30.0)
+    the next attempt (it was not killed). The limit runs on the worker's clock, moved only once
+    the handler runs: a child slow to start cannot use the limit up before the loop begins."""
+    clock = ManualClock()
+    worker = make_worker(server, process_pool=1, cancel_grace=30.0, clock=clock)
     worker.register(
         "spinner",
         handlers.spinner,
@@ -227,6 +229,7 @@ def test_time_limit_interrupts_a_child_looping_in_python_and_keeps_it(
     with running(worker):
         task_id = server.enqueue("spinner", {"dir": str(tmp_path)}, max_attempts=1)
         _wait_started(started)
+        clock.advance(0.5)  # the limit, never the 30 s grace
         snap = server.wait_for(task_id, DONE, timeout=15)
         att = snap.attempts[-1]
         assert (att.outcome, att.error_code, att.retryable) == (
