@@ -24,7 +24,6 @@ from _scripted import (
     welcome_body,
 )
 
-from orbit_sync import _codec
 from orbit_sync._seconds import seconds
 from orbit_sync.client import DIAL_TIMEOUT, Client
 from orbit_sync.errors import (
@@ -361,8 +360,3 @@ def test_dial_arguments_are_checked_before_connecting() -> None:
         with pytest.raises(ValueError):
             client.dial_worker(registration(), max_call_timeout=float("nan"))
         assert not silent.accepted.is_set()
-
-
-def test_subprotocol_constant() -> None:
-    """The client asks for the protocol's subprotocol name."""
-    assert _codec.SUBPROTOCOL == "pulse.worker.v1"

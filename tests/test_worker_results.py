@@ -18,12 +18,25 @@ from _worker_helpers import has_event, make_worker, running
 from orbit_sync import _codec, _json
 from orbit_sync.models import AttemptRef, Outcome, TaskState, new_secret
 from orbit_sync.testing import HandlerEnvironment, MockOrbitServer
-from orbit_sync.worker import Fail, TaskContext, result_converter
+from orbit_sync.worker import Fail, TaskContext, Verdict, result_converter
 from orbit_sync.worker._encoding import ResultEncoder, ResultProblem
-from orbit_sync.worker._outcomes import outcome_of
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 UTC = dt.timezone.utc
+
+
+def _returning(value: Any) -> Verdict:
+    """The verdict the worker reaches for a handler that returns *value*."""
+    return HandlerEnvironment().run(lambda ctx, payload: value, {})
+
+
+def _raising(error: BaseException) -> Verdict:
+    """The verdict the worker reaches for a handler that raises *error*."""
+
+    def handler(ctx: TaskContext, payload: Any) -> Any:
+        raise error
+
+    return HandlerEnvironment().run(handler, {})
 
 
 @pytest.fixture
@@ -214,12 +227,12 @@ def test_converter_must_be_cattrs() -> None:
 def test_verdict_holds_a_snapshot_not_the_live_object() -> None:
     """The verdict's result is a copy: mutating what the handler returned changes nothing."""
     returned = {"n": 1, "items": [1]}
-    verdict = outcome_of(value=returned)
+    verdict = _returning(returned)
     returned["n"] = 2
     returned["items"].append(float("nan"))
     assert verdict.result == {"n": 1, "items": [1]}
     details = {"k": [1]}
-    failed = outcome_of(error=Fail("BAD", details=details))
+    failed = _raising(Fail("BAD", details=details))
     details["k"].append(2)
     assert failed.result["details"] == {"k": [1]}
 
@@ -323,7 +336,7 @@ FINISH_REF = AttemptRef("1" * 32, "2" * 32, 3, new_secret())
 def test_finish_sends_the_encoders_text_as_the_generic_encoding(value: Any) -> None:
     """A verdict's finish carries the encoder's snapshot: the frame holds the very text the
     encoder checked."""
-    finish = outcome_of(value=value).finish(FINISH_REF)
+    finish = _returning(value).finish(FINISH_REF)
     _, text, _ = ResultEncoder().encode_with_text({} if value is None else value)
     frame = _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish)
     assert f'"result":{text}}}' in frame
@@ -333,7 +346,7 @@ def test_finish_sends_the_encoders_text_as_the_generic_encoding(value: Any) -> N
 def test_failed_finish_with_details_sends_the_encoders_text() -> None:
     """A Fail's encoded details go out as encoded: the frame holds the text the encoder checked."""
     error = Fail("OUT_OF_STOCK", "gone", details={"at": dt.date(2026, 1, 2)}, retryable=True)
-    finish = outcome_of(error=error).finish(FINISH_REF)
+    finish = _raising(error).finish(FINISH_REF)
     frame = _codec.encode_request("task.finish", "4" * 32, "3" * 32, finish)
     details = '"details":{"at":"2026-01-02"}'
     assert f'"result":{{"error":"OUT_OF_STOCK","message":"gone",{details}}}' in frame
