@@ -21,7 +21,6 @@ MAX_TESTS = 154
 
 #: Private names still used across modules, each on its way to a public name: (module, name).
 PENDING = {
-    ("orbit_sync/worker/_admission.py", "_cancel"),
     ("orbit_sync/worker/_admission.py", "_intake"),
     ("orbit_sync/worker/_environment.py", "_cancel"),
     ("orbit_sync/worker/_process.py", "_log"),
@@ -32,7 +31,6 @@ PENDING = {
     ("orbit_sync/worker/_shell.py", "_submit_many"),
     ("orbit_sync/worker/_shell.py", "_log"),
     ("orbit_sync/worker/_shell.py", "_cancel"),
-    ("orbit_sync/worker/_watchdog.py", "_cancel"),
 }
 
 

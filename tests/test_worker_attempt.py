@@ -29,12 +29,14 @@ from orbit_sync.worker._machine import (
     BreakConnection,
     CancelContext,
     LeaseLost,
+    LeaseView,
     NotStarted,
     Phase,
     RecordFinish,
     RefreshLease,
     Release,
     Reported,
+    ResumeEnded,
     RetryAfter,
     RunHandler,
     Send,
@@ -194,8 +196,11 @@ def test_link_failure_keeps_the_request_for_the_next_connection() -> None:
     assert actions == [BreakConnection(3), AwaitConnection(3, request)]
     assert m.request is request and m.phase is Phase.STARTING
     assert m.resend(request) == [Send(request)]
-    # Nothing was sent (no connection): only wait.
-    assert m.failed(request, WorkerDisconnected("none"), gen=0) == [AwaitConnection(0, request)]
+    # Nothing was sent (no connection 0 to break): only wait.
+    assert m.failed(request, WorkerDisconnected("none"), gen=0) == [
+        BreakConnection(0),
+        AwaitConnection(0, request),
+    ]
 
 
 def test_no_connection_waits_for_the_first_one_published() -> None:
@@ -205,13 +210,19 @@ def test_no_connection_waits_for_the_first_one_published() -> None:
     start = m.request
     assert start is not None
     # An assignment read while its connection is still being reconciled (not yet published).
-    assert m.failed(start, NotConnected("no connection"), gen=0) == [AwaitConnection(0, start)]
+    assert m.failed(start, NotConnected("no connection"), gen=0) == [
+        BreakConnection(0),
+        AwaitConnection(0, start),
+    ]
     assert m.request is start and m.phase is Phase.STARTING
     m = _machine()
     _finishing(m)
     finish = m.request
     assert finish is not None and m.phase is Phase.FINISHING
-    assert m.failed(finish, NotConnected("no connection"), gen=0) == [AwaitConnection(0, finish)]
+    assert m.failed(finish, NotConnected("no connection"), gen=0) == [
+        BreakConnection(0),
+        AwaitConnection(0, finish),
+    ]
 
 
 def test_stale_session_is_a_link_failure() -> None:
@@ -383,13 +394,13 @@ def test_crash_before_the_start_or_after_the_finish() -> None:
 @pytest.mark.parametrize(
     ("lease", "remaining", "expected"),
     [
-        (_lease(), 5.0, [RefreshLease]),
-        (_lease(cancel=True), 5.0, [UntrackLease, CancelContext]),
-        (None, 5.0, [UntrackLease, CancelContext, LeaseLost]),
+        (_lease(), 5.0, [RefreshLease, ResumeEnded]),
+        (_lease(cancel=True), 5.0, [UntrackLease, CancelContext, ResumeEnded]),
+        (None, 5.0, [UntrackLease, CancelContext, LeaseLost, ResumeEnded]),
         (
             _lease(active=False, state=AttemptState.EXPIRED),
             0.0,
-            [UntrackLease, CancelContext, LeaseLost],
+            [UntrackLease, CancelContext, LeaseLost, ResumeEnded],
         ),
     ],
 )
@@ -398,23 +409,35 @@ def test_resume_answers(lease: Lease | None, remaining: float, expected: list[ty
     m = _machine()
     _started(m)
     m.reconnected()  # the resume goes out while it runs
-    actions = m.resumed(lease, now=NOW, remaining=remaining, cancelled=False)
+    resume = m.resume
+    assert resume is not None
+    view = LeaseView(now=NOW, remaining=remaining, cancelled=False)
+    if lease is None:
+        actions = m.failed(resume, WorkerError("LEASE_LOST", "gone"), gen=1, view=view)
+    else:
+        actions = m.resume_answered(resume, lease, view)
     assert _kinds(actions) == expected
     if LeaseLost in expected:
         reason = "lease_expired" if remaining <= 0 else "session_replaced"
-        assert actions[-1] == LeaseLost(reason) and actions[1] == CancelContext(reason)
+        assert actions[2] == LeaseLost(reason) and actions[1] == CancelContext(reason)
 
 
 def test_resume_ignores_attempts_not_running() -> None:
-    """Starting and finishing attempts re-send their own request: a resume changes nothing."""
+    """Starting and finishing attempts re-send their own request, and a cancelled handler is
+    left alone: a resume only ends."""
+    view = LeaseView(now=NOW, remaining=1.0, cancelled=False)
     m = _machine()
     m.begin()
     m.reconnected()
-    assert m.resumed(None, now=NOW, remaining=1.0, cancelled=False) == []
+    assert m.resume is not None
+    refusal = WorkerError("LEASE_LOST", "gone")
+    assert _kinds(m.failed(m.resume, refusal, gen=1, view=view)) == [ResumeEnded]
     m = _machine()
     _started(m)
     m.reconnected()
-    assert m.resumed(None, now=NOW, remaining=1.0, cancelled=True) == []
+    assert m.resume is not None
+    cancelled = LeaseView(now=NOW, remaining=1.0, cancelled=True)
+    assert _kinds(m.failed(m.resume, refusal, gen=1, view=cancelled)) == [ResumeEnded]
 
 
 def test_shutdown_cancel_reaches_starting_and_running_attempts_only() -> None:
@@ -425,7 +448,8 @@ def test_shutdown_cancel_reaches_starting_and_running_attempts_only() -> None:
     assert m.shutdown_cancel() == [CancelContext("shutdown")]
     m = _machine()
     _started(m)
-    assert m.shutdown_cancel() == [CancelContext("shutdown")]
+    # A running handler told to stop is no longer renewed.
+    assert m.shutdown_cancel() == [UntrackLease(), CancelContext("shutdown")]
     m = _machine()
     _finishing(m)
     assert m.shutdown_cancel() == []

@@ -222,7 +222,8 @@ def test_a_resume_whose_connection_fails_ends_and_breaks_that_connection() -> No
     assert m.resume_answered(resume, _lease(), _view()) == []
     again = _resume(m)
     assert m.failed(again, NotConnected("none"), gen=0, view=_view()) == [
-        ResumeEnded(again, cut=True)
+        BreakConnection(0),  # connection 0: none to break
+        ResumeEnded(again, cut=True),
     ]
 
 
@@ -333,8 +334,10 @@ def test_resumes_count_what_went_out_and_what_is_over() -> None:
     an answer counts as gone out; a new connection forgets the older one's."""
     wakes: list[None] = []
     resumes: Resumes[str] = Resumes(lambda: wakes.append(None))
-    m = _machine()
-    a, b = _resume(m), _resume(_machine())
+    m, other = _machine(), _machine()
+    _started(m)
+    _started(other)
+    a, b = _resume(m), _resume(other)
     resumes.begin()
     resumes.add(a)
     resumes.add(b)
@@ -357,7 +360,10 @@ def test_a_resume_cut_before_its_answer_marks_its_connection_until_the_next() ->
     """A resume ended by its connection's failure marks the connection cut (not established);
     an older connection's resume ending so does not, and a new connection starts unmarked."""
     resumes: Resumes[str] = Resumes(lambda: None)
-    old, a, b = _resume(_machine()), _resume(_machine()), _resume(_machine())
+    machines = [_machine() for _ in range(3)]
+    for m in machines:
+        _started(m)  # held: a reconnect resumes it
+    old, a, b = (_resume(m) for m in machines)
     resumes.begin()
     resumes.add(a)
     resumes.add(b)

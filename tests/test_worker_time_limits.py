@@ -55,7 +55,11 @@ def test_time_limit_cancels_and_interrupts_a_thread_once() -> None:
     """At the limit a thread handler's context is cancelled and the handler interrupted, with
     the grace to stop; a second timer firing changes nothing."""
     m = _running(TimeLimit(LIMIT, GRACE))
-    assert m.time_limit_passed() == [CancelContext("time_limit"), InterruptHandler(GRACE)]
+    assert m.time_limit_passed() == [
+        UntrackLease(),  # a handler told to stop is no longer renewed
+        CancelContext("time_limit"),
+        InterruptHandler(GRACE),
+    ]
     assert m.time_limit_passed() == []
     assert m.phase is Phase.RUNNING
 
@@ -64,7 +68,7 @@ def test_time_limit_in_a_process_leaves_the_kill_to_the_executor() -> None:
     """A handler in a child process is only cancelled here (the executor interrupts it in the
     child and kills the child past the grace); its grace never abandons it."""
     m = _running(TimeLimit(LIMIT, GRACE, in_process=True))
-    assert m.time_limit_passed() == [CancelContext("time_limit")]
+    assert m.time_limit_passed() == [UntrackLease(), CancelContext("time_limit")]
     stopped = outcome_of(error=TimeLimitExceeded(), cancel_reason="time_limit")
     assert [type(a) for a in m.handler_returned(stopped)] == [UntrackLease, RecordFinish, Send]
     assert m.verdict is not None and m.verdict.error_code == "HANDLER_TIMEOUT"

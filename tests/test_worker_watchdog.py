@@ -14,16 +14,16 @@ from _worker_helpers import Probe, leased_task, make_worker, running
 
 from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
-from orbit_sync.models import AttemptState, Lease, Task, new_id
+from orbit_sync.models import AttemptState, Lease, Task
 from orbit_sync.testing import ManualClock, MockOrbitServer
-from orbit_sync.worker import LeaseEvent, WorkerListener
-from orbit_sync.worker._context import TaskContext
+from orbit_sync.worker import LeaseEvent, TaskContext, WorkerListener
 from orbit_sync.worker._watchdog import (
     MAX_EARLY_BATCH,
     LeaseWatchdog,
     RenewDone,
     SendRenew,
     WatchdogThread,
+    retry_delay,
 )
 
 T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
@@ -128,15 +128,46 @@ def renewer(clock: CallClock) -> Renewer:
     return Renewer(clock)
 
 
-def _ctx(clock: CallClock) -> TaskContext:
-    return TaskContext(_task(), new_id(), clock=clock)
+class Leases:
+    """What the watchdog reports, as the worker's shell gets it: the deadline each renewal
+    granted (and how late it went out), and each lease that ended, with its reason."""
+
+    def __init__(self, clock: CallClock) -> None:
+        self.clock = clock
+        self.deadlines: dict[str, float] = {}
+        self.lags: dict[str, float] = {}
+        self.ended: dict[str, str] = {}
+
+    def renewed(self, attempt_id: str, deadline: float, lag: float) -> None:
+        self.deadlines[attempt_id] = deadline
+        self.lags[attempt_id] = lag
+
+    def lost(self, attempt_id: str, reason: str) -> None:
+        assert attempt_id not in self.ended, "a lease ends once"
+        self.ended[attempt_id] = reason
+
+    def remaining(self, attempt_id: str) -> float:
+        return self.deadlines[attempt_id] - self.clock()
+
+    def watchdog(self, send: SendRenew, **kwargs: Any) -> LeaseWatchdog:
+        """A watchdog on the fake clock reporting here."""
+        return LeaseWatchdog(
+            send, clock=self.clock, on_loss=self.lost, on_renew=self.renewed, **kwargs
+        )
 
 
-def test_renews_at_half_the_remaining_window(clock: CallClock, renewer: Renewer) -> None:
+@pytest.fixture
+def leases(clock: CallClock) -> Leases:
+    """The watchdog's reports, on the fake clock."""
+    return Leases(clock)
+
+
+def test_renews_at_half_the_remaining_window(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """A 30 s lease is renewed after 15 s, then every 15 s, never earlier."""
-    wd = LeaseWatchdog(renewer, clock=clock)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 30.0)
     assert wd.run_due() == pytest.approx(clock() + 15.0)
     assert renewer.calls == []
     clock.advance(14.9)
@@ -147,9 +178,9 @@ def test_renews_at_half_the_remaining_window(clock: CallClock, renewer: Renewer)
     assert len(renewer.calls) == 1
     # The fresh lease's deadline is now + 30 - 0.25; the next renewal is half of that away.
     assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2)
-    assert ctx.remaining() == pytest.approx(30.0 - 0.25)
+    assert leases.remaining("a" * 32) == pytest.approx(30.0 - 0.25)
     assert wd.stats().renewals == 1
-    assert not ctx.cancelled.is_set()
+    assert not leases.ended
 
 
 def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer) -> None:
@@ -157,7 +188,7 @@ def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer) -> None:
     wd = LeaseWatchdog(renewer, clock=clock)
     ids = ["1" * 32, "2" * 32, "3" * 32]
     for attempt_id, window in zip(ids, (30.0, 10.0, 20.0), strict=True):
-        wd.track(attempt_id, _ctx(clock), clock() + window)
+        wd.track(attempt_id, clock() + window)
     order = []
     for _ in range(3):
         nxt = wd.run_due()
@@ -170,18 +201,19 @@ def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer) -> None:
     assert wd.stats().lease_losses == 0
 
 
-def test_deadline_passing_cancels_with_lease_expired(clock: CallClock, renewer: Renewer) -> None:
-    """When renewals keep failing until the local deadline, the context is cancelled."""
+def test_deadline_passing_reports_lease_expired(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
+    """When renewals keep failing until the local deadline, the lease is reported expired."""
     renewer.script = [_raise(WorkerDisconnected("down"))] * 100
-    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=1.0)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 4.0)
-    while not ctx.cancelled.is_set():
+    wd = leases.watchdog(renewer, retry_delay=1.0)
+    wd.track("a" * 32, clock() + 4.0)
+    while not leases.ended:
         nxt = wd.run_due()
-        assert nxt is not None or ctx.cancelled.is_set()
+        assert nxt is not None or leases.ended
         if nxt is not None:
             clock.set(max(clock(), nxt))
-    assert ctx.cancel_reason == "lease_expired"
+    assert leases.ended == {"a" * 32: "lease_expired"}
     assert clock() == pytest.approx(1004.0)
     assert wd.stats().lease_losses == 1
     assert wd.stats().tracked == 0
@@ -190,18 +222,21 @@ def test_deadline_passing_cancels_with_lease_expired(clock: CallClock, renewer: 
 def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
     clock: CallClock, renewer: Renewer
 ) -> None:
-    """Busy/disconnect/timeout retry after retry_delay and re-send the unanswered message_id."""
+    """A timeout retries after retry_delay, busy (our own slots full) after the short busy
+    delay, as every request does; each re-sends the unanswered message_id."""
     renewer.script = [
         _raise(CallTimeout("slow", message_id="f" * 32)),
         _raise(WorkerBusy("busy")),
     ]
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=0.5)
-    wd.track("a" * 32, _ctx(clock), clock() + 30.0)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     assert wd.run_due() == pytest.approx(clock() + 0.5)
     clock.advance(0.5)
-    assert wd.run_due() == pytest.approx(clock() + 0.5)
-    clock.advance(0.5)
+    busy = retry_delay(WorkerBusy("busy"), 0.5)  # the one retry rule of every request
+    assert busy < 0.5
+    assert wd.run_due() == pytest.approx(clock() + busy)
+    clock.advance(busy)
     wd.run_due()
     ids = [c[1] for c in renewer.calls]
     assert len(ids) == 3 and len(set(ids)) == 1, "an unanswered renew is re-sent as is"
@@ -216,8 +251,7 @@ def test_retry_never_scheduled_past_the_deadline(clock: CallClock, renewer: Rene
     """A retry that would land after the deadline is replaced by the deadline itself."""
     renewer.script = [_raise(WorkerDisconnected("down"))]
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 2.0)
+    wd.track("a" * 32, clock() + 2.0)
     clock.advance(1.0)
     assert wd.run_due() == pytest.approx(1002.0)
 
@@ -231,58 +265,60 @@ def test_retry_never_scheduled_past_the_deadline(clock: CallClock, renewer: Rene
     ],
     ids=["cancel_requested_at", "inactive", "not-running"],
 )
-def test_lease_answer_cancels_context(
-    clock: CallClock, renewer: Renewer, answer: Callable[[CallClock], Lease], reason: str
+def test_lease_answer_is_reported(
+    clock: CallClock,
+    renewer: Renewer,
+    leases: Leases,
+    answer: Callable[[CallClock], Lease],
+    reason: str,
 ) -> None:
-    """A renewal answer with a cancel request or without a running lease cancels the handler."""
+    """A renewal answer with a cancel request or without a running lease is reported (the
+    attempt's machine cancels the handler) and no longer renewed."""
     renewer.script = [lambda: answer(clock)]
-    wd = LeaseWatchdog(renewer, clock=clock)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     assert wd.run_due() is None
-    assert ctx.cancel_reason == reason
+    assert leases.ended == {"a" * 32: reason}
     assert not wd.is_tracked("a" * 32)
 
 
-def test_lease_lost_error_cancels_context(clock: CallClock, renewer: Renewer) -> None:
-    """The server answering LEASE_LOST cancels the context with lease_lost, once."""
+def test_lease_lost_error_is_reported_once(clock: CallClock, renewer: Renewer) -> None:
+    """The server answering LEASE_LOST is reported as lease_lost, once."""
     renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="e" * 32))]
     losses: list[tuple[str, str]] = []
     wd = LeaseWatchdog(renewer, clock=clock, on_loss=lambda a, r: losses.append((a, r)))
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
-    assert ctx.cancel_reason == "lease_lost"
+    clock.advance(30.0)
+    wd.run_due()
     assert losses == [("a" * 32, "lease_lost")]
     assert wd.stats().lease_losses == 1
 
 
-def test_rate_limited_is_retried_not_lost(clock: CallClock, renewer: Renewer) -> None:
+def test_rate_limited_is_retried_not_lost(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """RATE_LIMITED/UNAVAILABLE are transient: the attempt keeps its lease and is retried."""
     renewer.script = [_raise(WorkerError("RATE_LIMITED", "slow down", message_id="e" * 32))]
-    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=1.0)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd = leases.watchdog(renewer, retry_delay=1.0)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     assert wd.run_due() == pytest.approx(clock() + 1.0)
-    assert not ctx.cancelled.is_set()
+    assert not leases.ended
 
 
-def test_never_renews_cancelled_or_untracked(clock: CallClock, renewer: Renewer) -> None:
-    """A cancelled context or an untracked (finished) attempt is never renewed."""
-    wd = LeaseWatchdog(renewer, clock=clock)
-    cancelled, finished = _ctx(clock), _ctx(clock)
-    wd.track("c" * 32, cancelled, clock() + 10.0)
-    wd.track("f" * 32, finished, clock() + 10.0)
-    cancelled._cancel("shutdown")
+def test_never_renews_untracked(clock: CallClock, renewer: Renewer, leases: Leases) -> None:
+    """An untracked attempt (finished, or told to stop) is never renewed nor reported."""
+    wd = leases.watchdog(renewer)
+    wd.track("c" * 32, clock() + 10.0)
+    wd.track("f" * 32, clock() + 10.0)
+    wd.untrack("c" * 32)
     wd.untrack("f" * 32)
     clock.advance(30.0)
     assert wd.run_due() is None
-    assert renewer.calls == []
-    assert cancelled.cancel_reason == "shutdown"
-    assert not finished.cancelled.is_set()
+    assert renewer.calls == [] and not leases.ended
 
 
 def test_finished_during_renew_is_not_rescheduled(clock: CallClock, renewer: Renewer) -> None:
@@ -294,7 +330,7 @@ def test_finished_during_renew_is_not_rescheduled(clock: CallClock, renewer: Ren
         return lease(clock)
 
     renewer.script = [finish_meanwhile]
-    wd.track("a" * 32, _ctx(clock), clock() + 10.0)
+    wd.track("a" * 32, clock() + 10.0)
     clock.advance(5.0)
     assert wd.run_due() is None
     assert wd.stats().renewals == 0
@@ -303,27 +339,26 @@ def test_finished_during_renew_is_not_rescheduled(clock: CallClock, renewer: Ren
 def test_lag_is_measured(clock: CallClock, renewer: Renewer) -> None:
     """Waking after the scheduled time shows up as lag in the stats."""
     wd = LeaseWatchdog(renewer, clock=clock)
-    wd.track("a" * 32, _ctx(clock), clock() + 30.0)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0 + 0.75)
     wd.run_due()
     assert wd.stats().lag_last == pytest.approx(0.75)
     assert wd.stats().lag_max == pytest.approx(0.75)
 
 
-def test_a_resume_moves_the_deadline_later_never_sooner(clock: CallClock, renewer: Renewer) -> None:
+def test_a_resume_moves_the_deadline_later_never_sooner(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """A resumed lease that ends later (a renewal applied whose answer a cut took) moves the
     deadline; one that ends sooner (a resume answered before the renewal behind it) does not:
     each is a safe bound, and the later stands."""
-    wd = LeaseWatchdog(renewer, clock=clock)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 10.0)
-    wd.refresh("a" * 32, clock() + 30.0)
-    assert ctx.remaining() == pytest.approx(30.0)
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 10.0)
+    assert wd.refresh("a" * 32, clock() + 30.0), "the later deadline stands"
     assert wd.next_due() == pytest.approx(clock() + 5.0), "a resume grants no renewal time"
-    wd.refresh("a" * 32, clock() + 8.0)
-    assert ctx.remaining() == pytest.approx(30.0)
+    assert not wd.refresh("a" * 32, clock() + 8.0), "the sooner one does not"
     clock.advance(9.0)
-    assert wd.run_due() is not None and ctx.cancel_reason is None
+    assert wd.run_due() is not None and not leases.ended
     assert len(renewer.calls) == 1
 
 
@@ -331,9 +366,8 @@ def test_reconnects_never_put_off_a_renewal(clock: CallClock, renewer: Renewer) 
     """Resumes that leave the lease as it was keep its renewal at half of the granted window,
     however many reconnects come before it; a resumed lease that ends sooner brings it forward."""
     wd = LeaseWatchdog(renewer, clock=clock)
-    ctx = _ctx(clock)
     deadline = clock() + 2.75  # a 3 s lease
-    wd.track("a" * 32, ctx, deadline)
+    wd.track("a" * 32, deadline)
     assert wd.next_due() == pytest.approx(1001.375)
     for _ in range(4):  # a reconnect every 0.3 s, each resume answering the same lease
         clock.advance(0.3)
@@ -352,8 +386,8 @@ def test_a_new_connection_renews_the_leases_past_a_quarter_of_their_window(
     then); a lease granted more recently waits, and reconnects in a row renew it once."""
     wd = LeaseWatchdog(renewer, clock=clock)
     a, b = "a" * 32, "b" * 32
-    wd.track(a, _ctx(clock), clock() + 2.75)  # a quarter: 0.6875 s
-    wd.track(b, _ctx(clock), clock() + 30.0)  # a quarter: 7.5 s
+    wd.track(a, clock() + 2.75)  # a quarter: 0.6875 s
+    wd.track(b, clock() + 30.0)  # a quarter: 7.5 s
     clock.advance(0.5)
     wd.connected()
     assert wd.next_due() == pytest.approx(1001.375), "a quarter has not passed: no renewal yet"
@@ -389,7 +423,7 @@ def test_thread_shell_renews_and_stops() -> None:
     shells.append(shell)
     shell.start()
     try:
-        core.track("a" * 32, TaskContext(_task(), new_id()), time.monotonic() + 0.2)
+        core.track("a" * 32, time.monotonic() + 0.2)
         assert renewed.wait(5.0)
     finally:
         shell.stop()
@@ -401,8 +435,8 @@ def test_a_held_renewal_does_not_delay_another_attempts(clock: CallClock, renewe
     renewer.hold = True
     wd = LeaseWatchdog(renewer, clock=clock)
     a, b = "a" * 32, "b" * 32
-    wd.track(a, _ctx(clock), clock() + 20.0)  # due at +10
-    wd.track(b, _ctx(clock), clock() + 30.0)  # due at +15: too far to join A's batch
+    wd.track(a, clock() + 20.0)  # due at +10
+    wd.track(b, clock() + 30.0)  # due at +15: too far to join A's batch
     clock.advance(10.0)
     assert wd.run_due() == pytest.approx(clock() + 5.0), "B is next, A is in flight"
     clock.advance(5.0)
@@ -413,35 +447,41 @@ def test_a_held_renewal_does_not_delay_another_attempts(clock: CallClock, renewe
     assert wd.stats().renewals == 2 and len(renewer.calls) == 2
 
 
-def test_an_unanswered_renewal_still_expires_the_lease(clock: CallClock, renewer: Renewer) -> None:
+def test_an_unanswered_renewal_still_expires_the_lease(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """While a renewal is in flight the deadline is watched; a late answer is then ignored."""
     renewer.hold = True
-    wd = LeaseWatchdog(renewer, clock=clock)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 4.0)
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 4.0)
     clock.advance(2.0)
     assert wd.run_due() == pytest.approx(1004.0), "in flight: next wake-up is the deadline"
     clock.advance(2.0)
     assert wd.run_due() is None
-    assert ctx.cancel_reason == "lease_expired"
+    assert leases.ended == {"a" * 32: "lease_expired"}
     renewer.release("a" * 32, lambda: lease(clock))
     assert wd.stats().renewals == 0 and not wd.is_tracked("a" * 32)
 
 
-def test_refresh_during_a_renewal_survives_its_failure(clock: CallClock, renewer: Renewer) -> None:
+def test_refresh_during_a_renewal_survives_its_failure(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """A reconnect's refresh (new deadline) made while a renewal is in flight is kept when that
     renewal then fails: every entry field is written under the watchdog's lock."""
     renewer.hold = True
-    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
-    ctx = _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 30.0)
+    wd = leases.watchdog(renewer, retry_delay=5.0)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
-    wd.refresh("a" * 32, clock() + 25.0)  # the connection thread, after resume
+    assert wd.refresh("a" * 32, clock() + 25.0)  # the connection thread, after resume
     renewer.release("a" * 32, _raise(WorkerDisconnected("old connection gone")))
-    assert ctx.remaining() == pytest.approx(25.0)
     assert wd.next_due() == pytest.approx(clock() + 5.0), "the retry delay, sooner than half-way"
     assert wd.pending_renewals() == ["a" * 32]
+    clock.set(1020.0)
+    wd.run_due()  # the retry, held in flight: watched by its deadline
+    clock.set(1031.0)  # past the deadline before the refresh, not the refreshed one
+    wd.run_due()
+    assert not leases.ended
 
 
 def test_a_new_connection_resends_a_renew_left_unanswered(
@@ -452,7 +492,7 @@ def test_a_new_connection_resends_a_renew_left_unanswered(
     message_id, not at the retry delay; once answered, reconnects add no renewal."""
     renewer.hold = True
     wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
-    wd.track("a" * 32, _ctx(clock), clock() + 30.0)
+    wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
     [(_, first_id, _)] = renewer.calls
@@ -473,16 +513,13 @@ def test_a_new_connection_resends_a_renew_left_unanswered(
 
 @pytest.mark.parametrize("pending", [False, True])
 def test_a_loss_answering_the_reconnect_renewal_is_session_replaced(
-    clock: CallClock, renewer: Renewer, pending: bool
+    clock: CallClock, renewer: Renewer, leases: Leases, pending: bool
 ) -> None:
-    """The renewal sent behind a new connection's resumes, answered LEASE_LOST, cancels the
-    handler as the resume's answer would (session_replaced); a later renewal's loss is
-    lease_lost."""
-    losses: list[tuple[str, str]] = []
-    wd = LeaseWatchdog(renewer, clock=clock, on_loss=lambda a, r: losses.append((a, r)))
-    ctx, later = _ctx(clock), _ctx(clock)
-    wd.track("a" * 32, ctx, clock() + 30.0)
-    wd.track("b" * 32, later, clock() + 30.0)
+    """The renewal sent behind a new connection's resumes, answered LEASE_LOST, is reported as
+    the resume's answer would be (session_replaced); a later renewal's loss is lease_lost."""
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 30.0)
+    wd.track("b" * 32, clock() + 30.0)
     if pending:  # a renew left unanswered rather than a lease past a quarter of its window
         renewer.script = [_raise(WorkerDisconnected("gone"))] * 2
         clock.advance(15.0)
@@ -492,15 +529,13 @@ def test_a_loss_answering_the_reconnect_renewal_is_session_replaced(
     renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="e" * 32))] * 2
     wd.connected()
     wd.run_due()
-    assert ctx.cancel_reason == later.cancel_reason == "session_replaced"
-    assert sorted(losses) == [("a" * 32, "session_replaced"), ("b" * 32, "session_replaced")]
-    third = _ctx(clock)
-    wd.track("c" * 32, third, clock() + 30.0)
+    assert leases.ended == {"a" * 32: "session_replaced", "b" * 32: "session_replaced"}
+    wd.track("c" * 32, clock() + 30.0)
     renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="f" * 32))]
     wd.connected()  # granted just now: no renewal behind this connection's resumes
     clock.advance(15.0)
     wd.run_due()
-    assert third.cancel_reason == "lease_lost"
+    assert leases.ended["c" * 32] == "lease_lost"
 
 
 class BatchRenewer(Renewer):
@@ -534,7 +569,7 @@ def test_renewals_due_together_go_out_in_one_batch(clock: CallClock, batcher: Ba
     wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
     ids = ["1" * 32, "2" * 32, "3" * 32]
     for attempt_id in ids:
-        wd.track(attempt_id, _ctx(clock), clock() + 30.0)
+        wd.track(attempt_id, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
     assert batcher.batches == [ids]
@@ -549,12 +584,12 @@ def test_nearly_due_renewals_join_a_batch(clock: CallClock, batcher: BatchRenewe
         batcher.single,
         send_many=batcher.many,
         clock=clock,
-        on_renew=lambda attempt_id, lag: lags.__setitem__(attempt_id, lag),
+        on_renew=lambda attempt_id, deadline, lag: lags.__setitem__(attempt_id, lag),
     )
     a, near, far = "a" * 32, "b" * 32, "c" * 32
-    wd.track(a, _ctx(clock), clock() + 20.0)  # due at +10
-    wd.track(near, _ctx(clock), clock() + 22.0)  # due at +11: 1 s of an 11 s wait left at +10
-    wd.track(far, _ctx(clock), clock() + 30.0)  # due at +15: 5 s of 15 s left
+    wd.track(a, clock() + 20.0)  # due at +10
+    wd.track(near, clock() + 22.0)  # due at +11: 1 s of an 11 s wait left at +10
+    wd.track(far, clock() + 30.0)  # due at +15: 5 s of 15 s left
     clock.advance(10.25)
     assert wd.run_due() == pytest.approx(1015.0)
     assert batcher.batches == [[a, near]]
@@ -571,11 +606,11 @@ def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
     """A lease granted less than MIN_RENEW_INTERVAL ago is not renewed early with a batch."""
     wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
     a, fresh = "a" * 32, "f" * 32
-    wd.track(a, _ctx(clock), clock() + 19.998)  # due at +9.999
+    wd.track(a, clock() + 19.998)  # due at +9.999
     clock.advance(9.96)
     # Granted 39 ms before A's batch, 40 ms left: due at its deadline (+10.0), 1 ms after the
     # batch and well within a quarter of its wait; only the minimum interval keeps it out.
-    wd.track(fresh, _ctx(clock), clock() + 0.04)
+    wd.track(fresh, clock() + 0.04)
     clock.set(1009.999)
     wd.run_due()
     assert batcher.batches == [[a]]
@@ -589,7 +624,7 @@ def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
     wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock, retry_delay=0.5)
     ids = ["1" * 32, "2" * 32]
     for attempt_id in ids:
-        wd.track(attempt_id, _ctx(clock), clock() + 30.0)
+        wd.track(attempt_id, clock() + 30.0)
     clock.advance(15.0)
     assert wd.run_due() == pytest.approx(clock() + 0.5)
     assert wd.stats().renew_failures == 2 and wd.pending_renewals() == ids
@@ -652,9 +687,9 @@ def test_early_additions_stop_at_a_bounded_batch(clock: CallClock, batcher: Batc
     due_now = [f"{i:032x}" for i in range(MAX_EARLY_BATCH - 2)]
     nearly = [f"{i:032x}" for i in range(100, 105)]
     for attempt_id in due_now:
-        wd.track(attempt_id, _ctx(clock), clock() + 20.0)  # due at +10
+        wd.track(attempt_id, clock() + 20.0)  # due at +10
     for attempt_id in nearly:
-        wd.track(attempt_id, _ctx(clock), clock() + 21.0)  # due at +10.5: joins if room
+        wd.track(attempt_id, clock() + 21.0)  # due at +10.5: joins if room
     clock.advance(10.0)
     wd.run_due()
     [first] = batcher.batches
@@ -662,7 +697,7 @@ def test_early_additions_stop_at_a_bounded_batch(clock: CallClock, batcher: Batc
     assert set(first[len(due_now) :]) < set(nearly)
     many = [f"{i:032x}" for i in range(200, 200 + MAX_EARLY_BATCH + 4)]
     for attempt_id in many:
-        wd.track(attempt_id, _ctx(clock), clock() + 2.0)  # all due at once, 1 s from now
+        wd.track(attempt_id, clock() + 2.0)  # all due at once, 1 s from now
     clock.advance(1.0)
     wd.run_due()
     assert set(many) <= set(batcher.batches[-1]), "every due renewal goes, however many"

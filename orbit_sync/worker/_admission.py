@@ -8,9 +8,9 @@ an unstarted assignment back (§5.7: ``drain`` releases nothing already held) an
 already spent one of the task's attempts (§6.1), so skipping it would burn that attempt. Past
 the drain, the attempt starts with its context cancelled and finishes by the outcome rules.
 
-It turns each ``task.cancel`` into its attempt's cancellation (``on_cancel``, on the reader
-thread: it only flags the context). The registry's lock is never held across a wait for the
-network.
+What to do with an assignment (start it, or refuse a repeat or one no handler here can run) and
+with a ``task.cancel`` (``on_cancel``, on the reader thread) is the attempt machine's: this feeds
+them to it. The registry's lock is never held across a wait for the network.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import collections
 import logging
 
 from ..clock import Clock
-from ..models import Assignment, CancelNotice
+from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext
 from ._handlers import Handlers
 from ._link import Connection
@@ -58,12 +58,12 @@ class Admission:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def on_cancel(self, notice: CancelNotice) -> None:
-        """A ``task.cancel`` push: only flag the attempt's context."""
+        """A ``task.cancel`` push (on the reader): an event of the attempt's machine."""
         att = self._reg.get(notice.attempt_id)
         if att is None or att.ref.epoch != notice.epoch:
             return
-        if att.ctx._cancel("cancel_requested"):
-            att.ctx._log.info("cancel requested by the server")
+        att.ctx._log.info("cancel requested by the server")
+        self._shell.step(att, AttemptMachine.cancel_pushed)
 
     def take_all(self, conn: Connection) -> None:
         """The session's intake (its own thread): take each assignment from *conn*'s queue,
@@ -77,43 +77,49 @@ class Admission:
             self.dispatch(assignment)
 
     def dispatch(self, assignment: Assignment) -> None:
-        """A ``task.assign`` push: record the attempt and send its start."""
+        """A ``task.assign`` push: its machine decides (a repeat or an attempt no handler here
+        can run is refused) under the registry's lock, where the attempt is recorded; then its
+        actions (the start) are performed."""
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
         with self._reg.cond:
-            if assignment.attempt_id in self._seen:
-                self._log.warning("attempt %s assigned twice; ignored", assignment.attempt_id)
-                return
-            self._seen[assignment.attempt_id] = None
-            if len(self._seen) > SEEN_LIMIT:
-                self._seen.popitem(last=False)
-            found = self._handlers.find(key)
-            if found is None:
-                # Not one of this process's capabilities (the connection checks them, §6.1):
-                # nothing can run it; the reservation returns to the queue at its lease's end.
-                self._reg.counts["skipped"] += 1
-                self._log.warning(
-                    "attempt %s of task %s not started: no handler registered for %s",
-                    assignment.attempt_id,
-                    task.task_id,
-                    task.handler,
-                )
-                return
-            handler, task_log, time_limit = found
-            ctx = TaskContext(
-                task,
-                assignment.attempt_id,
-                clock=self._clock,
-                logger=task_log,
-                worker_logger=self._log,
+            again = assignment.attempt_id in self._seen
+            if not again:
+                self._seen[assignment.attempt_id] = None
+                if len(self._seen) > SEEN_LIMIT:
+                    self._seen.popitem(last=False)
+            # Not one of this process's capabilities (the connection checks them, §6.1):
+            # nothing can run it; the reservation returns to the queue at its lease's end.
+            found = None if again else self._handlers.find(key)
+            machine = AttemptMachine(
+                assignment.attempt,
+                new_id=new_message_id,
+                retry_delay=self._retry_delay,
+                time_limit=None if found is None else found[2],
             )
-            att = Attempt(assignment, ctx, handler, self._retry_delay, time_limit)
-            self._reg.attempts[att.id] = att
-            if self._reg.drain_over:
-                ctx._cancel("shutdown")
-        ctx._log.debug(
+            actions = machine.assigned(
+                again=again, runnable=found is not None, stopping=self._reg.drain_over
+            )
+            if found is None:
+                att = None
+            else:
+                handler, task_log, _ = found
+                ctx = TaskContext(
+                    task,
+                    assignment.attempt_id,
+                    clock=self._clock,
+                    logger=task_log,
+                    worker_logger=self._log,
+                )
+                att = Attempt(assignment, ctx, handler, machine)
+                self._reg.attempts[att.id] = att
+        if att is None:
+            self._shell.refused(actions)
+            return
+        att.ctx._log.debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
         if self._hooks:
             self._hooks.emit("attempt_received", attempt_event(att))
-        self._shell.step(att, AttemptMachine.begin)
+        # Decided as it was recorded (above); performed like any other event's actions.
+        self._shell.step(att, lambda _: actions)

@@ -1,15 +1,22 @@
 """One attempt's life on the worker as a pure state machine: no sockets, no threads, no clock
 of its own (time comes in as arguments).
 
-The Worker's threaded shell feeds it what happened (the start's answer, a request's failure, the
-handler's return, a reconnect, a lease answer from ``worker.resume``, a cancel, a shutdown step)
-and performs the actions it returns, in order. The shell holds the attempt's lock around every
-call, and performs the actions after releasing it (they send requests, write the outbox and call
-listeners: never under a lock). Unit tests drive every transition directly.
+The Worker's threaded shell feeds it whatever happens to the attempt (the intake took it, or
+refuses it as a repeat or for want of a handler; the start's answer, a request's failure, the
+handler's return, a reconnect and its resume's answer, the lease watchdog's report of a lease
+that ended, a ``task.cancel`` push, a shutdown step, a time limit) and performs the actions it
+returns, in order: nothing else decides what an attempt does. The shell holds the attempt's lock
+around every call, and performs the actions after releasing it (they send requests, write the
+outbox and call listeners: never under a lock).
 
-About 600 lines, one module: the machine, the requests it keeps and the actions it returns are
-one idea, and every transition reads the same few fields; split by phase, a reconnect's rules
-(which touch every phase) would live in several files.
+Every decision goes through one table, :data:`TABLE`, ``(trigger, phase) -> (phase, actions)``
+as h11 keeps its state machine: each method reads its event into a :class:`Trigger` and the table
+says whether the phase takes it (and where to) or refuses it (:data:`REFUSED`); unit tests walk
+every pair.
+
+One module: the machine, the requests it keeps and the actions it returns are one idea, and
+every transition reads the same few fields; split by phase, a reconnect's rules (which touch
+every phase) would live in several files.
 
 ::
 
@@ -89,7 +96,10 @@ from ._time_limits import TimeLimit
 
 __all__ = [
     "BUSY_DELAY",
+    "HELD",
+    "REFUSED",
     "SETTLED",
+    "TABLE",
     "AttemptMachine",
     "AwaitConnection",
     "BreakConnection",
@@ -109,10 +119,14 @@ __all__ = [
     "RetryAfter",
     "RunHandler",
     "Send",
+    "Skipped",
     "SlotFreed",
     "SlotStuck",
     "TrackLease",
+    "Transition",
+    "Trigger",
     "UntrackLease",
+    "retry_delay",
 ]
 
 #: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
@@ -176,7 +190,8 @@ class Send:
 
 @attrs.frozen
 class BreakConnection:
-    """Connection *gen* is unusable: close it, so the session reconnects at once."""
+    """Connection *gen* is unusable: close it, so the session reconnects at once (0: the
+    request found no connection; there is none to close)."""
 
     gen: int
 
@@ -226,9 +241,11 @@ class CancelContext:
 
 @attrs.frozen
 class LeaseLost:
-    """The lease did not survive a reconnect (*reason*): count it and tell the listeners."""
+    """The lease is gone (*reason*): count it, say so and tell the listeners. *resume*: a
+    reconnect's resume found it lost (else the lease watchdog)."""
 
     reason: str
+    resume: bool = True
 
 
 @attrs.frozen
@@ -313,6 +330,15 @@ class Release:
     """The worker is done with the attempt."""
 
 
+@attrs.frozen
+class Skipped:
+    """The assignment is not taken (*why*): nothing is sent for it. *count*: the counter it
+    adds to, if any."""
+
+    why: str
+    count: str | None = None
+
+
 Action = (
     Send
     | BreakConnection
@@ -333,14 +359,196 @@ Action = (
     | Ended
     | ResumeEnded
     | Release
+    | Skipped
 )
 
-_TRACK_END = (UntrackLease(),)
+
+# ---------------------------------------------------------------------------------- the table
+
+
+class Trigger(enum.Enum):
+    """What happened to an attempt, as the table knows it. Each public method of
+    :class:`AttemptMachine` reads its event's data (the lease, the error, the flags of the
+    attempt) into one trigger; the table then says what the trigger does in the phase."""
+
+    #: The intake took the assignment: send its start.
+    ADMITTED = "admitted"
+    #: Taken once the shutdown's drain is over: started with its context cancelled.
+    ADMITTED_STOPPING = "admitted while stopping"
+    #: The attempt was assigned before (a handler runs once per attempt, PROTOCOL §6.1).
+    ASSIGNED_AGAIN = "assigned again"
+    #: No handler of this process can run it.
+    NO_HANDLER = "no handler"
+    #: The start's answer lets the handler run.
+    START_RUNS = "start: runs"
+    #: The start's answer started the attempt but its lease (or the context) forbids the run.
+    START_MAY_NOT_RUN = "start: started, may not run"
+    #: As START_MAY_NOT_RUN, and the lease carries a cancel request.
+    START_CANCEL_REQUESTED = "start: started, cancel requested"
+    #: The start's answer did not start the attempt.
+    START_NOT_STARTED = "start: not started"
+    #: As START_NOT_STARTED, and the lease carries a cancel request.
+    START_NOT_STARTED_CANCELLED = "start: not started, cancel requested"
+    FINISH_ANSWERED = "finish answered"
+    #: The request's connection failed (maybe sent): kept for the next connection.
+    LINK_FAILED = "request: link failed"
+    #: A transient error answer: sent again after the retry delay.
+    TRANSIENT = "request: transient error"
+    #: The server refused the request for good.
+    REFUSED = "request: refused"
+    #: A connection (or the retry delay) came for the kept request.
+    RESEND = "request: resend"
+    #: The worker stopped before the request was answered.
+    GAVE_UP = "request: gave up"
+    #: Replay: a stored attempt of a dead process enters the machine.
+    REPLAY = "replay"
+    #: Replay: the resume is over and a finish is stored: send it.
+    REPLAY_STORED = "replay: finish stored"
+    #: Replay: nothing stored, the lease still active: finish UNKNOWN WORKER_LOST.
+    REPLAY_LEASE_ACTIVE = "replay: lease active"
+    #: Replay: nothing stored, the lease gone: drop the record.
+    REPLAY_LEASE_GONE = "replay: lease gone"
+    HANDLER_RETURNED = "handler returned"
+    #: The handler of an abandoned attempt returned at last: its slot is free.
+    STUCK_HANDLER_RETURNED = "stuck handler returned"
+    #: A step of the attempt raised (a bug of ours).
+    CRASHED = "crashed"
+    #: A new connection is opened: resume the lease there first (PROTOCOL §5.5).
+    RECONNECTED = "reconnected"
+    #: A live resume's answer: the lease the handler runs on holds.
+    RESUME_HOLDS = "resume: lease holds"
+    #: A live resume's answer: the lease carries a cancel request.
+    RESUME_CANCEL_REQUESTED = "resume: cancel requested"
+    #: A live resume's answer or refusal: the lease did not survive the reconnect.
+    RESUME_LOST = "resume: lease lost"
+    #: A live resume is over and says nothing of the lease the handler runs on.
+    RESUME_OVER = "resume: over"
+    RESUME_LINK_FAILED = "resume: link failed"
+    RESUME_TRANSIENT = "resume: transient error"
+    RESUME_RESEND = "resume: resend"
+    #: The lease watchdog: a renewal's answer carried a cancel request.
+    LEASE_CANCEL_REQUESTED = "lease: cancel requested"
+    #: The lease watchdog: the lease expired locally or the server said it is lost.
+    LEASE_ENDED = "lease: ended"
+    #: A ``task.cancel`` push for the attempt.
+    CANCEL_PUSHED = "cancel pushed"
+    #: Shutdown's cancel step.
+    SHUTDOWN_CANCEL = "shutdown: cancel"
+    #: Shutdown gave up waiting for the handler.
+    ABANDON = "shutdown: abandon"
+    #: The handler on a thread reached its time limit.
+    TIME_LIMIT = "time limit"
+    #: The handler in a child process reached its time limit (the process executor stops it).
+    TIME_LIMIT_IN_PROCESS = "time limit, in a process"
+    #: The grace after the time limit is over and the thread still runs.
+    TIME_LIMIT_GRACE = "time limit: grace over"
+
+
+@attrs.frozen
+class Transition:
+    """What a trigger does in a phase: the phase after it, and the kinds of the actions it
+    returns, in order."""
+
+    to: Phase
+    actions: tuple[type, ...]
+
+
+_A, _S, _R, _F = Phase.ASSIGNED, Phase.STARTING, Phase.RUNNING, Phase.FINISHING
+_RS = Phase.RESUMING
+#: Phases in which the worker holds a live attempt (and a reconnect resumes its lease).
+HELD = (_S, _R, _F)
+#: Where a finish ends (and an abandoned handler may still return, or a live resume sent while
+#: the attempt was held still be on its way).
+_FINISHED = (Phase.DELIVERED, Phase.REFUSED, Phase.UNREPORTED)
+_FINISH = (RecordFinish, Send)
+_STARTS_FINISH = (UntrackLease, RecordFinish, Send)
+
+
+def _stay(phases: tuple[Phase, ...], *actions: type) -> dict[Phase, Transition]:
+    return {phase: Transition(phase, actions) for phase in phases}
+
+
+#: The transitions: ``TABLE[trigger][phase]``. A trigger in a phase not listed for it is
+#: refused: the machine ignores it (a stale answer, an event its phase is past) and returns no
+#: action. ``REFUSED`` lists those phases, so that every (phase, trigger) pair is declared once:
+#: the tests walk both.
+TABLE: dict[Trigger, dict[Phase, Transition]] = {
+    Trigger.ADMITTED: {_A: Transition(_S, (Send,))},
+    Trigger.ADMITTED_STOPPING: {_A: Transition(_S, (CancelContext, Send))},
+    Trigger.ASSIGNED_AGAIN: {_A: Transition(Phase.NOT_RUN, (Skipped,))},
+    Trigger.NO_HANDLER: {_A: Transition(Phase.NOT_RUN, (Skipped,))},
+    Trigger.START_RUNS: {_S: Transition(_R, (TrackLease, RunHandler))},
+    Trigger.START_MAY_NOT_RUN: {_S: Transition(_F, _FINISH)},
+    Trigger.START_CANCEL_REQUESTED: {_S: Transition(_F, (CancelContext, *_FINISH))},
+    Trigger.START_NOT_STARTED: {_S: Transition(Phase.NOT_RUN, (NotStarted, Release))},
+    Trigger.START_NOT_STARTED_CANCELLED: {
+        _S: Transition(Phase.NOT_RUN, (CancelContext, NotStarted, Release))
+    },
+    Trigger.FINISH_ANSWERED: {_F: Transition(Phase.DELIVERED, (Reported, Release))},
+    Trigger.LINK_FAILED: _stay((_S, _F, _RS), BreakConnection, AwaitConnection),
+    Trigger.TRANSIENT: _stay((_S, _F, _RS), RetryAfter),
+    Trigger.REFUSED: {
+        _S: Transition(Phase.NOT_RUN, (NotStarted, Release)),
+        _F: Transition(Phase.REFUSED, (Reported, Release)),
+    },
+    Trigger.RESEND: _stay((_S, _F, _RS), Send),
+    Trigger.GAVE_UP: {
+        _S: Transition(Phase.NOT_RUN, (NotStarted, Release)),
+        _F: Transition(Phase.UNREPORTED, (Reported, Release)),
+        _RS: Transition(Phase.UNREPORTED, (Release,)),
+    },
+    Trigger.REPLAY: {_A: Transition(_RS, (Send,))},
+    Trigger.REPLAY_STORED: {_RS: Transition(_F, (Send,))},
+    Trigger.REPLAY_LEASE_ACTIVE: {_RS: Transition(_F, _FINISH)},
+    Trigger.REPLAY_LEASE_GONE: {_RS: Transition(Phase.ENDED, (Ended, Release))},
+    Trigger.HANDLER_RETURNED: {_R: Transition(_F, _STARTS_FINISH)},
+    Trigger.STUCK_HANDLER_RETURNED: _stay((_F, *_FINISHED), SlotFreed),
+    Trigger.CRASHED: {
+        _A: Transition(Phase.NOT_RUN, (NotStarted, Release)),
+        _S: Transition(_F, _STARTS_FINISH),
+        _R: Transition(_F, _STARTS_FINISH),
+        _F: Transition(_F, (AwaitConnection,)),
+    },
+    Trigger.RECONNECTED: _stay(HELD, Send),
+    Trigger.RESUME_HOLDS: _stay((_R,), RefreshLease, ResumeEnded),
+    Trigger.RESUME_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext, ResumeEnded),
+    Trigger.RESUME_LOST: _stay((_R,), UntrackLease, CancelContext, LeaseLost, ResumeEnded),
+    # A resume outlives the phase it was sent in: its end is counted whatever the phase.
+    Trigger.RESUME_OVER: _stay((*HELD, *_FINISHED, Phase.NOT_RUN), ResumeEnded),
+    Trigger.RESUME_LINK_FAILED: _stay(
+        (*HELD, *_FINISHED, Phase.NOT_RUN), BreakConnection, ResumeEnded
+    ),
+    Trigger.RESUME_TRANSIENT: _stay(HELD, RetryAfter),
+    Trigger.RESUME_RESEND: _stay(HELD, Send),
+    Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext),
+    Trigger.LEASE_ENDED: _stay((_R,), UntrackLease, CancelContext, LeaseLost),
+    Trigger.CANCEL_PUSHED: {
+        **_stay((_A, _S), CancelContext),
+        **_stay((_R,), UntrackLease, CancelContext),
+    },
+    Trigger.SHUTDOWN_CANCEL: {
+        **_stay((_S,), CancelContext),
+        **_stay((_R,), UntrackLease, CancelContext),
+    },
+    Trigger.ABANDON: {_R: Transition(_F, (UntrackLease, SlotStuck, *_FINISH))},
+    Trigger.TIME_LIMIT: _stay((_R,), UntrackLease, CancelContext, InterruptHandler),
+    Trigger.TIME_LIMIT_IN_PROCESS: _stay((_R,), UntrackLease, CancelContext),
+    Trigger.TIME_LIMIT_GRACE: {_R: Transition(_F, (UntrackLease, SlotStuck, *_FINISH))},
+}
+
+#: For each trigger, the phases that refuse it (every phase the table does not list for it).
+REFUSED: dict[Trigger, frozenset[Phase]] = {
+    trigger: frozenset(Phase) - moves.keys() for trigger, moves in TABLE.items()
+}
 
 
 class AttemptMachine:
     """The phase of one attempt and the request it has on its way. Not thread-safe by itself:
-    the shell calls it under the attempt's lock."""
+    the shell calls it under the attempt's lock.
+
+    Each method reads its event into a :class:`Trigger`; :data:`TABLE` decides whether it moves
+    the attempt (and to which phase) or is refused; the method then builds the actions the
+    table names, in order."""
 
     __slots__ = (
         "_new_id",
@@ -395,15 +603,42 @@ class AttemptMachine:
     def settled(self) -> bool:
         return self.phase in SETTLED
 
-    # ------------------------------------------------------------------ requests
+    def fire(self, trigger: Trigger) -> bool:
+        """Move by :data:`TABLE`: True if *trigger* is a transition in this phase (the phase
+        is moved; the caller returns the actions it names), False if the phase refuses it.
+        Every method below decides through it."""
+        move = TABLE[trigger].get(self.phase)
+        if move is None:
+            return False
+        self.phase = move.to
+        return True
+
+    # ------------------------------------------------------------------ the assignment
+
+    def assigned(self, *, again: bool, runnable: bool, stopping: bool) -> list[Action]:
+        """The intake took the assignment: *again*, it was assigned before; *runnable*, a
+        handler of this process can run it; *stopping*, the shutdown's drain is over (it starts
+        with its context cancelled: the protocol cannot hand it back, PROTOCOL §5.7)."""
+        if again:
+            if not self.fire(Trigger.ASSIGNED_AGAIN):
+                return []
+            return [Skipped(f"attempt {self.ref.attempt_id} assigned twice; ignored")]
+        if not runnable:
+            if not self.fire(Trigger.NO_HANDLER):
+                return []
+            why = f"attempt {self.ref.attempt_id} not started: no handler registered"
+            return [Skipped(why, "skipped")]
+        if not self.fire(Trigger.ADMITTED_STOPPING if stopping else Trigger.ADMITTED):
+            return []
+        self.request = Request("task.start", self.ref, self._new_id())
+        send = Send(self.request)
+        return [CancelContext("shutdown"), send] if stopping else [send]
 
     def begin(self) -> list[Action]:
         """The assignment was accepted: send its start."""
-        if self.phase is not Phase.ASSIGNED:
-            return []
-        self.phase = Phase.STARTING
-        self.request = Request("task.start", self.ref, self._new_id())
-        return [Send(self.request)]
+        return self.assigned(again=False, runnable=True, stopping=False)
+
+    # ------------------------------------------------------------------ requests
 
     def start_answered(
         self,
@@ -416,37 +651,43 @@ class AttemptMachine:
     ) -> list[Action]:
         """The start's answer: run the handler if the lease lets it (PROTOCOL §6.5).
         *cancel_reason*: the context's, if it is already cancelled (not by this lease)."""
-        if request is not self.request or self.phase is not Phase.STARTING:
+        if request is not self.request:
             return []  # a stale answer: the request was given up meanwhile
-        self.request = None
         lease = result.lease
-        actions: list[Action] = []
-        if lease.cancel_requested:
-            actions.append(CancelContext("cancel_requested"))
+        asked = lease.cancel_requested
+        if asked:
             cancel_reason = cancel_reason or "cancel_requested"
             cancel_requested = True
-        if cancel_reason is None and lease.deadline is not None and may_run_at(lease, now):
-            self.phase = Phase.RUNNING
-            return [*actions, TrackLease(lease.deadline), RunHandler()]
         receipt = result.receipt
-        started = (
+        if cancel_reason is None and lease.deadline is not None and may_run_at(lease, now):
+            trigger = Trigger.START_RUNS
+        elif (
             receipt.disposition is Disposition.APPLIED
             and receipt.attempt_state is AttemptState.RUNNING
-        )
-        if not started:
-            self.phase = Phase.NOT_RUN
+        ):
+            trigger = Trigger.START_CANCEL_REQUESTED if asked else Trigger.START_MAY_NOT_RUN
+        else:
+            trigger = Trigger.START_NOT_STARTED_CANCELLED if asked else Trigger.START_NOT_STARTED
+        if not self.fire(trigger):
+            return []
+        self.request = None
+        cancel = [CancelContext("cancel_requested")] if asked else []
+        if trigger is Trigger.START_RUNS:
+            assert lease.deadline is not None
+            return [TrackLease(lease.deadline), RunHandler()]
+        if self.phase is Phase.NOT_RUN:
             why = f"not started (lease {lease.state}, active={lease.active})"
-            return [*actions, NotStarted(why), Release()]
+            return [*cancel, NotStarted(why), Release()]
         reason = cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
-        return [*actions, *self._finish(not_run(cancel_requested=cancel_requested, reason=reason))]
+        verdict = not_run(cancel_requested=cancel_requested, reason=reason)
+        return [*cancel, *self._finish(verdict)]
 
     def finish_answered(self, request: Request, result: CommandResult) -> list[Action]:
         """The finish was accepted (applied, kept as evidence, or deduplicated)."""
-        if request is not self.request or self.phase is not Phase.FINISHING:
+        if request is not self.request or not self.fire(Trigger.FINISH_ANSWERED):
             return []
         assert self.verdict is not None
         self.request = None
-        self.phase = Phase.DELIVERED
         return [Reported(self.verdict, result=result), Release()]
 
     def failed(
@@ -454,62 +695,62 @@ class AttemptMachine:
     ) -> list[Action]:
         """*request*, sent on connection *gen* (0: it could not be sent), failed with *error*.
         *view*: the lease as the shell knows it (needed for a live resume's refusal)."""
-        live_resume = request is self.resume
-        if not live_resume and (request is not self.request or self.settled):
+        if request is self.resume:
+            if is_link_failure(error):
+                # The next connection resumes the attempt again with a resume of its own.
+                return self._resume_over(Trigger.RESUME_LINK_FAILED, BreakConnection(gen), cut=True)
+            if self.settled:
+                return self._resume_over(Trigger.RESUME_OVER)  # nothing left to resume
+            if is_transient(error):
+                if not self.fire(Trigger.RESUME_TRANSIENT):
+                    return []
+                return [RetryAfter(retry_delay(error, self.retry_delay), error, request)]
+            assert view is not None, "a live resume's refusal is judged on the lease"
+            return self._live_resumed(None, view, refused=error)
+        if request is not self.request:
             return []
         if is_link_failure(error):
-            if live_resume:
-                # The next connection resumes the attempt again with a resume of its own.
-                self.resume = None
-                over: Action = ResumeEnded(request, cut=True)
-            else:
-                # Maybe sent, maybe applied: the same operation goes out again after the
-                # reconnect.
-                over = AwaitConnection(gen, request)
-            return [BreakConnection(gen), over] if gen else [over]
+            # Maybe sent, maybe applied: the same operation goes out again after the reconnect.
+            if not self.fire(Trigger.LINK_FAILED):
+                return []
+            return [BreakConnection(gen), AwaitConnection(gen, request)]
         if is_transient(error):
-            delay = BUSY_DELAY if isinstance(error, WorkerBusy) else self.retry_delay
-            return [RetryAfter(delay, error, request)]
-        if live_resume:
-            assert view is not None, "a live resume's refusal is judged on the lease"
-            return self._live_resumed(request, None, view, refused=error)
-        self.request = None
+            if not self.fire(Trigger.TRANSIENT):
+                return []
+            return [RetryAfter(retry_delay(error, self.retry_delay), error, request)]
         if self.phase is Phase.RESUMING:
             return self._resumed(None)  # refused: the lease is gone
-        if self.phase is Phase.STARTING:
-            self.phase = Phase.NOT_RUN
+        if not self.fire(Trigger.REFUSED):
+            return []
+        self.request = None
+        if self.phase is Phase.NOT_RUN:
             code = getattr(error, "code", type(error).__name__)
             return [NotStarted(f"start refused ({code}); handler not run", error), Release()]
         assert self.verdict is not None
-        self.phase = Phase.REFUSED
         return [Reported(self.verdict, error=error), Release()]
 
     def resend(self, request: Request) -> list[Action]:
         """A connection (or the retry delay) came for *request*: send it again, same id."""
-        if request is self.resume and self.settled:
-            return self._end_resume()  # nothing left to resume it for
-        if request is not self.resume and (request is not self.request or self.settled):
+        if request is self.resume:
+            if self.settled:
+                return self._resume_over(Trigger.RESUME_OVER)  # nothing left to resume
+            return [Send(request)] if self.fire(Trigger.RESUME_RESEND) else []
+        if request is not self.request or not self.fire(Trigger.RESEND):
             return []
         return [Send(request)]
 
     def gave_up(self, request: Request) -> list[Action]:
         """The worker stopped before *request* was answered."""
         if request is self.resume:
-            return self._end_resume()
-        if request is not self.request or self.settled:
+            return self._resume_over(Trigger.RESUME_OVER)
+        if request is not self.request or not self.fire(Trigger.GAVE_UP):
             return []
         self.request = None
-        if self.phase is Phase.RESUMING:
-            self.phase = Phase.UNREPORTED  # still stored: a later replay resumes it again
-            return [Release()]
-        if self.phase is Phase.STARTING:
-            self.phase = Phase.NOT_RUN
-            return [
-                NotStarted("not started: the worker stopped before start was answered"),
-                Release(),
-            ]
-        assert self.verdict is not None
-        self.phase = Phase.UNREPORTED
+        if self.phase is Phase.NOT_RUN:
+            why = "not started: the worker stopped before start was answered"
+            return [NotStarted(why), Release()]
+        if self.verdict is None:
+            return [Release()]  # replay: still stored, a later replay resumes it again
         return [Reported(self.verdict), Release()]
 
     # ------------------------------------------------------------------ outbox replay
@@ -517,11 +758,10 @@ class AttemptMachine:
     def replay(self, finish: Finish | None, message_id: str | None) -> list[Action]:
         """A stored attempt of a dead instance, on the replay session: resume its lease first
         (the session takes it over); *finish* and *message_id*: its stored finish, if any."""
-        if self.phase is not Phase.ASSIGNED:
+        if not self.fire(Trigger.REPLAY):
             return []
         if finish is not None and message_id is not None:
             self.stored = Request("task.finish", finish, message_id)
-        self.phase = Phase.RESUMING
         self.request = Request("worker.resume", self.ref, self._new_id())
         return [Send(self.request)]
 
@@ -532,27 +772,34 @@ class AttemptMachine:
         knows it), or the replay's."""
         if request is self.resume:
             assert view is not None, "a live resume's answer is judged on the lease"
-            return self._live_resumed(request, lease, view)
+            return self._live_resumed(lease, view)
         if request is not self.request or self.phase is not Phase.RESUMING:
             return []
-        self.request = None
         return self._resumed(lease)
 
     def _resumed(self, lease: Lease | None) -> list[Action]:
+        """The replay's resume is over (answered with *lease*, or refused: ``None``)."""
         stored = self.stored
+        if stored is not None:
+            trigger = Trigger.REPLAY_STORED
+        elif lease is not None and lease.active:
+            trigger = Trigger.REPLAY_LEASE_ACTIVE
+        else:
+            trigger = Trigger.REPLAY_LEASE_GONE
+        if not self.fire(trigger):
+            return []
+        self.request = None
         if stored is not None:
             # Sent either way: the server applies it within the lease, keeps it as evidence
             # after, and answers a repeat with the original receipt.
             assert isinstance(stored.body, Finish)
-            self.phase = Phase.FINISHING
             self.verdict = stored_verdict(stored.body)
             self.request = stored
             return [Send(stored)]
-        if lease is not None and lease.active:
+        if trigger is Trigger.REPLAY_LEASE_ACTIVE:
             # Launched, never finished, still leased: its effect is uncertain; say so now
             # rather than at lease expiry. Recorded first: a cut replay re-sends the same one.
             return self._finish(worker_lost())
-        self.phase = Phase.ENDED
         return [Ended("refused" if lease is None else f"lease {lease.state}"), Release()]
 
     # ------------------------------------------------------------------ the handler
@@ -563,10 +810,11 @@ class AttemptMachine:
             return []
         self.handler_done = True
         if self.abandoned:
-            return [SlotFreed()]  # finished UNKNOWN already: this result is dropped
-        if self.phase is not Phase.RUNNING:
+            # Finished UNKNOWN already: this result is dropped.
+            return [SlotFreed()] if self.fire(Trigger.STUCK_HANDLER_RETURNED) else []
+        if not self.fire(Trigger.HANDLER_RETURNED):
             return []
-        return [*_TRACK_END, *self._finish(verdict)]
+        return [UntrackLease(), *self._finish(verdict)]
 
     def launch_refused(self) -> list[Action]:
         """The outbox could not record the launch: the handler must not run."""
@@ -578,16 +826,17 @@ class AttemptMachine:
         ``message_id``: a copy that did go out is answered as a duplicate). A live resume on
         its way is over: its connection must not wait for it."""
         if self.resume is not None:
-            return [*self._end_resume(), *self.crashed()]
-        if self.phase in (Phase.STARTING, Phase.RUNNING):
-            self.handler_done = True
-            return [*_TRACK_END, *self._finish(worker_error())]
-        if self.phase is Phase.ASSIGNED:
-            self.phase = Phase.NOT_RUN
+            return [*self._resume_over(Trigger.RESUME_OVER), *self.crashed()]
+        request, finishing = self.request, self.phase is Phase.FINISHING
+        if not self.fire(Trigger.CRASHED):
+            return []
+        if self.phase is Phase.NOT_RUN:
             return [NotStarted("not started: worker error"), Release()]
-        if self.phase is Phase.FINISHING and self.request is not None:
-            return [AwaitConnection(0, self.request)]
-        return []
+        if finishing:
+            assert request is not None, "a finishing attempt has its finish on its way"
+            return [AwaitConnection(0, request)]
+        self.handler_done = True
+        return [UntrackLease(), *self._finish(worker_error())]
 
     # ------------------------------------------------------------------ leases and cancels
 
@@ -596,101 +845,131 @@ class AttemptMachine:
         resume its lease there first (PROTOCOL §5.5). A start or finish kept for the new
         connection stays kept: it goes out, same ``message_id``, once the connection is
         published, which waits for every resume to go out (so it follows this one)."""
-        if self.settled or self.phase is Phase.RESUMING:
-            return []  # settled: nothing to resume; RESUMING: the replay's own session
+        if not self.fire(Trigger.RECONNECTED):
+            return []  # not held: nothing to resume (RESUMING: the replay's own session)
         self.resume = Request("worker.resume", self.ref, self._new_id())
         self.resumed_running = self.phase is Phase.RUNNING
         return [Send(self.resume)]
 
-    def resumed(
-        self,
-        lease: Lease | None,
-        *,
-        now: float,
-        remaining: float,
-        cancelled: bool,
-    ) -> list[Action]:
-        """What a live resume's answer means for the attempt (``None``: refused). (A renew the
-        old connection left unanswered went out behind the resume: the watchdog's.)"""
-        if not self.resumed_running or self.phase is not Phase.RUNNING or cancelled:
-            # Starting or finishing when the resume was sent: their own request goes out right
-            # behind it, and its answer decides. A start kept for the connection may already
-            # be answered (its answer is stepped on the reader, the resume's on the connection
-            # thread): the resume's lease, from before the start was applied, is then a
-            # reservation that says nothing of the lease the handler now runs on.
-            return []
-        if lease is not None and lease.cancel_requested:
-            return [UntrackLease(), CancelContext("cancel_requested")]
-        if lease is not None and lease.deadline is not None and may_run_at(lease, now):
-            return [RefreshLease(lease.deadline)]
-        reason = "lease_expired" if remaining <= 0 else "session_replaced"
-        return [UntrackLease(), CancelContext(reason), LeaseLost(reason)]
+    def lease_ended(self, reason: str) -> list[Action]:
+        """The lease watchdog reports the lease of the running handler over: *reason* is
+        ``lease_expired`` (the local deadline passed), ``lease_lost`` or ``session_replaced``
+        (the server said so), or ``cancel_requested`` (a renewal carried a cancel request)."""
+        if reason == "cancel_requested":
+            return self._lease_over(Trigger.LEASE_CANCEL_REQUESTED, reason)
+        return self._lease_over(Trigger.LEASE_ENDED, reason, LeaseLost(reason, resume=False))
+
+    def cancel_pushed(self) -> list[Action]:
+        """A ``task.cancel`` push: the handler is told to stop (it has not started: it never
+        will; it runs: its lease is no longer renewed)."""
+        return self._lease_over(Trigger.CANCEL_PUSHED, "cancel_requested")
 
     def shutdown_cancel(self) -> list[Action]:
         """Shutdown's cancel step: a starting or running handler is told to stop."""
-        if self.phase in (Phase.STARTING, Phase.RUNNING):
-            return [CancelContext("shutdown")]
-        return []
+        return self._lease_over(Trigger.SHUTDOWN_CANCEL, "shutdown")
 
     def abandon(self) -> list[Action]:
         """Shutdown gave up waiting for the handler: finish UNKNOWN (``SHUTDOWN_TIMEOUT``)."""
-        return self._abandon(abandoned(), "shutdown")
+        return self._abandon(Trigger.ABANDON, abandoned(), "shutdown")
 
     def time_limit_passed(self) -> list[Action]:
         """The handler has run for its time limit: cancel its context (``time_limit``) and, on a
         thread, interrupt it, giving it the grace to stop. A handler in a child process is
         interrupted there by the process executor, which kills the child past the grace."""
         limit = self.time_limit
-        if limit is None or self.timed_out or self.phase is not Phase.RUNNING:
+        if limit is None or self.timed_out or self.handler_done:
             return []
-        if self.handler_done:
-            return []
-        self.timed_out = True
         if limit.in_process:
-            return [CancelContext("time_limit")]
-        return [CancelContext("time_limit"), InterruptHandler(limit.grace)]
+            actions = self._lease_over(Trigger.TIME_LIMIT_IN_PROCESS, "time_limit")
+        else:
+            actions = self._lease_over(
+                Trigger.TIME_LIMIT, "time_limit", InterruptHandler(limit.grace)
+            )
+        self.timed_out = bool(actions)
+        return actions
 
     def time_limit_grace_passed(self) -> list[Action]:
         """The grace after the time limit is over and the handler's thread still runs: it cannot
         be stopped, so its effect is uncertain: finish UNKNOWN (``HANDLER_TIMEOUT``)."""
         if not self.timed_out:
             return []
-        return self._abandon(timed_out(), "time_limit")
+        return self._abandon(Trigger.TIME_LIMIT_GRACE, timed_out(), "time_limit")
 
     # ------------------------------------------------------------------ internal
 
-    def _abandon(self, verdict: Verdict, reason: str) -> list[Action]:
+    def _lease_over(self, trigger: Trigger, reason: str, *more: Action) -> list[Action]:
+        """The context is cancelled with *reason*; a running handler's lease is no longer
+        renewed (it is told to stop)."""
+        if not self.fire(trigger):
+            return []
+        cancel = CancelContext(reason)
+        if self.phase is Phase.RUNNING:
+            return [UntrackLease(), cancel, *more]
+        return [cancel, *more]
+
+    def _abandon(self, trigger: Trigger, verdict: Verdict, reason: str) -> list[Action]:
         """Give up waiting for a handler that does not stop: finish with *verdict* (UNKNOWN)
         now; its thread keeps a slot (stuck) until it returns, and its late result is dropped."""
-        if self.phase is not Phase.RUNNING or self.handler_done:
+        if self.handler_done or not self.fire(trigger):
             return []
         self.abandoned = True
-        return [*_TRACK_END, SlotStuck(reason), *self._finish(verdict)]
+        return [UntrackLease(), SlotStuck(reason), *self._finish(verdict)]
 
     def _live_resumed(
-        self,
-        request: Request,
-        lease: Lease | None,
-        view: LeaseView,
-        *,
-        refused: OrbitError | None = None,
+        self, lease: Lease | None, view: LeaseView, *, refused: OrbitError | None = None
     ) -> list[Action]:
-        """A live resume is over: its answer's meaning, then the end the connection counts."""
-        self.resume = None
-        meaning = self.resumed(
-            lease,
-            now=view.now,
-            remaining=view.remaining,
-            cancelled=view.cancelled,
-        )
-        return [*meaning, ResumeEnded(request, refused)]
+        """A live resume is over (answered with *lease*, or refused): what it says of the
+        lease the handler runs on, then its end, which the connection counts.
 
-    def _end_resume(self) -> list[Action]:
+        Only for an attempt that was running when the resume was sent, and whose context is
+        not cancelled yet: a starting or finishing one has its own request right behind the
+        resume, whose answer decides. A start kept for the connection may already be answered
+        (its answer is stepped on the reader, the resume's on the connection thread): the
+        resume's lease, from before the start was applied, is then a reservation that says
+        nothing of the lease the handler now runs on."""
+        speaks = self.resumed_running and self.phase is Phase.RUNNING and not view.cancelled
+        if not speaks:
+            return self._resume_over(Trigger.RESUME_OVER, refused=refused)
+        if lease is not None and lease.cancel_requested:
+            trigger, reason = Trigger.RESUME_CANCEL_REQUESTED, "cancel_requested"
+        elif lease is not None and lease.deadline is not None and may_run_at(lease, view.now):
+            if not self.fire(Trigger.RESUME_HOLDS):
+                return []
+            request, self.resume = self.resume, None
+            assert request is not None
+            return [RefreshLease(lease.deadline), ResumeEnded(request, refused)]
+        else:
+            reason = "lease_expired" if view.remaining <= 0 else "session_replaced"
+            trigger = Trigger.RESUME_LOST
+        if not self.fire(trigger):
+            return []
         request, self.resume = self.resume, None
-        return [] if request is None else [ResumeEnded(request)]
+        assert request is not None
+        lost = [LeaseLost(reason)] if trigger is Trigger.RESUME_LOST else []
+        return [UntrackLease(), CancelContext(reason), *lost, ResumeEnded(request, refused)]
+
+    def _resume_over(
+        self,
+        trigger: Trigger,
+        *first: Action,
+        refused: OrbitError | None = None,
+        cut: bool = False,
+    ) -> list[Action]:
+        request = self.resume
+        if request is None or not self.fire(trigger):
+            return []
+        self.resume = None
+        return [*first, ResumeEnded(request, refused, cut)]
 
     def _finish(self, verdict: Verdict) -> list[Action]:
         self.phase = Phase.FINISHING
         self.verdict = verdict
         self.request = Request("task.finish", verdict.finish(self.ref), self._new_id())
         return [RecordFinish(self.request), Send(self.request)]
+
+
+def retry_delay(error: BaseException, delay: float) -> float:
+    """The one delay before a request answered with the transient *error* goes out again:
+    *delay* (the worker's retry delay), or :data:`BUSY_DELAY` when nothing was sent because
+    the worker's own request slots were full (one frees within a round trip)."""
+    return BUSY_DELAY if isinstance(error, WorkerBusy) else delay

@@ -1,9 +1,9 @@
-"""The renewal adapter: how the lease watchdog's renewals reach the current connection, and how
-their answers and lease losses reach the listeners.
+"""The renewal adapter: how the lease watchdog's renewals reach the current connection.
 
 The watchdog (:mod:`._watchdog`) decides when to renew; this sends its batches pipelined on the
 link's current connection (one socket write) and reports a lost connection to the link. Every
 callback here runs on the watchdog's thread or the connection's reader thread and never blocks.
+What an answer means for the attempt is its machine's (:meth:`~._shell.AttemptShell.lease_ended`).
 """
 
 from __future__ import annotations
@@ -15,35 +15,19 @@ from ..connection import Submission
 from ..errors import OrbitError, WorkerError
 from ._errors import NotConnected, is_link_failure
 from ._link import Link
-from ._listeners import Hooks
-from ._shell import Registry, lease_event
+from ._shell import Registry
 from ._watchdog import RenewDone
 
 __all__ = ["Renewals"]
 
 
 class Renewals:
-    """The watchdog's send functions and listeners' events for one worker."""
+    """The watchdog's send functions for one worker."""
 
-    def __init__(self, registry: Registry, link: Link, hooks: Hooks, call_timeout: float) -> None:
+    def __init__(self, registry: Registry, link: Link, call_timeout: float) -> None:
         self._reg = registry
         self._link = link
-        self._hooks = hooks
         self._call_timeout = call_timeout
-
-    def on_renewed(self, attempt_id: str, lag: float) -> None:
-        if self._hooks:
-            with self._reg.cond:
-                att = self._reg.attempts.get(attempt_id)
-            if att is not None:
-                self._hooks.emit("lease_renewed", lease_event(att, lag=lag))
-
-    def on_lease_lost(self, attempt_id: str, reason: str) -> None:
-        if self._hooks and reason != "cancel_requested":
-            with self._reg.cond:
-                att = self._reg.attempts.get(attempt_id)
-            if att is not None:
-                self._hooks.emit("lease_lost", lease_event(att, reason=reason))
 
     def send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
         """The watchdog's send function: one pipelined renew (see :meth:`send_renews`)."""

@@ -107,7 +107,8 @@ class RequestPath(Generic[S]):
         elif isinstance(action, AwaitConnection | RetryAfter):
             self._keep(subject, action)
         elif isinstance(action, BreakConnection):
-            self._link.broken(action.gen)
+            if action.gen:  # 0: nothing was sent, there is no connection to break
+                self._link.broken(action.gen)
         else:
             return False
         return True

@@ -230,7 +230,7 @@ class Worker:
         self._dial_cut = DialCut()
 
         self._link = Link(clock, slots=opts.handler_slots)
-        renewals = Renewals(self._reg, self._link, self._hooks, opts.request_timeout)
+        renewals = Renewals(self._reg, self._link, opts.request_timeout)
         # Wakes the watchdog's thread: a lease tracked or renewed, a time limit set.
         watchdog_wake = Wakeup(clock)
         self._watchdog = LeaseWatchdog(
@@ -239,8 +239,6 @@ class Worker:
             clock=clock.now,
             retry_delay=opts.renew_retry_delay,
             on_change=watchdog_wake.set,
-            on_renew=renewals.on_renewed,
-            on_loss=renewals.on_lease_lost,
             logger=log,
         )
         # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
@@ -269,6 +267,8 @@ class Worker:
             capacity=opts.capacity,
             window=self._window,
         )
+        # What the server says of a lease goes to the attempt's machine, through the shell.
+        self._watchdog.report_to(on_renew=self._shell.renewed, on_loss=self._shell.lease_ended)
         self._admission = Admission(
             self._reg,
             self._registered,

@@ -27,7 +27,7 @@ from typing import Any
 
 from ..client import Client, DialCut
 from ..clock import Clock
-from ..errors import CallTimeout, OrbitError, WorkerBusy, WorkerProtocolError
+from ..errors import CallTimeout, OrbitError, WorkerProtocolError
 from ..models import CancelNotice, CapacityReport, Registration, Welcome
 from ._backoff import Backoff
 from ._clock import Wakeup
@@ -41,7 +41,7 @@ from ._errors import (
 )
 from ._link import Connection, Dialer, Link
 from ._listeners import DisconnectEvent, Hooks, SessionEvent
-from ._machine import BUSY_DELAY
+from ._machine import retry_delay
 from ._redial import Redial
 from ._shell import AttemptShell, Registry
 from ._shutdown import CLOSE_ALLOWANCE
@@ -375,7 +375,7 @@ class SessionLoop:
 
     def _retry_pause(self, error: OrbitError) -> None:
         """Wait before re-sending after a transient error (longer for our own busy gate)."""
-        self._link.pause(BUSY_DELAY if isinstance(error, WorkerBusy) else self._retry_delay)
+        self._link.pause(retry_delay(error, self._retry_delay))
 
     def _reconcile(self, conn: Connection) -> tuple[_ReportAnswer, bool]:
         """Resume every held attempt on *conn* (opened, not yet published); once every resume

@@ -40,9 +40,8 @@ from ..models import (
     Disposition,
     Finish,
     Outcome,
-    new_message_id,
 )
-from ._context import TaskContext
+from ._context import TaskContext, set_lease_deadline
 from ._encoding import ResultEncoder
 from ._link import Connection, Link
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
@@ -63,6 +62,7 @@ from ._machine import (
     ResumeEnded,
     RunHandler,
     Send,
+    Skipped,
     SlotFreed,
     SlotStuck,
     TrackLease,
@@ -102,20 +102,14 @@ class Attempt:
     )
 
     def __init__(
-        self,
-        assignment: Assignment,
-        ctx: TaskContext,
-        handler: Handler,
-        retry_delay: float,
-        time_limit: TimeLimit | None = None,
+        self, assignment: Assignment, ctx: TaskContext, handler: Handler, machine: AttemptMachine
     ) -> None:
         self.task = assignment.task
         self.ref: AttemptRef = assignment.attempt
         self.ctx = ctx
         self.handler = handler
-        self.machine = AttemptMachine(
-            self.ref, new_id=new_message_id, retry_delay=retry_delay, time_limit=time_limit
-        )
+        self.machine = machine
+        time_limit = machine.time_limit
         self.lock = threading.Lock()
         #: The handler's thread, to interrupt at its time limit (a thread handler with one).
         self.running_on = (
@@ -171,7 +165,7 @@ class Registry:
 
 def _writes(actions: list[Action]) -> bool:
     """Do *actions* write the outbox or call listeners (never on a connection's reader)?"""
-    return any(isinstance(a, RecordFinish | Reported) for a in actions)
+    return any(isinstance(a, RecordFinish | Reported | LeaseLost) for a in actions)
 
 
 def _abandoned(att: Attempt) -> bool:
@@ -276,9 +270,11 @@ class AttemptShell(RequestPath[Attempt]):
         rest: list[Action] = []
         for action in actions:
             if isinstance(action, TrackLease):
-                self._watchdog.track(att.id, att.ctx, action.deadline)
+                self._watchdog.track(att.id, action.deadline)
+                set_lease_deadline(att.ctx, action.deadline)
             elif isinstance(action, RefreshLease):
-                self._watchdog.refresh(att.id, action.deadline)
+                if self._watchdog.refresh(att.id, action.deadline):
+                    set_lease_deadline(att.ctx, action.deadline)
             elif isinstance(action, UntrackLease):
                 self._watchdog.untrack(att.id)
             elif isinstance(action, CancelContext):
@@ -314,7 +310,7 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, NotStarted):
                 self._not_started(att, action)
             elif isinstance(action, LeaseLost):
-                self._resume_lost(att, action.reason)
+                self._lease_lost(att, action)
             elif isinstance(action, ResumeEnded):
                 self._resume_ended(att, action)
             elif isinstance(action, Release):
@@ -672,10 +668,41 @@ class AttemptShell(RequestPath[Attempt]):
             self._log.warning("resume of attempt %s refused (%s)", att.id, code)
         self.resumes.ended(ended.request, cut=ended.cut)
 
-    def _resume_lost(self, att: Attempt, reason: str) -> None:
-        """The lease did not survive the reconnect: count it, say so, tell the listeners."""
-        with self._reg.cond:
-            self._reg.counts["resume_losses"] += 1
-        att.ctx._log.warning("lease did not survive the reconnect (%s)", reason)
+    def _lease_lost(self, att: Attempt, lost: LeaseLost) -> None:
+        """The lease is gone: say so (the watchdog counted and logged its own report; a lease
+        a reconnect's resume found lost is counted here), tell the listeners."""
+        if lost.resume:
+            with self._reg.cond:
+                self._reg.counts["resume_losses"] += 1
+            att.ctx._log.warning("lease did not survive the reconnect (%s)", lost.reason)
         if self._hooks:
-            self._hooks.emit("lease_lost", lease_event(att, reason=reason))
+            self._hooks.emit("lease_lost", lease_event(att, reason=lost.reason))
+
+    def refused(self, actions: list[Action]) -> None:
+        """An assignment its machine did not take (never recorded: nothing else to do): say
+        why, count it."""
+        for skipped in actions:
+            assert isinstance(skipped, Skipped)
+            if skipped.count is not None:
+                with self._reg.cond:
+                    self._reg.counts[skipped.count] += 1
+            self._log.warning("%s", skipped.why)
+
+    # ------------------------------------------------------------------ the lease watchdog
+
+    def lease_ended(self, attempt_id: str, reason: str) -> None:
+        """The lease watchdog reports *attempt_id*'s lease over (*reason*): its machine decides
+        (the handler is told to stop, the loss reported)."""
+        att = self._reg.get(attempt_id)
+        if att is not None:
+            self.step(att, lambda m: m.lease_ended(reason))
+
+    def renewed(self, attempt_id: str, deadline: float, lag: float) -> None:
+        """The lease watchdog's renewal of *attempt_id* was acknowledged: the handler's context
+        sees the new *deadline*; the listeners hear of it (*lag*: how late it went out)."""
+        att = self._reg.get(attempt_id)
+        if att is None:
+            return
+        set_lease_deadline(att.ctx, deadline)
+        if self._hooks:
+            self._hooks.emit("lease_renewed", lease_event(att, lag=lag))

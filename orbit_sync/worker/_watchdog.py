@@ -20,16 +20,17 @@ Rules (PROTOCOL §6.3-6.6):
   renewals written one by one would be k switches late;
 - at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
   watched (an answer that never comes cannot keep a handler running past its lease);
-- a transient failure (busy, disconnected, timeout, no connection) is retried after a bounded
-  delay while the local deadline allows, re-using the unanswered renew's ``message_id``;
-- the handler's context is cancelled when the deadline passes (``lease_expired``), when the
-  server says ``LEASE_LOST`` or answers an inactive lease (``lease_lost``; ``session_replaced``
-  for the renewal sent right behind a new connection's resumes, as the resume says), or when the
-  lease carries ``cancel_requested_at`` (``cancel_requested``); the attempt is then no longer
-  renewed;
+- a transient failure (busy, disconnected, timeout, no connection) is retried after the one
+  retry delay of every request (:func:`~._machine.retry_delay`) while the local deadline allows,
+  re-using the unanswered renew's ``message_id``;
+- it reports, and stops renewing, a lease that ended: the deadline passed (``lease_expired``),
+  the server said ``LEASE_LOST`` or answered an inactive lease (``lease_lost``;
+  ``session_replaced`` for the renewal sent right behind a new connection's resumes, as the
+  resume says), or the lease carries ``cancel_requested_at`` (``cancel_requested``). It cancels
+  nothing itself: the report is an event of the attempt's machine, which decides;
 - a new connection renews at once the leases whose renew the old one left unanswered, and those
   past a quarter of their window (:meth:`LeaseWatchdog.connected`);
-- a cancelled or untracked (finished) attempt is never renewed;
+- an untracked attempt (finished, or its handler told to stop) is never renewed;
 - the watchdog measures how late it wakes up and reports it.
 
 Every field of an entry is read and written under the watchdog's lock, whichever thread (the
@@ -51,8 +52,8 @@ import attrs
 from .._realtime import monotonic
 from ..errors import OrbitError, WorkerError
 from ..models import Lease, grants_run, new_message_id
-from ._context import TaskContext, set_lease_deadline
 from ._errors import is_transient
+from ._machine import retry_delay
 from ._timers import Timers
 
 __all__ = [
@@ -119,7 +120,6 @@ class WatchdogStats:
 @attrs.define
 class _Entry:
     attempt_id: str
-    ctx: TaskContext
     deadline: float
     #: When the next renewal is wanted (``inf``: nothing asked while one is in flight).
     due: float
@@ -139,7 +139,7 @@ class _Entry:
 
 
 class LeaseWatchdog:
-    """Schedules renewals of running attempts and cancels their contexts when leases end."""
+    """Schedules renewals of running attempts and reports the leases that end."""
 
     def __init__(
         self,
@@ -150,7 +150,7 @@ class LeaseWatchdog:
         retry_delay: float = 1.0,
         on_change: Callable[[], None] | None = None,
         on_loss: Callable[[str, str], None] | None = None,
-        on_renew: Callable[[str, float], None] | None = None,
+        on_renew: Callable[[str, float, float], None] | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
         if not MIN_RETRY_DELAY <= retry_delay <= MAX_RETRY_DELAY:
@@ -163,9 +163,11 @@ class LeaseWatchdog:
         self._send_many = send_many
         self._retry_delay = retry_delay
         self._on_change = on_change or (lambda: None)
+        #: ``on_loss(attempt_id, reason)``: the lease ended (see the module's docstring); the
+        #: attempt is no longer tracked.
         self._on_loss = on_loss or (lambda attempt_id, reason: None)
-        #: ``on_renew(attempt_id, lag)`` after each acknowledged renewal (lag: how late the
-        #: watchdog woke to send it, in seconds).
+        #: ``on_renew(attempt_id, deadline, lag)`` after each acknowledged renewal (its new
+        #: local deadline; lag: how late the watchdog woke to send it, in seconds).
         self._on_renew = on_renew
         self._log = logger or _LOG
         self._lock = threading.Lock()
@@ -181,20 +183,30 @@ class LeaseWatchdog:
         self._lag_last = 0.0
         self._lag_max = 0.0
 
+    def report_to(
+        self,
+        *,
+        on_renew: Callable[[str, float, float], None],
+        on_loss: Callable[[str, str], None],
+    ) -> None:
+        """Report acknowledged renewals to *on_renew* and leases that ended to *on_loss* from
+        now on (the attempts' shell, built after the watchdog it drives)."""
+        self._on_renew = on_renew
+        self._on_loss = on_loss
+
     # ------------------------------------------------------------------ tracking
 
-    def track(self, attempt_id: str, ctx: TaskContext, deadline: float) -> None:
+    def track(self, attempt_id: str, deadline: float) -> None:
         """Start renewing *attempt_id*, whose lease ends locally at *deadline*."""
         now = self.clock()
         with self._lock:
-            entry = _Entry(attempt_id, ctx, deadline, self._half_way(now, deadline), now)
+            entry = _Entry(attempt_id, deadline, self._half_way(now, deadline), now)
             entry.granted = (now, deadline)
             self._entries[attempt_id] = entry
             wake = self._push(entry, entry.due)
-        set_lease_deadline(ctx, deadline)
         self._wake(wake)
 
-    def refresh(self, attempt_id: str, deadline: float) -> None:
+    def refresh(self, attempt_id: str, deadline: float) -> bool:
         """A resume's lease says *attempt_id*'s lease ends at *deadline* (local clock).
 
         A resume grants no time, so it never puts a scheduled renewal off: counted from the
@@ -205,18 +217,18 @@ class LeaseWatchdog:
         handled on the reader, the resume's on the connection thread), and the resume then
         carries the older lease. Every deadline is counted from before its own request was sent
         and the server only extends an active lease, so each is a safe bound: the later stands.
+        True when *deadline* stands now.
         """
         with self._lock:
             entry = self._entries.get(attempt_id)
             if entry is None or deadline <= entry.deadline:
-                return
+                return False
             entry.deadline = deadline
             # In flight, the entry waits on its deadline (the answer schedules the next renewal):
             # watch the later one. Otherwise its renewal, due before either deadline, stands.
             wake = self._push(entry, deadline) if entry.flight else False
-            ctx = entry.ctx
-        set_lease_deadline(ctx, deadline)
         self._wake(wake)
+        return True
 
     def connected(self) -> None:
         """A new connection was published, right behind its resumes: renew on it now every
@@ -333,10 +345,7 @@ class LeaseWatchdog:
         return entry.pending_id
 
     def _decide(self, entry: _Entry, now: float) -> str:
-        """What to do with an entry that came due (lock held): send, expire, drop or wait."""
-        if entry.ctx.cancelled.is_set():
-            del self._entries[entry.attempt_id]
-            return "drop"
+        """What to do with an entry that came due (lock held): send, expire or wait."""
         if now >= entry.deadline:
             return "expire"
         if entry.flight:
@@ -368,7 +377,6 @@ class LeaseWatchdog:
                 or now - entry.since < MIN_RENEW_INTERVAL
                 or due - now > GROUP_FRACTION * (due - entry.since)
                 or now >= entry.deadline
-                or entry.ctx.cancelled.is_set()
             ):
                 continue
             self._start_flight(entry)
@@ -447,7 +455,7 @@ class LeaseWatchdog:
                     # it returns the original receipt instead of applying a second renewal (a
                     # new connection re-sends it sooner, see connected()). Past the deadline
                     # there is nothing left to renew: wake then to expire it.
-                    entry.due = min(now + self._retry_delay, entry.deadline)
+                    entry.due = min(now + retry_delay(error, self._retry_delay), entry.deadline)
                     entry.since = now
             wake = False if reason else self._push(entry, entry.due)
             deadline = entry.deadline
@@ -456,9 +464,8 @@ class LeaseWatchdog:
             self._lose(entry, reason, count=reason != "cancel_requested", detail=detail)
             return
         if error is None:
-            set_lease_deadline(entry.ctx, deadline)
             if self._on_renew is not None:
-                self._on_renew(entry.attempt_id, lag)
+                self._on_renew(entry.attempt_id, deadline, lag)
         else:
             level = logging.INFO if is_transient(error) else logging.ERROR
             self._log.log(
@@ -478,13 +485,11 @@ class LeaseWatchdog:
             del self._entries[entry.attempt_id]
             if count:
                 self._losses += 1
-        entry.ctx._cancel(reason)
         level = logging.INFO if reason == "cancel_requested" else logging.WARNING
         self._log.log(
             level,
-            "attempt %s of task %s: %s%s; handler cancelled",
+            "lease of attempt %s: %s%s",
             entry.attempt_id,
-            entry.ctx.task_id,
             reason,
             f" ({detail})" if detail else "",
         )
