@@ -3,6 +3,7 @@ bounded queue (8), never overflow it, and each start goes out from the thread th
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from collections import Counter
@@ -84,6 +85,44 @@ def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
     assert len(starts) == 12
     assert set(starts) == {"orbit-worker-intake"}
     assert not [w for w in writers if w[2]], "a request was made on a reader thread"
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_threads_the_reader_wakes_per_task_do_not_preempt_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handler threads and the intake run under SCHED_BATCH (woken by the reader, they do
+    not preempt it while it holds the GIL); the reader and the caller's threads keep theirs."""
+    policies: dict[str, set[int]] = {"handler": set(), "start": set(), "reader": set()}
+    submit = WorkerConnection._submit
+    dispatch = WorkerConnection._dispatch
+
+    def recording_submit(self: WorkerConnection, request_type: str, *args: Any, **kw: Any) -> str:
+        if request_type == "task.start":
+            policies["start"].add(os.sched_getscheduler(0))
+        return submit(self, request_type, *args, **kw)
+
+    def recording_dispatch(self: WorkerConnection, raw: bytes) -> bool:
+        policies["reader"].add(os.sched_getscheduler(0))
+        return dispatch(self, raw)
+
+    monkeypatch.setattr(WorkerConnection, "_submit", recording_submit)
+    monkeypatch.setattr(WorkerConnection, "_dispatch", recording_dispatch)
+    mine = os.sched_getscheduler(0)
+    with MockOrbitServer() as server:
+        worker = make_worker(server, capacity=4)
+
+        @worker.handler("work")
+        def work(ctx: TaskContext, payload: Any) -> None:
+            policies["handler"].add(os.sched_getscheduler(0))
+
+        with running(worker):
+            tasks = server.enqueue_many([{"handler": "work", "payload": {}}] * 6)
+            for task_id in tasks:
+                assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+    assert policies["handler"] == {os.SCHED_BATCH}
+    assert policies["start"] == {os.SCHED_BATCH}, "the intake sends every start"
+    assert policies["reader"] == {mine} and os.sched_getscheduler(0) == mine
 
 
 def test_a_session_runs_the_cards_threads_and_no_watch_thread() -> None:

@@ -42,6 +42,7 @@ from ._errors import (
 from ._link import Connection, Dialer, Link
 from ._listeners import DisconnectEvent, Hooks, SessionEvent
 from ._machine import retry_delay
+from ._pool import woken_without_preempting
 from ._redial import Redial
 from ._shell import AttemptShell, Registry
 from ._shutdown import CLOSE_ALLOWANCE
@@ -349,6 +350,7 @@ class SessionLoop:
     def _intake(self, conn: Connection) -> None:
         """The session's intake thread: takes the connection's assignments and sends each start
         until the connection has ended and none is left unread; then wakes this thread."""
+        woken_without_preempting()  # the reader wakes it for assignments
         try:
             self._take_assignments(conn)
         except Exception:  # a bug of ours: the session cannot take assignments any more
