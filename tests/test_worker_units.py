@@ -20,6 +20,7 @@ from orbit_sync.worker import (
     UnknownEffect,
     Worker,
 )
+from orbit_sync.worker._context import cancel_context, worker_log
 from orbit_sync.worker._outcomes import abandoned, not_run, outcome_of
 from orbit_sync.worker._pool import DaemonPool
 
@@ -146,15 +147,15 @@ def test_context_cancel_first_reason_wins() -> None:
     ctx = TaskContext(_task(), new_id())
     assert ctx.cancel_reason is None and not ctx.cancelled.is_set()
     ctx.raise_if_cancelled()
-    assert ctx._cancel("shutdown") is True
-    assert ctx._cancel("cancel_requested") is False
+    assert cancel_context(ctx, "shutdown") is True
+    assert cancel_context(ctx, "cancel_requested") is False
     assert ctx.cancel_reason == "shutdown" and ctx.cancel_requested
     with pytest.raises(TaskCancelled):
         ctx.raise_if_cancelled()
     with pytest.raises(TaskCancelled):
         ctx.sleep(10)
     with pytest.raises(ValueError):
-        ctx._cancel("bored")
+        cancel_context(ctx, "bored")
 
 
 def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -> None:
@@ -175,7 +176,7 @@ def test_context_fields_remaining_and_logger(caplog: pytest.LogCaptureFixture) -
     assert ctx.remaining() == 0.0
     with caplog.at_level(logging.INFO, logger="orbit_sync"):
         ctx.logger.info("hello")
-        ctx._log.info("library line")
+        worker_log(ctx).info("library line")
     record, library = caplog.records[-2:]
     # The handler's lines go under orbit_sync.task.<handler>, apart from the library's own.
     assert (record.name, library.name) == ("orbit_sync.task.resize", "orbit_sync.worker")

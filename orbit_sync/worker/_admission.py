@@ -20,7 +20,7 @@ import logging
 
 from ..clock import Clock
 from ..models import Assignment, CancelNotice, new_message_id
-from ._context import TaskContext
+from ._context import TaskContext, worker_log
 from ._handlers import Handlers
 from ._link import Connection
 from ._listeners import Hooks
@@ -62,7 +62,7 @@ class Admission:
         att = self._reg.get(notice.attempt_id)
         if att is None or att.ref.epoch != notice.epoch:
             return
-        att.ctx._log.info("cancel requested by the server")
+        worker_log(att.ctx).info("cancel requested by the server")
         self._shell.step(att, AttemptMachine.cancel_pushed)
 
     def take_all(self, conn: Connection) -> None:
@@ -116,7 +116,7 @@ class Admission:
         if att is None:
             self._shell.refused(actions)
             return
-        att.ctx._log.debug(
+        worker_log(att.ctx).debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
         if self._hooks:

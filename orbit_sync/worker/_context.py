@@ -14,9 +14,11 @@ from ._outcomes import CANCEL_REASONS, TaskCancelled
 __all__ = [
     "TaskContext",
     "add_watcher",
+    "cancel_context",
     "lease_deadline",
     "remove_watcher",
     "set_lease_deadline",
+    "worker_log",
 ]
 
 _LOG = logging.getLogger("orbit_sync.worker")
@@ -162,26 +164,31 @@ class TaskContext:
             f"handler={self.task.handler!r} {state}>"
         )
 
-    # ------------------------------------------------------------------ worker side
 
-    def _cancel(self, reason: str) -> bool:
-        """Cancel with *reason*; True when this call cancelled it (the first reason wins)."""
-        if reason not in CANCEL_REASONS:
-            raise ValueError(f"unknown cancel reason {reason!r}")
-        with self._lock:
-            if reason == "cancel_requested":
-                self._cancel_requested = True
-            if self._reason is not None:
-                return False
-            self._reason = reason
-        self.cancelled.set()
-        for watcher in self._watchers:
-            watcher()
-        return True
+# The worker's calls on a context are functions of this module rather than methods: the class is
+# the handler's API, and a handler has no business cancelling itself or moving its own deadline.
 
 
-# The worker's other calls on a context are functions of this module rather than methods: the
-# class is the handler's API, and a handler has no business moving its own lease deadline.
+def cancel_context(ctx: TaskContext, reason: str) -> bool:
+    """Cancel *ctx* with *reason*; True when this call cancelled it (the first reason wins)."""
+    if reason not in CANCEL_REASONS:
+        raise ValueError(f"unknown cancel reason {reason!r}")
+    with ctx._lock:
+        if reason == "cancel_requested":
+            ctx._cancel_requested = True
+        if ctx._reason is not None:
+            return False
+        ctx._reason = reason
+    ctx.cancelled.set()
+    for watcher in ctx._watchers:
+        watcher()
+    return True
+
+
+def worker_log(ctx: TaskContext) -> logging.LoggerAdapter[logging.Logger]:
+    """The worker's own logger for *ctx*'s attempt (``orbit_sync.worker`` unless given), its lines
+    prefixed with the task and attempt ids like the handler's."""
+    return ctx._log
 
 
 def lease_deadline(ctx: TaskContext) -> float | None:

@@ -21,7 +21,7 @@ import cattrs
 
 from ..clock import Clock, as_clock
 from ..models import Task, TaskState, new_id
-from ._context import TaskContext
+from ._context import TaskContext, cancel_context
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._outcomes import Verdict, outcome_of
 
@@ -69,7 +69,7 @@ class HandlerEnvironment:
             if ctx is None:
                 self._pending = reason
                 return
-        ctx._cancel(reason)
+        cancel_context(ctx, reason)
 
     def run(self, fn: Callable[[TaskContext, Any], Any], payload: Any) -> Verdict:
         """Call ``fn(ctx, payload)`` and return what the worker would report."""
@@ -97,7 +97,7 @@ class HandlerEnvironment:
             self.context = self._running = ctx
             pending, self._pending = self._pending, None
         if pending is not None:
-            ctx._cancel(pending)
+            cancel_context(ctx, pending)
         value: Any = None
         error: BaseException | None = None
         try:

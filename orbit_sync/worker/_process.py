@@ -51,7 +51,7 @@ from typing import Any
 
 from .._realtime import monotonic
 from ..client import HANDLER_PROCESS_ENV
-from ._context import TaskContext, add_watcher, lease_deadline, remove_watcher
+from ._context import TaskContext, add_watcher, lease_deadline, remove_watcher, worker_log
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._process_child import SECRET_ENV, child_main
 from ._process_limits import ChildLimits
@@ -473,13 +473,13 @@ class ProcessHandler:
                 f"the handler could not be loaded in its process ({data}); see the worker log",
             )
         if kind == "terminated" and ctx.cancel_reason == "time_limit":
-            ctx._log.warning(
+            worker_log(ctx).warning(
                 "handler still running %.1f s after its time limit: process killed",
                 self._pool._cancel_grace,
             )
             raise TimeLimitExceeded()
         if kind == "terminated":
-            ctx._log.warning(
+            worker_log(ctx).warning(
                 "handler ignored its cancellation (%s) for %.1f s: process terminated",
                 ctx.cancel_reason,
                 self._pool._cancel_grace,
@@ -488,7 +488,7 @@ class ProcessHandler:
                 HANDLER_TERMINATED,
                 "the handler ignored its cancellation and its process was terminated",
             )
-        ctx._log.error("the handler's process died (exit code %s)", data)
+        worker_log(ctx).error("the handler's process died (exit code %s)", data)
         raise UnknownEffect(HANDLER_PROCESS_DIED, f"the handler's process died (exit code {data})")
 
     def __repr__(self) -> str:

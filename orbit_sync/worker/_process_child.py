@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..models import Task
-from ._context import TaskContext, set_lease_deadline
+from ._context import TaskContext, cancel_context, set_lease_deadline
 from ._outbox_lock import hold_instance_shared
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._time_limits import Interruptible
@@ -119,16 +119,16 @@ class _Child:
             with self._cond:
                 ctx = self._ctx
             if ctx is not None:
-                ctx._cancel("shutdown")
+                cancel_context(ctx, "shutdown")
         with self._cond:
             self._closed = True
             self._cond.notify()
 
     @staticmethod
     def _cancel(ctx: TaskContext, running: Interruptible, reason: str, requested: bool) -> None:
-        ctx._cancel(reason)
+        cancel_context(ctx, reason)
         if requested:
-            ctx._cancel("cancel_requested")
+            cancel_context(ctx, "cancel_requested")
         if reason == "time_limit":
             # As on a thread: the parent kills this process past the grace.
             running.interrupt(TimeLimitExceeded)

@@ -41,7 +41,7 @@ from ..models import (
     Finish,
     Outcome,
 )
-from ._context import TaskContext, set_lease_deadline
+from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._encoding import ResultEncoder
 from ._link import Connection, Link
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
@@ -248,7 +248,9 @@ class AttemptShell(RequestPath[Attempt]):
                 actions = self.lease_actions(att, event(att.machine))
             self.perform(att, actions)
         except Exception:
-            att.ctx._log.exception("worker error while processing the attempt; finishing UNKNOWN")
+            worker_log(att.ctx).exception(
+                "worker error while processing the attempt; finishing UNKNOWN"
+            )
             self.crashed(att)
         self.notify()
 
@@ -259,7 +261,7 @@ class AttemptShell(RequestPath[Attempt]):
             self.perform(att, actions)
         except Exception:
             # Twice in a row: nothing more can be sent for it; never leave it counted as live.
-            att.ctx._log.exception("worker error while finishing the attempt UNKNOWN")
+            worker_log(att.ctx).exception("worker error while finishing the attempt UNKNOWN")
             with self._reg.cond:
                 self._reg.unreported.append(att.info)
             self.settle(att)
@@ -278,7 +280,7 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, UntrackLease):
                 self._watchdog.untrack(att.id)
             elif isinstance(action, CancelContext):
-                att.ctx._cancel(action.reason)
+                cancel_context(att.ctx, action.reason)
             else:
                 rest.append(action)
         return rest
@@ -404,7 +406,9 @@ class AttemptShell(RequestPath[Attempt]):
                 self._wake()  # the connection thread raises the reported capacity
             verdict = self.execute(att) if launched else None
         except Exception:
-            att.ctx._log.exception("worker error while running the attempt; finishing UNKNOWN")
+            worker_log(att.ctx).exception(
+                "worker error while running the attempt; finishing UNKNOWN"
+            )
             self.crashed(att)
             self.notify()
             return
@@ -454,10 +458,10 @@ class AttemptShell(RequestPath[Attempt]):
         )
         if verdict.error_code == HANDLER_ERROR and error is not None:
             # The traceback stays local: only the exception's type goes to the server.
-            ctx._log.error("handler raised %s", type(error).__name__, exc_info=error)
+            worker_log(ctx).error("handler raised %s", type(error).__name__, exc_info=error)
         elif verdict.problem is not None:
             # The handler's side effects happened; only its result cannot travel. Say where.
-            ctx._log.error(
+            worker_log(ctx).error(
                 "handler %s: result cannot be sent, finishing %s %s: %s",
                 att.task.handler,
                 verdict.outcome,
@@ -465,7 +469,7 @@ class AttemptShell(RequestPath[Attempt]):
                 verdict.problem,
             )
         elif verdict.outcome is not Outcome.SUCCEEDED:
-            ctx._log.info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
+            worker_log(ctx).info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
         return verdict
 
     def _call_handler(self, att: Attempt) -> Any:
@@ -496,8 +500,9 @@ class AttemptShell(RequestPath[Attempt]):
                 self._reg.counts[verdict.outcome.value] += 1
                 if evidence:
                     self._reg.counts["evidence_only"] += 1
-            if ctx._log.isEnabledFor(logging.INFO):  # a line per task: its text only when kept
-                ctx._log.info(
+            log = worker_log(ctx)
+            if log.isEnabledFor(logging.INFO):  # a line per task: its text only when kept
+                log.info(
                     "handler %s finished %s%s%s%s",
                     att.task.handler,
                     verdict.outcome,
@@ -509,12 +514,12 @@ class AttemptShell(RequestPath[Attempt]):
             with self._reg.cond:
                 self._reg.counts["finish_rejected"] += 1
             code = getattr(reported.error, "code", reported.error)
-            ctx._log.error("finish %s refused (%s)", verdict.outcome, code)
+            worker_log(ctx).error("finish %s refused (%s)", verdict.outcome, code)
             self._outbox_write(att, lambda o: o.done(att.id))
         else:
             with self._reg.cond:
                 self._reg.unreported.append(att.info)
-            ctx._log.error(
+            worker_log(ctx).error(
                 "finish %s not delivered: the worker stopped%s",
                 verdict.outcome,
                 "; kept in the outbox for the next start" if self.outbox else "",
@@ -524,9 +529,9 @@ class AttemptShell(RequestPath[Attempt]):
 
     def _not_started(self, att: Attempt, not_started: NotStarted) -> None:
         if not_started.error is None:
-            att.ctx._log.info("%s", not_started.why)
+            worker_log(att.ctx).info("%s", not_started.why)
         else:
-            att.ctx._log.warning("%s", not_started.why)
+            worker_log(att.ctx).warning("%s", not_started.why)
 
     # ------------------------------------------------------------------ time limits
 
@@ -536,7 +541,7 @@ class AttemptShell(RequestPath[Attempt]):
         limit = att.time_limit
         assert att.running_on is not None and limit is not None
         marked = att.running_on.interrupt(TimeLimitExceeded)
-        att.ctx._log.warning(
+        worker_log(att.ctx).warning(
             "handler %s ran past its time limit of %gs: %s",
             att.task.handler,
             limit.seconds,
@@ -555,9 +560,9 @@ class AttemptShell(RequestPath[Attempt]):
             stuck = len(self._reg.stuck)
         self._offer(stuck)
         if reason == "shutdown":
-            att.ctx._log.error("handler ignored cancellation at shutdown: finishing UNKNOWN")
+            worker_log(att.ctx).error("handler ignored cancellation at shutdown: finishing UNKNOWN")
         else:
-            att.ctx._log.error(
+            worker_log(att.ctx).error(
                 "handler %s still running %gs after its time limit: finishing UNKNOWN; its "
                 "thread keeps a slot until it returns (%d of %d slots stuck)",
                 att.task.handler,
@@ -574,7 +579,7 @@ class AttemptShell(RequestPath[Attempt]):
             self._reg.stuck.pop(att.id, None)
             stuck = len(self._reg.stuck)
         self._offer(stuck)
-        att.ctx._log.warning(
+        worker_log(att.ctx).warning(
             "handler returned after it was finished UNKNOWN; its result is dropped and its "
             "slot is free again"
         )
@@ -608,7 +613,7 @@ class AttemptShell(RequestPath[Attempt]):
             self.outbox.launch(self._instance_id(), att.ref, att.task.handler)
         except OutboxError:
             # Without the record a kill would leave no trace of the run: do not run.
-            att.ctx._log.exception("outbox unavailable: handler not run")
+            worker_log(att.ctx).exception("outbox unavailable: handler not run")
             return False
         return True
 
@@ -619,7 +624,7 @@ class AttemptShell(RequestPath[Attempt]):
             write(self.outbox)
         except OutboxError:
             # The finish is still sent: a failing outbox must not hold up a result.
-            att.ctx._log.exception("outbox write failed")
+            worker_log(att.ctx).exception("outbox write failed")
 
     def settle(self, att: Attempt) -> None:
         """The worker is done with *att* (its machine reached a settled phase)."""
@@ -674,7 +679,7 @@ class AttemptShell(RequestPath[Attempt]):
         if lost.resume:
             with self._reg.cond:
                 self._reg.counts["resume_losses"] += 1
-            att.ctx._log.warning("lease did not survive the reconnect (%s)", lost.reason)
+            worker_log(att.ctx).warning("lease did not survive the reconnect (%s)", lost.reason)
         if self._hooks:
             self._hooks.emit("lease_lost", lease_event(att, reason=lost.reason))
 
