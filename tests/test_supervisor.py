@@ -261,13 +261,16 @@ def test_children_drain_and_exit_when_the_supervisor_is_killed(
     proc.popen.wait(10)  # not proc.wait(): the children still hold its output pipes
     # Each child drains: the busy one says so, and its handler still finishes.
     proc.wait_stderr("SIGTERM received: draining 1 task")
+    # A child also sees its control pipe end (the guard where the kernel sends no SIGTERM). The
+    # idle one may exit on its SIGTERM before its pipe watcher runs; the busy one, held until
+    # released below, is certain to say so.
+    proc.wait_stderr("the supervisor is gone: draining")
     release(fifo, "released", proc)
     assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=15).result["line"] == "released"
     orbit_server.wait_until(lambda s: not any(x.connected for x in s.sessions()), 20)
     for pid in children:
         assert wait_gone(pid, 15), f"worker process {pid} outlived its supervisor"
     proc.wait()  # the children were the last holders of its output pipes
-    assert proc.stderr.count("the supervisor is gone: draining") == 2  # each saw its pipe end
 
 
 def release(fifo: Path, line: str, proc: Proc) -> None:
