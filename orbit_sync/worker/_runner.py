@@ -5,8 +5,9 @@ in modules of one concern each (see docs/architecture.md for the threads and the
 - :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
 - :mod:`._admission`: the reader thread's assignments and cancel notices;
 - :mod:`._machine`: one attempt's pure state machine; :mod:`._shell`: its threaded shell;
-- :mod:`._renewals` / :mod:`._watchdog`: lease renewals; :mod:`._outbox` / :mod:`._replay`:
-  the durable outbox; :mod:`._signals`: SIGTERM/SIGINT for :meth:`Worker.run`;
+- :mod:`._watchdog`: lease renewals (sent by :class:`._shell.Renewals`);
+  :mod:`._outbox` / :mod:`._replay`: the durable outbox; :mod:`._signals`: SIGTERM/SIGINT
+  for :meth:`Worker.run`;
 - :mod:`._shutdown`: the bounded shutdown, on its own thread.
 
 About 600 lines: the public class, whose docstrings (a fifth of it) are what a user reads, wires
@@ -47,19 +48,13 @@ from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessPool
-from ._renewals import Renewals
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
 from ._session import SessionLoop
-from ._shell import (
-    AttemptShell,
-    Handler,
-    Registry,
-)
+from ._shell import AttemptShell, Handler, Registry, Renewals
 from ._shutdown import AttemptPhases, Shutdown
 from ._signals import StopSignals, announce
-from ._time_limits import WORKER_DEFAULT, HandlerLimit
-from ._timers import Timers
+from ._time_limits import WORKER_DEFAULT, HandlerLimit, Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
 from ._window import CapacityWindow
 

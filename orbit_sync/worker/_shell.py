@@ -27,13 +27,13 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
 from .._protocol import Done
 from ..connection import Submission
-from ..errors import OrbitError
+from ..errors import OrbitError, WorkerError
 from ..models import (
     Assignment,
     AttemptRef,
@@ -43,6 +43,7 @@ from ..models import (
 )
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._encoding import ResultEncoder
+from ._errors import NotConnected, is_link_failure
 from ._link import Connection, Link
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
@@ -74,12 +75,19 @@ from ._pool import DaemonPool
 from ._report import AttemptInfo
 from ._requests import Event, RequestPath
 from ._resumes import Resumes
-from ._time_limits import Interruptible, TimeLimit
-from ._timers import Timers
-from ._watchdog import LeaseWatchdog
+from ._time_limits import Interruptible, TimeLimit, Timers
+from ._watchdog import LeaseWatchdog, RenewDone
 from ._window import CapacityWindow
 
-__all__ = ["Attempt", "AttemptShell", "Handler", "Registry", "attempt_event", "lease_event"]
+__all__ = [
+    "Attempt",
+    "AttemptShell",
+    "Handler",
+    "Registry",
+    "Renewals",
+    "attempt_event",
+    "lease_event",
+]
 
 #: ``handler(ctx, payload) -> result``
 Handler = Callable[[TaskContext, Any], Any]
@@ -711,3 +719,65 @@ class AttemptShell(RequestPath[Attempt]):
         set_lease_deadline(att.ctx, deadline)
         if self._hooks:
             self._hooks.emit("lease_renewed", lease_event(att, lag=lag))
+
+
+# ---------------------------------------------------------------------------------- renewals
+
+
+class Renewals:
+    """How the lease watchdog's renewals reach the current connection: its batches go out
+    pipelined on the link's current connection (one socket write), a lost connection is
+    reported to the link. Every callback here runs on the watchdog's thread or the connection's
+    reader thread and never blocks. What an answer means for the attempt is its machine's
+    (:meth:`AttemptShell.lease_ended`)."""
+
+    def __init__(self, registry: Registry, link: Link, call_timeout: float) -> None:
+        self._reg = registry
+        self._link = link
+        self._call_timeout = call_timeout
+
+    def send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
+        """The watchdog's send function: one pipelined renew (see :meth:`send_renews`)."""
+        self.send_renews([(attempt_id, message_id, on_done)])
+
+    def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
+        """The watchdog's batch send: every renew in one write on the current connection; each
+        answer (or failure) comes back through its own *on_done*, on the connection's reader
+        thread. Renewals that cannot be sent are told so after the write: nothing on the way to
+        it may release the GIL (a log line in a callback could)."""
+        with self._reg.cond:
+            atts = [self._reg.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
+        current = self._link.current()
+        refused: list[tuple[RenewDone, OrbitError]] = []
+        requests: list[Submission] = []
+        for (_, message_id, on_done), att in zip(renewals, atts, strict=True):
+            if att is None:
+                refused.append((on_done, NotConnected("attempt is no longer tracked")))
+            elif current is None:
+                refused.append((on_done, NotConnected("no connection")))
+            else:
+                # A slow answer closes its connection before the lease runs out (and is re-sent).
+                timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
+                done = self._renew_done(on_done, current[1])
+                requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
+        if requests:
+            assert current is not None
+            try:
+                current[0]._submit_many(requests)
+            except OrbitError as exc:  # nothing was sent
+                for request in requests:
+                    request.on_done(None, exc)
+        for on_done, error in refused:
+            on_done(None, error)
+
+    def _renew_done(self, on_done: RenewDone, gen: int) -> Callable[[Any, OrbitError | None], None]:
+        def done(result: Any, error: OrbitError | None) -> None:
+            if error is None:
+                on_done(result.lease, None)
+                return
+            if is_link_failure(error) and not isinstance(error, WorkerError):
+                # (A fatal error answer ends the connection by itself, with that error.)
+                self._link.broken(gen)
+            on_done(None, error)
+
+        return done

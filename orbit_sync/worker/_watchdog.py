@@ -54,7 +54,7 @@ from ..errors import OrbitError, WorkerError
 from ..models import Lease, grants_run, new_message_id
 from ._errors import is_transient
 from ._machine import retry_delay
-from ._timers import Timers
+from ._time_limits import Timers
 
 __all__ = [
     "LeaseWatchdog",
