@@ -25,6 +25,7 @@ from ..clock import Clock, SystemClock
 from ..models import ID_RE, MAX_CAPACITY
 from ._backoff import Backoff
 from ._time_limits import check_time_limit
+from ._watchdog import MAX_RETRY_DELAY, MIN_RETRY_DELAY
 
 __all__ = ["RESERVED_SLOTS", "WorkerOptions", "check_seconds"]
 
@@ -74,8 +75,15 @@ def _max_in_flight(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
 
 
 def _retry_delay(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if not 0.1 <= check_seconds("renew_retry_delay", value, positive=True) <= 5.0:
-        raise ValueError("renew_retry_delay must be between 0.1 and 5 seconds")
+    # The watchdog's own bounds: the one place they are written.
+    if (
+        not MIN_RETRY_DELAY
+        <= check_seconds("renew_retry_delay", value, positive=True)
+        <= MAX_RETRY_DELAY
+    ):
+        raise ValueError(
+            f"renew_retry_delay must be between {MIN_RETRY_DELAY:g} and {MAX_RETRY_DELAY:g} seconds"
+        )
 
 
 def _clock(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
