@@ -395,15 +395,16 @@ def _replace_worker_token(server: MockOrbitServer, token: str) -> None:
 
 
 def _banner(out: TextIO, server: MockOrbitServer, token: str, admin_token: str) -> None:
+    from .testing._admin_client import admin_url  # loaded with the mock server, as testing is
+
     base = server.url
-    admin_url = ("https" if base.startswith("wss:") else "http") + base[base.index(":") :]
     lines = [
         "# orbit-sync mock server. The tokens below are printed on purpose: this is your own",
         "# local test server. Never reuse them. SIGTERM or Ctrl-C stops it.",
         f"export ORBIT_URL={shlex.quote(base)}",
         f"export ORBIT_TOKEN={shlex.quote(token)}",
         f"export ORBIT_QUEUE_ID={server.queue_id}",
-        f"export ORBIT_ADMIN_URL={shlex.quote(admin_url + '/admin/v1')}",
+        f"export ORBIT_ADMIN_URL={shlex.quote(admin_url(base))}",
         f"export ORBIT_ADMIN_TOKEN={shlex.quote(admin_token)}",
         "# ready",
     ]
