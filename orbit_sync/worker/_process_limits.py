@@ -1,9 +1,10 @@
-"""Limits of the process executor: recycling the pool's children, and a memory budget per attempt.
+"""Limits of the process executor: recycling the pool's children, a memory budget per attempt,
+and the one reader of a process's memory (Linux: ``/proc/PID/statm``) both use.
 
 Recycling (``Worker(process_pool=N, process_max_tasks_per_child=K,
 process_max_memory_per_child=MB)``): after each attempt the pool counts the child's jobs and
-reads its RSS (Linux: ``/proc/PID/statm``); past a limit the child is asked to exit between
-attempts, and the next attempt starts a new one. No attempt is cut short.
+reads its RSS; past a limit the child is asked to exit between attempts, and the next attempt
+starts a new one. No attempt is cut short.
 
 A memory budget (``@worker.handler(..., executor="process", memory_limit=MB)``): while the
 handler runs, its process may not grow its address space by more than *MB* (``RLIMIT_AS``, Linux
@@ -18,6 +19,7 @@ OOM killer) still ends its attempt ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``.
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import sys
 import threading
@@ -25,15 +27,54 @@ from collections.abc import Callable
 from typing import Any
 
 from ._context import TaskContext
-from ._memory import address_space_bytes, rss_bytes
 from ._outcomes import Fail
 
-__all__ = ["HANDLER_MEMORY_LIMIT", "ChildLimits", "MemoryLimited"]
+__all__ = [
+    "HANDLER_MEMORY_LIMIT",
+    "ChildLimits",
+    "MemoryLimited",
+    "address_space_bytes",
+    "rss_bytes",
+]
 
 #: The attempt's handler went over its ``memory_limit``.
 HANDLER_MEMORY_LIMIT = "HANDLER_MEMORY_LIMIT"
 _MB = 1024 * 1024
 _LOG = logging.getLogger("orbit_sync.worker")
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def rss_bytes(pid: int | None = None) -> int | None:
+    """The current RSS of *pid* (default: this process) in bytes; None if it is gone or the
+    platform cannot tell.
+
+    Linux reads ``/proc/PID/statm`` (a few microseconds: cheap enough after every attempt).
+    Elsewhere only this process's peak RSS is known (``getrusage``), which can only grow: a limit
+    on it recycles once the peak passed it, which is what a limit on the current RSS would do for a
+    process that leaks.
+    """
+    try:
+        return _statm(pid)[1]
+    except (OSError, ValueError, IndexError):
+        pass
+    if pid is not None:
+        return None
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # macOS says bytes, others KiB
+
+
+def address_space_bytes() -> int:
+    """This process's address space now (VmSize), in bytes; Linux only (``OSError``
+    elsewhere)."""
+    return _statm(None)[0]
+
+
+def _statm(pid: int | None) -> tuple[int, int]:
+    """The total size and the resident set of *pid* (None: this process), in bytes: the first
+    two fields of ``/proc/PID/statm``, which counts in pages."""
+    with open(f"/proc/{'self' if pid is None else pid}/statm", "rb") as statm:
+        size, resident = statm.read().split()[:2]
+    return int(size) * _PAGE, int(resident) * _PAGE
 
 
 class ChildLimits:
