@@ -1,27 +1,9 @@
 """Worker events for several subscribers: listeners (observers) and handler middleware.
 
 Subclass :class:`WorkerListener`, override the events you need, and pass it as
-``Worker(listeners=[...])`` or ``worker.add_listener(...)``. Every event is one frozen object, so
-fields can be added without breaking a listener. Which thread calls what:
-
-=====================  ============================  =========================================
-event                  thread                        when
-=====================  ============================  =========================================
-``attempt_received``   the connection's reader       an assignment was accepted (keep it fast)
-``attempt_started``    the handler's pool thread     the lease allows running: the handler is next
-``around_handler``     the handler's pool thread     wraps the handler's call (middleware)
-``attempt_finished``   the handler's pool thread     the finish was answered (or given up on)
-``lease_renewed``      the lease watchdog            a renewal was acknowledged
-``lease_lost``         the watchdog / connection     the handler's context was cancelled for it
-``handler_stuck``      the watchdog / shutdown       a handler still running was finished
-                                                     ``UNKNOWN`` (time limit or shutdown grace)
-``handler_unstuck``    the handler's thread          such a handler returned at last
-``connected``          the connection thread         a session is established (``reconnect``)
-``disconnected``       the connection thread         a session ended; the worker reconnects
-``dial_failed``        the connection thread         a connection attempt failed; it retries
-``draining``           the caller of ``request_stop``  the worker stops taking work
-``stopped``            the shutdown thread           shutdown finished, with its report
-=====================  ============================  =========================================
+``Worker(listeners=[...])`` or ``worker.add_listener(...)``; each method's docstring says when
+and on which thread it is called (docs/observability.md has them as a table). Every event is one
+frozen object, so fields can be added without breaking a listener.
 
 A listener that raises is logged (with its traceback) and skipped: it never breaks a task, the
 renewal of a lease, or another listener. Listeners run on the worker's own threads: do not
@@ -56,21 +38,6 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("orbit_sync.worker")
-
-EVENTS = (
-    "attempt_received",
-    "attempt_started",
-    "attempt_finished",
-    "lease_renewed",
-    "lease_lost",
-    "handler_stuck",
-    "handler_unstuck",
-    "connected",
-    "disconnected",
-    "dial_failed",
-    "draining",
-    "stopped",
-)
 
 
 @attrs.frozen
@@ -185,41 +152,53 @@ class WorkerListener:
         """An assignment was accepted (on the connection's reader thread: keep it fast)."""
 
     def attempt_started(self, event: AttemptEvent) -> None:
-        """The server started the attempt and its handler is about to run."""
+        """The server started the attempt and its handler is about to run (handler's thread)."""
 
     def around_handler(self, ctx: TaskContext, call: Callable[[], Any]) -> Any:
-        """Wrap the handler's call (``call()`` runs it and returns its result)."""
+        """Wrap the handler's call (``call()`` runs it and returns its result), on its thread."""
         return call()
 
     def attempt_finished(self, event: AttemptFinished) -> None:
-        """The attempt's finish was answered (``event.delivered``) or given up on."""
+        """The attempt's finish was answered (``event.delivered``) or given up on (on the
+        handler's thread)."""
 
     def lease_renewed(self, event: LeaseEvent) -> None:
-        """A renewal of a running attempt's lease was acknowledged."""
+        """A renewal of a running attempt's lease was acknowledged (lease watchdog's thread)."""
 
     def lease_lost(self, event: LeaseEvent) -> None:
-        """A running attempt lost its lease; its handler's context was cancelled."""
+        """A running attempt lost its lease; its handler's context was cancelled (on the
+        watchdog's or the connection's thread)."""
 
     def handler_stuck(self, event: StuckEvent) -> None:
-        """A handler that would not stop was finished ``UNKNOWN``; its thread holds a slot."""
+        """A handler that would not stop (time limit or shutdown grace) was finished
+        ``UNKNOWN``; its thread holds a slot (on the watchdog's or the shutdown thread)."""
 
     def handler_unstuck(self, event: StuckEvent) -> None:
-        """A stuck handler returned at last; its slot is free again."""
+        """A stuck handler returned at last; its slot is free again (on the handler's thread)."""
 
     def connected(self, event: SessionEvent) -> None:
-        """A session was established (the first, or after a reconnect)."""
+        """A session was established (the first, or after a reconnect), on the connection
+        thread."""
 
     def disconnected(self, event: DisconnectEvent) -> None:
-        """A session ended unexpectedly; the worker is reconnecting."""
+        """A session ended unexpectedly; the worker is reconnecting (connection thread)."""
 
     def dial_failed(self, event: DisconnectEvent) -> None:
-        """A connection attempt failed (refused, timed out, HTTP error); the worker retries."""
+        """A connection attempt failed (refused, timed out, HTTP error); the worker retries
+        (connection thread)."""
 
     def draining(self, event: DrainEvent) -> None:
-        """The worker was asked to stop and takes no new work."""
+        """The worker was asked to stop and takes no new work (on the caller of
+        ``request_stop``)."""
 
     def stopped(self, report: ShutdownReport) -> None:
-        """The worker stopped; *report* is what ``run()``/``stop()`` return."""
+        """The worker stopped; *report* is what ``run()``/``stop()`` return (shutdown thread)."""
+
+
+#: The events, in the order WorkerListener declares them (around_handler is middleware).
+EVENTS = tuple(
+    name for name in vars(WorkerListener) if not name.startswith("_") and name != "around_handler"
+)
 
 
 class _Called:

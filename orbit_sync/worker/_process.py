@@ -1,37 +1,14 @@
-"""The process executor: handlers that run in child processes, with the lease kept by the parent.
+"""The process executor's parent side: handlers that run in child processes, the lease kept here.
 
-A thread-based handler shares the GIL with the connection's reader and the lease watchdog, so
-a CPU-bound handler makes renewals late. A handler registered with ``executor="process"`` runs
-in a child process instead; the parent's pool thread only relays:
-
-- parent -> child: the job (the handler, by reference, and the task), then cancellations and
-  lease-deadline updates as they happen (the child's ``TaskContext`` is a real one, driven by a
-  control thread, so ``ctx.cancelled``, ``raise_if_cancelled()``, ``sleep()`` and
-  ``remaining()`` behave as on a thread; the child never talks to the server);
-- child -> parent: log records (re-emitted under the same logger names) and how the handler
-  ended (a value, ``Fail``, ``UnknownEffect``, a cancellation, or another exception's type).
-
-Bounded exit: a child that ignores a cancellation for *cancel_grace* is terminated (SIGTERM,
-then SIGKILL) and the attempt ends ``UNKNOWN`` with ``HANDLER_TERMINATED``. At a handler's time
-limit the cancellation (``time_limit``) also raises ``TimeLimitExceeded`` in the child's handler
-thread; a child still running *cancel_grace* later is terminated the same way, and the attempt
-ends ``FAILED`` with ``HANDLER_TIMEOUT`` (the process is gone: nothing of the handler still
-runs, unlike a thread that cannot be stopped). A child that dies
-(segfault, OOM kill, ``os._exit``) is seen at once through its process sentinel and the attempt
-ends ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``. The pool replaces such a child on next use.
-
-No orphan: a child never runs a handler once its worker process is gone. On Linux the kernel
-kills it when the parent dies (the parent-death signal, SIGKILL: a handler on a thread would have
-died with the process too); everywhere, the end of its pipe cancels the running context and the
-child exits after *cancel_grace* whatever the handler does. With an outbox, each child also holds
-its instance's lock in the outbox's lock file for as long as it lives (``_outbox_lock``), so a later
-process's replay reports an attempt ``WORKER_LOST`` only once no child of the dead worker is left.
-
-Children are started with ``spawn`` (never ``fork``: the parent is threaded), lazily, from one
-long-lived thread of the pool (the parent-death signal follows the thread that started a child,
-and pool threads retire when idle), and never receive the connection, the credentials
-(``ORBIT_TOKEN`` and ``ORBIT_TOKEN_FILE`` are removed from their environment) or any lease or
-instance secret: a job carries the ``Task`` (payload and ids) and the attempt id only.
+A handler registered with ``executor="process"`` runs in a child (its CPU-bound work then holds
+no GIL against the reader and the watchdog); the parent's pool thread only relays the job, then
+cancellations and lease-deadline changes, to the child, and the child's log records and ending
+back (docs/process-executor.md: what a user sees of it). The parent bounds every ending: a child
+that ignores a cancellation for *cancel_grace* is terminated, one that dies is seen at once
+through its sentinel. Children are started with ``spawn`` (the parent is threaded) from one
+long-lived thread (:class:`_Spawner`), and never receive the connection or a secret: a job
+carries the ``Task`` and the attempt id only. The child's side, and how it never outlives its
+worker, is ``_process_child``.
 """
 
 from __future__ import annotations
@@ -47,6 +24,7 @@ import queue
 import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from .._realtime import monotonic
@@ -80,6 +58,15 @@ _KILL_AFTER = 1.0
 _env_lock = threading.Lock()
 
 
+def _not_importable(fn: Callable[..., Any], reason: str = "") -> TypeError:
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+    return TypeError(
+        f"handler {name} cannot run in a process: it must be a module-level function importable "
+        f"by its name (not a lambda, closure or nested function, nor replaced by another object "
+        f"under that name){reason}"
+    )
+
+
 def check_process_handler(fn: Callable[..., Any]) -> None:
     """Raise ``TypeError`` when *fn* can never be sent to a child process by reference.
 
@@ -90,10 +77,7 @@ def check_process_handler(fn: Callable[..., Any]) -> None:
     qualname = getattr(fn, "__qualname__", None)
     if isinstance(qualname, str) and isinstance(getattr(fn, "__module__", None), str):
         if "<lambda>" in qualname or "<locals>" in qualname:
-            raise TypeError(
-                f"handler {qualname} cannot run in a process: it must be a module-level "
-                "function importable by its name (not a lambda, closure or nested function)"
-            )
+            raise _not_importable(fn)
         return
     pickled_handler(fn)  # not a function (e.g. a callable object): it pickles by value
 
@@ -104,13 +88,7 @@ def pickled_handler(fn: Callable[..., Any]) -> bytes:
     try:
         return pickle.dumps(fn)
     except Exception as exc:
-        name = getattr(fn, "__qualname__", repr(fn))
-        module = getattr(fn, "__module__", "?")
-        raise TypeError(
-            f"handler {module}.{name} cannot run in a process: it must be a module-level "
-            f"function importable by its name (not a lambda, closure or nested function, nor "
-            f"replaced by another object under that name): {exc}"
-        ) from None
+        raise _not_importable(fn, f": {exc}") from None
 
 
 # ---------------------------------------------------------------------------- parent side
@@ -147,17 +125,13 @@ class _Process:
         with _env_lock:
             # spawn starts the child with this process's environment: lend it none of the
             # credentials for the moment of the start.
-            saved = {k: os.environ.pop(k) for k in SECRET_ENV if k in os.environ}
-            marker = os.environ.get(HANDLER_PROCESS_ENV)
+            saved = {k: os.environ.pop(k, None) for k in (*SECRET_ENV, HANDLER_PROCESS_ENV)}
             os.environ[HANDLER_PROCESS_ENV] = "1"  # Client.from_env() then needs no token
             try:
                 self.proc.start()
             finally:
-                os.environ.update(saved)
-                if marker is None:
-                    del os.environ[HANDLER_PROCESS_ENV]
-                else:
-                    os.environ[HANDLER_PROCESS_ENV] = marker
+                os.environ.pop(HANDLER_PROCESS_ENV)
+                os.environ.update({k: v for k, v in saved.items() if v is not None})
         child_conn.close()
         self.healthy = True
         self._send_lock = threading.Lock()
@@ -286,26 +260,20 @@ class _Spawner:
 
     def call(self, make: Callable[[], _Process]) -> _Process:
         """Run *make* on the spawner thread and return what it returned (or raise its error)."""
-        done = threading.Event()
-        box: list[Any] = []
+        made: Future[_Process] = Future()
 
         def request() -> None:
             try:
-                box.append(make())
+                made.set_result(make())
             except BaseException as exc:
-                box.append(exc)
-            done.set()
+                made.set_exception(exc)
 
         with self._lock:
             if self._closed:
                 raise RuntimeError("the process pool is closed")
             self._requests.put(request)  # before close()'s None: it will be served
-        done.wait()  # bounded by make(): a process start, which does not wait for the child
-        result = box[0]
-        if isinstance(result, BaseException):
-            raise result
-        child: _Process = result
-        return child
+        # Bounded by make(): a process start, which does not wait for the child.
+        return made.result()
 
     def close(self) -> None:
         """End the thread once the requests already made are served."""
@@ -336,12 +304,6 @@ class ProcessPool:
         """Have every child started from now on hold *instance_id*'s lock in *lock_path*."""
         with self._cond:
             self._guard = (lock_path, instance_id)
-
-    @property
-    def started(self) -> int:
-        """How many child processes are alive or starting."""
-        with self._cond:
-            return self._live
 
     def run(self, fn_bytes: bytes, ctx: TaskContext) -> tuple[str, Any]:
         """Run one job on a free child (waiting for one if all are busy)."""

@@ -1,9 +1,8 @@
-"""The child's side of the process executor: one job at a time, relayed by the parent.
+"""The process executor's child side: one job at a time, relayed by the parent (``_process``).
 
-See ``_process`` for the whole design. The child runs the handler with a real ``TaskContext``
-driven by a control thread (cancellations, deadlines), forwards its log records, and never
-outlives its worker: the parent-death signal on Linux, and everywhere the end of its pipe, which
-cancels the running handler and ends the process after *cancel_grace*.
+The handler gets a real ``TaskContext`` driven by a control thread; the child never outlives its
+worker: the parent-death signal on Linux, and everywhere the end of its pipe, which cancels the
+running handler and ends the process after *cancel_grace*.
 """
 
 from __future__ import annotations
@@ -138,8 +137,6 @@ class _Child:
             with self._cond:
                 while not self._jobs and not self._closed:
                     self._cond.wait()
-                if not self._jobs:
-                    return
                 if self._closed:
                     return  # a job queued before the parent went away is not started
                 _, job, fn_bytes, task, attempt_id, deadline = self._jobs.pop(0)
@@ -158,9 +155,7 @@ class _Child:
         try:
             fn = pickle.loads(fn_bytes)
         except BaseException as exc:
-            logging.getLogger("orbit_sync.worker").error(
-                "could not load handler %r in its process", task.handler, exc_info=True
-            )
+            _LOG.error("could not load handler %r in its process", task.handler, exc_info=True)
             return "import_error", _type_name(exc)
         ctx = TaskContext(task, attempt_id, deadline=deadline)
         running = Interruptible(threading.Lock())

@@ -1,19 +1,11 @@
-"""Limits of the process executor: recycling the pool's children, a memory budget per attempt,
-and the one reader of a process's memory (Linux: ``/proc/PID/statm``) both use.
+"""Limits of the process executor (docs/process-executor.md), and the one reader of a process's
+memory (Linux: ``/proc/PID/statm``) they use.
 
-Recycling (``Worker(process_pool=N, process_max_tasks_per_child=K,
-process_max_memory_per_child=MB)``): after each attempt the pool counts the child's jobs and
-reads its RSS; past a limit the child is asked to exit between attempts, and the next attempt
-starts a new one. No attempt is cut short.
-
-A memory budget (``@worker.handler(..., executor="process", memory_limit=MB)``): while the
-handler runs, its process may not grow its address space by more than *MB* (``RLIMIT_AS``, Linux
-only). An allocation past it raises ``MemoryError`` inside the handler, which ends the attempt
-``FAILED`` with :data:`HANDLER_MEMORY_LIMIT`, retryable when the handler says so
-(``memory_limit_retryable``); the worker and its other attempts carry on. The budget counts
-address space, not resident pages: memory reserved and never touched counts, and so does the
-stack of each thread the handler starts (8 MB by default). A process the kernel kills anyway (the
-OOM killer) still ends its attempt ``UNKNOWN`` with ``HANDLER_PROCESS_DIED``.
+Recycling (``process_max_tasks_per_child``, ``process_max_memory_per_child``): after each
+attempt the pool counts the child's jobs and reads its RSS; past a limit the child exits between
+attempts, so no attempt is cut short. A memory budget (``memory_limit=MB`` of a process handler):
+while the handler runs, its process may not grow its address space (``RLIMIT_AS``, Linux) by more
+than *MB*; ``MemoryError`` then ends the attempt ``FAILED`` with :data:`HANDLER_MEMORY_LIMIT`.
 """
 
 from __future__ import annotations
@@ -124,8 +116,8 @@ class ChildLimits:
 
 
 class MemoryLimited:
-    """*fn* run under a memory budget of *limit_mb* (see the module docstring); pickled by
-    reference to *fn*, so it runs in the child like *fn* itself."""
+    """*fn* run under a memory budget of *limit_mb*; pickled by reference to *fn*, so it runs in
+    the child like *fn* itself."""
 
     def __init__(
         self, fn: Callable[[TaskContext, Any], Any], limit_mb: int, *, retryable: bool
