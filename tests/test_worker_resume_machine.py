@@ -14,7 +14,7 @@ from orbit_sync.errors import WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Finish, Outcome
 from orbit_sync.testing import ManualClock
 from orbit_sync.worker._errors import NotConnected
-from orbit_sync.worker._link import Link
+from orbit_sync.worker._link import Link, Resumes
 from orbit_sync.worker._machine import (
     BUSY_DELAY,
     AttemptMachine,
@@ -36,7 +36,6 @@ from orbit_sync.worker._machine import (
     UntrackLease,
 )
 from orbit_sync.worker._outcomes import outcome_of
-from orbit_sync.worker._resumes import Resumes
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

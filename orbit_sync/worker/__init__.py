@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from .._deprecated import deprecated, moved
-from ._backoff import Backoff
 from ._context import TaskContext
 from ._encoding import result_converter
 from ._link import Dialer
@@ -26,6 +25,7 @@ from ._listeners import (
 )
 from ._options import WorkerOptions
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, Verdict
+from ._redial import Backoff
 from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
 

@@ -1,14 +1,14 @@
 """The worker's current connection, shared by its threads, and what they need to know about it.
 
 The connection thread *opens* a new connection on the link (from then on the attempts' resumes, and
-only they, may use it), *publishes* it once every live attempt's resume went out (now every request
-may use it, behind the resumes on the wire), and *retracts* it when it breaks. A request that failed
-on connection number ``n`` is *kept* (:meth:`Link.keep`) until a connection newer than ``n`` is
-published (and, after a transient error answer, until its retry delay has passed); the connection
-thread then takes it (:meth:`Link.take_due`) and re-sends the same operation with the same
-``message_id`` (PROTOCOL §7). No thread waits for that. Closing the link for good hands every kept
-request back to its closer, which gives them up: that is how shutdown bounds a finish waiting for a
-connection that never comes back.
+only they, may use it), *publishes* it once every resume went out (:class:`Resumes`; now every
+request may use it, behind the resumes on the wire), and *retracts* it when it breaks. A request
+that failed on connection number ``n`` is *kept* (:meth:`Link.keep`) until a connection newer than
+``n`` is published (after a transient error answer, until its retry delay has passed); the
+connection thread then takes it (:meth:`Link.take_due`) and re-sends the same operation with the
+same ``message_id`` (PROTOCOL §7). No thread waits for that. Closing the link for good hands every
+kept request back to its closer, which gives them up: that is how shutdown bounds a finish waiting
+for a connection that never comes back.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import collections
 import itertools
 import math
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..connection import Submission
@@ -31,7 +31,12 @@ from ..models import (
     Welcome,
 )
 
-__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link"]
+if TYPE_CHECKING:  # it imports this module
+    from ._requests import Event
+
+__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link", "Resumes"]
+
+T = TypeVar("T")
 
 
 class Connection(Protocol):
@@ -284,3 +289,76 @@ class Link:
             until = self._clock.now() + seconds
             while not self._closed and self._clock.now() < until:
                 self._clock.wait(self._cond, until)
+
+
+class Resumes(Generic[T]):
+    """The resumes of the newest connection, as its connection thread waits for them: when every
+    one has gone out (publish it) and when every one is over (the session is established, unless
+    one was *cut*: its connection failed before its answer). What an answer means is the
+    machine's; the outcomes (on the reader) are queued here for the connection thread to step
+    (:meth:`take`), so a lost lease's listeners and log lines never run on the reader.
+    Thread-safe."""
+
+    def __init__(self, wake: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        #: Wakes the connection thread (an outcome is queued, or the last resume went out).
+        self._wake = wake
+        self._unsent: set[Hashable] = set()
+        self._open: set[Hashable] = set()
+        self._cut = False
+        self._events: collections.deque[tuple[T, Event]] = collections.deque()
+
+    def begin(self) -> None:
+        """A new connection: forget the older one's resumes (a late outcome of one of them is
+        still stepped; its machine ignores it)."""
+        with self._lock:
+            self._unsent.clear()
+            self._open.clear()
+            self._cut = False
+
+    def add(self, request: Hashable) -> None:
+        """*request*, a resume, is about to be sent (or re-sent after a transient answer)."""
+        with self._lock:
+            self._unsent.add(request)
+            self._open.add(request)
+
+    def sent(self, request: Hashable) -> None:
+        """*request* went out, or was refused before the wire."""
+        with self._lock:
+            self._unsent.discard(request)
+            last = not self._unsent
+        if last:
+            self._wake()
+
+    def ended(self, request: Hashable, *, cut: bool = False) -> None:
+        """*request* is over; *cut*: its connection failed before it was answered."""
+        with self._lock:
+            # An older connection's resume says nothing of this one.
+            self._cut |= cut and request in self._open
+            # Answered means it was on the wire, even if its sender has not said so yet.
+            self._unsent.discard(request)
+            self._open.discard(request)
+
+    def all_sent(self) -> bool:
+        with self._lock:
+            return not self._unsent
+
+    def all_over(self) -> bool:
+        with self._lock:
+            return not self._open
+
+    def cut(self) -> bool:
+        with self._lock:
+            return self._cut
+
+    def deliver(self, subject: T, event: Event) -> None:
+        """Queue *event*, a resume's outcome for *subject*, for the connection thread."""
+        self._events.append((subject, event))
+        self._wake()
+
+    def take(self) -> list[tuple[T, Event]]:
+        """The queued outcomes, in arrival order."""
+        taken: list[tuple[T, Event]] = []
+        while self._events:
+            taken.append(self._events.popleft())
+        return taken

@@ -23,7 +23,7 @@ from .._protocol import MAX_IN_FLIGHT, call_timeout
 from .._seconds import seconds
 from ..clock import Clock, SystemClock
 from ..models import ID_RE, MAX_CAPACITY
-from ._backoff import Backoff
+from ._redial import Backoff
 from ._time_limits import check_time_limit
 from ._watchdog import MAX_RETRY_DELAY, MIN_RETRY_DELAY
 

@@ -1,16 +1,17 @@
-"""How long the worker waits before each reconnect, from how the dials since the last welcome
-failed.
+"""How long the worker waits before each reconnect: :class:`Backoff` draws a jittered delay for
+a dial's attempt number, :class:`Redial` picks that number from how the dials since the last
+welcome failed.
 
 Three kinds of failed dial call for different waits:
 
 - **refused**: the server (or whatever is in front of it) answered no: an HTTP status, an
   ``error`` frame answering the hello, no TCP connection at all, a dial timeout, a broken
   protocol. Retrying soon would add load where there is too much already: the wait grows
-  exponentially (:class:`~orbit_sync.worker.Backoff`), attempt by attempt.
-- **cut**: the upgrade was accepted (the server said yes) and the connection broke before the
-  welcome arrived. The server is up and took the dial; the link lost it. The next dial comes
-  after the shortest wait (``Backoff`` attempt 0: a uniform pick in ``[0, initial]``), as after a
-  session that a cut ended: a chain of such cuts on a bad link must not push the wait to its cap.
+  exponentially, attempt by attempt.
+- **cut**: the upgrade was accepted and the connection broke before the welcome arrived. The
+  server is up and took the dial; the link lost it. The next dial comes after the shortest wait
+  (attempt 0), as after a session that a cut ended: a chain of such cuts on a bad link must not
+  push the wait to its cap.
 - **reset**: connected, then reset or closed before the upgrade was answered. A link that cuts
   looks like this, and so does an overloaded proxy that drops what it cannot serve. The two differ
   in how they repeat: a flaky link lets most dials through, so consecutive resets are short runs
@@ -26,10 +27,12 @@ from __future__ import annotations
 
 import random
 
-from ..errors import WorkerDisconnected
-from ._backoff import Backoff
+import attrs
 
-__all__ = ["CUT", "REFUSED", "RESET", "RESET_GRACE", "Redial", "dial_failure"]
+from .._seconds import seconds
+from ..errors import WorkerDisconnected
+
+__all__ = ["CUT", "REFUSED", "RESET", "RESET_GRACE", "Backoff", "Redial", "dial_failure"]
 
 CUT = "cut"
 RESET = "reset"
@@ -37,6 +40,45 @@ REFUSED = "refused"
 
 #: Resets in a row that are taken for a bad link before they count as a refusing proxy.
 RESET_GRACE = 3
+
+_RNG = random.Random()
+
+
+def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> None:
+    seconds(value, attribute.name, positive=True)
+
+
+@attrs.frozen
+class Backoff:
+    """Delay before reconnect attempt *n* (0-based): ``cap = min(maximum, initial * 2**n)``, then
+    a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap) for
+    ``n >= 1``, and in ``[0, initial]`` ("full jitter") for ``n == 0``.
+
+    The worker asks for attempt 0 after a session that was welcomed and after a dial the link cut
+    once the server had accepted it, and for 1, 2, ... after dials the server (or a proxy) refused
+    in a row. Full jitter on that first reconnect halves the mean wait on a link that keeps
+    cutting healthy sessions, and, when a server restart cuts a whole fleet at once, spreads the
+    fleet's first dials over twice the window of equal jitter (half the peak rate); dials that
+    then fail back off exponentially.
+    """
+
+    initial: float = attrs.field(default=0.2, validator=_positive)
+    maximum: float = attrs.field(default=10.0, validator=_positive)
+
+    def __attrs_post_init__(self) -> None:
+        if self.initial > self.maximum:
+            raise ValueError("initial must not exceed maximum")
+
+    def cap(self, attempt: int) -> float:
+        """The upper bound of the delay before attempt *attempt*."""
+        # min() first on the exponent keeps 2**n from growing without bound.
+        return min(self.maximum, self.initial * 2.0 ** min(max(attempt, 0), 64))
+
+    def delay(self, attempt: int, rng: random.Random | None = None) -> float:
+        """A jittered delay for attempt *attempt*."""
+        cap = self.cap(attempt)
+        low = 0.0 if attempt <= 0 else cap / 2
+        return (rng or _RNG).uniform(low, cap)
 
 
 def dial_failure(exc: BaseException) -> str:

@@ -41,13 +41,13 @@ from functools import partial
 from ..clock import Clock, SystemClock
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
-from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import is_fatal_dial_error
 from ._link import Connection, Dialer, Link
 from ._machine import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
 from ._outbox import Outbox, Pending
 from ._outcomes import WORKER_LOST
+from ._redial import Backoff
 from ._requests import Event, RequestPath
 from ._shutdown import CLOSE_ALLOWANCE
 

@@ -35,7 +35,6 @@ from ..models import (
     Registration,
 )
 from ._admission import Admission
-from ._backoff import Backoff
 from ._clock import Wakeup
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._handlers import Handlers
@@ -48,6 +47,7 @@ from ._options import WorkerOptions, check_seconds
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._process import ProcessPool
+from ._redial import Backoff
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
 from ._session import SessionLoop

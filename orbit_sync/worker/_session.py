@@ -7,7 +7,7 @@ request path), publish the connection once they went out (handler requests may u
 the starts and finishes kept for it go out first, right behind the resumes), send the first capacity
 report behind them, step the resumes' outcomes until every one is over (then renew what they asked
 for), then repeat the report before the session expires and re-send kept requests when they are due,
-until the connection ends. On loss, back off with jitter (:mod:`._backoff`) and start again with the
+until the connection ends. On loss, back off with jitter (:mod:`._redial`) and start again with the
 same registration.
 
 Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
@@ -29,7 +29,6 @@ from ..client import Client, DialCut
 from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerProtocolError
 from ..models import CancelNotice, CapacityReport, Registration, Welcome
-from ._backoff import Backoff
 from ._clock import Wakeup
 from ._errors import (
     EndpointCheck,
@@ -43,7 +42,7 @@ from ._link import Connection, Dialer, Link
 from ._listeners import DisconnectEvent, Hooks, SessionEvent
 from ._machine import retry_delay
 from ._pool import woken_without_preempting
-from ._redial import Redial
+from ._redial import Backoff, Redial
 from ._shell import AttemptShell, Registry
 from ._shutdown import CLOSE_ALLOWANCE
 from ._watchdog import LeaseWatchdog
@@ -333,7 +332,7 @@ class SessionLoop:
             if gen is not None:
                 self._link.retract(gen)
             conn.close()  # completes what is still in flight on it
-            self._shell.drive_resumes()  # resumes it failed end now, not on a later connection
+            self._step_resumes()  # resumes it failed end now, not on a later connection
             # The intake has dispatched what the connection left unread (before the next
             # session's resumes, which then include those attempts). Quick: each start finds
             # the connection gone and is kept, or the link closed and gives up.
@@ -399,7 +398,9 @@ class SessionLoop:
         with self._reg.cond:
             held = list(self._reg.attempts.values())
         resumes = self._shell.resumes
-        self._shell.resume_all(held)
+        resumes.begin()
+        for att in held:  # each machine resumes its lease, within the gate's request slots
+            self._shell.step(att, lambda m: m.reconnected())
         self._drive_resumes(conn, resumes.all_sent)
         self._link.publish(conn)
         self._shell.resend_due()  # the kept starts and finishes, behind their resumes
@@ -431,7 +432,7 @@ class SessionLoop:
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             ended = conn.err is not None  # before the outcomes are taken (see above)
-            moved = self._shell.drive_resumes()
+            moved = self._step_resumes()
             next_resend = self._shell.resend_due()
             # A resume whose connection failed is over too (and broke the connection): cut.
             if self._link.is_closed() or resumes.cut() or (ended and not resumes.all_over()):
@@ -446,6 +447,13 @@ class SessionLoop:
             if now >= quiet_until:
                 raise CallTimeout("a resume of the connection thread was never completed")
             self._serve_wake.wait(min(next_resend, quiet_until) - now)
+
+    def _step_resumes(self) -> bool:
+        """Step the resumes' queued outcomes; True if there were any."""
+        taken = self._shell.resumes.take()
+        for att, event in taken:
+            self._shell.step(att, event)
+        return bool(taken)
 
     def _submit_report(self, conn: Connection) -> _ReportAnswer:
         """Send the report in force without waiting (under the window's lock, so reports reach

@@ -5,10 +5,9 @@ One request path (:mod:`._requests`, shared with the outbox replay): every start
 finish is pipelined; a request whose connection fails is kept by the link and re-sent with its
 ``message_id`` by the connection thread once a newer connection is published
 (:meth:`~._requests.RequestPath.resend_due`); a transient error answer is kept for its retry
-delay the same way. No thread waits for an answer. On a new connection, :meth:`resume_all` steps
-every held attempt's machine, which resumes its lease; the outcomes of those resumes are stepped
-by the connection thread (:mod:`._resumes`), which publishes the connection once all went out
-(the kept starts and finishes follow them on the wire).
+delay the same way. No thread waits for an answer. On a new connection, the connection thread
+steps every held attempt's machine, which resumes its lease, and steps the outcomes of those
+resumes (:attr:`AttemptShell.resumes`; see :mod:`._session`).
 
 Threads: an assignment's start goes out from the session's intake thread, which took it from
 the connection's queue (:mod:`._admission`); answers are handled on the reader thread without
@@ -44,7 +43,7 @@ from ..models import (
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._encoding import ResultEncoder
 from ._errors import NotConnected, is_link_failure
-from ._link import Connection, Link
+from ._link import Connection, Link, Resumes
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,
@@ -74,7 +73,6 @@ from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outco
 from ._pool import DaemonPool
 from ._report import AttemptInfo
 from ._requests import Event, RequestPath
-from ._resumes import Resumes
 from ._time_limits import Interruptible, TimeLimit, Timers
 from ._watchdog import LeaseWatchdog, RenewDone
 from ._window import CapacityWindow
@@ -650,21 +648,6 @@ class AttemptShell(RequestPath[Attempt]):
                 self._reg.cond.notify_all()
 
     # ------------------------------------------------------------------ a new connection
-
-    def resume_all(self, atts: list[Attempt]) -> None:
-        """A new connection is open (not yet published): step each of *atts*' machines, which
-        resumes its lease on it (within the gate's request slots). The connection thread then
-        drives them: :meth:`drive_resumes`, :attr:`resumes`."""
-        self.resumes.begin()
-        for att in atts:
-            self.step(att, lambda m: m.reconnected())
-
-    def drive_resumes(self) -> bool:
-        """Step the resumes' queued outcomes (the connection thread); True if there were any."""
-        taken = self.resumes.take()
-        for att, event in taken:
-            self.step(att, event)
-        return bool(taken)
 
     def _lease_view(self, att: Attempt) -> LeaseView:
         """The attempt's lease as the shell knows it now (read under the attempt's lock)."""
