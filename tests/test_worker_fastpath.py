@@ -131,7 +131,7 @@ def test_more_attempts_than_request_slots_all_finish_once(server: MockOrbitServe
     assert worker.stats().succeeded == 4  # stop() waited for the finishes' answers
     assert [s.state for s in snaps] == [TaskState.SUCCEEDED] * 4
     assert all(probe.runs[task_id] == 1 for task_id in ids)
-    assert worker._link.gate._free == 1  # every slot taken was given back
+    assert worker._controls.link.gate._free == 1  # every slot taken was given back
 
 
 def test_attempt_finished_runs_off_the_reader_thread_after_delivery(

@@ -137,7 +137,7 @@ def test_the_queue_holds_the_protocol_buffer() -> None:
         worker = make_worker(server)
         worker.handler("work")(lambda ctx, payload: None)
         with running(worker):
-            current = worker._link.current()
+            current = worker._controls.link.current()
             assert current is not None
             conn = current[0]
             assert isinstance(conn, WorkerConnection)

@@ -195,7 +195,7 @@ def test_handler_share_of_the_request_budget(
     """Starts and finishes get all but a quarter (2 to 8) of max_in_flight; default 32."""
     kwargs = {} if max_in_flight is None else {"max_in_flight": max_in_flight}
     worker = make_worker(server, **kwargs)
-    gate = worker._link.gate
+    gate = worker._controls.link.gate
     for _ in range(slots):
         assert gate.acquire_or_queue(lambda: None)
     assert gate._free == 0

@@ -36,7 +36,6 @@ from ..models import (
 )
 from ._admission import Admission
 from ._clock import Wakeup
-from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._handlers import Handlers
 from ._link import Dialer, Link
 from ._listeners import (
@@ -51,7 +50,7 @@ from ._redial import Backoff
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
 from ._session import SessionLoop
-from ._shell import AttemptShell, Handler, Registry, Renewals
+from ._shell import AttemptShell, Handler, LinkControls, Registry, Renewals, WorkerThreads
 from ._shutdown import AttemptPhases, Shutdown
 from ._signals import StopSignals, announce
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, Timers
@@ -200,32 +199,30 @@ class Worker:
         return worker
 
     def _build(self, client: Dialer, options: WorkerOptions) -> None:
-        """Wire the worker's parts for *client* and the validated *options* (nothing runs yet)."""
+        """Build the worker's parts for *client* and the validated *options*, each after what it
+        uses (nothing runs yet)."""
         self._options = opts = options
         self._client = client
-        log = opts.logger
         clock = opts.clock
-        self._hooks = Hooks(opts.listeners, logger=log)
-
-        # The attempts and counters, under the worker's lock (the registry's condition).
+        self._hooks = Hooks(opts.listeners, logger=opts.logger)
+        # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
         self._cond = self._reg.cond
         self._registered = Handlers(self._cond, opts)
         self._started = False
-        self._drain_deadline = 0.0
-        self._error: BaseException | None = None
         self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
         #: run()'s signal handling, while run() on the main thread waits in it.
         self._signals: StopSignals | None = None
+        # Opened by start(), not here: a process-executor child imports the module that builds
+        # this Worker, and must not contend for the parent's outbox lock.
+        self._outbox: Outbox | None = None
 
-        #: Wakes the connection thread: a new capacity report, the connection ended, shutdown.
-        self._serve_wake = Wakeup(clock)
-        self._dial_cut = DialCut()
-
-        self._link = Link(clock, slots=opts.handler_slots)
-        renewals = Renewals(self._reg, self._link, opts.request_timeout)
+        self._controls = LinkControls(
+            Link(clock, slots=opts.handler_slots), Wakeup(clock), DialCut()
+        )
+        renewals = Renewals(self._reg, self._controls.link, opts.request_timeout)
         # Wakes the watchdog's thread: a lease tracked or renewed, a time limit set.
         watchdog_wake = Wakeup(clock)
         self._watchdog = LeaseWatchdog(
@@ -234,33 +231,24 @@ class Worker:
             clock=clock.now,
             retry_delay=opts.renew_retry_delay,
             on_change=watchdog_wake.set,
-            logger=log,
+            logger=opts.logger,
         )
         # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
-        self._timers = Timers(clock.now, watchdog_wake.set)
-        self._watchdog_thread = WatchdogThread(
-            self._watchdog, wake=watchdog_wake, timers=self._timers
+        timers = Timers(clock.now, watchdog_wake.set)
+        self._threads = WorkerThreads(
+            DaemonPool(opts.capacity, clock=clock),
+            WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers),
+            timers,
         )
-        self._pool = DaemonPool(opts.capacity, clock=clock)
         self._window = CapacityWindow(opts.capacity)
         self._shell = AttemptShell(
             self._reg,
-            link=self._link,
-            pool=self._pool,
-            watchdog=self._watchdog,
-            hooks=self._hooks,
-            log=log,
-            clock=clock.now,
-            encoder=DEFAULT_ENCODER
-            if opts.result_converter is None
-            else ResultEncoder(opts.result_converter),
-            call_timeout=opts.request_timeout,
-            wake=self._serve_wake.set,
-            instance_id=lambda: self._registered.instance_id,
-            own_thread=self._owns_current_thread,
-            timers=self._timers,
-            capacity=opts.capacity,
+            opts,
+            controls=self._controls,
+            threads=self._threads,
             window=self._window,
+            hooks=self._hooks,
+            handlers=self._registered,
         )
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(on_renew=self._shell.renewed, on_loss=self._shell.lease_ended)
@@ -271,56 +259,43 @@ class Worker:
             self._hooks,
             clock=clock,
             retry_delay=opts.renew_retry_delay,
-            log=log,
-        )
-        self._threads: list[threading.Thread] = []
-        self._shutdown = Shutdown(
-            self._reg,
-            AttemptPhases(
-                self._reg,
-                clock,
-                self._shell,
-                assignments_over=lambda: self._sessions.assignments_over(),
-            ),
-            opts,
-            link=self._link,
-            dial_cut=self._dial_cut,
-            wake=self._serve_wake,
-            watchdog=self._watchdog_thread,
-            pool=self._pool,
-            handlers=self._registered,
-            threads=self._threads,
-            drain_deadline=lambda: self._drain_deadline,
-            error=self._first_error,
-            stopped=self._stopped,
+            log=opts.logger,
         )
         self._sessions = SessionLoop(
             client,
-            registration=lambda: self.registration,
+            registration=self._registered.registration,
             notifications=opts.cancellation_notifications,
             dial_timeout=opts.dial_timeout,
             call_timeout=opts.request_timeout,
             retry_delay=opts.renew_retry_delay,
             backoff=opts.reconnect_backoff,
             time=clock,
-            link=self._link,
+            link=self._controls.link,
             registry=self._reg,
             shell=self._shell,
             watchdog=self._watchdog,
             hooks=self._hooks,
-            log=log,
-            wake=self._serve_wake,
+            log=opts.logger,
+            wake=self._controls.wake,
             ready=self._ready,
-            dial_cut=self._dial_cut,
+            dial_cut=self._controls.dial_cut,
             on_cancel=self._admission.on_cancel,
             take_assignments=self._admission.take_all,
             window=self._window,
             fail=self._fail,
             first_connect_timeout=opts.first_connect_timeout,
         )
-        # Opened by start(), not here: a process-executor child imports the module that builds
-        # this Worker, and must not contend for the parent's outbox lock.
-        self._outbox: Outbox | None = None
+        self._shutdown = Shutdown(
+            self._reg,
+            AttemptPhases(
+                self._reg, clock, self._shell, assignments_over=self._sessions.assignments_over
+            ),
+            opts,
+            controls=self._controls,
+            threads=self._threads,
+            handlers=self._registered,
+            stopped=self._stopped,
+        )
 
     # ------------------------------------------------------------------ registration
 
@@ -488,7 +463,7 @@ class Worker:
             self._shell.outbox = self._shutdown.outbox = self._outbox
             if self._processes is not None:
                 self._processes.guard(self._outbox.lock_path, self._registered.instance_id)
-        self._watchdog_thread.start()
+        self._threads.watchdog.start()
         targets = [
             (self._sessions.run, "orbit-worker-connection"),
             (self._shutdown.run, "orbit-worker-shutdown"),
@@ -498,7 +473,7 @@ class Worker:
                 replay_until_done,
                 self._outbox,
                 self._client,
-                link=self._link,
+                link=self._controls.link,
                 backoff=self._options.reconnect_backoff,
                 exclude=self._registered.instance_id,
                 log=self._options.logger,
@@ -510,7 +485,7 @@ class Worker:
             targets.append((replay, "orbit-worker-outbox"))
         for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
-            self._threads.append(thread)
+            self._threads.started.append(thread)
             thread.start()
         # Daemon threads die abruptly at interpreter exit; stop cleanly first if nobody did.
         atexit.register(self._at_exit)
@@ -575,12 +550,12 @@ class Worker:
             first = not self._reg.stop_requested
             if first:
                 self._reg.stop_requested = True
-                self._drain_deadline = now + window
+                self._reg.drain_deadline = now + window
                 self._options.logger.info(
                     "worker stopping (%s)", f"draining for {window:g}s" if drain else "now"
                 )
-            elif now + window < self._drain_deadline:
-                self._drain_deadline = now + window
+            elif now + window < self._reg.drain_deadline:
+                self._reg.drain_deadline = now + window
                 self._options.logger.info("worker stop escalated: cancelling handlers now")
             self._cond.notify_all()
         self._sessions.report_drain()
@@ -606,7 +581,7 @@ class Worker:
             self._report = ShutdownReport(drained=True)
             self._done.set()
             return self._report
-        if self._owns_current_thread():
+        if self._threads.owns_current():
             raise RuntimeError("stop() would wait for itself here; use request_stop()")
         self.request_stop(drain=drain, timeout=timeout)
         window = self._drain_window(drain, timeout)
@@ -621,11 +596,6 @@ class Worker:
         if not drain:
             return 0.0
         return self._options.drain_timeout if timeout is None else timeout
-
-    def _owns_current_thread(self) -> bool:
-        """Is this one of the worker's own threads (not a connection's or the user's)?"""
-        current = threading.current_thread()
-        return current in self._threads or self._pool.owns_current_thread()
 
     def __enter__(self) -> Worker:
         return self.start()
@@ -647,7 +617,7 @@ class Worker:
             running = self._reg.running
             stuck = len(self._reg.stuck)
         return WorkerStats(
-            connected=self._link.current() is not None,
+            connected=self._controls.link.current() is not None,
             running=running,
             succeeded=counts[Outcome.SUCCEEDED.value],
             failed=counts[Outcome.FAILED.value],
@@ -680,17 +650,11 @@ class Worker:
 
     def _fail(self, exc: BaseException) -> None:
         with self._cond:
-            if self._error is None:
-                self._error = exc
+            if self._reg.error is None:
+                self._reg.error = exc
         self.request_stop(drain=False)
-        for job in self._link.close():
-            job()  # a kept request: it finds the link closed and gives up (unreported)
-        self._serve_wake.set()
-
-    def _first_error(self) -> BaseException | None:
-        """The error that stopped the worker, if one did."""
-        with self._cond:
-            return self._error
+        self._controls.close_link()
+        self._controls.wake.set()
 
     def _stopped(self, report: ShutdownReport) -> None:
         """The shutdown thread's last step: *report* is final; tell the listeners, then wake whoever

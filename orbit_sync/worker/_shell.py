@@ -28,9 +28,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from .._protocol import Done
+from ..client import DialCut
 from ..connection import Submission
 from ..errors import OrbitError, WorkerError
 from ..models import (
@@ -40,8 +43,9 @@ from ..models import (
     Finish,
     Outcome,
 )
+from ._clock import Wakeup
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
-from ._encoding import ResultEncoder
+from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_link_failure
 from ._link import Connection, Link, Resumes
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
@@ -68,21 +72,27 @@ from ._machine import (
     TrackLease,
     UntrackLease,
 )
+from ._options import WorkerOptions
 from ._outbox import Outbox, OutboxError
 from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outcome_of
 from ._pool import DaemonPool
 from ._report import AttemptInfo
 from ._requests import Event, RequestPath
 from ._time_limits import Interruptible, TimeLimit, Timers
-from ._watchdog import LeaseWatchdog, RenewDone
+from ._watchdog import RenewDone, WatchdogThread
 from ._window import CapacityWindow
+
+if TYPE_CHECKING:  # it imports Handler from here
+    from ._handlers import Handlers
 
 __all__ = [
     "Attempt",
     "AttemptShell",
     "Handler",
+    "LinkControls",
     "Registry",
     "Renewals",
+    "WorkerThreads",
     "attempt_event",
     "lease_event",
 ]
@@ -145,9 +155,9 @@ class Attempt:
 
 
 class Registry:
-    """The attempts the worker holds and its counters, under one condition variable (which the
-    shutdown thread waits on once a stop was requested). Attempt locks are taken after it, never
-    before."""
+    """The attempts the worker holds, its counters and its stop request, under one condition
+    variable (which the shutdown thread waits on once a stop was requested). Attempt locks are
+    taken after it, never before."""
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
@@ -159,6 +169,11 @@ class Registry:
         #: Attempts finished UNKNOWN while their handler still runs: each holds a slot.
         self.stuck: dict[str, AttemptInfo] = {}
         self.stop_requested = False
+        #: When the drain ends (clock time), once a stop was requested; a later request may
+        #: bring it forward.
+        self.drain_deadline = 0.0
+        #: The error that stopped the worker, if one did.
+        self.error: BaseException | None = None
         #: The shutdown's drain is over (its cancel phase began): an assignment arriving now
         #: is started with its context already cancelled (``shutdown``), so it finishes by the
         #: outcome rules instead of running past the shutdown's deadline.
@@ -167,6 +182,38 @@ class Registry:
     def get(self, attempt_id: str) -> Attempt | None:
         with self.cond:
             return self.attempts.get(attempt_id)
+
+
+@attrs.frozen
+class LinkControls:
+    """The link and the connection thread that drives it: *wake* wakes that thread (a request
+    was kept, a capacity report is due, the worker stops); *dial_cut* ends its dial in progress."""
+
+    link: Link
+    wake: Wakeup
+    dial_cut: DialCut
+
+    def close_link(self) -> None:
+        """Close the link: each request it kept runs now, finds it closed and gives up (it is
+        reported unreported)."""
+        for job in self.link.close():
+            job()
+
+
+@attrs.frozen
+class WorkerThreads:
+    """The worker's own threads: the handler *pool*; the lease *watchdog*'s thread, which also
+    fires the handlers' time limits (*timers*); and those ``Worker.start`` starts (*started*:
+    connection, shutdown, outbox replay)."""
+
+    pool: DaemonPool
+    watchdog: WatchdogThread
+    timers: Timers
+    started: list[threading.Thread] = attrs.field(factory=list)
+
+    def owns_current(self) -> bool:
+        """Is this one of the worker's own threads (not a connection's or the user's)?"""
+        return threading.current_thread() in self.started or self.pool.owns_current_thread()
 
 
 def _writes(actions: list[Action]) -> bool:
@@ -210,41 +257,36 @@ class AttemptShell(RequestPath[Attempt]):
     def __init__(
         self,
         registry: Registry,
+        options: WorkerOptions,
         *,
-        link: Link,
-        pool: DaemonPool,
-        watchdog: LeaseWatchdog,
-        hooks: Hooks,
-        log: logging.Logger,
-        clock: Callable[[], float],
-        encoder: ResultEncoder,
-        call_timeout: float,
-        wake: Callable[[], None],
-        instance_id: Callable[[], str],
-        own_thread: Callable[[], bool],
-        timers: Timers,
-        capacity: int,
+        controls: LinkControls,
+        threads: WorkerThreads,
         window: CapacityWindow,
+        hooks: Hooks,
+        handlers: Handlers,
     ) -> None:
-        # *wake* wakes the connection thread, which drives the link (a request was kept).
-        super().__init__(link, call_timeout=call_timeout, log=log, wake=wake)
+        super().__init__(
+            controls.link,
+            call_timeout=options.request_timeout,
+            log=options.logger,
+            wake=controls.wake.set,
+        )
         self._reg = registry
-        self._pool = pool
-        self._watchdog = watchdog
-        self._hooks = hooks
-        self._clock = clock
-        self._encoder = encoder
-        self._instance_id = instance_id
+        self._options = options
+        self._threads = threads
         self._window = window
-        #: Is the current thread one of the worker's own (pool, connection, shutdown, ...)?
-        self._own_thread = own_thread
-        #: The handlers' time limits and their grace run on these (the watchdog's thread).
-        self._timers = timers
-        self._capacity = capacity
+        self._hooks = hooks
+        #: Its ``instance_id`` (new in a forked child) goes into the outbox's records.
+        self._handlers = handlers
+        self._encoder = (
+            DEFAULT_ENCODER
+            if options.result_converter is None
+            else ResultEncoder(options.result_converter)
+        )
         #: The durable outbox, once start() opened it.
         self.outbox: Outbox | None = None
         #: The resumes of the newest connection (the connection thread waits for them).
-        self.resumes: Resumes[Attempt] = Resumes(wake)
+        self.resumes: Resumes[Attempt] = Resumes(self._wake)
 
     def step(self, att: Attempt, event: Event) -> None:
         """Feed *event* to the attempt's machine and perform the actions it returns. An
@@ -276,15 +318,16 @@ class AttemptShell(RequestPath[Attempt]):
         """Perform the lease and context actions now, under the attempt's lock (shutdown's
         abandon step must never see a lease tracked after its untrack); return the rest."""
         rest: list[Action] = []
+        leases = self._threads.watchdog.core
         for action in actions:
             if isinstance(action, TrackLease):
-                self._watchdog.track(att.id, action.deadline)
+                leases.track(att.id, action.deadline)
                 set_lease_deadline(att.ctx, action.deadline)
             elif isinstance(action, RefreshLease):
-                if self._watchdog.refresh(att.id, action.deadline):
+                if leases.refresh(att.id, action.deadline):
                     set_lease_deadline(att.ctx, action.deadline)
             elif isinstance(action, UntrackLease):
-                self._watchdog.untrack(att.id)
+                leases.untrack(att.id)
             elif isinstance(action, CancelContext):
                 cancel_context(att.ctx, action.reason)
             else:
@@ -298,7 +341,12 @@ class AttemptShell(RequestPath[Attempt]):
         perform everything themselves: the shutdown thread must not wait for a pool whose threads
         may all be held by handlers that ignore cancellation; for the same reason, an abandoned
         attempt's last actions (at shutdown only) run where its answer arrives."""
-        if self._slow and _writes(actions) and not self._own_thread() and not _abandoned(att):
+        if (
+            self._slow
+            and _writes(actions)
+            and not self._threads.owns_current()
+            and not _abandoned(att)
+        ):
             self._offload(partial(self._perform_now, att, actions))
             return
         self._perform_now(att, actions)
@@ -341,7 +389,7 @@ class AttemptShell(RequestPath[Attempt]):
         """Run *job* on a pool thread; once the pool is shut down (a late answer at the very end
         of shutdown, when the link is closed and nothing is written any more), here."""
         try:
-            self._pool.submit(job)
+            self._threads.pool.submit(job)
         except RuntimeError:
             job()
 
@@ -360,7 +408,9 @@ class AttemptShell(RequestPath[Attempt]):
                 finish = Submission(
                     "task.finish", request.body, on_done, request.message_id, self._call_timeout
                 )
-                ahead = window.submission(conn, report, self._clock(), self._call_timeout)
+                ahead = window.submission(
+                    conn, report, self._options.clock.now(), self._call_timeout
+                )
                 conn._submit_many([ahead, finish])
                 return
         # No report needed: the finish goes out without the lock, which handlers starting
@@ -392,14 +442,14 @@ class AttemptShell(RequestPath[Attempt]):
         return lambda m: m.start_answered(
             request,
             value,
-            now=self._clock(),
+            now=self._options.clock.now(),
             cancel_reason=ctx.cancel_reason,
             cancel_requested=ctx.cancel_requested,
         )
 
     def _run_handler_on_pool(self, att: Attempt) -> None:
         try:
-            self._pool.submit(partial(self._run_handler, att))
+            self._threads.pool.submit(partial(self._run_handler, att))
         except RuntimeError:  # the pool shut down under a late start answer: do not run it
             stop = not_run(cancel_requested=False, reason="shutdown")
             self.step(att, lambda m: m.handler_returned(stop))
@@ -435,8 +485,8 @@ class AttemptShell(RequestPath[Attempt]):
         limit = att.time_limit
         timer = None
         if limit is not None:
-            att.limit_at = self._clock() + limit.seconds
-            timer = self._timers.call_at(
+            att.limit_at = self._options.clock.now() + limit.seconds
+            timer = self._threads.timers.call_at(
                 att.limit_at, lambda: self.step(att, lambda m: m.time_limit_passed())
             )
         began = time.perf_counter()
@@ -450,7 +500,7 @@ class AttemptShell(RequestPath[Attempt]):
         finally:
             duration = time.perf_counter() - began
             if timer is not None:
-                self._timers.cancel(timer)
+                self._threads.timers.cancel(timer)
             with self._reg.cond:
                 self._reg.running -= 1
         verdict = outcome_of(
@@ -492,7 +542,7 @@ class AttemptShell(RequestPath[Attempt]):
         self._outbox_write(
             att,
             lambda o: o.record_finish(
-                self._instance_id(), att.task.handler, finish, request.message_id
+                self._handlers.instance_id, att.task.handler, finish, request.message_id
             ),
         )
 
@@ -555,7 +605,7 @@ class AttemptShell(RequestPath[Attempt]):
         )
         # From the limit, not from now: the handler gets at most limit + grace, however late
         # this thread woke.
-        self._timers.call_at(
+        self._threads.timers.call_at(
             att.limit_at + grace, lambda: self.step(att, lambda m: m.time_limit_grace_passed())
         )
 
@@ -574,7 +624,7 @@ class AttemptShell(RequestPath[Attempt]):
                 att.task.handler,
                 self._grace(att),
                 stuck,
-                self._capacity,
+                self._options.capacity,
             )
         if self._hooks:
             self._hooks.emit("handler_stuck", self._stuck_event(att, reason, stuck))
@@ -607,7 +657,7 @@ class AttemptShell(RequestPath[Attempt]):
 
     def _stuck_event(self, att: Attempt, reason: str, stuck: int) -> StuckEvent:
         task = att.task
-        return StuckEvent(task.task_id, att.id, task.handler, reason, stuck, self._capacity)
+        return StuckEvent(task.task_id, att.id, task.handler, reason, stuck, self._options.capacity)
 
     # ------------------------------------------------------------------ durable outbox
 
@@ -616,7 +666,7 @@ class AttemptShell(RequestPath[Attempt]):
         if self.outbox is None:
             return True
         try:
-            self.outbox.launch(self._instance_id(), att.ref, att.task.handler)
+            self.outbox.launch(self._handlers.instance_id, att.ref, att.task.handler)
         except OutboxError:
             # Without the record a kill would leave no trace of the run: do not run.
             worker_log(att.ctx).exception("outbox unavailable: handler not run")
@@ -653,7 +703,7 @@ class AttemptShell(RequestPath[Attempt]):
         """The attempt's lease as the shell knows it now (read under the attempt's lock)."""
         ctx = att.ctx
         return LeaseView(
-            now=self._clock(),
+            now=self._options.clock.now(),
             remaining=ctx.remaining(),
             cancelled=ctx.cancelled.is_set(),
         )

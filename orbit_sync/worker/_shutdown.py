@@ -26,18 +26,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 
-from ..client import DialCut
 from ..clock import Clock, SystemClock
-from ._clock import Wakeup
 from ._handlers import Handlers
-from ._link import Link
 from ._machine import Phase
 from ._options import WorkerOptions
 from ._outbox import Outbox
-from ._pool import DaemonPool
 from ._report import AttemptInfo, ShutdownReport
-from ._shell import Attempt, AttemptShell, Registry
-from ._watchdog import WatchdogThread
+from ._shell import Attempt, AttemptShell, LinkControls, Registry, WorkerThreads
 
 __all__ = ["CLOSE_ALLOWANCE", "AttemptPhases", "Shutdown", "real_time_bound"]
 
@@ -104,19 +99,19 @@ class AttemptPhases:
                 clock.wait(self._reg.cond, deadline)
             return True
 
-    def drain(self, deadline: Callable[[], float]) -> bool:
-        """Until *deadline()* (a later request_stop may shorten it): wait for the server to
-        assign nothing more (the drain report answered), then for every attempt held, those
-        that arrived meanwhile included, to end; running handlers keep their leases renewed.
-        True when nothing is left."""
+    def drain(self) -> bool:
+        """Until the registry's drain deadline (a later request_stop may bring it forward): wait
+        for the server to assign nothing more (the drain report answered), then for every
+        attempt held, those that arrived meanwhile included, to end; running handlers keep
+        their leases renewed. True when nothing is left."""
         reg = self._reg
         with reg.cond:
             while (
                 (reg.attempts or not self._assignments_over())
                 and not self._overdue
-                and self._time.now() < deadline()
+                and self._time.now() < reg.drain_deadline
             ):
-                self._time.wait(reg.cond, deadline())
+                self._time.wait(reg.cond, reg.drain_deadline)
             return not reg.attempts
 
     def cancel(self, grace: float) -> list[Attempt]:
@@ -178,31 +173,19 @@ class Shutdown:
         phases: AttemptPhases,
         options: WorkerOptions,
         *,
-        link: Link,
-        dial_cut: DialCut,
-        wake: Wakeup,
-        watchdog: WatchdogThread,
-        pool: DaemonPool,
+        controls: LinkControls,
+        threads: WorkerThreads,
         handlers: Handlers,
-        threads: list[threading.Thread],
-        drain_deadline: Callable[[], float],
-        error: Callable[[], BaseException | None],
         stopped: Callable[[ShutdownReport], None],
     ) -> None:
         self._reg = registry
         self._phases = phases
-        #: The worker's clock, logger, cancel_grace and flush_timeout.
         self._options = options
-        self._link = link
-        self._dial_cut = dial_cut
-        self._wake = wake
-        self._watchdog = watchdog
-        self._pool = pool
-        self._handlers = handlers
-        #: The worker's threads (this one among them), joined by the close phase.
+        self._controls = controls
         self._threads = threads
-        self._drain_deadline = drain_deadline
-        self._error = error
+        #: Their child processes are closed with the worker's threads.
+        self._handlers = handlers
+        #: Publishes the report and tells the listeners.
         self._stopped = stopped
         #: Set by Worker.start when the worker has an outbox; closed last.
         self.outbox: Outbox | None = None
@@ -290,8 +273,10 @@ class Shutdown:
         # A plan over the clock (see ._shutdown): at most drain + cancel_grace + flush_timeout,
         # plus the close allowance; the alarm bounds the same plan in real time.
         phases = self._phases
+        with self._reg.cond:
+            window = max(0.0, self._reg.drain_deadline - self._options.clock.now())
         bound = real_time_bound(
-            max(0.0, self._drain_deadline() - self._options.clock.now()),
+            window,
             self._options.cancel_grace,
             self._options.flush_timeout,
         )
@@ -304,7 +289,7 @@ class Shutdown:
             #    assigns nothing more. What it assigned before reaches us ahead of that
             #    report's answer and runs here too (nothing hands it back, and its claim spent
             #    an attempt): the drain waits for the answer, then for every attempt.
-            drained = phases.drain(self._drain_deadline)
+            drained = phases.drain()
             if not drained:
                 with self._reg.cond:
                     held = [a.info for a in self._reg.attempts.values()]
@@ -335,13 +320,13 @@ class Shutdown:
         # 5. Close.
         self._close()
         with self._reg.cond:
-            unreported = tuple(self._reg.unreported)
+            unreported, error = tuple(self._reg.unreported), self._reg.error
         return ShutdownReport(
             drained=drained,
             cancelled=tuple(a.info for a in cancelled if a not in gave_up),
             abandoned=tuple(a.info for a in gave_up),
             unreported=unreported,
-            error=self._error(),
+            error=error,
         )
 
     def _close(self) -> None:
@@ -350,19 +335,19 @@ class Shutdown:
         handlers: abandoned ones still running)."""
         # Real time: what is waited for here are threads ending on the events closing sets.
         close_end = REAL_TIME.now() + CLOSE_ALLOWANCE
-        current = self._link.current()
-        for job in self._link.close():
-            job()  # a kept request: it finds the link closed and gives up (unreported)
-        self._dial_cut.cut()
-        self._wake.set()
+        controls, threads = self._controls, self._threads
+        current = controls.link.current()
+        controls.close_link()
+        controls.dial_cut.cut()
+        controls.wake.set()
         if current is not None:
             current[0].close()
         self._phases.settled(close_end, real_time=True)
-        self._watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
-        self._pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=self._phases.stuck())
+        threads.watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
+        threads.pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=self._phases.stuck())
         if self._handlers.processes is not None:
             self._handlers.processes.close()
-        for thread in self._threads:
+        for thread in threads.started:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, close_end - REAL_TIME.now()))
         if self.outbox is not None:
