@@ -22,14 +22,12 @@ __all__ = [
 ]
 
 _LOG = logging.getLogger("orbit_sync.worker")
-#: ``ctx.logger`` logs under ``orbit_sync.task.<handler>``: a tree users route apart from the
-#: library's own ``orbit_sync.worker`` lines.
-TASK_LOGGER_PREFIX = "orbit_sync.task"
 
 
 def task_logger(handler: str) -> logging.Logger:
-    """The logger behind ``ctx.logger`` for *handler*'s tasks."""
-    return logging.getLogger(f"{TASK_LOGGER_PREFIX}.{handler}")
+    """The logger behind ``ctx.logger`` for *handler*'s tasks: a tree users route apart from the
+    library's own ``orbit_sync.worker`` lines."""
+    return logging.getLogger(f"orbit_sync.task.{handler}")
 
 
 class _TaskLogger(logging.LoggerAdapter):  # type: ignore[type-arg]

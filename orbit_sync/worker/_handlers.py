@@ -1,13 +1,4 @@
-"""The Worker's registered handlers and identity, and the ``worker.hello`` body built from them.
-
-:class:`Handlers` owns the handler table (keyed by name, handler version and payload version),
-each handler's task logger, the process pool that ``executor="process"`` handlers share
-(created at the first such registration, started lazily by the pool itself), the worker's
-identity (``instance_id`` and ``instance_secret``, new in a forked child) and the
-:class:`~orbit_sync.models.Registration`. Everything here is read and changed under the lock it
-is given (the worker's registry condition): registration happens before start, lookups on the
-connection's reader thread after it.
-"""
+"""The Worker's registered handlers and identity, and the ``worker.hello`` body built from them."""
 
 from __future__ import annotations
 
@@ -67,7 +58,11 @@ if hasattr(os, "register_at_fork"):  # POSIX only
 
 
 class Handlers:
-    """The handler table of one Worker (see the module's docstring)."""
+    """The handler table of one Worker: each handler by (name, handler version, payload
+    version) with its task logger and time limit, the process pool its ``executor="process"``
+    handlers share (made at the first), the worker's identity (new in a forked child) and its
+    :class:`~orbit_sync.models.Registration`. Read and changed under the worker's registry
+    condition: registration happens before start, lookups on the connection's reader after it."""
 
     def __init__(self, lock: threading.Condition, options: WorkerOptions) -> None:
         self._lock = lock

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -272,14 +273,8 @@ class Hooks:
 
     def call_handler(self, handler: Callable[[TaskContext, Any], Any], ctx: TaskContext) -> Any:
         """Run ``handler(ctx, payload)`` inside every listener's :meth:`around_handler`."""
-        wrappers = self._wrappers
-        if not wrappers:
-            return handler(ctx, ctx.payload)
-
-        def call() -> Any:
-            return handler(ctx, ctx.payload)
-
-        for wrap in reversed(wrappers):
+        call: Callable[[], Any] = partial(handler, ctx, ctx.payload)
+        for wrap in reversed(self._wrappers):
             call = self._isolate(wrap, ctx, call)
         return call()
 

@@ -1,21 +1,13 @@
 """The durable outbox: what a killed worker process leaves for the next one to deliver.
 
-``Worker(outbox="path.sqlite")`` keeps one SQLite file (WAL, mode 0600) with:
-
-- ``instances``: each worker run's identity (instance id and secret, queue, capabilities,
-  capacity), so a later process can speak *as that instance* to deliver what it left;
-- ``launched``: an attempt whose handler is about to run (committed, fsync'd, before it runs);
-- ``finishes``: the finish decided for an attempt, with its ``message_id`` and encoded result
-  (committed, fsync'd, before it is first sent).
-
-Both rows of an attempt are deleted once the server acknowledged its finish (that delete is not
-fsync'd: if it is lost, the next replay re-sends the same ``message_id`` and the server answers
-with the original receipt). So a task costs two small fsync'd transactions.
-
-Secrets (instance and lease secrets) live in the file, so it is created 0600 and refused when
-another user could read it or when it belongs to someone else; a file that is not an outbox, or
-is corrupt, is refused and never overwritten. One process at a time: the lock file beside it
-is locked for as long as the outbox is open (``_outbox_lock``: why a record lock, not ``flock``).
+``Worker(outbox="path.sqlite")`` keeps one SQLite file (WAL, mode 0600; docs/outbox.md): each
+run's identity (``instances``: a later process speaks *as that instance* to deliver what it
+left), each attempt about to run (``launched``) and each finish decided (``finishes``, with its
+``message_id``), committed and fsync'd before the step they record. Both rows of an attempt go
+once the server acknowledged its finish (not fsync'd: a lost delete only re-sends the same
+``message_id``). The file holds secrets: it is refused when another user could read it or owns
+it; one that is not an outbox, or is corrupt, is refused and never overwritten. One process at
+a time: see ``_outbox_lock``.
 """
 
 from __future__ import annotations
@@ -116,7 +108,10 @@ class Outbox:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
         self._lock = threading.Lock()
-        fd = self._open_checked()
+        try:
+            fd = open_private(self.path)
+        except BaseException as exc:
+            raise _file_error(self.path, exc) from None
         try:
             # One process at a time: a second one would speak as the same instances.
             self._locks = LockFile(lock_path(self.path))
@@ -154,12 +149,6 @@ class Outbox:
         return outbox
 
     # ------------------------------------------------------------------ opening
-
-    def _open_checked(self) -> int:
-        try:
-            return open_private(self.path)
-        except BaseException as exc:
-            raise _file_error(self.path, exc) from None
 
     def _connect(self) -> sqlite3.Connection:
         try:

@@ -33,7 +33,7 @@ from collections.abc import Iterator
 
 from .._realtime import monotonic
 
-__all__ = ["LockFile", "check_private_file", "hold_instance_shared", "instance_offset", "lock_path"]
+__all__ = ["LockFile", "hold_instance_shared", "instance_offset", "lock_path", "open_private"]
 
 #: How often a bounded wait for an instance's lock tries again.
 _POLL = 0.05
@@ -62,31 +62,26 @@ def instance_offset(instance_id: str) -> int:
     return 1 + int.from_bytes(digest[:7], "big")
 
 
-def check_private_file(fd: int) -> str | None:
-    """Why the open file *fd* must not hold secrets or locks of ours, or None when it may."""
-    info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode):
-        return "is not a regular file"
-    if info.st_uid != os.geteuid():
-        return "belongs to another user"
-    if info.st_mode & 0o077:
-        return (
-            f"can be read or written by other users (mode {stat.S_IMODE(info.st_mode):o}); "
-            "it holds secrets: chmod 600 it"
-        )
-    return None
-
-
 def open_private(path: str) -> int:
-    """Open (creating 0600) *path*, never through a symlink; raises ``OSError`` or ``ValueError``
-    (the reason, from :func:`check_private_file`)."""
+    """Open (creating 0600) *path*, never through a symlink; raises ``OSError``, or
+    ``ValueError`` saying why an existing file must not hold secrets or locks of ours."""
     flags = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
         return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         pass
     fd = os.open(path, flags)
-    problem = check_private_file(fd)
+    info = os.fstat(fd)
+    problem = None
+    if not stat.S_ISREG(info.st_mode):
+        problem = "is not a regular file"
+    elif info.st_uid != os.geteuid():
+        problem = "belongs to another user"
+    elif info.st_mode & 0o077:
+        problem = (
+            f"can be read or written by other users (mode {stat.S_IMODE(info.st_mode):o}); "
+            "it holds secrets: chmod 600 it"
+        )
     if problem is not None:
         os.close(fd)
         raise ValueError(problem)

@@ -151,11 +151,9 @@ class _Process:
             self._wake_w.send(b"\0")
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # BlockingIOError once drained
             while self._wake_r.recv(512):
                 pass
-        except (BlockingIOError, OSError):
-            pass
 
     def run(self, fn_bytes: bytes, ctx: TaskContext, cancel_grace: float) -> tuple[str, Any]:
         """Run one job; relay until it ends. Returns ``(kind, data)`` as the child sent it."""

@@ -20,6 +20,7 @@ from typing import Any
 
 from ..models import Task
 from ._context import TaskContext, cancel_context, set_lease_deadline
+from ._encoding import type_name
 from ._outbox_lock import hold_instance_shared
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._time_limits import Interruptible
@@ -156,7 +157,7 @@ class _Child:
             fn = pickle.loads(fn_bytes)
         except BaseException as exc:
             _LOG.error("could not load handler %r in its process", task.handler, exc_info=True)
-            return "import_error", _type_name(exc)
+            return "import_error", type_name(exc)
         ctx = TaskContext(task, attempt_id, deadline=deadline)
         running = Interruptible(threading.Lock())
         with self._cond:
@@ -175,22 +176,15 @@ class _Child:
             return "cancelled", exc.reason
         except BaseException as exc:
             # The type goes to the server (as on a thread); the traceback to the parent's log.
-            return "error", (_type_name(exc), traceback.format_exc())
+            return "error", (type_name(exc), traceback.format_exc())
         finally:
             with self._cond:
                 self._ctx, self._job, self._running = None, None, None
         try:
             pickle.dumps(value)
         except Exception:
-            return "unpicklable", _type_name(value)
+            return "unpicklable", type_name(value)
         return "value", value
-
-
-def _type_name(obj: object) -> str:
-    kind = obj if isinstance(obj, type) else type(obj)
-    if kind.__module__ == "builtins":
-        return kind.__qualname__
-    return f"{kind.__module__}.{kind.__qualname__}"
 
 
 def _die_with_parent() -> None:

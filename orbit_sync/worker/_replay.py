@@ -1,34 +1,18 @@
-"""Replay of a durable outbox: deliver what earlier, killed processes left behind.
+"""Replay of a durable outbox: deliver what earlier, killed processes left (docs/outbox.md).
 
-How a restarted process delivers (docs/protocol.md, "Durable outbox"): it speaks *as the
-instance that left the records* — that instance's id and secret come from the outbox — on a
-session of its own. That session fences any session the dead process still had (the epoch
-grows), ``worker.resume``s each stored attempt, then sends:
+A restarted process speaks *as the instance that left the records* on a session of its own
+(which fences any session the dead process still had), resumes each stored attempt, then sends
+each stored finish with its original ``message_id`` and, for an attempt launched but never
+finished whose lease it could resume, ``UNKNOWN`` with ``WORKER_LOST`` (recorded before it is
+sent). A refused resume, or an inactive lease, means the server already ended the attempt: its
+record is dropped rather than contradict what the server knows.
 
-- each stored finish with its original ``message_id``: the server applies it while the lease
-  lasts, keeps it as evidence after, and answers a repeat with the original receipt;
-- for each attempt that was launched but never finished, and whose lease it could resume, a
-  finish ``UNKNOWN`` with ``WORKER_LOST`` (recorded before it is sent, so a replay cut midway
-  re-sends the same operation): the uncertain effect reaches the server now instead of at lease
-  expiry. An attempt whose resume is refused, or answers an inactive lease, was already ended by
-  the server (lease expiry, or a finish the dead process delivered but could not record, e.g.
-  on a full disk): reporting it lost would only contradict what the server knows, so its
-  record is dropped.
-
-Each stored attempt is an :class:`~._machine.AttemptMachine` entered by its ``replay`` step,
-and its requests go out through the worker's one request path (:mod:`._requests`), with the
-same retry/fatal classification as a live attempt's: a transient error answer is re-sent after
-the retry delay on the same connection; a connection that fails ends the try, and the next try
-(after the backoff) re-sends the same operations, their ``message_id`` read from the outbox.
-:class:`ReplayShell` drives one try: it owns the machines, steps them on the replay thread
-(answers arriving on the connection's reader are queued for it), and ends by
-:data:`TRY_LIMIT` at the latest.
-
-No attempt is reported lost while a handler process of the dead instance may still run it: the
-replay first takes the instance's lock, which every such process holds while it lives
-(``_outbox_lock``); while it cannot, the instance waits for the next try.
-
-The replay session never reports capacity, so nothing is ever assigned to it, and it runs no
+Each stored attempt is an :class:`~._machine.AttemptMachine` entered by its ``replay`` step; its
+requests go through the worker's one request path (:mod:`._requests`), retried as a live
+attempt's. :class:`ReplayShell` drives one try on one connection and ends by :data:`TRY_LIMIT`
+at the latest; what is left waits for the next try, after the backoff. No attempt is reported
+lost while a handler process of the dead instance may still run it: the replay first takes the
+instance's lock (``_outbox_lock``). The replay session never reports capacity and runs no
 handler: replay cannot run anything twice.
 """
 
