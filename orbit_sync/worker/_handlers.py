@@ -53,8 +53,7 @@ def _after_fork_in_child() -> None:
         table.new_identity()
 
 
-if hasattr(os, "register_at_fork"):  # POSIX only
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Handlers:

@@ -116,19 +116,17 @@ class Outbox:
             # One process at a time: a second one would speak as the same instances.
             self._locks = LockFile(lock_path(self.path))
         except HeldHere:
-            os.close(fd)
             raise OutboxError(
                 f"outbox {self.path} is already open in this process (by another Worker): "
                 "give each Worker its own outbox file"
             ) from None
         except LockBusy:
-            os.close(fd)
             raise OutboxError(f"outbox {self.path} is in use by another process") from None
         except BaseException as exc:
-            os.close(fd)
             raise _file_error(lock_path(self.path), exc) from None
-        # SQLite opens the file by name: this descriptor only pinned the checks above.
-        os.close(fd)
+        finally:
+            # SQLite opens the file by name: this descriptor only pinned the checks above.
+            os.close(fd)
         self._closed = False
         try:
             self._db = self._connect()

@@ -34,8 +34,6 @@ class StopSignals:
         self._lock = threading.Lock()
         self._write_fd: int | None = None
         self._read_fd = -1
-        #: The wakeup fd cannot be a pipe (Windows): our handler writes the byte itself.
-        self._handler_writes = False
         self._previous: dict[signal.Signals, Any] = {}
         self._previous_wakeup = -1
 
@@ -44,10 +42,7 @@ class StopSignals:
         os.set_blocking(write_fd, False)
         with self._lock:
             self._write_fd = write_fd
-        try:
-            self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        except ValueError:  # Windows takes only a socket: the handler writes instead
-            self._handler_writes = True
+        self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
 
@@ -72,8 +67,7 @@ class StopSignals:
         # Handlers first: once restored, ours can no longer run and write to a closed pipe.
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
-        if not self._handler_writes:
-            signal.set_wakeup_fd(self._previous_wakeup)
+        signal.set_wakeup_fd(self._previous_wakeup)
         with self._lock:
             write_fd, self._write_fd = self._write_fd, None
         if write_fd is not None:
@@ -81,13 +75,10 @@ class StopSignals:
         if self._read_fd >= 0:
             os.close(self._read_fd)
 
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        # Installed to replace the default action (exit, or KeyboardInterrupt): the interpreter
-        # has already written the signal's number to the wakeup pipe, unless it could not.
-        fd = self._write_fd  # no lock in a signal handler; restore() runs before closing
-        if self._handler_writes and fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(fd, bytes([signum]))
+    @staticmethod
+    def _handle(signum: int, frame: FrameType | None) -> None:
+        """Replaces the default action (exit, or KeyboardInterrupt): the interpreter has already
+        written the signal's number to the wakeup pipe."""
 
 
 def announce(log: logging.Logger, number: int, *, count: int, running: int, drain: float) -> None:
