@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING, Any
 from .._deprecated import deprecated, moved
 
 if TYPE_CHECKING:
-    from ..worker._environment import HandlerEnvironment
     from ._admin import AdminAPI
     from ._admin_client import AdminClient, AdminError
     from ._clock import ManualClock
     from ._cutlink import CuttingLink
+    from ._environment import HandlerEnvironment
     from ._faults import Fault, Faults
     from ._http import AdminExchange, HttpRequest
     from ._options import EnqueueOptions
@@ -64,7 +64,7 @@ _EXPORTS: dict[str, str] = {
     "EvidenceSnapshot": "._snapshots",
     "Fault": "._faults",
     "Faults": "._faults",
-    "HandlerEnvironment": "..worker._environment",
+    "HandlerEnvironment": "._environment",
     "HttpRequest": "._http",
     "ManualClock": "._clock",
     "MockOrbitServer": "._server",
