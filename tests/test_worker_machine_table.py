@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orbit_sync.errors import WorkerBusy, WorkerDisconnected, WorkerError
+from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import (
     AttemptRef,
     AttemptState,
@@ -30,19 +30,27 @@ from orbit_sync.models import (
 )
 from orbit_sync.worker import Verdict
 from orbit_sync.worker._machine import (
+    BUSY_DELAY,
     REFUSED,
     SETTLED,
     TABLE,
     AttemptMachine,
+    CancelContext,
+    LeaseLost,
+    LeaseRenewed,
     LeaseView,
     Phase,
     RecordFinish,
+    RenewAfter,
+    RenewAnswer,
     Reported,
     Request,
     RunHandler,
     Send,
     TimeLimit,
+    TrackLease,
     Trigger,
+    UntrackLease,
 )
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
@@ -141,9 +149,13 @@ DRIVERS: dict[str, Driver] = {
     "resume busy": lambda m: m.failed(_resume(m), WorkerBusy("busy"), gen=2, view=VIEW),
     "resume resent": lambda m: m.resend(_resume(m)),
     "resume given up": lambda m: m.gave_up(_resume(m)),
-    "lease expired": lambda m: m.lease_ended("lease_expired"),
-    "lease lost": lambda m: m.lease_ended("lease_lost"),
-    "lease: cancel requested": lambda m: m.lease_ended("cancel_requested"),
+    "renewal granted": lambda m: m.renew_answered(RenewAnswer(_lease(), lag=0.1)),
+    "renewal busy": lambda m: m.renew_answered(RenewAnswer(error=WorkerBusy("busy"))),
+    "renewal cut": lambda m: m.renew_answered(RenewAnswer(error=WorkerDisconnected("cut"))),
+    "renewal refused": lambda m: m.renew_answered(RenewAnswer(error=REFUSAL)),
+    "renewal: lease inactive": lambda m: m.renew_answered(RenewAnswer(_lease(active=False))),
+    "renewal: cancel requested": lambda m: m.renew_answered(RenewAnswer(_cancelled_lease())),
+    "lease expired": lambda m: m.renew_answered(RenewAnswer()),
     "cancel pushed": lambda m: m.cancel_pushed(),
     "shutdown cancel": lambda m: m.shutdown_cancel(),
     "abandon": lambda m: m.abandon(),
@@ -268,6 +280,67 @@ def test_the_walk_reaches_every_transition_and_each_does_what_the_table_says(
                 assert actions == [] and m.phase is phase, f"{name!r} in {state!r}"
     declared = {(phase, trigger) for trigger, moves in TABLE.items() for phase in moves}
     assert declared - reached == set(), "transitions no event reaches"
+
+
+BUG = RuntimeError("a send bug")
+SLOW = CallTimeout("slow", message_id="e" * 32)
+BUSY = WorkerBusy("busy")
+LIMITED = WorkerError("RATE_LIMITED", "slow down")
+
+
+def _lost(reason: str, detail: str = "") -> list[Action]:
+    lost = LeaseLost(reason, resume=False, detail=detail)
+    return [UntrackLease(), CancelContext(reason), lost]
+
+
+@pytest.mark.parametrize(
+    ("answer", "expected"),
+    [
+        (RenewAnswer(_lease(), lag=0.5), [TrackLease(_lease().deadline), LeaseRenewed(0.5)]),
+        (RenewAnswer(error=BUSY), [RenewAfter(BUSY_DELAY, BUSY)]),
+        (RenewAnswer(error=SLOW), [RenewAfter(1.0, SLOW)]),
+        (RenewAnswer(error=LIMITED), [RenewAfter(1.0, LIMITED)]),
+        (RenewAnswer(error=BUG), [RenewAfter(1.0, BUG)]),
+        (RenewAnswer(error=REFUSAL), _lost("lease_lost", "LEASE_LOST")),
+        (RenewAnswer(error=REFUSAL, behind_resume=True), _lost("session_replaced", "LEASE_LOST")),
+        (RenewAnswer(_lease(active=False)), _lost("lease_lost")),
+        (RenewAnswer(_lease(state=AttemptState.LEASED)), _lost("lease_lost")),
+        (RenewAnswer(_lease(active=False), behind_resume=True), _lost("session_replaced")),
+        (RenewAnswer(_cancelled_lease()), [UntrackLease(), CancelContext("cancel_requested")]),
+        (RenewAnswer(), _lost("lease_expired")),
+    ],
+    ids=[
+        "granted",
+        "busy",
+        "timeout",
+        "rate limited",
+        "send bug",
+        "LEASE_LOST",
+        "LEASE_LOST behind a resume",
+        "inactive",
+        "not running",
+        "inactive behind a resume",
+        "cancel requested",
+        "deadline passed",
+    ],
+)
+def test_what_a_renewal_means_is_the_machines(answer: RenewAnswer, expected: list[Action]) -> None:
+    """A renewal's answer, as the watchdog reports it, means what the machine says: tracked to
+    its new deadline; retried after the one retry delay (busy: the short one) when transient
+    or when nothing was sent; the handler told to stop on a cancel request; the lease lost
+    (``session_replaced`` behind a reconnect's resumes, as the resume says) or expired."""
+    m = _build("running")
+    assert m.renew_answered(answer) == expected
+    assert m.phase is Phase.RUNNING
+
+
+def test_a_handler_told_to_stop_is_renewed_no_more() -> None:
+    """Once its handler is told to stop (here a cancel push), a renewal answered late changes
+    nothing: the lease is not tracked again, nor reported lost."""
+    m = _build("running")
+    DRIVERS["cancel pushed"](m)
+    assert m.renew_answered(RenewAnswer(_lease())) == []
+    assert m.renew_answered(RenewAnswer(error=REFUSAL)) == []
 
 
 # ---------------------------------------------------------------------- the safety rules

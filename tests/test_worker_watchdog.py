@@ -14,16 +14,38 @@ from _worker_helpers import Probe, leased_task, make_worker, running
 
 from orbit_sync._transport import Transport
 from orbit_sync.errors import CallTimeout, WorkerBusy, WorkerDisconnected, WorkerError
-from orbit_sync.models import AttemptState, Lease, Task
+from orbit_sync.models import (
+    AttemptRef,
+    AttemptState,
+    CommandResult,
+    Disposition,
+    Lease,
+    Operation,
+    Receipt,
+    Task,
+    TaskState,
+    new_id,
+    new_secret,
+)
 from orbit_sync.testing import ManualClock, MockOrbitServer
-from orbit_sync.worker import LeaseEvent, TaskContext, WorkerListener
+from orbit_sync.worker import LeaseEvent, TaskContext, WorkerListener, WorkerOptions
+from orbit_sync.worker._machine import (
+    AttemptMachine,
+    CancelContext,
+    LeaseLost,
+    LeaseRenewed,
+    RenewAfter,
+    RenewAnswer,
+    TrackLease,
+    UntrackLease,
+    retry_delay,
+)
 from orbit_sync.worker._watchdog import (
     MAX_EARLY_BATCH,
     LeaseWatchdog,
     RenewDone,
     SendRenew,
     WatchdogThread,
-    retry_delay,
 )
 
 T0 = _dt.datetime(2026, 9, 17, 8, 0, 0, tzinfo=_dt.timezone.utc)
@@ -128,32 +150,73 @@ def renewer(clock: CallClock) -> Renewer:
     return Renewer(clock)
 
 
+def _running(clock: CallClock, retry: float) -> AttemptMachine:
+    """An attempt's machine whose start was answered: its handler runs, its lease is renewed."""
+    ref = AttemptRef(new_id(), new_id(), 1, new_secret())
+    machine = AttemptMachine(ref, new_id=new_id, retry_delay=retry)
+    [start] = machine.assigned(again=False, runnable=True, stopping=False)
+    granted = lease(clock)
+    receipt = Receipt(
+        Operation.START,
+        TaskState.RUNNING,
+        AttemptState.RUNNING,
+        1,
+        granted.lease_until,
+        Disposition.APPLIED,
+    )
+    result = CommandResult(receipt, granted, False)
+    machine.start_answered(
+        start.request, result, now=clock(), cancel_reason=None, cancel_requested=False
+    )
+    assert machine.renewing
+    return machine
+
+
 class Leases:
-    """What the watchdog reports, as the worker's shell gets it: the deadline each renewal
-    granted (and how late it went out), and each lease that ended, with its reason."""
+    """The watchdog's reports as the worker's shell takes them: each goes to the attempt's
+    machine (its handler running), whose lease actions are performed on the watchdog. Records
+    the deadline each renewal granted (and how late it went out), why each handler was told to
+    stop, and the leases reported lost."""
 
     def __init__(self, clock: CallClock) -> None:
         self.clock = clock
         self.deadlines: dict[str, float] = {}
         self.lags: dict[str, float] = {}
         self.ended: dict[str, str] = {}
+        self.losses: list[tuple[str, str]] = []
+        self.machines: dict[str, AttemptMachine] = {}
+        self.retry = 1.0
+        self.wd: LeaseWatchdog | None = None
 
-    def renewed(self, attempt_id: str, deadline: float, lag: float) -> None:
-        self.deadlines[attempt_id] = deadline
-        self.lags[attempt_id] = lag
-
-    def lost(self, attempt_id: str, reason: str) -> None:
-        assert attempt_id not in self.ended, "a lease ends once"
-        self.ended[attempt_id] = reason
+    def answered(self, attempt_id: str, answer: RenewAnswer) -> None:
+        assert self.wd is not None
+        machine = self.machines.get(attempt_id) or _running(self.clock, self.retry)
+        self.machines[attempt_id] = machine
+        for action in machine.renew_answered(answer):
+            if isinstance(action, TrackLease):
+                self.wd.track(attempt_id, action.deadline)
+                self.deadlines[attempt_id] = action.deadline
+            elif isinstance(action, LeaseRenewed):
+                self.lags[attempt_id] = action.lag
+            elif isinstance(action, RenewAfter):
+                self.wd.retry(attempt_id, action.delay, action.error)
+            elif isinstance(action, UntrackLease):
+                self.wd.untrack(attempt_id)
+            elif isinstance(action, CancelContext):
+                assert attempt_id not in self.ended, "a lease ends once"
+                self.ended[attempt_id] = action.reason
+            else:
+                assert isinstance(action, LeaseLost)
+                self.losses.append((attempt_id, action.reason))
 
     def remaining(self, attempt_id: str) -> float:
         return self.deadlines[attempt_id] - self.clock()
 
-    def watchdog(self, send: SendRenew, **kwargs: Any) -> LeaseWatchdog:
-        """A watchdog on the fake clock reporting here."""
-        return LeaseWatchdog(
-            send, clock=self.clock, on_loss=self.lost, on_renew=self.renewed, **kwargs
-        )
+    def watchdog(self, send: SendRenew, *, retry: float = 1.0, **kwargs: Any) -> LeaseWatchdog:
+        """A watchdog on the fake clock reporting here (*retry*: the machines' retry delay)."""
+        self.retry = retry
+        self.wd = LeaseWatchdog(send, clock=self.clock, on_answer=self.answered, **kwargs)
+        return self.wd
 
 
 @pytest.fixture
@@ -183,9 +246,9 @@ def test_renews_at_half_the_remaining_window(
     assert not leases.ended
 
 
-def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer) -> None:
+def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer, leases: Leases) -> None:
     """Attempts with different deadlines are renewed in deadline order by one core."""
-    wd = LeaseWatchdog(renewer, clock=clock)
+    wd = leases.watchdog(renewer)
     ids = ["1" * 32, "2" * 32, "3" * 32]
     for attempt_id, window in zip(ids, (30.0, 10.0, 20.0), strict=True):
         wd.track(attempt_id, clock() + window)
@@ -198,7 +261,7 @@ def test_one_heap_for_many_attempts(clock: CallClock, renewer: Renewer) -> None:
         order.append(renewer.calls[-1][0])
     # Due at +5 (10 s lease), +10 (20 s), +15 (30 s): the earliest deadline first.
     assert order == ["2" * 32, "3" * 32, "1" * 32]
-    assert wd.stats().lease_losses == 0
+    assert leases.losses == []
 
 
 def test_deadline_passing_reports_lease_expired(
@@ -206,7 +269,7 @@ def test_deadline_passing_reports_lease_expired(
 ) -> None:
     """When renewals keep failing until the local deadline, the lease is reported expired."""
     renewer.script = [_raise(WorkerDisconnected("down"))] * 100
-    wd = leases.watchdog(renewer, retry_delay=1.0)
+    wd = leases.watchdog(renewer, retry=1.0)
     wd.track("a" * 32, clock() + 4.0)
     while not leases.ended:
         nxt = wd.run_due()
@@ -215,12 +278,12 @@ def test_deadline_passing_reports_lease_expired(
             clock.set(max(clock(), nxt))
     assert leases.ended == {"a" * 32: "lease_expired"}
     assert clock() == pytest.approx(1004.0)
-    assert wd.stats().lease_losses == 1
+    assert leases.losses == [("a" * 32, "lease_expired")]
     assert wd.stats().tracked == 0
 
 
 def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
-    clock: CallClock, renewer: Renewer
+    clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
     """A timeout retries after retry_delay, busy (our own slots full) after the short busy
     delay, as every request does; each re-sends the unanswered message_id."""
@@ -228,7 +291,7 @@ def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
         _raise(CallTimeout("slow", message_id="f" * 32)),
         _raise(WorkerBusy("busy")),
     ]
-    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=0.5)
+    wd = leases.watchdog(renewer, retry=0.5)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     assert wd.run_due() == pytest.approx(clock() + 0.5)
@@ -247,10 +310,12 @@ def test_transient_failure_retried_after_bounded_delay_with_same_message_id(
     assert renewer.calls[-1][1] != ids[0]
 
 
-def test_retry_never_scheduled_past_the_deadline(clock: CallClock, renewer: Renewer) -> None:
+def test_retry_never_scheduled_past_the_deadline(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """A retry that would land after the deadline is replaced by the deadline itself."""
     renewer.script = [_raise(WorkerDisconnected("down"))]
-    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
+    wd = leases.watchdog(renewer, retry=5.0)
     wd.track("a" * 32, clock() + 2.0)
     clock.advance(1.0)
     assert wd.run_due() == pytest.approx(1002.0)
@@ -283,18 +348,18 @@ def test_lease_answer_is_reported(
     assert not wd.is_tracked("a" * 32)
 
 
-def test_lease_lost_error_is_reported_once(clock: CallClock, renewer: Renewer) -> None:
+def test_lease_lost_error_is_reported_once(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """The server answering LEASE_LOST is reported as lease_lost, once."""
     renewer.script = [_raise(WorkerError("LEASE_LOST", "gone", message_id="e" * 32))]
-    losses: list[tuple[str, str]] = []
-    wd = LeaseWatchdog(renewer, clock=clock, on_loss=lambda a, r: losses.append((a, r)))
+    wd = leases.watchdog(renewer)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
     clock.advance(30.0)
     wd.run_due()
-    assert losses == [("a" * 32, "lease_lost")]
-    assert wd.stats().lease_losses == 1
+    assert leases.losses == [("a" * 32, "lease_lost")]
 
 
 def test_rate_limited_is_retried_not_lost(
@@ -302,7 +367,7 @@ def test_rate_limited_is_retried_not_lost(
 ) -> None:
     """RATE_LIMITED/UNAVAILABLE are transient: the attempt keeps its lease and is retried."""
     renewer.script = [_raise(WorkerError("RATE_LIMITED", "slow down", message_id="e" * 32))]
-    wd = leases.watchdog(renewer, retry_delay=1.0)
+    wd = leases.watchdog(renewer, retry=1.0)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     assert wd.run_due() == pytest.approx(clock() + 1.0)
@@ -321,9 +386,11 @@ def test_never_renews_untracked(clock: CallClock, renewer: Renewer, leases: Leas
     assert renewer.calls == [] and not leases.ended
 
 
-def test_finished_during_renew_is_not_rescheduled(clock: CallClock, renewer: Renewer) -> None:
+def test_finished_during_renew_is_not_rescheduled(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """An attempt untracked while its renew was in flight is dropped, not renewed again."""
-    wd = LeaseWatchdog(renewer, clock=clock)
+    wd = leases.watchdog(renewer)
 
     def finish_meanwhile() -> Lease:
         wd.untrack("a" * 32)
@@ -336,9 +403,9 @@ def test_finished_during_renew_is_not_rescheduled(clock: CallClock, renewer: Ren
     assert wd.stats().renewals == 0
 
 
-def test_lag_is_measured(clock: CallClock, renewer: Renewer) -> None:
+def test_lag_is_measured(clock: CallClock, renewer: Renewer, leases: Leases) -> None:
     """Waking after the scheduled time shows up as lag in the stats."""
-    wd = LeaseWatchdog(renewer, clock=clock)
+    wd = leases.watchdog(renewer)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0 + 0.75)
     wd.run_due()
@@ -362,10 +429,12 @@ def test_a_resume_moves_the_deadline_later_never_sooner(
     assert len(renewer.calls) == 1
 
 
-def test_reconnects_never_put_off_a_renewal(clock: CallClock, renewer: Renewer) -> None:
+def test_reconnects_never_put_off_a_renewal(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """Resumes that leave the lease as it was keep its renewal at half of the granted window,
     however many reconnects come before it; a resumed lease that ends sooner brings it forward."""
-    wd = LeaseWatchdog(renewer, clock=clock)
+    wd = leases.watchdog(renewer)
     deadline = clock() + 2.75  # a 3 s lease
     wd.track("a" * 32, deadline)
     assert wd.next_due() == pytest.approx(1001.375)
@@ -379,12 +448,12 @@ def test_reconnects_never_put_off_a_renewal(clock: CallClock, renewer: Renewer) 
 
 
 def test_a_new_connection_renews_the_leases_past_a_quarter_of_their_window(
-    clock: CallClock, renewer: Renewer
+    clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
     """Once a quarter of the window its last grant gave has passed, a lease is renewed on the
     next connection published, not left for its half-way point (the link may be down by
     then); a lease granted more recently waits, and reconnects in a row renew it once."""
-    wd = LeaseWatchdog(renewer, clock=clock)
+    wd = leases.watchdog(renewer)
     a, b = "a" * 32, "b" * 32
     wd.track(a, clock() + 2.75)  # a quarter: 0.6875 s
     wd.track(b, clock() + 30.0)  # a quarter: 7.5 s
@@ -403,10 +472,10 @@ def test_a_new_connection_renews_the_leases_past_a_quarter_of_their_window(
 
 
 def test_retry_delay_is_bounded() -> None:
-    """retry_delay outside [0.1, 5] s is refused."""
+    """renew_retry_delay outside [0.1, 5] s is refused."""
     for bad in (0.0, 0.05, 6.0):
-        with pytest.raises(ValueError):
-            LeaseWatchdog(sync(lambda a, m: lease(CallClock())), retry_delay=bad)
+        with pytest.raises(ValueError, match="renew_retry_delay must be"):
+            WorkerOptions(queue_id="a" * 32, renew_retry_delay=bad)
 
 
 def test_thread_shell_renews_and_stops() -> None:
@@ -430,10 +499,12 @@ def test_thread_shell_renews_and_stops() -> None:
     assert not shell._thread.is_alive()
 
 
-def test_a_held_renewal_does_not_delay_another_attempts(clock: CallClock, renewer: Renewer) -> None:
+def test_a_held_renewal_does_not_delay_another_attempts(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
     """Renewals are pipelined: B is sent on time while A's answer is held."""
     renewer.hold = True
-    wd = LeaseWatchdog(renewer, clock=clock)
+    wd = leases.watchdog(renewer)
     a, b = "a" * 32, "b" * 32
     wd.track(a, clock() + 20.0)  # due at +10
     wd.track(b, clock() + 30.0)  # due at +15: too far to join A's batch
@@ -469,7 +540,7 @@ def test_refresh_during_a_renewal_survives_its_failure(
     """A reconnect's refresh (new deadline) made while a renewal is in flight is kept when that
     renewal then fails: every entry field is written under the watchdog's lock."""
     renewer.hold = True
-    wd = leases.watchdog(renewer, retry_delay=5.0)
+    wd = leases.watchdog(renewer, retry=5.0)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
@@ -485,13 +556,13 @@ def test_refresh_during_a_renewal_survives_its_failure(
 
 
 def test_a_new_connection_resends_a_renew_left_unanswered(
-    clock: CallClock, renewer: Renewer
+    clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
     """A renew the lost connection left unanswered (sent past a quarter of its window, like
     every renewal) goes out again as soon as the next connection is published, same
     message_id, not at the retry delay; once answered, reconnects add no renewal."""
     renewer.hold = True
-    wd = LeaseWatchdog(renewer, clock=clock, retry_delay=5.0)
+    wd = leases.watchdog(renewer, retry=5.0)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0)
     wd.run_due()
@@ -564,9 +635,11 @@ def batcher(clock: CallClock) -> BatchRenewer:
     return BatchRenewer(clock)
 
 
-def test_renewals_due_together_go_out_in_one_batch(clock: CallClock, batcher: BatchRenewer) -> None:
+def test_renewals_due_together_go_out_in_one_batch(
+    clock: CallClock, batcher: BatchRenewer, leases: Leases
+) -> None:
     """Attempts due at the same moment are handed to send_many once, all of them."""
-    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
+    wd = leases.watchdog(batcher.single, send_many=batcher.many)
     ids = ["1" * 32, "2" * 32, "3" * 32]
     for attempt_id in ids:
         wd.track(attempt_id, clock() + 30.0)
@@ -576,16 +649,12 @@ def test_renewals_due_together_go_out_in_one_batch(clock: CallClock, batcher: Ba
     assert wd.stats().renewals == 3
 
 
-def test_nearly_due_renewals_join_a_batch(clock: CallClock, batcher: BatchRenewer) -> None:
+def test_nearly_due_renewals_join_a_batch(
+    clock: CallClock, batcher: BatchRenewer, leases: Leases
+) -> None:
     """A renewal within a quarter of its wait joins the batch sent now (lag 0: it is early); one
     further away waits for its own time."""
-    lags: dict[str, float] = {}
-    wd = LeaseWatchdog(
-        batcher.single,
-        send_many=batcher.many,
-        clock=clock,
-        on_renew=lambda attempt_id, deadline, lag: lags.__setitem__(attempt_id, lag),
-    )
+    wd = leases.watchdog(batcher.single, send_many=batcher.many)
     a, near, far = "a" * 32, "b" * 32, "c" * 32
     wd.track(a, clock() + 20.0)  # due at +10
     wd.track(near, clock() + 22.0)  # due at +11: 1 s of an 11 s wait left at +10
@@ -593,7 +662,7 @@ def test_nearly_due_renewals_join_a_batch(clock: CallClock, batcher: BatchRenewe
     clock.advance(10.25)
     assert wd.run_due() == pytest.approx(1015.0)
     assert batcher.batches == [[a, near]]
-    assert lags == {a: pytest.approx(0.25), near: 0.0}
+    assert leases.lags == {a: pytest.approx(0.25), near: 0.0}
     assert wd.stats().lag_last == pytest.approx(0.25)
     clock.set(1015.0)
     wd.run_due()
@@ -601,10 +670,10 @@ def test_nearly_due_renewals_join_a_batch(clock: CallClock, batcher: BatchRenewe
 
 
 def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
-    clock: CallClock, batcher: BatchRenewer
+    clock: CallClock, batcher: BatchRenewer, leases: Leases
 ) -> None:
     """A lease granted less than MIN_RENEW_INTERVAL ago is not renewed early with a batch."""
-    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
+    wd = leases.watchdog(batcher.single, send_many=batcher.many)
     a, fresh = "a" * 32, "f" * 32
     wd.track(a, clock() + 19.998)  # due at +9.999
     clock.advance(9.96)
@@ -617,11 +686,11 @@ def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
 
 
 def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
-    clock: CallClock, batcher: BatchRenewer
+    clock: CallClock, batcher: BatchRenewer, leases: Leases
 ) -> None:
     """send_many raising (a bug) is a failure of each renewal in it: all retried, none lost."""
     batcher.fail_with = RuntimeError("send bug")
-    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock, retry_delay=0.5)
+    wd = leases.watchdog(batcher.single, send_many=batcher.many, retry=0.5)
     ids = ["1" * 32, "2" * 32]
     for attempt_id in ids:
         wd.track(attempt_id, clock() + 30.0)
@@ -632,7 +701,7 @@ def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
     clock.advance(0.5)
     wd.run_due()
     assert batcher.batches == [ids, ids]
-    assert wd.stats().renewals == 2 and wd.stats().lease_losses == 0
+    assert wd.stats().renewals == 2 and leases.losses == []
 
 
 def test_the_worker_renews_attempts_due_together_in_one_write(
@@ -681,9 +750,11 @@ def test_the_worker_renews_attempts_due_together_in_one_write(
         assert worker.stats().lease_losses == 0
 
 
-def test_early_additions_stop_at_a_bounded_batch(clock: CallClock, batcher: BatchRenewer) -> None:
+def test_early_additions_stop_at_a_bounded_batch(
+    clock: CallClock, batcher: BatchRenewer, leases: Leases
+) -> None:
     """Nearly due renewals fill a batch only up to MAX_EARLY_BATCH; renewals that are due all go."""
-    wd = LeaseWatchdog(batcher.single, send_many=batcher.many, clock=clock)
+    wd = leases.watchdog(batcher.single, send_many=batcher.many)
     due_now = [f"{i:032x}" for i in range(MAX_EARLY_BATCH - 2)]
     nearly = [f"{i:032x}" for i in range(100, 105)]
     for attempt_id in due_now:

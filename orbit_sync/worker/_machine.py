@@ -79,8 +79,17 @@ from collections.abc import Callable
 
 import attrs
 
-from ..errors import OrbitError, WorkerBusy
-from ..models import AttemptRef, AttemptState, CommandResult, Disposition, Finish, Lease, may_run_at
+from ..errors import OrbitError, WorkerBusy, WorkerError
+from ..models import (
+    AttemptRef,
+    AttemptState,
+    CommandResult,
+    Disposition,
+    Finish,
+    Lease,
+    grants_run,
+    may_run_at,
+)
 from ._errors import is_link_failure, is_transient
 from ._outcomes import (
     Verdict,
@@ -107,12 +116,15 @@ __all__ = [
     "Ended",
     "InterruptHandler",
     "LeaseLost",
+    "LeaseRenewed",
     "LeaseView",
     "NotStarted",
     "Phase",
     "RecordFinish",
     "RefreshLease",
     "Release",
+    "RenewAfter",
+    "RenewAnswer",
     "Reported",
     "Request",
     "ResumeEnded",
@@ -131,6 +143,9 @@ __all__ = [
 
 #: Retry delay after ``busy`` (nothing was sent; a slot frees within a round trip).
 BUSY_DELAY = 0.05
+#: The bounds of the worker's retry delay (``renew_retry_delay``).
+MIN_RETRY_DELAY = 0.1
+MAX_RETRY_DELAY = 5.0
 
 
 class Phase(enum.Enum):
@@ -176,6 +191,19 @@ class LeaseView:
     now: float
     remaining: float
     cancelled: bool
+
+
+@attrs.frozen
+class RenewAnswer:
+    """What became of a renewal of the running handler's lease, as the lease watchdog reports
+    it: the server's *lease*, or the *error* it failed with, or neither (the local deadline
+    passed first). *behind_resume*: it went out right behind a new connection's resumes, so a
+    loss answering it is the resume's. *lag*: how late the watchdog sent it."""
+
+    lease: Lease | None = None
+    error: BaseException | None = None
+    behind_resume: bool = False
+    lag: float = 0.0
 
 
 # ---------------------------------------------------------------------------------- actions
@@ -241,11 +269,30 @@ class CancelContext:
 
 @attrs.frozen
 class LeaseLost:
-    """The lease is gone (*reason*): count it, say so and tell the listeners. *resume*: a
-    reconnect's resume found it lost (else the lease watchdog)."""
+    """The lease is gone (*reason*; *detail*: the server's error code, if it said so): count
+    it, say so and tell the listeners. *resume*: a reconnect's resume found it lost (else a
+    renewal's answer, or the deadline)."""
 
     reason: str
     resume: bool = True
+    detail: str = ""
+
+
+@attrs.frozen
+class LeaseRenewed:
+    """A renewal was granted (its new deadline is tracked): tell the listeners (*lag*: how late
+    it went out)."""
+
+    lag: float
+
+
+@attrs.frozen
+class RenewAfter:
+    """Send the unanswered renewal again, same ``message_id``, after *delay* seconds (or at the
+    deadline, if sooner): *error* was transient."""
+
+    delay: float
+    error: BaseException
 
 
 @attrs.frozen
@@ -352,6 +399,8 @@ Action = (
     | SlotStuck
     | SlotFreed
     | LeaseLost
+    | LeaseRenewed
+    | RenewAfter
     | RunHandler
     | RecordFinish
     | NotStarted
@@ -426,9 +475,13 @@ class Trigger(enum.Enum):
     RESUME_LINK_FAILED = "resume: link failed"
     RESUME_TRANSIENT = "resume: transient error"
     RESUME_RESEND = "resume: resend"
-    #: The lease watchdog: a renewal's answer carried a cancel request.
+    #: A renewal's answer grants the handler more time.
+    RENEWED = "lease: renewed"
+    #: A renewal failed for now (transient, or nothing was sent): sent again after the delay.
+    RENEW_FAILED = "lease: renewal failed"
+    #: A renewal's answer carried a cancel request.
     LEASE_CANCEL_REQUESTED = "lease: cancel requested"
-    #: The lease watchdog: the lease expired locally or the server said it is lost.
+    #: The local deadline passed unrenewed, or a renewal's answer says the lease is gone.
     LEASE_ENDED = "lease: ended"
     #: A ``task.cancel`` push for the attempt.
     CANCEL_PUSHED = "cancel pushed"
@@ -520,6 +573,8 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     ),
     Trigger.RESUME_TRANSIENT: _stay(HELD, RetryAfter),
     Trigger.RESUME_RESEND: _stay(HELD, Send),
+    Trigger.RENEWED: _stay((_R,), TrackLease, LeaseRenewed),
+    Trigger.RENEW_FAILED: _stay((_R,), RenewAfter),
     Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext),
     Trigger.LEASE_ENDED: _stay((_R,), UntrackLease, CancelContext, LeaseLost),
     Trigger.CANCEL_PUSHED: {
@@ -556,6 +611,7 @@ class AttemptMachine:
         "handler_done",
         "phase",
         "ref",
+        "renewing",
         "request",
         "resume",
         "resumed_running",
@@ -582,6 +638,9 @@ class AttemptMachine:
         self._new_id = new_id
         self.retry_delay = retry_delay
         self.phase = Phase.ASSIGNED
+        #: The lease is tracked (renewed): from the start's grant until the handler is told to
+        #: stop or returns. Only then does a renewal's answer speak for it.
+        self.renewing = False
         #: The start or finish on its way (sent, queued, or kept for a re-send).
         self.request: Request | None = None
         #: The verdict being finished (FINISHING and after).
@@ -611,6 +670,10 @@ class AttemptMachine:
         if move is None:
             return False
         self.phase = move.to
+        if TrackLease in move.actions:
+            self.renewing = True
+        elif UntrackLease in move.actions:
+            self.renewing = False
         return True
 
     # ------------------------------------------------------------------ the assignment
@@ -851,13 +914,33 @@ class AttemptMachine:
         self.resumed_running = self.phase is Phase.RUNNING
         return [Send(self.resume)]
 
-    def lease_ended(self, reason: str) -> list[Action]:
-        """The lease watchdog reports the lease of the running handler over: *reason* is
-        ``lease_expired`` (the local deadline passed), ``lease_lost`` or ``session_replaced``
-        (the server said so), or ``cancel_requested`` (a renewal carried a cancel request)."""
-        if reason == "cancel_requested":
-            return self._lease_over(Trigger.LEASE_CANCEL_REQUESTED, reason)
-        return self._lease_over(Trigger.LEASE_ENDED, reason, LeaseLost(reason, resume=False))
+    def renew_answered(self, answer: RenewAnswer) -> list[Action]:
+        """The lease watchdog reports what became of a renewal (PROTOCOL §6.3-6.6): a lease
+        that lets the handler run is tracked to its new deadline; a transient failure (or one
+        where nothing was sent) is retried after the retry delay; a cancel request stops the
+        handler; anything else ends the lease: ``lease_expired`` (the deadline passed first),
+        ``lease_lost`` (``session_replaced`` behind a new connection's resumes)."""
+        if not self.renewing:
+            return []  # told to stop or returned meanwhile: nothing is renewed any more
+        lease, error = answer.lease, answer.error
+        if error is not None and (is_transient(error) or not isinstance(error, WorkerError)):
+            # (A send that raised something else is a bug of ours: retried, never a loss.)
+            if not self.fire(Trigger.RENEW_FAILED):
+                return []
+            return [RenewAfter(retry_delay(error, self.retry_delay), error)]
+        if lease is not None and lease.cancel_requested:
+            return self._lease_over(Trigger.LEASE_CANCEL_REQUESTED, "cancel_requested")
+        if lease is not None and lease.deadline is not None and grants_run(lease):
+            if not self.fire(Trigger.RENEWED):
+                return []
+            return [TrackLease(lease.deadline), LeaseRenewed(answer.lag)]
+        if lease is None and error is None:
+            reason = "lease_expired"
+        else:
+            reason = "session_replaced" if answer.behind_resume else "lease_lost"
+        detail = error.code if isinstance(error, WorkerError) else ""
+        lost = LeaseLost(reason, resume=False, detail=detail)
+        return self._lease_over(Trigger.LEASE_ENDED, reason, lost)
 
     def cancel_pushed(self) -> list[Action]:
         """A ``task.cancel`` push: the handler is told to stop (it has not started: it never

@@ -23,9 +23,9 @@ from .._protocol import MAX_IN_FLIGHT, call_timeout
 from .._seconds import seconds
 from ..clock import Clock, SystemClock
 from ..models import ID_RE, MAX_CAPACITY
+from ._machine import MAX_RETRY_DELAY, MIN_RETRY_DELAY
 from ._redial import Backoff
 from ._time_limits import check_time_limit
-from ._watchdog import MAX_RETRY_DELAY, MIN_RETRY_DELAY
 
 __all__ = ["RESERVED_SLOTS", "WorkerOptions", "check_seconds"]
 

@@ -229,7 +229,6 @@ class Worker:
             renewals.send_renew,
             send_many=renewals.send_renews,
             clock=clock.now,
-            retry_delay=opts.renew_retry_delay,
             on_change=watchdog_wake.set,
             logger=opts.logger,
         )
@@ -251,7 +250,7 @@ class Worker:
             handlers=self._registered,
         )
         # What the server says of a lease goes to the attempt's machine, through the shell.
-        self._watchdog.report_to(on_renew=self._shell.renewed, on_loss=self._shell.lease_ended)
+        self._watchdog.report_to(self._shell.renew_answered)
         self._admission = Admission(
             self._reg,
             self._registered,
@@ -629,7 +628,7 @@ class Worker:
             renew_failures=wd.renew_failures,
             renew_lag_last=wd.lag_last,
             renew_lag_max=wd.lag_max,
-            lease_losses=wd.lease_losses + counts["resume_losses"],
+            lease_losses=counts["lease_losses"],
             reconnects=counts["reconnects"],
             dial_failures=counts["dial_failures"],
             skipped_assignments=counts["skipped"],

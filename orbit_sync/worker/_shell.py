@@ -55,12 +55,15 @@ from ._machine import (
     CancelContext,
     InterruptHandler,
     LeaseLost,
+    LeaseRenewed,
     LeaseView,
     NotStarted,
     Phase,
     RecordFinish,
     RefreshLease,
     Release,
+    RenewAfter,
+    RenewAnswer,
     Reported,
     Request,
     ResumeEnded,
@@ -367,6 +370,11 @@ class AttemptShell(RequestPath[Attempt]):
                 self._not_started(att, action)
             elif isinstance(action, LeaseLost):
                 self._lease_lost(att, action)
+            elif isinstance(action, LeaseRenewed):
+                if self._hooks:
+                    self._hooks.emit("lease_renewed", lease_event(att, lag=action.lag))
+            elif isinstance(action, RenewAfter):
+                self._threads.watchdog.core.retry(att.id, action.delay, action.error)
             elif isinstance(action, ResumeEnded):
                 self._resume_ended(att, action)
             elif isinstance(action, Release):
@@ -715,12 +723,14 @@ class AttemptShell(RequestPath[Attempt]):
         self.resumes.ended(ended.request, cut=ended.cut)
 
     def _lease_lost(self, att: Attempt, lost: LeaseLost) -> None:
-        """The lease is gone: say so (the watchdog counted and logged its own report; a lease
-        a reconnect's resume found lost is counted here), tell the listeners."""
+        """The lease is gone: count it, say so, tell the listeners."""
+        with self._reg.cond:
+            self._reg.counts["lease_losses"] += 1
         if lost.resume:
-            with self._reg.cond:
-                self._reg.counts["resume_losses"] += 1
             worker_log(att.ctx).warning("lease did not survive the reconnect (%s)", lost.reason)
+        else:
+            detail = f" ({lost.detail})" if lost.detail else ""
+            self._log.warning("lease of attempt %s: %s%s", att.id, lost.reason, detail)
         if self._hooks:
             self._hooks.emit("lease_lost", lease_event(att, reason=lost.reason))
 
@@ -736,22 +746,13 @@ class AttemptShell(RequestPath[Attempt]):
 
     # ------------------------------------------------------------------ the lease watchdog
 
-    def lease_ended(self, attempt_id: str, reason: str) -> None:
-        """The lease watchdog reports *attempt_id*'s lease over (*reason*): its machine decides
-        (the handler is told to stop, the loss reported)."""
+    def renew_answered(self, attempt_id: str, answer: RenewAnswer) -> None:
+        """The lease watchdog reports what became of a renewal of *attempt_id*: its machine
+        decides what it means (tracked to the new deadline, retried, the handler told to stop,
+        the loss reported)."""
         att = self._reg.get(attempt_id)
         if att is not None:
-            self.step(att, lambda m: m.lease_ended(reason))
-
-    def renewed(self, attempt_id: str, deadline: float, lag: float) -> None:
-        """The lease watchdog's renewal of *attempt_id* was acknowledged: the handler's context
-        sees the new *deadline*; the listeners hear of it (*lag*: how late it went out)."""
-        att = self._reg.get(attempt_id)
-        if att is None:
-            return
-        set_lease_deadline(att.ctx, deadline)
-        if self._hooks:
-            self._hooks.emit("lease_renewed", lease_event(att, lag=lag))
+            self.step(att, lambda m: m.renew_answered(answer))
 
 
 # ---------------------------------------------------------------------------------- renewals
@@ -762,7 +763,7 @@ class Renewals:
     pipelined on the link's current connection (one socket write), a lost connection is
     reported to the link. Every callback here runs on the watchdog's thread or the connection's
     reader thread and never blocks. What an answer means for the attempt is its machine's
-    (:meth:`AttemptShell.lease_ended`)."""
+    (:meth:`AttemptShell.renew_answered`)."""
 
     def __init__(self, registry: Registry, link: Link, call_timeout: float) -> None:
         self._reg = registry

@@ -20,14 +20,11 @@ Rules (PROTOCOL §6.3-6.6):
   renewals written one by one would be k switches late;
 - at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
   watched (an answer that never comes cannot keep a handler running past its lease);
-- a transient failure (busy, disconnected, timeout, no connection) is retried after the one
-  retry delay of every request (:func:`~._machine.retry_delay`) while the local deadline allows,
-  re-using the unanswered renew's ``message_id``;
-- it reports, and stops renewing, a lease that ended: the deadline passed (``lease_expired``),
-  the server said ``LEASE_LOST`` or answered an inactive lease (``lease_lost``;
-  ``session_replaced`` for the renewal sent right behind a new connection's resumes, as the
-  resume says), or the lease carries ``cancel_requested_at`` (``cancel_requested``). It cancels
-  nothing itself: the report is an event of the attempt's machine, which decides;
+- it reports what became of each renewal (the server's lease, the error, or the deadline that
+  passed first) as a :class:`~._machine.RenewAnswer`, an event of the attempt's machine, which
+  decides what it means: the lease tracked to its new deadline (:meth:`LeaseWatchdog.track`),
+  the renewal re-sent after a delay with its ``message_id`` (:meth:`LeaseWatchdog.retry`), or
+  the lease ended (:meth:`LeaseWatchdog.untrack`). The renewal counts as in flight until then;
 - a new connection renews at once the leases whose renew the old one left unanswered, and those
   past a quarter of their window (:meth:`LeaseWatchdog.connected`);
 - an untracked attempt (finished, or its handler told to stop) is never renewed;
@@ -50,10 +47,10 @@ from typing import Protocol
 import attrs
 
 from .._realtime import monotonic
-from ..errors import OrbitError, WorkerError
-from ..models import Lease, grants_run, new_message_id
+from ..errors import OrbitError
+from ..models import Lease, new_message_id
 from ._errors import is_transient
-from ._machine import retry_delay
+from ._machine import MIN_RETRY_DELAY, RenewAnswer
 from ._time_limits import Timers
 
 __all__ = [
@@ -67,6 +64,8 @@ __all__ = [
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
+#: ``on_answer(attempt_id, answer)``: what became of a renewal, for the attempt's machine.
+OnAnswer = Callable[[str, RenewAnswer], None]
 #: ``on_done(lease, error)``: the renewal's lease (carrying its local ``deadline``) or why not.
 RenewDone = Callable[["Lease | None", "BaseException | None"], None]
 #: ``send(attempt_id, message_id, on_done)``: send one renewal and return without waiting for
@@ -76,8 +75,6 @@ SendRenew = Callable[[str, str, RenewDone], None]
 #: socket write), each completed through its own ``on_done`` as with :data:`SendRenew`.
 SendRenewMany = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
 
-MIN_RETRY_DELAY = 0.1
-MAX_RETRY_DELAY = 5.0
 #: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
 MIN_RENEW_INTERVAL = 0.05
 #: A renewal joins a batch that is being sent anyway once no more than this fraction of its wait
@@ -110,7 +107,6 @@ class WatchdogStats:
     tracked: int
     renewals: int
     renew_failures: int
-    lease_losses: int
     #: Seconds the most recent wake-up came after the moment it was scheduled for.
     lag_last: float
     #: The worst such lateness seen so far.
@@ -133,13 +129,13 @@ class _Entry:
     pending_id: str | None = None
     #: Token of the renewal in flight (0: none); a completion with another token is stale.
     flight: int = 0
-    #: The renewal due is the one sent right behind a new connection's resumes: a loss that
-    #: answers it is the resume's (the lease did not survive the reconnect).
+    #: The renewal due is the one sent right behind a new connection's resumes (see
+    #: :attr:`~._machine.RenewAnswer.behind_resume`).
     reconnected: bool = False
 
 
 class LeaseWatchdog:
-    """Schedules renewals of running attempts and reports the leases that end."""
+    """Schedules renewals of running attempts and reports what became of each."""
 
     def __init__(
         self,
@@ -147,28 +143,16 @@ class LeaseWatchdog:
         *,
         send_many: SendRenewMany | None = None,
         clock: Callable[[], float] = monotonic,
-        retry_delay: float = 1.0,
         on_change: Callable[[], None] | None = None,
-        on_loss: Callable[[str, str], None] | None = None,
-        on_renew: Callable[[str, float, float], None] | None = None,
+        on_answer: OnAnswer | None = None,
         logger: logging.Logger | None = None,
     ) -> None:
-        if not MIN_RETRY_DELAY <= retry_delay <= MAX_RETRY_DELAY:
-            raise ValueError(
-                f"retry_delay must be between {MIN_RETRY_DELAY} and {MAX_RETRY_DELAY} seconds"
-            )
         self.clock = clock
         self._send = send
         #: Sends a batch with one write; without it the batch goes out one *send* at a time.
         self._send_many = send_many
-        self._retry_delay = retry_delay
         self._on_change = on_change or (lambda: None)
-        #: ``on_loss(attempt_id, reason)``: the lease ended (see the module's docstring); the
-        #: attempt is no longer tracked.
-        self._on_loss = on_loss or (lambda attempt_id, reason: None)
-        #: ``on_renew(attempt_id, deadline, lag)`` after each acknowledged renewal (its new
-        #: local deadline; lag: how late the watchdog woke to send it, in seconds).
-        self._on_renew = on_renew
+        self._on_answer = on_answer or (lambda attempt_id, answer: None)
         self._log = logger or _LOG
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -179,25 +163,19 @@ class LeaseWatchdog:
         self._sleeping_until = math.inf
         self._renewals = 0
         self._failures = 0
-        self._losses = 0
         self._lag_last = 0.0
         self._lag_max = 0.0
 
-    def report_to(
-        self,
-        *,
-        on_renew: Callable[[str, float, float], None],
-        on_loss: Callable[[str, str], None],
-    ) -> None:
-        """Report acknowledged renewals to *on_renew* and leases that ended to *on_loss* from
-        now on (the attempts' shell, built after the watchdog it drives)."""
-        self._on_renew = on_renew
-        self._on_loss = on_loss
+    def report_to(self, on_answer: OnAnswer) -> None:
+        """Report what became of each renewal to *on_answer* from now on (the attempts' shell,
+        built after the watchdog it drives)."""
+        self._on_answer = on_answer
 
     # ------------------------------------------------------------------ tracking
 
     def track(self, attempt_id: str, deadline: float) -> None:
-        """Start renewing *attempt_id*, whose lease ends locally at *deadline*."""
+        """Renew *attempt_id*, whose lease (just granted) ends locally at *deadline*, at half of
+        what remains."""
         now = self.clock()
         with self._lock:
             entry = _Entry(attempt_id, deadline, self._half_way(now, deadline), now)
@@ -241,7 +219,7 @@ class LeaseWatchdog:
         gives the lease a full window again. These renewals do not wait for the resumes'
         answers: the server handles a connection's frames in order, so each attempt's resume is
         applied before its renewal, and a lease the resume finds lost answers the renewal
-        ``LEASE_LOST`` too (reported as the resume's ``session_replaced``, see :meth:`_renewed`).
+        ``LEASE_LOST`` too (the answer says it went out behind the resumes).
         """
         now = self.clock()
         wake = False
@@ -257,8 +235,36 @@ class LeaseWatchdog:
                 wake = self._push(entry, now) or wake
         self._wake(wake)
 
+    def retry(self, attempt_id: str, delay: float, error: BaseException) -> None:
+        """Send *attempt_id*'s unanswered renewal (which failed with *error*) again after
+        *delay*, or at its deadline if sooner (then to expire it, if nothing came meanwhile).
+        Its ``message_id`` is kept: if that renew reached the server, the re-send returns the
+        original receipt instead of applying a second renewal (a new connection re-sends it
+        sooner, see :meth:`connected`)."""
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(attempt_id)
+            if entry is None:
+                return
+            entry.flight = 0
+            entry.due = min(now + delay, entry.deadline)
+            entry.since = now
+            wake = self._push(entry, entry.due)
+            wait = entry.due - now
+        level = logging.INFO if is_transient(error) else logging.ERROR
+        self._log.log(
+            level,
+            "renew of attempt %s failed (%s); retrying in %.2fs",
+            attempt_id,
+            type(error).__name__,
+            max(0.0, wait),
+            exc_info=error if level == logging.ERROR else None,
+        )
+        self._wake(wake)
+
     def untrack(self, attempt_id: str) -> None:
-        """Stop renewing *attempt_id* (its handler returned, or the lease is gone)."""
+        """Stop renewing *attempt_id* (its handler returned or was told to stop, or the lease
+        is gone)."""
         with self._lock:
             self._entries.pop(attempt_id, None)
 
@@ -279,7 +285,6 @@ class LeaseWatchdog:
                 tracked=len(self._entries),
                 renewals=self._renewals,
                 renew_failures=self._failures,
-                lease_losses=self._losses,
                 lag_last=self._lag_last,
                 lag_max=self._lag_max,
             )
@@ -298,7 +303,7 @@ class LeaseWatchdog:
         while True:
             now = self.clock()
             batch: list[tuple[_Entry, str, int, float]] = []
-            expired: list[_Entry] = []
+            expired: list[str] = []
             woke_lag: float | None = None
             with self._lock:
                 self._drop_stale()
@@ -311,7 +316,9 @@ class LeaseWatchdog:
                         woke_lag = lag
                     action = self._decide(entry, now)
                     if action == "expire":
-                        expired.append(entry)
+                        # Nothing is left to renew: a late answer finds it gone.
+                        del self._entries[attempt_id]
+                        expired.append(attempt_id)
                     elif action == "send":
                         batch.append((entry, self._pending(entry), entry.flight, lag))
                     self._drop_stale()
@@ -330,8 +337,8 @@ class LeaseWatchdog:
                     "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL",
                     woke_lag,
                 )
-            for entry in expired:
-                self._lose(entry, "lease_expired")
+            for attempt_id in expired:
+                self._on_answer(attempt_id, RenewAnswer())
             with self._lock:
                 self._drop_stale()
                 nxt = self._heap[0][0] if self._heap else None
@@ -421,79 +428,18 @@ class LeaseWatchdog:
         error: BaseException | None,
         lag: float = 0.0,
     ) -> None:
-        """Completion of one renewal, on whatever thread answered it."""
-        now = self.clock()
-        reason = detail = ""
+        """Completion of one renewal, on whatever thread answered it: counted and reported.
+        The renewal stays in flight (its deadline watched, nothing else sent for it) until the
+        machine's answer tracks, retries or untracks it."""
         with self._lock:
             if entry.flight != flight or self._entries.get(entry.attempt_id) is not entry:
                 return  # stale, or finished while the renew was in flight: nothing to do
-            entry.flight = 0
-            # A lease the reconnect's resume found lost is lost for the renewal behind it too.
-            lost = "session_replaced" if entry.reconnected else "lease_lost"
-            entry.reconnected = False
             if error is None:
-                assert lease is not None
-                entry.pending_id = None
                 self._renewals += 1
-                if lease.cancel_requested:
-                    reason = "cancel_requested"
-                elif not grants_run(lease) or lease.deadline is None:
-                    reason = lost
-                else:
-                    entry.deadline = lease.deadline
-                    entry.due = self._half_way(now, lease.deadline)
-                    entry.since = now
-                    entry.granted = (now, lease.deadline)
             else:
                 self._failures += 1
-                if isinstance(error, WorkerError) and not is_transient(error):
-                    # LEASE_LOST, STATE_CONFLICT, ...: the server answered; this renew is settled.
-                    entry.pending_id = None
-                    reason, detail = lost, error.code
-                else:
-                    # The pending message_id is kept: if that renew reached the server, re-sending
-                    # it returns the original receipt instead of applying a second renewal (a
-                    # new connection re-sends it sooner, see connected()). Past the deadline
-                    # there is nothing left to renew: wake then to expire it.
-                    entry.due = min(now + retry_delay(error, self._retry_delay), entry.deadline)
-                    entry.since = now
-            wake = False if reason else self._push(entry, entry.due)
-            deadline = entry.deadline
-            due = entry.due
-        if reason:
-            self._lose(entry, reason, count=reason != "cancel_requested", detail=detail)
-            return
-        if error is None:
-            if self._on_renew is not None:
-                self._on_renew(entry.attempt_id, deadline, lag)
-        else:
-            level = logging.INFO if is_transient(error) else logging.ERROR
-            self._log.log(
-                level,
-                "renew of attempt %s failed (%s); retrying in %.2fs",
-                entry.attempt_id,
-                type(error).__name__,
-                max(0.0, due - now),
-                exc_info=error if level == logging.ERROR else None,
-            )
-        self._wake(wake)
-
-    def _lose(self, entry: _Entry, reason: str, *, count: bool = True, detail: str = "") -> None:
-        with self._lock:
-            if self._entries.get(entry.attempt_id) is not entry:
-                return
-            del self._entries[entry.attempt_id]
-            if count:
-                self._losses += 1
-        level = logging.INFO if reason == "cancel_requested" else logging.WARNING
-        self._log.log(
-            level,
-            "lease of attempt %s: %s%s",
-            entry.attempt_id,
-            reason,
-            f" ({detail})" if detail else "",
-        )
-        self._on_loss(entry.attempt_id, reason)
+            behind_resume, entry.reconnected = entry.reconnected, False
+        self._on_answer(entry.attempt_id, RenewAnswer(lease, error, behind_resume, lag))
 
     def _wake(self, needed: bool) -> None:
         if needed:
