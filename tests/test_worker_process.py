@@ -270,4 +270,4 @@ def test_registration_mistakes_raise_at_once(server: MockOrbitServer) -> None:
         worker.register("pid", handlers.pid, executor="fork")
     with pytest.raises(ValueError, match="process_pool"):
         make_worker(server, process_pool=0)
-    assert worker._processes is None
+    assert worker._registered.processes is None

@@ -1,12 +1,5 @@
-"""The Worker's options, each checked once, when they are built (before anything is sent).
-
-:class:`WorkerOptions` holds every constructor argument of :class:`~orbit_sync.worker.Worker` but
-the client, validated: a wrong value raises ``TypeError`` or ``ValueError`` naming the option.
-What is left out means the default, filled in here (the real clock, the ``orbit_sync.worker``
-logger, the default reconnect backoff), so every reader of an option reads the value in force.
-Derived values (the capped request timeout, the handlers' share of the request budget) are
-properties.
-"""
+"""The Worker's options, each checked once, when they are built (before anything is sent); what
+is left out is filled in here, so every reader of an option reads the value in force."""
 
 from __future__ import annotations
 
@@ -27,7 +20,7 @@ from ._machine import MAX_RETRY_DELAY, MIN_RETRY_DELAY
 from ._redial import Backoff
 from ._time_limits import check_time_limit
 
-__all__ = ["RESERVED_SLOTS", "WorkerOptions", "check_seconds"]
+__all__ = ["RESERVED_SLOTS", "WorkerOptions"]
 
 #: Request slots of the connection kept free of starts and finishes (renewals, reports, resumes).
 RESERVED_SLOTS = 8
@@ -35,11 +28,6 @@ RESERVED_SLOTS = 8
 #: Real time, the clock of a worker given none (stateless: one serves every worker).
 _REAL_TIME = SystemClock()
 _LOG = logging.getLogger("orbit_sync.worker")
-
-
-def check_seconds(name: str, value: object, *, positive: bool = False) -> float:
-    """*value* as a float number of seconds: finite, non-negative (or *positive*)."""
-    return seconds(value, name, positive=positive)
 
 
 def _call_timeout(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -51,12 +39,12 @@ _POSITIVE = {"positive": True}
 
 
 def _seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    check_seconds(attribute.name, value, positive=bool(attribute.metadata.get("positive")))
+    seconds(value, attribute.name, positive=bool(attribute.metadata.get("positive")))
 
 
 def _optional_seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None:
-        check_seconds(attribute.name, value, positive=True)
+        seconds(value, attribute.name, positive=True)
 
 
 def _queue_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -76,11 +64,7 @@ def _max_in_flight(instance: Any, attribute: attrs.Attribute[Any], value: Any) -
 
 def _retry_delay(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     # The watchdog's own bounds: the one place they are written.
-    if (
-        not MIN_RETRY_DELAY
-        <= check_seconds("renew_retry_delay", value, positive=True)
-        <= MAX_RETRY_DELAY
-    ):
+    if not MIN_RETRY_DELAY <= seconds(value, attribute.name, positive=True) <= MAX_RETRY_DELAY:
         raise ValueError(
             f"renew_retry_delay must be between {MIN_RETRY_DELAY:g} and {MAX_RETRY_DELAY:g} seconds"
         )

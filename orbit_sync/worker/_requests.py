@@ -1,25 +1,13 @@
 """The one request path of the attempts' machines: every start, resume and finish an
-:class:`~._machine.AttemptMachine` decides goes out here, pipelined, and comes back here.
+:class:`~._machine.AttemptMachine` decides goes out here, pipelined within the link's request
+slots, and its answer or failure comes back as an event for that machine. A failed request is
+kept by the link (until a newer connection, or its retry delay) and re-sent with its
+``message_id`` by the thread that drives the link (:meth:`RequestPath.resend_due`); nothing is
+sent from a connection's reader (:meth:`RequestPath.handoff`). A resume
+(:attr:`~._machine.Request.early`) may go out on a connection not yet published.
 
-:class:`RequestPath` sends a request within the link's request slots (or queues it for the next
-free one) on the link's current connection, and turns its answer or failure into an event for
-the machine that sent it. What the machine answers to a failure (:mod:`._errors`' one
-classification) comes back as an action this class performs too: a request whose connection
-failed is *kept* by the link and re-sent, same ``message_id``, once a newer connection is
-published; a transient error answer is kept for its retry delay the same way; the thread that
-drives the link (:meth:`resend_due`) re-sends them. No thread waits for an answer (a start's
-thread may wait for a request slot, which an answer or a failure frees within a call timeout).
-Nothing is sent from a connection's reader: a send decided there goes to the thread that drives
-the link (:meth:`RequestPath.handoff`).
-
-A resume (:attr:`~._machine.Request.early`) may go out on a connection the link has only
-opened, not yet published: publishing waits for the resumes to go out, every other request for
-the publishing (so each goes out behind its attempt's resume).
-
-Two drivers share it: the live worker's :class:`~._shell.AttemptShell` (its connection
-thread drives the link) and the outbox replay's :class:`~._replay.ReplayShell` (its own thread,
-link and connection). Each says how an event reaches a machine (:meth:`RequestPath.step`,
-:meth:`RequestPath.outcome`).
+Two drivers share it: the live :class:`~._shell.AttemptShell` and the outbox replay's
+:class:`~._replay.ReplayShell`.
 """
 
 from __future__ import annotations
@@ -144,22 +132,18 @@ class RequestPath(Generic[S]):
     def _transmit(self, subject: S, request: Request) -> None:
         """Send *request*, whose request slot is taken, on the current connection."""
         current = self._link.current(early=request.early)
-        if current is None:
-            self._free_slot()  # a request queued for the slot goes now
-            self.sent(subject, request)
-            unsent = NotConnected("no connection")
-            self.outcome(subject, request, self.failure(subject, request, unsent, 0))
-            return
-        conn, gen = current
+        conn, gen = (None, 0) if current is None else current
         try:
+            if conn is None:
+                raise NotConnected("no connection")
             self.write(subject, request, conn, partial(self._answered, subject, request, gen))
-        except OrbitError as exc:  # nothing was sent: the connection ended, or it is busy
+        except OrbitError as exc:  # nothing was sent: no connection, it ended, or it is busy
             self._free_slot()  # a request queued for the slot goes now
             self.sent(subject, request)
             self.outcome(subject, request, self.failure(subject, request, exc, gen))
             return
         except BaseException:
-            self._free_slot()  # a request queued for the slot goes now
+            self._free_slot()
             raise
         self.sent(subject, request)
 
@@ -202,11 +186,9 @@ class RequestPath(Generic[S]):
             self.outcome(subject, request, lambda m: m.gave_up(request))
 
     def handoff(self, job: Callable[[], None]) -> None:
-        """Run *job*, a send decided on a connection's reader (an answer's consequence), on the
-        thread that drives the link: the reader only reads
-        (:func:`~orbit_sync.connection.on_reader_thread`), and a pool thread may never come free
-        (each may hold a handler that waits). At once if the link is closed: the job then finds
-        no connection and writes nothing."""
+        """Run *job*, a send decided on a connection's reader, on the thread that drives the
+        link (a pool thread may never come free: each may hold a handler that waits); at once if
+        the link is closed (the job then finds no connection and writes nothing)."""
         if self._link.keep(job, early=True):
             self._wake()
         else:

@@ -1,18 +1,6 @@
-"""Worker: the public class, its lifecycle (start, run, stop) and registration; the rest lives
-in modules of one concern each (see docs/architecture.md for the threads and their owners):
-
-- :mod:`._options`: every option, checked once; :mod:`._handlers`: the handler table;
-- :mod:`._session`: the connection thread (dial, reconcile, capacity, serve, reconnect);
-- :mod:`._admission`: the reader thread's assignments and cancel notices;
-- :mod:`._machine`: one attempt's pure state machine; :mod:`._shell`: its threaded shell;
-- :mod:`._watchdog`: lease renewals (sent by :class:`._shell.Renewals`);
-  :mod:`._outbox` / :mod:`._replay`: the durable outbox; :mod:`._signals`: SIGTERM/SIGINT
-  for :meth:`Worker.run`;
-- :mod:`._shutdown`: the bounded shutdown, on its own thread.
-
-About 600 lines: the public class, whose docstrings (a fifth of it) are what a user reads, wires
-the modules above together and keeps only what the public methods need: registration, options,
-listeners, the lifecycle and stats.
+"""Worker: the public class, its lifecycle (start, run, stop) and registration. It builds the
+parts of the modules of one concern each (docs/architecture.md names them, their threads and
+their owners) and keeps only what the public methods need.
 """
 
 from __future__ import annotations
@@ -28,6 +16,7 @@ from typing import Any, TypeVar
 import attrs
 import cattrs
 
+from .._seconds import seconds
 from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
 from ..models import (
@@ -42,10 +31,9 @@ from ._listeners import (
     DrainEvent,
     Hooks,
 )
-from ._options import WorkerOptions, check_seconds
+from ._options import WorkerOptions
 from ._outbox import Outbox
 from ._pool import DaemonPool
-from ._process import ProcessPool
 from ._redial import Backoff
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
@@ -460,8 +448,10 @@ class Worker:
                     self._started = False  # nothing ran: a later start() may try again
                 raise
             self._shell.outbox = self._shutdown.outbox = self._outbox
-            if self._processes is not None:
-                self._processes.guard(self._outbox.lock_path, self._registered.instance_id)
+            if self._registered.processes is not None:
+                self._registered.processes.guard(
+                    self._outbox.lock_path, self._registered.instance_id
+                )
         self._threads.watchdog.start()
         targets = [
             (self._sessions.run, "orbit-worker-connection"),
@@ -540,7 +530,7 @@ class Worker:
         return; without, their contexts are cancelled now. A later request can only shorten it.
         """
         if timeout is not None:
-            timeout = check_seconds("timeout", timeout)
+            timeout = seconds(timeout, "timeout")
         with self._cond:
             if not self._started:
                 return
@@ -634,11 +624,6 @@ class Worker:
             skipped_assignments=counts["skipped"],
             stuck=stuck,
         )
-
-    @property
-    def _processes(self) -> ProcessPool | None:
-        """The child processes of ``executor="process"`` handlers (None: no such handler)."""
-        return self._registered.processes
 
     def __repr__(self) -> str:
         state = "stopped" if self._done.is_set() else "running" if self._started else "new"

@@ -1,23 +1,11 @@
 """The attempts' threaded shell: performs what each attempt's state machine (:mod:`._machine`)
-decides, on whichever thread the event arrives.
+decides, on whichever thread the event arrives (docs/architecture.md follows one attempt across
+them). Requests take the one request path (:mod:`._requests`); no thread waits for an answer.
 
-One request path (:mod:`._requests`, shared with the outbox replay): every start, resume and
-finish is pipelined; a request whose connection fails is kept by the link and re-sent with its
-``message_id`` by the connection thread once a newer connection is published
-(:meth:`~._requests.RequestPath.resend_due`); a transient error answer is kept for its retry
-delay the same way. No thread waits for an answer. On a new connection, the connection thread
-steps every held attempt's machine, which resumes its lease, and steps the outcomes of those
-resumes (:attr:`AttemptShell.resumes`; see :mod:`._session`).
-
-Threads: an assignment's start goes out from the session's intake thread, which took it from
-the connection's queue (:mod:`._admission`); answers are handled on the reader thread without
-blocking or writing (a send they decide goes to the connection thread); the handler runs on a
-pool thread, which also sends its finish (behind a lowered capacity report when the window needs
-one, :mod:`._window`). An outbox write or a listener (user code) never runs on the reader thread
-(those actions go to a pool thread). Each attempt's machine is
-read and changed only under the attempt's lock; lease and context actions are performed under it
-too (shutdown's abandon step must never see a lease tracked after its untrack); everything else
-after it is released.
+Each attempt's machine is read and changed only under the attempt's lock, and its lease and
+context actions are performed under it too (shutdown's abandon step must never see a lease
+tracked after its untrack); everything else after it is released. An outbox write or a listener
+(user code) never runs on a connection's reader thread: those actions go to a pool thread.
 """
 
 from __future__ import annotations
@@ -592,10 +580,8 @@ class AttemptShell(RequestPath[Attempt]):
             self._hooks.emit("attempt_finished", _finished(att, verdict, reported.delivered))
 
     def _not_started(self, att: Attempt, not_started: NotStarted) -> None:
-        if not_started.error is None:
-            worker_log(att.ctx).info("%s", not_started.why)
-        else:
-            worker_log(att.ctx).warning("%s", not_started.why)
+        level = logging.INFO if not_started.error is None else logging.WARNING
+        worker_log(att.ctx).log(level, "%s", not_started.why)
 
     # ------------------------------------------------------------------ time limits
 
@@ -619,18 +605,16 @@ class AttemptShell(RequestPath[Attempt]):
 
     def _stuck(self, att: Attempt, reason: str) -> None:
         """*att* was finished UNKNOWN while its handler still runs: its slot is stuck."""
-        with self._reg.cond:
-            self._reg.stuck[att.id] = att.info
-            stuck = len(self._reg.stuck)
-        self._offer(stuck)
+        stuck = self._count_stuck(att, True)
         if reason == "shutdown":
             worker_log(att.ctx).error("handler ignored cancellation at shutdown: finishing UNKNOWN")
         else:
+            assert att.time_limit is not None
             worker_log(att.ctx).error(
                 "handler %s still running %gs after its time limit: finishing UNKNOWN; its "
                 "thread keeps a slot until it returns (%d of %d slots stuck)",
                 att.task.handler,
-                self._grace(att),
+                att.time_limit.grace,
                 stuck,
                 self._options.capacity,
             )
@@ -639,10 +623,7 @@ class AttemptShell(RequestPath[Attempt]):
 
     def _unstuck(self, att: Attempt) -> None:
         """A stuck handler returned at last: its slot is free, its result dropped."""
-        with self._reg.cond:
-            self._reg.stuck.pop(att.id, None)
-            stuck = len(self._reg.stuck)
-        self._offer(stuck)
+        stuck = self._count_stuck(att, False)
         worker_log(att.ctx).warning(
             "handler returned after it was finished UNKNOWN; its result is dropped and its "
             "slot is free again"
@@ -651,17 +632,20 @@ class AttemptShell(RequestPath[Attempt]):
             reason = "time_limit" if att.machine.timed_out else "shutdown"
             self._hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
 
-    def _offer(self, stuck: int) -> None:
-        """The capacity reported leaves out the *stuck* slots: no task waits behind a thread
-        that cannot be stopped (the connection thread sends the new report)."""
+    def _count_stuck(self, att: Attempt, stuck: bool) -> int:
+        """Count *att*'s slot stuck (or free again); return how many are. The capacity reported
+        leaves out the stuck slots: no task waits behind a thread that cannot be stopped (the
+        connection thread sends the new report)."""
+        with self._reg.cond:
+            if stuck:
+                self._reg.stuck[att.id] = att.info
+            else:
+                self._reg.stuck.pop(att.id, None)
+            count = len(self._reg.stuck)
         with self._window.lock:
-            self._window.stuck = stuck
+            self._window.stuck = count
         self._wake()
-
-    @staticmethod
-    def _grace(att: Attempt) -> float:
-        limit = att.time_limit
-        return 0.0 if limit is None else limit.grace
+        return count
 
     def _stuck_event(self, att: Attempt, reason: str, stuck: int) -> StuckEvent:
         task = att.task

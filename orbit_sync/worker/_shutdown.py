@@ -1,23 +1,11 @@
 """The ``orbit-worker-shutdown`` thread: wait for a stop request, then shut down in bounded
-phases and report.
+phases and report (the bounds: docs/architecture.md).
 
-The phases: drain, cancel, abandon, flush (:class:`AttemptPhases`, on the worker's clock), then
-close (:class:`Shutdown`). Each attempt phase ends at its deadline, or as soon as what it waits
-for has happened; the next phase's budget starts from there, so the whole shutdown takes at most
-drain + cancel_grace + flush_timeout, plus :data:`CLOSE_ALLOWANCE` for the close. Run by the
-shutdown thread only; every wait here is on the registry's condition with a deadline.
-
-The close closes the link (kept requests are given up, a dial in progress is cut, the connection
-ends), then stops the watchdog, the handler pool and the child processes, joins the worker's
-threads and closes the outbox, each within :data:`CLOSE_ALLOWANCE` of real time (threads end on
-events, whatever the clock).
-
-The phases also have a bound in real time (:func:`real_time_bound`): a clock that does not reach
-their deadlines (a test's clock that nobody moves) must not keep a process from exiting. An alarm
-thread (``orbit-worker-shutdown-alarm``, started with the shutdown, cancelled and joined at its
-end) calls :meth:`AttemptPhases.overdue` past it, which ends every phase at once; the close then
-runs (in real time) and what was not delivered is reported unreported, its finish kept in the
-outbox when there is one.
+The phases drain, cancel, abandon and flush act on the attempts (:class:`AttemptPhases`, on the
+worker's clock); each ends at its deadline or once what it waits for has happened. The close
+(:class:`Shutdown`) then closes the link and stops the worker's threads, in real time. An alarm
+thread (``orbit-worker-shutdown-alarm``) ends every phase at once past their bound in real time
+(:func:`real_time_bound`): a clock nobody moves must not keep a process from exiting.
 """
 
 from __future__ import annotations
@@ -81,7 +69,6 @@ class AttemptPhases:
 
     @property
     def overran(self) -> bool:
-        """True once :meth:`overdue` was called."""
         with self._reg.cond:
             return self._overdue
 
@@ -149,12 +136,6 @@ class AttemptPhases:
         *deadline* (see :meth:`wait_until` for *real_time*)."""
         return self.wait_until(lambda: not self._reg.attempts, deadline, real_time=real_time)
 
-    def stuck(self) -> int:
-        """How many handlers finished UNKNOWN still run (at shutdown or past a time limit):
-        the pool's shutdown does not wait for their threads."""
-        with self._reg.cond:
-            return len(self._reg.stuck)
-
     def _live(self) -> list[Attempt]:
         with self._reg.cond:
             return list(self._reg.attempts.values())
@@ -190,10 +171,6 @@ class Shutdown:
         #: Set by Worker.start when the worker has an outbox; closed last.
         self.outbox: Outbox | None = None
 
-    def overdue(self) -> None:
-        """Cut the shutdown's phases short now (its waiter's bound in real time passed)."""
-        self._phases.overdue()
-
     def await_report(
         self,
         window: float,
@@ -209,7 +186,7 @@ class Shutdown:
             + CLOSE_ALLOWANCE
         )
         if not done.wait(bound):
-            self.overdue()
+            self._phases.overdue()
             if not done.wait(2 * CLOSE_ALLOWANCE):
                 return self.stuck(published(), bound + 2 * CLOSE_ALLOWANCE)
         report = published()
@@ -344,7 +321,9 @@ class Shutdown:
             current[0].close()
         self._phases.settled(close_end, real_time=True)
         threads.watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
-        threads.pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=self._phases.stuck())
+        with self._reg.cond:  # handlers finished UNKNOWN that still run: not waited for
+            stuck = len(self._reg.stuck)
+        threads.pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=stuck)
         if self._handlers.processes is not None:
             self._handlers.processes.close()
         for thread in threads.started:
