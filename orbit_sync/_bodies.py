@@ -141,8 +141,11 @@ def _whole_second(text: str) -> _dt.datetime:
         raise ValueError("is not a real date and time") from None
 
 
-def parse_time(value: Any) -> _dt.datetime:
-    """A wire time (RFC 3339 UTC with ``Z``) as an aware UTC datetime, kept to the microsecond."""
+def parse_time(value: Any, _: Any = None) -> _dt.datetime:
+    """A wire time (RFC 3339 UTC with ``Z``) as an aware UTC datetime, kept to the microsecond.
+
+    Also the converter's hook for times (cattrs passes the field's type second, ignored here).
+    """
     if type(value) is not str:
         raise TypeError("must be an RFC 3339 string")
     return parse_time_ns(value)[0]
@@ -206,14 +209,6 @@ def _judged(o: dict[str, Any], first: str, last: str, end: str, limit_s: int) ->
 # --------------------------------------------------------------------------- the converter
 
 
-def _structure_time(value: Any, _: Any) -> _dt.datetime:
-    return parse_time(value)
-
-
-def _structure_counter(value: Any, _: Any) -> int:
-    return _rules.wire_decimal(value)  # the model's validator checks it is a counter
-
-
 def _as_is(value: Any, _: Any) -> Any:
     # A string, bool or int is checked by the model's validator, not converted: "1" is no int.
     return value
@@ -227,21 +222,8 @@ def _text(value: Any, _: Any) -> str:
     return value
 
 
-def _enum_hook(cls: type[Any]) -> Callable[[Any, Any], Any]:
-    member = _rules.member_of(cls)
-
-    def structure_enum(value: Any, _: Any) -> Any:
-        return member(value)
-
-    return structure_enum
-
-
 def _unstructure_enum(member: Any) -> Any:
     return member.value
-
-
-def _unstructure_counter(value: int) -> str:
-    return str(value)
 
 
 #: How a value of each field type travels: its structure and unstructure hooks.
@@ -249,9 +231,9 @@ _TYPES: dict[Any, tuple[Callable[[Any, Any], Any], Callable[[Any], Any]]] = {
     str: (_as_is, identity),
     bool: (_as_is, identity),
     int: (_as_is, identity),
-    _dt.datetime: (_structure_time, format_time),
+    _dt.datetime: (parse_time, format_time),
     **{
-        enum: (_enum_hook(enum), _unstructure_enum)
+        enum: (_rules.member_of(enum), _unstructure_enum)
         for enum in (TaskState, AttemptState, Outcome, Disposition, Operation)
     },
 }
@@ -317,9 +299,8 @@ def _overrides(cls: type[Any], detailed: bool) -> dict[str, Any]:
         if wire == LOCAL["wire"]:
             overrides[field.name] = override(omit=True)
         elif wire == COUNTER["wire"]:
-            overrides[field.name] = override(
-                struct_hook=_structure_counter, unstruct_hook=_unstructure_counter
-            )
+            # Out as str(): an int's canonical decimal text.
+            overrides[field.name] = override(struct_hook=_rules.wire_decimal, unstruct_hook=str)
         elif wire == OPTIONAL["wire"]:
             # The type beside None (error_code: str | None), or the type (a defaulted bool).
             present = [arg for arg in typing.get_args(kind) if arg is not type(None)] or [kind]

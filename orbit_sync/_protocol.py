@@ -97,6 +97,10 @@ def call_timeout(value: object, name: str = "timeout", cap: float = CALL_TIMEOUT
     return cap if value is None else seconds(value, name, positive=True, cap=cap)
 
 
+#: The answers that carry a lease, anchored at the moment their request was sent.
+_ANCHORED: Final = frozenset({CommandResult, Lease})
+
+
 class Call:
     """One request in flight: its deadline, when it was sent, and who to tell."""
 
@@ -211,7 +215,7 @@ class ClientProtocol:
         ``FrameError`` for a body that cannot be encoded (the slot is then given back).
         """
         mid = new_message_id() if message_id is None else check_message_id(message_id)
-        bound = self.bound(timeout)
+        bound = self.max_call if timeout is None else self.bound(timeout)
         if self.err is not None:
             raise self.err.with_message_id(None)  # nothing was sent
         calls = self.calls
@@ -220,7 +224,9 @@ class ClientProtocol:
         if mid in calls:
             raise ValueError("message_id is already in flight on this connection")
         t_sent = self.lease_clock()
-        call = Call(request_type, mid, bound, self.clock() + bound, t_sent, on_done)
+        # One reading serves both when the leases are on the protocol's own clock (real time).
+        now = t_sent if self.lease_clock is self.clock else self.clock()
+        call = Call(request_type, mid, bound, now + bound, t_sent, on_done)
         # Encoded only once a slot is held: a caller over the limit copies nothing.
         text = _codec.encode_request(request_type, mid, self.ctx.session_id, body)
         calls[mid] = call
@@ -297,7 +303,7 @@ class ClientProtocol:
                 raise WorkerProtocolError(
                     f"invalid server frame: expected a {expected.__name__} body"
                 )
-            if isinstance(value, CommandResult | Lease):
+            if expected in _ANCHORED:
                 value = value.with_deadline(call.t_sent)
         del self.calls[reply.reply_to]
         return call, value, reply.error

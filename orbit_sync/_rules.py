@@ -72,9 +72,10 @@ def counter(value: Any) -> int:
     return value
 
 
-def wire_decimal(value: Any) -> int:
+def wire_decimal(value: Any, _: Any = None) -> int:
     """An int as a counter travels: a canonical decimal string (``"7"``, never ``"07"`` or
-    ``7``). The counter's own rule (:func:`counter`) is the model's to apply."""
+    ``7``). The counter's own rule (:func:`counter`) is the model's to apply. Also the wire
+    converter's structure hook for counters, as it is (the second argument is cattrs')."""
     if type(value) is not str:
         raise TypeError("must be a decimal string")
     if _decimal_match(value) is None:
@@ -123,12 +124,16 @@ LEASE_DURATION_MS = int_range(1_000, 120_000)
 E = TypeVar("E", bound=enum.Enum)
 
 
-def member_of(cls: type[E]) -> Callable[[Any], E]:
-    """The member of *cls* whose value is the given string (a table lookup, no Enum call)."""
+def member_of(cls: type[E]) -> Callable[..., E]:
+    """The member of *cls* whose value is the given string (a table lookup, no Enum call).
+
+    The rule is also the wire converter's structure hook for *cls* as it is: cattrs passes the
+    field's type second, ignored here (a wrapper would cost a call per field on every frame).
+    """
     table = {m.value: m for m in cls}
     reason = f"must be one of {', '.join(table)}"
 
-    def check(value: Any) -> E:
+    def check(value: Any, _: Any = None) -> E:
         member = table.get(value) if type(value) is str else None
         if member is None:
             raise ValueError(reason)

@@ -326,7 +326,7 @@ class WorkerConnection:
     def _take(self, kind: str, timeout: float | None) -> object:
         """The next unread push of *kind*, waiting at most *timeout* seconds (None: no bound)."""
         if timeout != 0:
-            self._refuse_on_reader(f"waiting for the next {kind}")
+            self._refuse_on_reader("waiting for the next %s", kind)
         unread = self._core.unread[kind]
         if self._core.err is None:
             try:
@@ -439,7 +439,7 @@ class WorkerConnection:
         thread that calls ``_submit``. Errors raised here mean nothing was sent and ``on_done``
         is not called.
         """
-        self._refuse_on_reader(f"a {request_type} request")
+        self._refuse_on_reader("a %s request", request_type)
         self._check_request(request_type, body)
         call, _ = self._send(request_type, body, message_id, timeout, on_done)
         return call.message_id
@@ -486,7 +486,7 @@ class WorkerConnection:
     def _call(
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
     ) -> Any:
-        self._refuse_on_reader(f"a {request_type} request")
+        self._refuse_on_reader("a %s request", request_type)
         call, slot = self._send(request_type, body, message_id, timeout, None)
         # The slot is freed only after a completed wait: after an exception (Ctrl-C while the
         # call may be in flight) it is left to the late answer, and never reused.
@@ -502,12 +502,13 @@ class WorkerConnection:
             raise error
         return value
 
-    def _refuse_on_reader(self, what: str) -> None:
+    def _refuse_on_reader(self, what: str, *args: str) -> None:
         """Fail at once on a connection's reader thread: it only reads (a wait there could only
-        be ended by itself, and it writes no request)."""
+        be ended by itself, and it writes no request). *what* % *args* names the refused call,
+        formatted only then: this check is on every request's path."""
         if on_reader_thread():
             raise RuntimeError(
-                f"{what} cannot be made on a connection's reader thread (a callback of a "
+                f"{what % args} cannot be made on a connection's reader thread (a callback of a "
                 "connection: on_assignment, on_cancel or a completion); make it from another thread"
             )
 
@@ -524,7 +525,8 @@ class WorkerConnection:
             # A slot only for a call that goes out: a refused one never makes a new slot.
             slot = self._take_slot(on_done)
             call.on_done = slot.complete
-            self._arm(call.deadline)
+            if call.deadline < self._wake_at:  # before what the deadline thread sleeps until
+                self._timer.notify()
         if self._write(self._transport.send_text, text):
             log.debug("sent %s message_id=%s", request_type, call.message_id)
         return call, slot
@@ -534,11 +536,6 @@ class WorkerConnection:
         slot = self._slots.pop() if self._slots else _Slot(self._slots)
         slot.on_done = on_done
         return slot
-
-    def _arm(self, deadline: float) -> None:
-        """Wake the deadline thread if *deadline* comes before what it sleeps until (locked)."""
-        if deadline < self._wake_at:
-            self._timer.notify()
 
     def _write(self, send: Callable[[T], None], data: T) -> bool:
         """``send(data)``; False once a failed write ended the connection."""
