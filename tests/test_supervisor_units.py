@@ -1,5 +1,6 @@
 """The supervisor's parts on their own: exit-status ranking, restart decisions, the host's health
-from its children's reports (fake clock), the recycling limits (fake RSS), the message pipe."""
+from its children's reports (fake clock), the metrics target, the recycling limits (fake RSS), the
+message pipe."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import random
 import signal
 import threading
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -21,7 +23,7 @@ from orbit_sync._cli_worker import (
     EXIT_USAGE,
 )
 from orbit_sync._supervisor._child import ChildLink, RecycleLimits, check_memory_limit
-from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth
+from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth, MetricsTarget
 from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, worst
 from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
 from orbit_sync._supervisor._wire import DRAIN, STOP_NOW, ChildSettings, LineReader, encode
@@ -158,6 +160,26 @@ def started() -> AttemptEvent:
     return AttemptEvent(
         task_id="b" * 32, attempt_id="a" * 32, handler="h", attempt=1, max_attempts=3
     )
+
+
+def test_a_scrape_while_a_child_creates_its_metrics_file_still_sums_the_others() -> None:
+    """The host's metrics answer while a child's file exists but is still empty (created, not
+    yet sized), with every other child's values."""
+    from prometheus_client.mmap_dict import MmapedDict, mmap_key
+
+    target = MetricsTarget("127.0.0.1", 0)
+    try:
+        written = MmapedDict(os.path.join(target.directory, "counter_101.db"))
+        key = mmap_key("orbit_attempts", "orbit_attempts_total", ["handler"], ["echo"], "Attempts")
+        written.write_value(key, 3.0, 0.0)
+        written.close()
+        open(os.path.join(target.directory, "counter_102.db"), "wb").close()  # being created
+        url = f"http://127.0.0.1:{target.port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            text = resp.read().decode()
+        assert 'orbit_attempts_total{handler="echo"} 3.0' in text, text
+    finally:
+        target.close()
 
 
 def test_task_limit_fires_once_at_the_kth_start() -> None:

@@ -20,6 +20,8 @@ only.
 
 from __future__ import annotations
 
+import glob
+import os
 import shutil
 import tempfile
 import threading
@@ -116,11 +118,10 @@ class MetricsTarget:
 
     def __init__(self, host: str, port: int) -> None:
         from prometheus_client import CollectorRegistry, start_http_server
-        from prometheus_client.multiprocess import MultiProcessCollector
 
         self.directory = tempfile.mkdtemp(prefix="orbit-sync-metrics-")
         registry = CollectorRegistry()
-        MultiProcessCollector(registry, path=self.directory)  # type: ignore[no-untyped-call]
+        registry.register(_ChildrenMetrics(self.directory))
         try:
             self._server, self._thread = start_http_server(port, host, registry=registry)
         except BaseException:
@@ -154,3 +155,31 @@ class MetricsTarget:
         self._server.server_close()
         self._thread.join(5.0)
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+#: Bytes of the header (bytes used) a ``prometheus_client`` multiprocess file starts with.
+_MMAP_HEADER = 8
+
+
+class _ChildrenMetrics:
+    """``MultiProcessCollector``, without the files a process is still creating.
+
+    A process creates its file empty, then sizes it: a scrape in between would fail on it (HTTP
+    500) with the library's own collector, and so would every scrape after a child killed in
+    between. Such a file holds no value yet, so leaving it out loses nothing.
+    """
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def collect(self) -> Any:
+        from prometheus_client.multiprocess import MultiProcessCollector
+
+        files = []
+        for path in glob.glob(os.path.join(self.directory, "*.db")):
+            try:
+                if os.stat(path).st_size >= _MMAP_HEADER:
+                    files.append(path)
+            except FileNotFoundError:  # a live gauge of a child that exited meanwhile
+                continue
+        return MultiProcessCollector.merge(files, accumulate=True)  # type: ignore[no-untyped-call]
