@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import threading
 import time
@@ -44,7 +45,7 @@ from orbit_sync.worker._watchdog import (
     MAX_EARLY_BATCH,
     LeaseWatchdog,
     RenewDone,
-    SendRenew,
+    SendRenews,
     WatchdogThread,
 )
 
@@ -90,22 +91,29 @@ def lease(
 
 
 class Renewer:
-    """A scripted send function that records every renewal (attempt_id, message_id, time) and
-    answers it at once, or holds it when ``hold`` is set (answer later with ``release``)."""
+    """A scripted send function that records each batch (attempt ids) and every renewal
+    (attempt_id, message_id, time), and answers each at once, or holds it when ``hold`` is set
+    (answer later with ``release``); raises ``fail_with`` when set."""
 
     def __init__(self, clock: CallClock) -> None:
         self.clock = clock
+        self.batches: list[list[str]] = []
         self.calls: list[tuple[str, str, float]] = []
         self.script: list[Callable[[], Lease]] = []
         self.hold = False
         self.held: dict[str, RenewDone] = {}
+        self.fail_with: Exception | None = None
 
-    def __call__(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        self.calls.append((attempt_id, message_id, self.clock()))
-        if self.hold:
-            self.held[attempt_id] = on_done
-            return
-        answer(on_done, self.script.pop(0) if self.script else lambda: lease(self.clock))
+    def __call__(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
+        self.batches.append([attempt_id for attempt_id, _, _ in renewals])
+        if self.fail_with is not None:
+            raise self.fail_with
+        for attempt_id, message_id, on_done in renewals:
+            self.calls.append((attempt_id, message_id, self.clock()))
+            if self.hold:
+                self.held[attempt_id] = on_done
+            else:
+                answer(on_done, self.script.pop(0) if self.script else lambda: lease(self.clock))
 
     def release(self, attempt_id: str, reply: Callable[[], Lease]) -> None:
         """Answer the held renewal of *attempt_id*."""
@@ -122,11 +130,12 @@ def answer(on_done: RenewDone, reply: Callable[[], Lease]) -> None:
         on_done(value, None)
 
 
-def sync(fn: Callable[[str, str], Lease]) -> SendRenew:
-    """A send function answering at once with what *fn* returns or raises."""
+def sync(fn: Callable[[str, str], Lease]) -> SendRenews:
+    """A send function answering each renewal at once with what *fn* returns or raises."""
 
-    def send(attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        answer(on_done, lambda: fn(attempt_id, message_id))
+    def send(renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
+        for attempt_id, message_id, on_done in renewals:
+            answer(on_done, functools.partial(fn, attempt_id, message_id))
 
     return send
 
@@ -212,7 +221,7 @@ class Leases:
     def remaining(self, attempt_id: str) -> float:
         return self.deadlines[attempt_id] - self.clock()
 
-    def watchdog(self, send: SendRenew, *, retry: float = 1.0, **kwargs: Any) -> LeaseWatchdog:
+    def watchdog(self, send: SendRenews, *, retry: float = 1.0, **kwargs: Any) -> LeaseWatchdog:
         """A watchdog on the fake clock reporting here (*retry*: the machines' retry delay)."""
         self.retry = retry
         self.wd = LeaseWatchdog(send, clock=self.clock, on_answer=self.answered, **kwargs)
@@ -609,37 +618,17 @@ def test_a_loss_answering_the_reconnect_renewal_is_session_replaced(
     assert leases.ended["c" * 32] == "lease_lost"
 
 
-class BatchRenewer(Renewer):
-    """A scripted send_many: records each batch (attempt ids) and answers every renewal at once
-    like :class:`Renewer`; its single send must never be used."""
-
-    def __init__(self, clock: CallClock) -> None:
-        super().__init__(clock)
-        self.batches: list[list[str]] = []
-        self.fail_with: Exception | None = None
-
-    def many(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        self.batches.append([attempt_id for attempt_id, _, _ in renewals])
-        if self.fail_with is not None:
-            raise self.fail_with
-        for renewal in renewals:
-            self(*renewal)
-
-    def single(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        raise AssertionError("a watchdog with send_many sends nothing one by one")
-
-
 @pytest.fixture
-def batcher(clock: CallClock) -> BatchRenewer:
-    """A batch send function over the fake clock."""
-    return BatchRenewer(clock)
+def batcher(clock: CallClock) -> Renewer:
+    """A send function over the fake clock, for the tests of batches."""
+    return Renewer(clock)
 
 
 def test_renewals_due_together_go_out_in_one_batch(
-    clock: CallClock, batcher: BatchRenewer, leases: Leases
+    clock: CallClock, batcher: Renewer, leases: Leases
 ) -> None:
     """Attempts due at the same moment are handed to send_many once, all of them."""
-    wd = leases.watchdog(batcher.single, send_many=batcher.many)
+    wd = leases.watchdog(batcher)
     ids = ["1" * 32, "2" * 32, "3" * 32]
     for attempt_id in ids:
         wd.track(attempt_id, clock() + 30.0)
@@ -650,11 +639,11 @@ def test_renewals_due_together_go_out_in_one_batch(
 
 
 def test_nearly_due_renewals_join_a_batch(
-    clock: CallClock, batcher: BatchRenewer, leases: Leases
+    clock: CallClock, batcher: Renewer, leases: Leases
 ) -> None:
     """A renewal within a quarter of its wait joins the batch sent now (lag 0: it is early); one
     further away waits for its own time."""
-    wd = leases.watchdog(batcher.single, send_many=batcher.many)
+    wd = leases.watchdog(batcher)
     a, near, far = "a" * 32, "b" * 32, "c" * 32
     wd.track(a, clock() + 20.0)  # due at +10
     wd.track(near, clock() + 22.0)  # due at +11: 1 s of an 11 s wait left at +10
@@ -670,10 +659,10 @@ def test_nearly_due_renewals_join_a_batch(
 
 
 def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
-    clock: CallClock, batcher: BatchRenewer, leases: Leases
+    clock: CallClock, batcher: Renewer, leases: Leases
 ) -> None:
     """A lease granted less than MIN_RENEW_INTERVAL ago is not renewed early with a batch."""
-    wd = leases.watchdog(batcher.single, send_many=batcher.many)
+    wd = leases.watchdog(batcher)
     a, fresh = "a" * 32, "f" * 32
     wd.track(a, clock() + 19.998)  # due at +9.999
     clock.advance(9.96)
@@ -686,11 +675,11 @@ def test_a_batch_never_takes_a_renewal_sooner_than_the_minimum_interval(
 
 
 def test_a_batch_send_that_raises_fails_and_retries_every_renewal(
-    clock: CallClock, batcher: BatchRenewer, leases: Leases
+    clock: CallClock, batcher: Renewer, leases: Leases
 ) -> None:
     """send_many raising (a bug) is a failure of each renewal in it: all retried, none lost."""
     batcher.fail_with = RuntimeError("send bug")
-    wd = leases.watchdog(batcher.single, send_many=batcher.many, retry=0.5)
+    wd = leases.watchdog(batcher, retry=0.5)
     ids = ["1" * 32, "2" * 32]
     for attempt_id in ids:
         wd.track(attempt_id, clock() + 30.0)
@@ -751,10 +740,10 @@ def test_the_worker_renews_attempts_due_together_in_one_write(
 
 
 def test_early_additions_stop_at_a_bounded_batch(
-    clock: CallClock, batcher: BatchRenewer, leases: Leases
+    clock: CallClock, batcher: Renewer, leases: Leases
 ) -> None:
     """Nearly due renewals fill a batch only up to MAX_EARLY_BATCH; renewals that are due all go."""
-    wd = leases.watchdog(batcher.single, send_many=batcher.many)
+    wd = leases.watchdog(batcher)
     due_now = [f"{i:032x}" for i in range(MAX_EARLY_BATCH - 2)]
     nearly = [f"{i:032x}" for i in range(100, 105)]
     for attempt_id in due_now:

@@ -16,56 +16,8 @@ every pair.
 
 One module: the machine, the requests it keeps and the actions it returns are one idea, and
 every transition reads the same few fields; split by phase, a reconnect's rules (which touch
-every phase) would live in several files.
-
-::
-
-    ASSIGNED --begin--> STARTING --start answered, lease lets it run--> RUNNING
-                          |   \\--start answered, started but may not run--\\
-                          |    \\--start answered, not started----> NOT_RUN  |
-                          |--start refused / worker stopped------> NOT_RUN  |
-                          v                                                 v
-                     (link failure: kept, re-sent on the next connection;  FINISHING
-                      transient error: re-sent after a delay)   RUNNING --handler returned /
-                                                                outbox refused the launch /
-                                                                shutdown or the time limit
-                                                                abandoned it-->
-    FINISHING --finish answered--> DELIVERED
-              --finish refused---> REFUSED
-              --worker stopped---> UNREPORTED
-
-A new connection resumes every held attempt first (PROTOCOL §5.5), beside its phase:
-
-::
-
-    held --reconnected--> resume on the new connection, before it is published
-      RUNNING: lease lets it run --> lease refreshed (a renewal due went out behind the resume)
-               cancel requested ---> handler cancelled
-               refused / lost -----> handler cancelled, lease reported lost
-      STARTING, FINISHING: nothing; the kept start or finish goes out right behind the resume
-               and its answer decides (even if the start is answered first: RUNNING then)
-      connection failed: the next connection resumes it; transient: re-sent after the delay
-
-The outbox replay feeds a dead process's stored attempts to the same machine, on a session of
-its own (docs/protocol.md §13), and sends their requests through the same path:
-
-::
-
-    ASSIGNED --replay--> RESUMING --resume answered or refused, finish stored--> FINISHING
-                                  |   (the stored finish, its original message_id)
-                                  |--active lease, no finish stored----------> FINISHING
-                                  |   (UNKNOWN WORKER_LOST, recorded before it is sent)
-                                  |--refused / inactive lease, no finish stored--> ENDED
-                                  \\--the replay stopped first----------------> UNREPORTED
-
-A handler with a time limit, past it (the shell's timer, on the worker's clock):
-
-::
-
-    RUNNING --time limit passed--> context cancelled (time_limit), the handler interrupted
-      handler returns within the grace --> FINISHING (FAILED HANDLER_TIMEOUT, from its ending)
-      thread still running past the grace --> FINISHING (UNKNOWN HANDLER_TIMEOUT), slot stuck
-      (a child process is killed by the process executor instead: the handler's ending decides)
+every phase) would live in several files. The phases as diagrams (a start, a reconnect's
+resumes, the outbox replay, a time limit): docs/architecture.md, "One attempt".
 
 A request (start, resume or finish) keeps its ``message_id`` for as long as it lives, so every
 re-send is the same operation to the server (PROTOCOL §7). The retry/fatal classification is
@@ -218,8 +170,7 @@ class Send:
 
 @attrs.frozen
 class BreakConnection:
-    """Connection *gen* is unusable: close it, so the session reconnects at once (0: the
-    request found no connection; there is none to close)."""
+    """Close connection *gen*, so the session reconnects at once (0: there was none)."""
 
     gen: int
 
@@ -243,7 +194,7 @@ class RetryAfter:
 
 @attrs.frozen
 class TrackLease:
-    """Renew the attempt's lease from now on, until *deadline* unless renewed."""
+    """Renew the lease (just granted, until *deadline*) from now on."""
 
     deadline: float
 
@@ -269,9 +220,8 @@ class CancelContext:
 
 @attrs.frozen
 class LeaseLost:
-    """The lease is gone (*reason*; *detail*: the server's error code, if it said so): count
-    it, say so and tell the listeners. *resume*: a reconnect's resume found it lost (else a
-    renewal's answer, or the deadline)."""
+    """The lease is gone (*detail*: the server's error code): count it, say so, tell the
+    listeners. *resume*: a reconnect's resume found it lost (else a renewal or the deadline)."""
 
     reason: str
     resume: bool = True
@@ -280,8 +230,7 @@ class LeaseLost:
 
 @attrs.frozen
 class LeaseRenewed:
-    """A renewal was granted (its new deadline is tracked): tell the listeners (*lag*: how late
-    it went out)."""
+    """Tell the listeners that a renewal was granted (*lag*: how late it went out)."""
 
     lag: float
 
@@ -289,7 +238,7 @@ class LeaseRenewed:
 @attrs.frozen
 class RenewAfter:
     """Send the unanswered renewal again, same ``message_id``, after *delay* seconds (or at the
-    deadline, if sooner): *error* was transient."""
+    deadline, if sooner)."""
 
     delay: float
     error: BaseException
@@ -297,7 +246,7 @@ class RenewAfter:
 
 @attrs.frozen
 class InterruptHandler:
-    """Raise ``TimeLimitExceeded`` in the handler's thread, and step
+    """Raise ``TimeLimitExceeded`` in the handler's thread; step
     :meth:`AttemptMachine.time_limit_grace_passed` *grace* seconds from now."""
 
     grace: float
@@ -305,9 +254,8 @@ class InterruptHandler:
 
 @attrs.frozen
 class SlotStuck:
-    """The attempt was finished while its handler still runs, past the cancel grace of
-    *reason* (``time_limit`` or ``shutdown``): its thread holds a slot until it returns, if it
-    ever does."""
+    """Finished while its handler still runs past the cancel grace of *reason*: its thread
+    holds a slot until it returns, if it ever does."""
 
     reason: str
 
@@ -339,9 +287,7 @@ class NotStarted:
 
 @attrs.frozen
 class Reported:
-    """The finish's fate: *result* (accepted), *error* (refused), or neither (the worker
-    stopped first: unreported). Close the outbox entry unless unreported, count, log, tell the
-    listeners."""
+    """The finish's fate: *result* (accepted), *error* (refused), or neither (unreported)."""
 
     verdict: Verdict
     result: CommandResult | None = None
@@ -354,18 +300,17 @@ class Reported:
 
 @attrs.frozen
 class Ended:
-    """Replay: the server already ended the attempt (lease expired, or a finish the dead process
-    delivered but could not record) and nothing was stored to send: drop its record, since
-    reporting it lost would only contradict what the server knows."""
+    """Replay: the server already ended the attempt and nothing was stored to send: drop its
+    record (reporting it lost would only contradict what the server knows)."""
 
     why: str
 
 
 @attrs.frozen
 class ResumeEnded:
-    """The live resume *request* is over (answered, refused, or its connection failed): the
-    connection waiting for its resumes counts it; *refused*: the server's refusal, to log;
-    *cut*: its connection failed before it was answered (that session is not established)."""
+    """The live resume *request* is over, for the connection waiting for its resumes;
+    *refused*: the server's refusal, to log; *cut*: its connection failed first (that session
+    is not established)."""
 
     request: Request
     refused: OrbitError | None = None
@@ -379,8 +324,7 @@ class Release:
 
 @attrs.frozen
 class Skipped:
-    """The assignment is not taken (*why*): nothing is sent for it. *count*: the counter it
-    adds to, if any."""
+    """The assignment is not taken (*why*); *count*: the counter it adds to, if any."""
 
     why: str
     count: str | None = None
@@ -416,85 +360,49 @@ Action = (
 
 
 class Trigger(enum.Enum):
-    """What happened to an attempt, as the table knows it. Each public method of
-    :class:`AttemptMachine` reads its event's data (the lease, the error, the flags of the
-    attempt) into one trigger; the table then says what the trigger does in the phase."""
+    """What happened to an attempt, as the table knows it: each public method of
+    :class:`AttemptMachine` reads its event's data into one trigger."""
 
-    #: The intake took the assignment: send its start.
-    ADMITTED = "admitted"
-    #: Taken once the shutdown's drain is over: started with its context cancelled.
-    ADMITTED_STOPPING = "admitted while stopping"
-    #: The attempt was assigned before (a handler runs once per attempt, PROTOCOL §6.1).
-    ASSIGNED_AGAIN = "assigned again"
-    #: No handler of this process can run it.
-    NO_HANDLER = "no handler"
-    #: The start's answer lets the handler run.
-    START_RUNS = "start: runs"
-    #: The start's answer started the attempt but its lease (or the context) forbids the run.
-    START_MAY_NOT_RUN = "start: started, may not run"
-    #: As START_MAY_NOT_RUN, and the lease carries a cancel request.
+    ADMITTED = "admitted: send the start"
+    ADMITTED_STOPPING = "admitted after the drain: started with its context cancelled"
+    ASSIGNED_AGAIN = "assigned again: a handler runs once per attempt (PROTOCOL §6.1)"
+    NO_HANDLER = "no handler of this process can run it"
+    START_RUNS = "start: the lease lets the handler run"
+    START_MAY_NOT_RUN = "start: started, but the lease (or the context) forbids the run"
     START_CANCEL_REQUESTED = "start: started, cancel requested"
-    #: The start's answer did not start the attempt.
     START_NOT_STARTED = "start: not started"
-    #: As START_NOT_STARTED, and the lease carries a cancel request.
     START_NOT_STARTED_CANCELLED = "start: not started, cancel requested"
     FINISH_ANSWERED = "finish answered"
-    #: The request's connection failed (maybe sent): kept for the next connection.
-    LINK_FAILED = "request: link failed"
-    #: A transient error answer: sent again after the retry delay.
-    TRANSIENT = "request: transient error"
-    #: The server refused the request for good.
-    REFUSED = "request: refused"
-    #: A connection (or the retry delay) came for the kept request.
-    RESEND = "request: resend"
-    #: The worker stopped before the request was answered.
-    GAVE_UP = "request: gave up"
-    #: Replay: a stored attempt of a dead process enters the machine.
-    REPLAY = "replay"
-    #: Replay: the resume is over and a finish is stored: send it.
-    REPLAY_STORED = "replay: finish stored"
-    #: Replay: nothing stored, the lease still active: finish UNKNOWN WORKER_LOST.
-    REPLAY_LEASE_ACTIVE = "replay: lease active"
-    #: Replay: nothing stored, the lease gone: drop the record.
-    REPLAY_LEASE_GONE = "replay: lease gone"
+    LINK_FAILED = "request: connection failed (maybe sent): kept for the next connection"
+    TRANSIENT = "request: transient error: sent again after the retry delay"
+    REFUSED = "request: refused for good"
+    RESEND = "request: a connection (or the retry delay) came for it"
+    GAVE_UP = "request: the worker stopped before it was answered"
+    REPLAY = "replay: a stored attempt of a dead process enters the machine"
+    REPLAY_STORED = "replay: resumed, a finish is stored: send it"
+    REPLAY_LEASE_ACTIVE = "replay: resumed, nothing stored, lease active: UNKNOWN WORKER_LOST"
+    REPLAY_LEASE_GONE = "replay: resumed, nothing stored, lease gone: drop the record"
     HANDLER_RETURNED = "handler returned"
-    #: The handler of an abandoned attempt returned at last: its slot is free.
-    STUCK_HANDLER_RETURNED = "stuck handler returned"
-    #: A step of the attempt raised (a bug of ours).
-    CRASHED = "crashed"
-    #: A new connection is opened: resume the lease there first (PROTOCOL §5.5).
-    RECONNECTED = "reconnected"
-    #: A live resume's answer: the lease the handler runs on holds.
-    RESUME_HOLDS = "resume: lease holds"
-    #: A live resume's answer: the lease carries a cancel request.
+    STUCK_HANDLER_RETURNED = "an abandoned attempt's handler returned at last"
+    CRASHED = "a step of the attempt raised (a bug of ours)"
+    RECONNECTED = "reconnected: resume the lease there first (PROTOCOL §5.5)"
+    RESUME_HOLDS = "resume: the lease the handler runs on holds"
     RESUME_CANCEL_REQUESTED = "resume: cancel requested"
-    #: A live resume's answer or refusal: the lease did not survive the reconnect.
-    RESUME_LOST = "resume: lease lost"
-    #: A live resume is over and says nothing of the lease the handler runs on.
-    RESUME_OVER = "resume: over"
+    RESUME_LOST = "resume: the lease did not survive the reconnect"
+    RESUME_OVER = "resume: over, saying nothing of the lease the handler runs on"
     RESUME_LINK_FAILED = "resume: link failed"
     RESUME_TRANSIENT = "resume: transient error"
     RESUME_RESEND = "resume: resend"
-    #: A renewal's answer grants the handler more time.
-    RENEWED = "lease: renewed"
-    #: A renewal failed for now (transient, or nothing was sent): sent again after the delay.
-    RENEW_FAILED = "lease: renewal failed"
-    #: A renewal's answer carried a cancel request.
-    LEASE_CANCEL_REQUESTED = "lease: cancel requested"
-    #: The local deadline passed unrenewed, or a renewal's answer says the lease is gone.
-    LEASE_ENDED = "lease: ended"
-    #: A ``task.cancel`` push for the attempt.
-    CANCEL_PUSHED = "cancel pushed"
-    #: Shutdown's cancel step.
+    RENEWED = "renewal: granted"
+    RENEW_FAILED = "renewal: failed for now (transient, or nothing sent): sent again later"
+    LEASE_CANCEL_REQUESTED = "renewal: cancel requested"
+    LEASE_ENDED = "lease: the deadline passed unrenewed, or a renewal says it is gone"
+    CANCEL_PUSHED = "task.cancel pushed"
     SHUTDOWN_CANCEL = "shutdown: cancel"
-    #: Shutdown gave up waiting for the handler.
-    ABANDON = "shutdown: abandon"
-    #: The handler on a thread reached its time limit.
-    TIME_LIMIT = "time limit"
-    #: The handler in a child process reached its time limit (the process executor stops it).
-    TIME_LIMIT_IN_PROCESS = "time limit, in a process"
-    #: The grace after the time limit is over and the thread still runs.
-    TIME_LIMIT_GRACE = "time limit: grace over"
+    ABANDON = "shutdown: gave up waiting for the handler"
+    TIME_LIMIT = "time limit: the handler on a thread reached it"
+    TIME_LIMIT_IN_PROCESS = "time limit: the handler in a child process reached it"
+    TIME_LIMIT_GRACE = "time limit: the grace is over and the thread still runs"
 
 
 @attrs.frozen
@@ -599,11 +507,8 @@ REFUSED: dict[Trigger, frozenset[Phase]] = {
 
 class AttemptMachine:
     """The phase of one attempt and the request it has on its way. Not thread-safe by itself:
-    the shell calls it under the attempt's lock.
-
-    Each method reads its event into a :class:`Trigger`; :data:`TABLE` decides whether it moves
-    the attempt (and to which phase) or is refused; the method then builds the actions the
-    table names, in order."""
+    the shell calls it under the attempt's lock. Each method reads its event into a
+    :class:`Trigger`, fires it, and builds the actions the table names, in order."""
 
     __slots__ = (
         "_new_id",
@@ -664,8 +569,7 @@ class AttemptMachine:
 
     def fire(self, trigger: Trigger) -> bool:
         """Move by :data:`TABLE`: True if *trigger* is a transition in this phase (the phase
-        is moved; the caller returns the actions it names), False if the phase refuses it.
-        Every method below decides through it."""
+        is moved), False if the phase refuses it. Every method below decides through it."""
         move = TABLE[trigger].get(self.phase)
         if move is None:
             return False
@@ -676,21 +580,24 @@ class AttemptMachine:
             self.renewing = False
         return True
 
+    def _take(self, trigger: Trigger, *actions: Action) -> list[Action]:
+        """*actions* if the phase takes *trigger* (and moves by it), else none."""
+        return list(actions) if self.fire(trigger) else []
+
     # ------------------------------------------------------------------ the assignment
 
     def assigned(self, *, again: bool, runnable: bool, stopping: bool) -> list[Action]:
         """The intake took the assignment: *again*, it was assigned before; *runnable*, a
         handler of this process can run it; *stopping*, the shutdown's drain is over (it starts
         with its context cancelled: the protocol cannot hand it back, PROTOCOL §5.7)."""
+        attempt_id = self.ref.attempt_id
         if again:
-            if not self.fire(Trigger.ASSIGNED_AGAIN):
-                return []
-            return [Skipped(f"attempt {self.ref.attempt_id} assigned twice; ignored")]
+            return self._take(
+                Trigger.ASSIGNED_AGAIN, Skipped(f"attempt {attempt_id} assigned twice; ignored")
+            )
         if not runnable:
-            if not self.fire(Trigger.NO_HANDLER):
-                return []
-            why = f"attempt {self.ref.attempt_id} not started: no handler registered"
-            return [Skipped(why, "skipped")]
+            why = f"attempt {attempt_id} not started: no handler registered"
+            return self._take(Trigger.NO_HANDLER, Skipped(why, "skipped"))
         if not self.fire(Trigger.ADMITTED_STOPPING if stopping else Trigger.ADMITTED):
             return []
         self.request = Request("task.start", self.ref, self._new_id())
@@ -765,22 +672,17 @@ class AttemptMachine:
             if self.settled:
                 return self._resume_over(Trigger.RESUME_OVER)  # nothing left to resume
             if is_transient(error):
-                if not self.fire(Trigger.RESUME_TRANSIENT):
-                    return []
-                return [RetryAfter(retry_delay(error, self.retry_delay), error, request)]
+                return self._take(Trigger.RESUME_TRANSIENT, self._retry(request, error))
             assert view is not None, "a live resume's refusal is judged on the lease"
             return self._live_resumed(None, view, refused=error)
         if request is not self.request:
             return []
         if is_link_failure(error):
             # Maybe sent, maybe applied: the same operation goes out again after the reconnect.
-            if not self.fire(Trigger.LINK_FAILED):
-                return []
-            return [BreakConnection(gen), AwaitConnection(gen, request)]
+            kept = AwaitConnection(gen, request)
+            return self._take(Trigger.LINK_FAILED, BreakConnection(gen), kept)
         if is_transient(error):
-            if not self.fire(Trigger.TRANSIENT):
-                return []
-            return [RetryAfter(retry_delay(error, self.retry_delay), error, request)]
+            return self._take(Trigger.TRANSIENT, self._retry(request, error))
         if self.phase is Phase.RESUMING:
             return self._resumed(None)  # refused: the lease is gone
         if not self.fire(Trigger.REFUSED):
@@ -797,10 +699,10 @@ class AttemptMachine:
         if request is self.resume:
             if self.settled:
                 return self._resume_over(Trigger.RESUME_OVER)  # nothing left to resume
-            return [Send(request)] if self.fire(Trigger.RESUME_RESEND) else []
-        if request is not self.request or not self.fire(Trigger.RESEND):
+            return self._take(Trigger.RESUME_RESEND, Send(request))
+        if request is not self.request:
             return []
-        return [Send(request)]
+        return self._take(Trigger.RESEND, Send(request))
 
     def gave_up(self, request: Request) -> list[Action]:
         """The worker stopped before *request* was answered."""
@@ -874,7 +776,7 @@ class AttemptMachine:
         self.handler_done = True
         if self.abandoned:
             # Finished UNKNOWN already: this result is dropped.
-            return [SlotFreed()] if self.fire(Trigger.STUCK_HANDLER_RETURNED) else []
+            return self._take(Trigger.STUCK_HANDLER_RETURNED, SlotFreed())
         if not self.fire(Trigger.HANDLER_RETURNED):
             return []
         return [UntrackLease(), *self._finish(verdict)]
@@ -925,15 +827,13 @@ class AttemptMachine:
         lease, error = answer.lease, answer.error
         if error is not None and (is_transient(error) or not isinstance(error, WorkerError)):
             # (A send that raised something else is a bug of ours: retried, never a loss.)
-            if not self.fire(Trigger.RENEW_FAILED):
-                return []
-            return [RenewAfter(retry_delay(error, self.retry_delay), error)]
+            delay = retry_delay(error, self.retry_delay)
+            return self._take(Trigger.RENEW_FAILED, RenewAfter(delay, error))
         if lease is not None and lease.cancel_requested:
             return self._lease_over(Trigger.LEASE_CANCEL_REQUESTED, "cancel_requested")
         if lease is not None and lease.deadline is not None and grants_run(lease):
-            if not self.fire(Trigger.RENEWED):
-                return []
-            return [TrackLease(lease.deadline), LeaseRenewed(answer.lag)]
+            renewed = LeaseRenewed(answer.lag)
+            return self._take(Trigger.RENEWED, TrackLease(lease.deadline), renewed)
         if lease is None and error is None:
             reason = "lease_expired"
         else:
@@ -1014,22 +914,14 @@ class AttemptMachine:
         if not speaks:
             return self._resume_over(Trigger.RESUME_OVER, refused=refused)
         if lease is not None and lease.cancel_requested:
-            trigger, reason = Trigger.RESUME_CANCEL_REQUESTED, "cancel_requested"
-        elif lease is not None and lease.deadline is not None and may_run_at(lease, view.now):
-            if not self.fire(Trigger.RESUME_HOLDS):
-                return []
-            request, self.resume = self.resume, None
-            assert request is not None
-            return [RefreshLease(lease.deadline), ResumeEnded(request, refused)]
-        else:
-            reason = "lease_expired" if view.remaining <= 0 else "session_replaced"
-            trigger = Trigger.RESUME_LOST
-        if not self.fire(trigger):
-            return []
-        request, self.resume = self.resume, None
-        assert request is not None
-        lost = [LeaseLost(reason)] if trigger is Trigger.RESUME_LOST else []
-        return [UntrackLease(), CancelContext(reason), *lost, ResumeEnded(request, refused)]
+            stop: list[Action] = [UntrackLease(), CancelContext("cancel_requested")]
+            return self._resume_over(Trigger.RESUME_CANCEL_REQUESTED, *stop, refused=refused)
+        if lease is not None and lease.deadline is not None and may_run_at(lease, view.now):
+            refresh = RefreshLease(lease.deadline)
+            return self._resume_over(Trigger.RESUME_HOLDS, refresh, refused=refused)
+        reason = "lease_expired" if view.remaining <= 0 else "session_replaced"
+        lost: list[Action] = [UntrackLease(), CancelContext(reason), LeaseLost(reason)]
+        return self._resume_over(Trigger.RESUME_LOST, *lost, refused=refused)
 
     def _resume_over(
         self,
@@ -1038,11 +930,15 @@ class AttemptMachine:
         refused: OrbitError | None = None,
         cut: bool = False,
     ) -> list[Action]:
+        """The live resume is over: *first*, then its end, which the connection counts."""
         request = self.resume
         if request is None or not self.fire(trigger):
             return []
         self.resume = None
         return [*first, ResumeEnded(request, refused, cut)]
+
+    def _retry(self, request: Request, error: OrbitError) -> RetryAfter:
+        return RetryAfter(retry_delay(error, self.retry_delay), error, request)
 
     def _finish(self, verdict: Verdict) -> list[Action]:
         self.phase = Phase.FINISHING

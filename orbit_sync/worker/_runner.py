@@ -214,8 +214,7 @@ class Worker:
         # Wakes the watchdog's thread: a lease tracked or renewed, a time limit set.
         watchdog_wake = Wakeup(clock)
         self._watchdog = LeaseWatchdog(
-            renewals.send_renew,
-            send_many=renewals.send_renews,
+            renewals.send_renews,
             clock=clock.now,
             on_change=watchdog_wake.set,
             logger=opts.logger,

@@ -754,10 +754,6 @@ class Renewals:
         self._link = link
         self._call_timeout = call_timeout
 
-    def send_renew(self, attempt_id: str, message_id: str, on_done: RenewDone) -> None:
-        """The watchdog's send function: one pipelined renew (see :meth:`send_renews`)."""
-        self.send_renews([(attempt_id, message_id, on_done)])
-
     def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
         """The watchdog's batch send: every renew in one write on the current connection; each
         answer (or failure) comes back through its own *on_done*, on the connection's reader

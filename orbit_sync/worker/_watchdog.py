@@ -1,12 +1,10 @@
 """The lease watchdog: one heap of renew times for every running attempt.
 
 :class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *send* function
-that sends one renewal without waiting for it (the connection's pipelined path) and reports the
-answer through a callback, or a *send_many* function that sends several with one socket write;
-:meth:`LeaseWatchdog.run_due` sends everything that is due in one batch and says when to come
-back. :class:`WatchdogThread` is the thin shell that sleeps until then. A renewal
-whose answer is slow therefore never delays another attempt's renewal. Unit tests drive the core
-with a fake clock and no sockets.
+that sends a batch of renewals with one socket write without waiting for them (the connection's
+pipelined path; each answer comes back through its callback): a slow answer never delays
+another attempt's renewal. :meth:`LeaseWatchdog.run_due` sends everything that is due and says
+when to come back; :class:`WatchdogThread` is the thin shell that sleeps until then.
 
 Rules (PROTOCOL §6.3-6.6):
 
@@ -20,15 +18,12 @@ Rules (PROTOCOL §6.3-6.6):
   renewals written one by one would be k switches late;
 - at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
   watched (an answer that never comes cannot keep a handler running past its lease);
-- it reports what became of each renewal (the server's lease, the error, or the deadline that
-  passed first) as a :class:`~._machine.RenewAnswer`, an event of the attempt's machine, which
-  decides what it means: the lease tracked to its new deadline (:meth:`LeaseWatchdog.track`),
-  the renewal re-sent after a delay with its ``message_id`` (:meth:`LeaseWatchdog.retry`), or
-  the lease ended (:meth:`LeaseWatchdog.untrack`). The renewal counts as in flight until then;
+- what became of each renewal (the server's lease, the error, or the deadline that passed
+  first) is a :class:`~._machine.RenewAnswer`, an event of the attempt's machine, which decides
+  what it means: :meth:`LeaseWatchdog.track` (granted), :meth:`LeaseWatchdog.retry` (same
+  ``message_id``, later) or :meth:`LeaseWatchdog.untrack`. It is in flight until then;
 - a new connection renews at once the leases whose renew the old one left unanswered, and those
-  past a quarter of their window (:meth:`LeaseWatchdog.connected`);
-- an untracked attempt (finished, or its handler told to stop) is never renewed;
-- the watchdog measures how late it wakes up and reports it.
+  past a quarter of their window (:meth:`LeaseWatchdog.connected`).
 
 Every field of an entry is read and written under the watchdog's lock, whichever thread (the
 watchdog's, the connection's, or the reader completing a renewal) does it.
@@ -53,14 +48,7 @@ from ._errors import is_transient
 from ._machine import MIN_RETRY_DELAY, RenewAnswer
 from ._time_limits import Timers
 
-__all__ = [
-    "LeaseWatchdog",
-    "RenewDone",
-    "SendRenew",
-    "SendRenewMany",
-    "WatchdogStats",
-    "WatchdogThread",
-]
+__all__ = ["LeaseWatchdog", "RenewDone", "SendRenews", "WatchdogStats", "WatchdogThread"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
@@ -68,12 +56,10 @@ _LOG = logging.getLogger("orbit_sync.worker")
 OnAnswer = Callable[[str, RenewAnswer], None]
 #: ``on_done(lease, error)``: the renewal's lease (carrying its local ``deadline``) or why not.
 RenewDone = Callable[["Lease | None", "BaseException | None"], None]
-#: ``send(attempt_id, message_id, on_done)``: send one renewal and return without waiting for
-#: it. ``on_done`` is called exactly once, possibly before ``send`` returns and from any thread.
-SendRenew = Callable[[str, str, RenewDone], None]
-#: ``send_many([(attempt_id, message_id, on_done), ...])``: send several renewals at once (one
-#: socket write), each completed through its own ``on_done`` as with :data:`SendRenew`.
-SendRenewMany = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
+#: ``send([(attempt_id, message_id, on_done), ...])``: send renewals in one socket write and
+#: return without waiting; each ``on_done`` is called exactly once, possibly before ``send``
+#: returns and from any thread.
+SendRenews = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
 
 #: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
 MIN_RENEW_INTERVAL = 0.05
@@ -93,13 +79,6 @@ RECONNECT_FRACTION = 0.25
 LAG_WARNING = 1.0
 
 
-def _log_send_bug(exc: Exception) -> None:
-    """A send function raised: an OrbitError means nothing was sent; anything else is a bug,
-    logged with its traceback (the renewals still fail and are retried, never lost)."""
-    if not isinstance(exc, OrbitError):
-        _LOG.error("renewal send failed unexpectedly; retrying", exc_info=exc)
-
-
 @attrs.frozen
 class WatchdogStats:
     """Counters of the watchdog."""
@@ -117,7 +96,8 @@ class WatchdogStats:
 class _Entry:
     attempt_id: str
     deadline: float
-    #: When the next renewal is wanted (``inf``: nothing asked while one is in flight).
+    #: When the next renewal is wanted (``inf``: one is in flight, answered or not, until the
+    #: attempt's machine decided what its answer means).
     due: float
     #: When ``due`` was set: the last grant (or track, refresh, failure) it is counted from.
     since: float
@@ -127,7 +107,7 @@ class _Entry:
     wake_at: float = math.inf
     #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
     pending_id: str | None = None
-    #: Token of the renewal in flight (0: none); a completion with another token is stale.
+    #: Token of the renewal in flight (0: none, or answered); any other completion is stale.
     flight: int = 0
     #: The renewal due is the one sent right behind a new connection's resumes (see
     #: :attr:`~._machine.RenewAnswer.behind_resume`).
@@ -139,9 +119,8 @@ class LeaseWatchdog:
 
     def __init__(
         self,
-        send: SendRenew,
+        send: SendRenews,
         *,
-        send_many: SendRenewMany | None = None,
         clock: Callable[[], float] = monotonic,
         on_change: Callable[[], None] | None = None,
         on_answer: OnAnswer | None = None,
@@ -149,8 +128,6 @@ class LeaseWatchdog:
     ) -> None:
         self.clock = clock
         self._send = send
-        #: Sends a batch with one write; without it the batch goes out one *send* at a time.
-        self._send_many = send_many
         self._on_change = on_change or (lambda: None)
         self._on_answer = on_answer or (lambda attempt_id, answer: None)
         self._log = logger or _LOG
@@ -204,7 +181,7 @@ class LeaseWatchdog:
             entry.deadline = deadline
             # In flight, the entry waits on its deadline (the answer schedules the next renewal):
             # watch the later one. Otherwise its renewal, due before either deadline, stands.
-            wake = self._push(entry, deadline) if entry.flight else False
+            wake = self._push(entry, deadline) if entry.due == math.inf else False
         self._wake(wake)
         return True
 
@@ -225,7 +202,7 @@ class LeaseWatchdog:
         wake = False
         with self._lock:
             for entry in self._entries.values():
-                if entry.flight or entry.due <= now:
+                if entry.due == math.inf or entry.due <= now:
                     continue
                 start, end = entry.granted
                 if now - start < RECONNECT_FRACTION * (end - start):
@@ -246,7 +223,6 @@ class LeaseWatchdog:
             entry = self._entries.get(attempt_id)
             if entry is None:
                 return
-            entry.flight = 0
             entry.due = min(now + delay, entry.deadline)
             entry.since = now
             wake = self._push(entry, entry.due)
@@ -322,9 +298,7 @@ class LeaseWatchdog:
                     elif action == "send":
                         batch.append((entry, self._pending(entry), entry.flight, lag))
                     self._drop_stale()
-                if batch and self._send_many is not None:
-                    # Only worth it when the batch is one write: one by one, renewals sent
-                    # together would only queue their answers together.
+                if batch:
                     self._pull_in(now, batch)
                 if woke_lag is not None:
                     self._lag_last = woke_lag
@@ -355,7 +329,7 @@ class LeaseWatchdog:
         """What to do with an entry that came due (lock held): send, expire or wait."""
         if now >= entry.deadline:
             return "expire"
-        if entry.flight:
+        if entry.due == math.inf:
             self._push(entry, entry.deadline)  # the answer schedules the next renewal
             return "wait"
         self._start_flight(entry)
@@ -378,8 +352,7 @@ class LeaseWatchdog:
                 return
             due = entry.due
             if (
-                entry.flight
-                or entry.wake_at != due  # not waiting for its renewal (deadline watch, in flight)
+                entry.wake_at != due  # not waiting for its renewal (deadline watch, in flight)
                 or due <= now  # handled above, or a retry due now
                 or now - entry.since < MIN_RENEW_INTERVAL
                 or due - now > GROUP_FRACTION * (due - entry.since)
@@ -396,22 +369,13 @@ class LeaseWatchdog:
             (entry.attempt_id, message_id, self._completion(entry, flight, lag))
             for entry, message_id, flight, lag in batch
         ]
-        if self._send_many is not None:
-            try:
-                self._send_many(renewals)
-            except Exception as exc:  # a send that raises instead of calling back; a bug otherwise
-                _log_send_bug(exc)
-                # Renewals already completed are stale now: their flight token moved on.
-                for entry, _, flight, lag in batch:
-                    self._renewed(entry, flight, None, exc, lag)
-            return
-        for (entry, _, flight, lag), (attempt_id, message_id, done) in zip(
-            batch, renewals, strict=True
-        ):
-            try:
-                self._send(attempt_id, message_id, done)
-            except Exception as exc:  # as above
-                _log_send_bug(exc)
+        try:
+            self._send(renewals)
+        except Exception as exc:  # a send that raises instead of calling back
+            if not isinstance(exc, OrbitError):  # (nothing was sent); anything else is a bug
+                self._log.error("renewal send failed unexpectedly; retrying", exc_info=exc)
+            # Renewals already completed are stale now: their flight token was used.
+            for entry, _, flight, lag in batch:
                 self._renewed(entry, flight, None, exc, lag)
 
     def _completion(self, entry: _Entry, flight: int, lag: float) -> RenewDone:
@@ -434,6 +398,7 @@ class LeaseWatchdog:
         with self._lock:
             if entry.flight != flight or self._entries.get(entry.attempt_id) is not entry:
                 return  # stale, or finished while the renew was in flight: nothing to do
+            entry.flight = 0
             if error is None:
                 self._renewals += 1
             else:
