@@ -1,23 +1,17 @@
 """One attempt's life on the worker as a pure state machine: no sockets, no threads, no clock
 of its own (time comes in as arguments).
 
-The Worker's threaded shell feeds it whatever happens to the attempt (the intake took it, or
-refuses it as a repeat or for want of a handler; the start's answer, a request's failure, the
-handler's return, a reconnect and its resume's answer, the lease watchdog's report of a lease
-that ended, a ``task.cancel`` push, a shutdown step, a time limit) and performs the actions it
-returns, in order: nothing else decides what an attempt does. The shell holds the attempt's lock
-around every call, and performs the actions after releasing it (they send requests, write the
-outbox and call listeners: never under a lock).
-
-Every decision goes through one table, :data:`TABLE`, ``(trigger, phase) -> (phase, actions)``
-as h11 keeps its state machine: each method reads its event into a :class:`Trigger` and the table
-says whether the phase takes it (and where to) or refuses it (:data:`REFUSED`); unit tests walk
-every pair.
+The Worker's threaded shell feeds it whatever happens to the attempt and performs the actions
+it returns, in order: nothing else decides what an attempt does. The shell holds the attempt's
+lock around every call, and performs the actions after releasing it (they send requests, write
+the outbox and call listeners: never under a lock). Every decision goes through one table,
+:data:`TABLE`, ``(trigger, phase) -> (phase, actions)`` as h11 keeps its state machine; every
+other pair is a declared refusal (:data:`REFUSED`); unit tests walk every pair. The events and
+the phases as diagrams: docs/architecture.md, "One attempt".
 
 One module: the machine, the requests it keeps and the actions it returns are one idea, and
 every transition reads the same few fields; split by phase, a reconnect's rules (which touch
-every phase) would live in several files. The phases as diagrams (a start, a reconnect's
-resumes, the outbox replay, a time limit): docs/architecture.md, "One attempt".
+every phase) would live in several files.
 
 A request (start, resume or finish) keeps its ``message_id`` for as long as it lives, so every
 re-send is the same operation to the server (PROTOCOL §7). The retry/fatal classification is

@@ -191,25 +191,33 @@ class Verdict:
         )
 
 
-def _error_result(code: str, message: str, details: Any = None) -> dict[str, Any]:
-    result: dict[str, Any] = {"error": code}
-    if message:
-        result["message"] = _short(message)
-    if details is not None:
-        result["details"] = details
-    return result
+def _failed(result: dict[str, Any], retryable: bool | None, **more: Any) -> Verdict:
+    """A ``FAILED`` verdict whose error code is *result*'s ``error``."""
+    return Verdict(Outcome.FAILED, result, result["error"], retryable, **more)
+
+
+def _cancelled(**more: Any) -> Verdict:
+    """The verdict of a cancel request honoured (``ran``: whether the handler ran)."""
+    result = {"cancelled": True, "reason": "cancel_requested"}
+    if more.get("ran") is False:
+        result["ran"] = False
+    return Verdict(Outcome.CANCELLED, result, CANCELLED, **more)
 
 
 def _error_verdict(
-    outcome: Outcome,
-    code: str,
-    error: Fail | UnknownEffect,
-    encoder: ResultEncoder,
-    retryable: bool | None,
-    duration: float | None,
+    error: Fail | UnknownEffect, encoder: ResultEncoder, duration: float | None
 ) -> Verdict:
-    """A FAILED/UNKNOWN verdict for a raised error; unsendable details are dropped, not fatal."""
-    raw = _error_result(code, error.message, error.details)
+    """A FAILED (``Fail``) or UNKNOWN verdict for a raised error; unsendable details are
+    dropped, not fatal."""
+    code = error.code
+    outcome, retryable = Outcome.UNKNOWN, None
+    if isinstance(error, Fail):
+        outcome, retryable = Outcome.FAILED, error.retryable
+    raw: dict[str, Any] = {"error": code}
+    if error.message:
+        raw["message"] = _short(error.message)
+    if error.details is not None:
+        raw["details"] = error.details
     try:
         snapshot = encoder.encode(raw)
         return Verdict(outcome, snapshot, code, retryable, duration=duration)
@@ -241,51 +249,21 @@ def outcome_of(
         try:
             result = encoder.encode({} if value is None else value)
         except ResultProblem as problem:
-            return Verdict(
-                Outcome.FAILED,
-                problem.as_result(),
-                problem.code,
-                False,
-                duration=duration,
-                problem=problem.message,
-            )
+            return _failed(problem.as_result(), False, duration=duration, problem=problem.message)
         return Verdict(Outcome.SUCCEEDED, result, duration=duration)
-    if isinstance(error, Fail):
-        return _error_verdict(Outcome.FAILED, error.code, error, encoder, error.retryable, duration)
-    if isinstance(error, UnknownEffect):
-        return _error_verdict(Outcome.UNKNOWN, error.code, error, encoder, None, duration)
+    if isinstance(error, Fail | UnknownEffect):
+        return _error_verdict(error, encoder, duration)
     if isinstance(error, TaskCancelled) and cancel_reason is not None:
         if cancel_requested:
-            return Verdict(
-                Outcome.CANCELLED,
-                {"cancelled": True, "reason": "cancel_requested"},
-                CANCELLED,
-                duration=duration,
-            )
+            return _cancelled(duration=duration)
         if isinstance(error, TimeLimitExceeded) or cancel_reason == "time_limit":
-            return Verdict(
-                Outcome.FAILED,
-                {"error": HANDLER_TIMEOUT, "stopped": "time_limit"},
-                HANDLER_TIMEOUT,
-                timeout_retryable,
-                duration=duration,
-            )
+            timeout = {"error": HANDLER_TIMEOUT, "stopped": "time_limit"}
+            return _failed(timeout, timeout_retryable, duration=duration)
         code = STOP_CODES.get(cancel_reason, HANDLER_ERROR)
-        return Verdict(
-            Outcome.FAILED,
-            {"error": code, "stopped": cancel_reason},
-            code,
-            True,
-            duration=duration,
-        )
+        return _failed({"error": code, "stopped": cancel_reason}, True, duration=duration)
     # Only the exception's type travels: its message may quote data or credentials.
-    return Verdict(
-        Outcome.FAILED,
-        {"error": HANDLER_ERROR, "exception": type_name(error)},
-        HANDLER_ERROR,
-        False,
-        duration=duration,
-    )
+    raised = {"error": HANDLER_ERROR, "exception": type_name(error)}
+    return _failed(raised, False, duration=duration)
 
 
 #: The durable outbox could not record the launch, so the handler was not run.
@@ -295,13 +273,7 @@ OUTBOX_UNAVAILABLE = "OUTBOX_UNAVAILABLE"
 def outbox_unavailable() -> Verdict:
     """The finish for an attempt not run because its launch could not be recorded: nothing
     happened, so it is a retryable ``FAILED``."""
-    return Verdict(
-        Outcome.FAILED,
-        {"error": OUTBOX_UNAVAILABLE, "ran": False},
-        OUTBOX_UNAVAILABLE,
-        True,
-        ran=False,
-    )
+    return _failed({"error": OUTBOX_UNAVAILABLE, "ran": False}, True, ran=False)
 
 
 def not_run(*, cancel_requested: bool, reason: str | None) -> Verdict:
@@ -311,14 +283,9 @@ def not_run(*, cancel_requested: bool, reason: str | None) -> Verdict:
     retryable ``FAILED``.
     """
     if cancel_requested:
-        return Verdict(
-            Outcome.CANCELLED,
-            {"cancelled": True, "reason": "cancel_requested", "ran": False},
-            CANCELLED,
-            ran=False,
-        )
+        return _cancelled(ran=False)
     code = STOP_CODES.get(reason or "lease_expired", "LEASE_EXPIRED")
-    return Verdict(Outcome.FAILED, {"error": code, "ran": False}, code, True, ran=False)
+    return _failed({"error": code, "ran": False}, True, ran=False)
 
 
 def _unknown(code: str, message: str) -> Verdict:

@@ -4,11 +4,9 @@ interrupted at it (:class:`Interruptible`). What happens at the limit is the att
 handler interrupted; past the cancel grace, a thread still running finishes ``UNKNOWN`` and its
 slot is stuck, a child process is killed and the attempt finishes ``FAILED``.
 
-Interrupting is what Dramatiq's time limit does: an exception raised asynchronously in the
-handler's thread.
-This is what Dramatiq's time limit does: ``PyThreadState_SetAsyncExc`` (CPython's C API,
-reached through ``ctypes``) marks the thread, and the interpreter raises the exception there at
-the next bytecode it runs. Its limits, which no Python-level mechanism can lift:
+Interrupting is what Dramatiq's time limit does: ``PyThreadState_SetAsyncExc`` (CPython's C
+API, reached through ``ctypes``) marks the handler's thread, and the interpreter raises the
+exception there at the next bytecode it runs. Its limits, which no Python-level mechanism can lift:
 
 - a thread blocked in a C call (``time.sleep``, a socket read, a lock acquired without a
   timeout, a long C extension call) sees the exception only once that call returns to Python

@@ -37,13 +37,13 @@ import logging
 import math
 import threading
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import attrs
 
 from .._realtime import monotonic
 from ..errors import OrbitError
 from ..models import Lease, new_message_id
+from ._clock import Wakeup
 from ._errors import is_transient
 from ._machine import MIN_RETRY_DELAY, RenewAnswer
 from ._time_limits import Timers
@@ -112,6 +112,10 @@ class _Entry:
     #: The renewal due is the one sent right behind a new connection's resumes (see
     #: :attr:`~._machine.RenewAnswer.behind_resume`).
     reconnected: bool = False
+
+
+#: Renewals to send in one write: (entry, message_id, flight token, lag).
+_Batch = list[tuple[_Entry, str, int, float]]
 
 
 class LeaseWatchdog:
@@ -278,7 +282,7 @@ class LeaseWatchdog:
         again (clock time) or ``None``."""
         while True:
             now = self.clock()
-            batch: list[tuple[_Entry, str, int, float]] = []
+            batch: _Batch = []
             expired: list[str] = []
             woke_lag: float | None = None
             with self._lock:
@@ -290,13 +294,15 @@ class LeaseWatchdog:
                     lag = now - at
                     if woke_lag is None:  # the earliest item: how late this wake-up is
                         woke_lag = lag
-                    action = self._decide(entry, now)
-                    if action == "expire":
+                    if now >= entry.deadline:
                         # Nothing is left to renew: a late answer finds it gone.
                         del self._entries[attempt_id]
                         expired.append(attempt_id)
-                    elif action == "send":
-                        batch.append((entry, self._pending(entry), entry.flight, lag))
+                    elif entry.due == math.inf:
+                        # In flight: watch the deadline; the answer schedules the next renewal.
+                        self._push(entry, entry.deadline)
+                    else:
+                        self._start_flight(entry, batch, lag)
                     self._drop_stale()
                 if batch:
                     self._pull_in(now, batch)
@@ -320,29 +326,15 @@ class LeaseWatchdog:
             if nxt is None or nxt > self.clock():
                 return nxt
 
-    @staticmethod
-    def _pending(entry: _Entry) -> str:
-        assert entry.pending_id is not None  # set by _decide for every entry it sends
-        return entry.pending_id
-
-    def _decide(self, entry: _Entry, now: float) -> str:
-        """What to do with an entry that came due (lock held): send, expire or wait."""
-        if now >= entry.deadline:
-            return "expire"
-        if entry.due == math.inf:
-            self._push(entry, entry.deadline)  # the answer schedules the next renewal
-            return "wait"
-        self._start_flight(entry)
-        return "send"
-
-    def _start_flight(self, entry: _Entry) -> None:
-        """Mark *entry*'s renewal as sent (lock held); it is watched by its deadline meanwhile."""
-        entry.pending_id = entry.pending_id or new_message_id()
+    def _start_flight(self, entry: _Entry, batch: _Batch, lag: float) -> None:
+        """Put *entry*'s renewal in *batch* (lock held); it is watched by its deadline meanwhile."""
+        entry.pending_id = message_id = entry.pending_id or new_message_id()
         entry.flight = next(self._seq)
         entry.due = math.inf
         self._push(entry, entry.deadline)
+        batch.append((entry, message_id, entry.flight, lag))
 
-    def _pull_in(self, now: float, batch: list[tuple[_Entry, str, int, float]]) -> None:
+    def _pull_in(self, now: float, batch: _Batch) -> None:
         """Add to *batch* every renewal nearly due (lock held); see :data:`GROUP_FRACTION`.
 
         One pass over the entries (at most the worker's capacity), only when a batch is sent.
@@ -359,10 +351,9 @@ class LeaseWatchdog:
                 or now >= entry.deadline
             ):
                 continue
-            self._start_flight(entry)
-            batch.append((entry, self._pending(entry), entry.flight, 0.0))
+            self._start_flight(entry, batch, 0.0)
 
-    def _send_batch(self, batch: list[tuple[_Entry, str, int, float]]) -> None:
+    def _send_batch(self, batch: _Batch) -> None:
         if not batch:
             return
         renewals = [
@@ -439,14 +430,6 @@ class LeaseWatchdog:
             heapq.heappop(self._heap)
 
 
-class _Wake(Protocol):
-    def set(self) -> None: ...
-
-    def clear(self) -> None: ...
-
-    def wait(self, timeout: float | None = None) -> bool: ...
-
-
 class WatchdogThread:
     """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time;
     and *timers* (the handlers' time limits, on the same clock) beside it."""
@@ -456,13 +439,13 @@ class WatchdogThread:
         core: LeaseWatchdog,
         *,
         name: str = "orbit-lease-watchdog",
-        wake: _Wake | None = None,
+        wake: Wakeup | threading.Event | None = None,
         timers: Timers | None = None,
     ) -> None:
         self.core = core
         self._timers = timers
         # The worker passes one that waits on its own clock (fake time in tests).
-        self._wake: _Wake = wake or threading.Event()
+        self._wake: Wakeup | threading.Event = wake or threading.Event()
         self._stopping = False
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
 
