@@ -31,10 +31,6 @@ class Wakeup:
         with self._cond:
             self._flag = False
 
-    def is_set(self) -> bool:
-        """True while the flag is set."""
-        return self._flag
-
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the flag is set or *timeout* (clock seconds) passes; return the flag."""
         deadline = None if timeout is None else self._clock.now() + max(0.0, timeout)

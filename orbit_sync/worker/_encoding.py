@@ -3,27 +3,10 @@
 Plain JSON values (``dict``, ``list``, ``tuple``, ``str``, ``int``, ``float``, ``bool``, ``None``)
 go to the encoder as they are, so the common case costs one ``json.dumps`` and one strict parse.
 Anything else is handed to the result converter (a ``cattrs`` converter) and what it returns is
-encoded in turn. :func:`result_converter` builds one with the defaults users expect:
-
-=========================  ==================================================================
-value                      encoded as
-=========================  ==================================================================
-``datetime``               ISO 8601 / RFC 3339 text, ``2026-01-02T03:04:05.123456+00:00``
-                           (a naive datetime has no offset: make it aware to be RFC 3339)
-``date`` / ``time``        ``2026-01-02`` / ``03:04:05.123456`` (with its offset, if any)
-``Decimal``                its exact text, ``"12.50"`` (a JSON number would round it)
-``UUID``                   ``"1b4e28ba-2fa1-11d2-883f-0016d3cca427"``
-``Enum``                   its value (encoded in turn)
-attrs class, dataclass     an object of its fields (encoded in turn)
-``set`` / ``frozenset``    a list, sorted when its items can be sorted
-``int`` beyond 2**53 - 1   a JSON number (rounded by readers that use doubles); with
-                           ``result_converter(large_ints="string")`` its decimal text, with
-                           ``large_ints="refuse"`` ``RESULT_NOT_JSON``
-=========================  ==================================================================
-
-The strict rules of the protocol still hold after conversion: no NaN or infinity (nor a
-non-finite ``Decimal``), at most 256 KiB serialized, not ``null``. A value that still cannot be
-encoded is reported with its key path and type (never its content), e.g.
+encoded in turn; :func:`result_converter` builds one with the defaults users expect. What each
+kind of value becomes, and the strict rules that still hold after conversion (no NaN or
+infinity, at most 256 KiB, not ``null``): docs/results.md. A value that still cannot be encoded
+is reported with its key path and type (never its content), e.g.
 ``$.items[2].blob: bytes is not JSON``.
 
 The encoded result is parsed back into fresh plain objects: that copy is what the worker sends,
@@ -75,7 +58,7 @@ class _ResultConverter(cattrs.Converter):
 
 
 def result_converter(*, large_ints: str = "number") -> cattrs.Converter:
-    """A new converter with the worker's default hooks (see the module table).
+    """A new converter with the worker's default hooks (see docs/results.md).
 
     *large_ints* says what happens to an integer beyond 2**53 - 1 in a result: ``"number"``
     (default) sends it as a JSON number, which readers that use doubles round; ``"string"``

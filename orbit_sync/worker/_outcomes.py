@@ -1,18 +1,5 @@
-"""What a handler's ending becomes on the wire: the worker's outcome rules.
-
-============================================  =========  ======================================
-handler ends with                             outcome    error_code
-============================================  =========  ======================================
-a return value (``None`` is sent as ``{}``)   SUCCEEDED  -
-``raise Fail(code, retryable=...)``           FAILED     *code*
-``raise UnknownEffect(code)``                 UNKNOWN    *code*
-``raise_if_cancelled()``, cancel requested    CANCELLED  ``CANCELLED``
-``raise_if_cancelled()``, shutdown/lease      FAILED     ``WORKER_SHUTDOWN``, ... (retryable)
-stopped at its time limit (interrupted, or    FAILED     ``HANDLER_TIMEOUT`` (retryable when
-``raise_if_cancelled()``)                                the handler's ``time_limit_retryable``)
-any other exception                           FAILED     ``HANDLER_ERROR``
-a result not JSON / over 256 KiB              FAILED     ``RESULT_NOT_JSON``/``RESULT_TOO_LARGE``
-============================================  =========  ======================================
+"""What a handler's ending becomes on the wire: the worker's outcome rules (the table of them,
+by how the handler ends: the README's "Outcome rules").
 
 Results (and ``details``) are encoded by a :class:`~._encoding.ResultEncoder` when the verdict
 is made: the verdict holds a plain-JSON snapshot, never the handler's live object.
