@@ -31,6 +31,7 @@ watchdog's, the connection's, or the reader completing a renewal) does it.
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import logging
@@ -357,7 +358,7 @@ class LeaseWatchdog:
         if not batch:
             return
         renewals = [
-            (entry.attempt_id, message_id, self._completion(entry, flight, lag))
+            (entry.attempt_id, message_id, functools.partial(self._renewed, entry, flight, lag=lag))
             for entry, message_id, flight, lag in batch
         ]
         try:
@@ -368,12 +369,6 @@ class LeaseWatchdog:
             # Renewals already completed are stale now: their flight token was used.
             for entry, _, flight, lag in batch:
                 self._renewed(entry, flight, None, exc, lag)
-
-    def _completion(self, entry: _Entry, flight: int, lag: float) -> RenewDone:
-        def done(lease: Lease | None, error: BaseException | None) -> None:
-            self._renewed(entry, flight, lease, error, lag)
-
-        return done
 
     def _renewed(
         self,
