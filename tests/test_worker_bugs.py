@@ -55,11 +55,11 @@ class _BuggyConnection:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._conn, name)
 
-    def _submit(self, request_type: str, *args: Any, **kwargs: Any) -> Any:
+    def _submit_many(self, requests: Any) -> Any:
         """Fail the first capacity report like a bug would; pass anything else on."""
-        if request_type == "worker.capacity":
+        if any(r.request_type == "worker.capacity" for r in requests):
             raise RuntimeError("session bug")
-        return self._conn._submit(request_type, *args, **kwargs)
+        return self._conn._submit_many(requests)
 
 
 class _BuggySessionDialer:

@@ -37,7 +37,7 @@ from ._pool import DaemonPool
 from ._redial import Backoff
 from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
-from ._session import SessionLoop
+from ._session_loop import Dial, SessionLoop
 from ._shell import AttemptShell, Handler, LinkControls, Registry, Renewals, WorkerThreads
 from ._shutdown import AttemptPhases, Shutdown
 from ._signals import StopSignals, announce
@@ -198,7 +198,6 @@ class Worker:
         self._cond = self._reg.cond
         self._registered = Handlers(self._cond, opts)
         self._started = False
-        self._ready = threading.Event()
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
         #: run()'s signal handling, while run() on the main thread waits in it.
@@ -248,28 +247,15 @@ class Worker:
             log=opts.logger,
         )
         self._sessions = SessionLoop(
-            client,
-            registration=self._registered.registration,
-            notifications=opts.cancellation_notifications,
-            dial_timeout=opts.dial_timeout,
-            call_timeout=opts.request_timeout,
-            retry_delay=opts.renew_retry_delay,
-            backoff=opts.reconnect_backoff,
-            time=clock,
-            link=self._controls.link,
+            Dial(client, self._registered.registration, self._admission),
+            opts,
+            controls=self._controls,
             registry=self._reg,
             shell=self._shell,
             watchdog=self._watchdog,
-            hooks=self._hooks,
-            log=opts.logger,
-            wake=self._controls.wake,
-            ready=self._ready,
-            dial_cut=self._controls.dial_cut,
-            on_cancel=self._admission.on_cancel,
-            take_assignments=self._admission.take_all,
             window=self._window,
+            hooks=self._hooks,
             fail=self._fail,
-            first_connect_timeout=opts.first_connect_timeout,
         )
         self._shutdown = Shutdown(
             self._reg,
@@ -520,7 +506,7 @@ class Worker:
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the first session is established; True when it is."""
-        return self._ready.wait(timeout)
+        return self._sessions.ready.wait(timeout)
 
     def request_stop(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Ask the worker to stop and return at once (safe from handlers and signal-free code).

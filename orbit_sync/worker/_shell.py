@@ -404,10 +404,10 @@ class AttemptShell(RequestPath[Attempt]):
                 finish = Submission(
                     "task.finish", request.body, on_done, request.message_id, self._call_timeout
                 )
-                ahead = window.submission(
+                ahead = window.pipelined(
                     conn, report, self._options.clock.now(), self._call_timeout
                 )
-                conn._submit_many([ahead, finish])
+                conn._submit_many([ahead.submission, finish])
                 return
         # No report needed: the finish goes out without the lock, which handlers starting
         # elsewhere take (CapacityWindow.take). Any report built from now on counts this

@@ -1,34 +1,24 @@
 """The capacity the worker reports, windowed so that its connection's assignment queue never
-overflows (PROTOCOL §5.6, §10).
+overflows (PROTOCOL §5.6, §10; docs/architecture.md says why and what it costs).
 
-The reader of a connection puts each ``task.assign`` on a ``queue.Queue`` of
-:data:`~orbit_sync.connection.ASSIGNMENT_BUFFER` (8); a 9th unread one ends the connection. The
-server may send as many assignments as the reported capacity leaves free, all in one TCP read,
-and the reader decodes them faster than the thread that takes them wakes (the GIL): with a
-capacity of 32, a burst of 32 would overflow. So the report never leaves more than 8 free: the
-worker reports ``capacity`` as at most the attempts whose handler is *running* (started, finish
-not yet sent) plus 8, and never more than the Worker's capacity. The server counts what it has
-assigned and not seen finished, which includes every running attempt; what it can still send is
-the reported capacity minus that, never more than 8, so at most 8 are ever unread. Counting the
-running handlers (not every attempt taken) keeps the report still while short tasks flow: 8 in
-flight keep a worker busy, and the report grows only as handlers that last pile up.
-
-The bound must hold in the server's order of frames: a finish frees a slot on the server, so a
+The reader of a connection queues at most :data:`~orbit_sync.connection.ASSIGNMENT_BUFFER` (8)
+unread assignments, and decodes a burst faster than the intake wakes. So the worker reports at
+most the handlers it is *running* (started, finish not yet sent) plus 8, never more than its
+capacity: the server counts every running attempt as held, so at most 8 are ever unread. A
 finish that would leave more than 8 free goes out right behind a lowered report, in the same
-write (:meth:`CapacityWindow.lowering`). Raising is never urgent for the bound: a starting
-handler asks for it (:meth:`CapacityWindow.take`) and the connection thread sends it.
-Hysteresis keeps reports rare: every new report leaves :data:`SETTLE_AT` free, and the next one
-comes only once fewer than :data:`RAISE_BELOW` or more than 8 are free.
+write (:meth:`CapacityWindow.lowering`); a starting handler asks the connection thread for a
+raise (:meth:`CapacityWindow.take`). Hysteresis keeps reports rare: a new report leaves
+:data:`SETTLE_AT` free, the next comes once fewer than :data:`RAISE_BELOW` or more than 8 are.
 
-Every report goes out under :attr:`CapacityWindow.lock`, held across its write, so reports reach
-the wire in sequence order from whichever thread sends them.
+Every report goes out pipelined (:meth:`CapacityWindow.pipelined`) under
+:attr:`CapacityWindow.lock`, held across its write, so reports reach the wire in sequence order
+from whichever thread sends them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Protocol
 
 from ..connection import ASSIGNMENT_BUFFER, Submission
@@ -36,7 +26,7 @@ from ..errors import OrbitError
 from ..models import CapacityReport
 from ._link import Connection
 
-__all__ = ["RAISE_BELOW", "SETTLE_AT", "CapacityWindow", "Held"]
+__all__ = ["RAISE_BELOW", "SETTLE_AT", "CapacityWindow", "Held", "SentReport"]
 
 #: Free capacity a new report leaves (after the first): room for a few takes and a few finishes
 #: before the next one.
@@ -74,12 +64,9 @@ class CapacityWindow:
         #: Guards ``_acked`` alone: answers arrive on a connection's reader, which must never
         #: wait for a thread holding ``lock`` across a write.
         self._ack_lock = threading.Lock()
-        #: Where the answer to a report sent ahead of a finish goes (``(connection, report,
-        #: sent_at, value, error)``, on the reader): the connection thread's handling, which
-        #: sets it.
-        self.answered: Callable[
-            [Connection, CapacityReport, float, Any, OrbitError | None], None
-        ] = _ignored
+        #: Where every report's answer goes, on the reader (the connection thread's handling,
+        #: which sets it).
+        self.answered: Callable[[SentReport], None] = _ignored
 
     @property
     def offered(self) -> int:
@@ -138,13 +125,12 @@ class CapacityWindow:
                 return None
             return self.report()
 
-    def submission(
+    def pipelined(
         self, conn: Connection, report: CapacityReport, sent_at: float, timeout: float | None
-    ) -> Submission:
-        """*report*, to send on *conn*, as a pipelined request whose answer goes to
-        :attr:`answered`."""
-        answered = partial(self.answered, conn, report, sent_at)
-        return Submission("worker.capacity", report, answered, None, timeout)
+    ) -> SentReport:
+        """*report*, about to be written on *conn* (under :attr:`lock`) as its
+        :attr:`~SentReport.submission`, alone or ahead of a finish."""
+        return SentReport(conn, report, sent_at, timeout, self.answered)
 
     def acked(self, report: CapacityReport) -> None:
         """The server acknowledged *report*."""
@@ -180,7 +166,33 @@ class CapacityWindow:
         return report.capacity
 
 
-def _ignored(
-    conn: Connection, report: CapacityReport, sent_at: float, value: Any, error: OrbitError | None
-) -> None:
+def _ignored(sent: SentReport) -> None:
     """No connection thread listens (a window used alone)."""
+
+
+class SentReport:
+    """A capacity report sent pipelined on *conn*, and its answer: the completion records it,
+    hands it to *answered* (on the reader: it must not block), then sets :attr:`event` for a
+    thread that waits for it."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        report: CapacityReport,
+        sent_at: float,
+        timeout: float | None,
+        answered: Callable[[SentReport], None],
+    ) -> None:
+        self.conn = conn
+        self.report = report
+        self.sent_at = sent_at
+        self.submission = Submission("worker.capacity", report, self._done, None, timeout)
+        self._answered = answered
+        self.event = threading.Event()
+        self.value: Any = None
+        self.error: OrbitError | None = None
+
+    def _done(self, value: Any, error: OrbitError | None) -> None:
+        self.value, self.error = value, error
+        self._answered(self)
+        self.event.set()

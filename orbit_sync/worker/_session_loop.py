@@ -1,14 +1,13 @@
-"""The connection thread: dial, reconcile, resume, report capacity, serve, reconnect.
+"""What the ``orbit-worker-connection`` thread does with each connection, top to bottom.
 
-:class:`SessionLoop` owns the ``orbit-worker-connection`` thread's work and the capacity reports.
-One session: open the connection on the link and let every held attempt's machine resume its lease
-there (:meth:`~._shell.AttemptShell.resume_all`: the machines decide, the resumes take the one
-request path), publish the connection once they went out (handler requests may use it from then on;
-the starts and finishes kept for it go out first, right behind the resumes), send the first capacity
-report behind them, step the resumes' outcomes until every one is over (then renew what they asked
-for), then repeat the report before the session expires and re-send kept requests when they are due,
-until the connection ends. On loss, back off with jitter (:mod:`._redial`) and start again with the
-same registration.
+:meth:`SessionLoop.run` dials (:class:`Dial`) and, after a failed dial or a lost session, waits
+(:mod:`._redial`) and dials again with the same registration. Each session: open the connection
+on the link; resume every held attempt on it (each attempt's machine decides; the resumes take
+the one request path) and, once they went out, publish it;
+re-send what was kept for it and renew what is due, right behind the resumes; send the first
+capacity report; wait until every resume is over, then for the report's answer; then serve:
+repeat the report before the session expires and when the window asks, re-send kept requests
+when they are due, until the connection ends.
 
 Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
 that never spoke the protocol, stop the worker; an unexpected exception (a bug of ours) is
@@ -23,13 +22,13 @@ import math
 import threading
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+
+import attrs
 
 from ..client import Client, DialCut
-from ..clock import Clock
 from ..errors import CallTimeout, OrbitError, WorkerProtocolError
-from ..models import CancelNotice, CapacityReport, Registration, Welcome
-from ._clock import Wakeup
+from ..models import CapacityReport, Registration
+from ._admission import Admission
 from ._errors import (
     EndpointCheck,
     FirstContact,
@@ -38,42 +37,58 @@ from ._errors import (
     is_link_failure,
     is_transient,
 )
-from ._link import Connection, Dialer, Link
+from ._link import Connection, Dialer
 from ._listeners import DisconnectEvent, Hooks, SessionEvent
 from ._machine import retry_delay
+from ._options import WorkerOptions
 from ._pool import woken_without_preempting
-from ._redial import Backoff, Redial
-from ._shell import AttemptShell, Registry
+from ._redial import Redial
+from ._shell import AttemptShell, LinkControls, Registry
 from ._shutdown import CLOSE_ALLOWANCE
 from ._watchdog import LeaseWatchdog
-from ._window import CapacityWindow
+from ._window import CapacityWindow, SentReport
 
-__all__ = ["SESSION_BUG_LIMIT", "SessionLoop"]
+__all__ = ["SESSION_BUG_LIMIT", "Dial", "SessionLoop"]
 
 #: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
 #: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
 SESSION_BUG_LIMIT = 2
 
 
-class _ReportAnswer:
-    """A capacity report this thread sent (the session's first goes behind the resumes), and
-    its answer."""
+@attrs.frozen
+class Dial:
+    """Whom the connection thread dials and as what: *client*, the ``worker.hello`` body
+    *registration* returns (read at each dial), and *admission*, which takes each connection's
+    pushes (cancel notices on its reader, assignments on the session's intake)."""
 
-    def __init__(self) -> None:
-        self.event = threading.Event()
-        self.report: CapacityReport | None = None
-        self.sent_at = 0.0
-        self.value: Any = None
-        self.error: OrbitError | None = None
-        #: Run on the reader as a drain report is acknowledged (see SessionLoop._drain_answered).
-        self.on_drain_ack: Callable[[], None] | None = None
+    client: Dialer
+    registration: Callable[[], Registration]
+    admission: Admission
 
-    def answered(self, value: Any, error: OrbitError | None) -> None:
-        # Runs on the connection's reader (or deadline) thread: it only records and wakes.
-        self.value, self.error = value, error
-        if error is None and self.on_drain_ack is not None:
-            self.on_drain_ack()
-        self.event.set()
+    def connect(self, opts: WorkerOptions, cut: DialCut) -> Connection:
+        """A new connection, welcomed (raise if the dial fails)."""
+        on_cancel = self.admission.on_cancel if opts.cancellation_notifications else None
+        if isinstance(self.client, Client):
+            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
+            # the worker's clock.
+            conn: Connection = self.client.dial_worker(
+                self.registration(),
+                timeout=opts.dial_timeout,
+                on_cancel=on_cancel,
+                clock=opts.clock,
+                cut=cut,
+            )
+            return conn
+        conn = self.client.dial_worker(
+            self.registration(), timeout=opts.dial_timeout, on_cancel=on_cancel
+        )
+        return conn
+
+    @property
+    def server(self) -> str:
+        """The server's URL for log lines (a Client's base_url carries no credentials)."""
+        url = getattr(self.client, "base_url", None)
+        return url if isinstance(url, str) else "the Orbit server"
 
 
 class SessionLoop:
@@ -81,60 +96,39 @@ class SessionLoop:
 
     def __init__(
         self,
-        client: Dialer,
+        dial: Dial,
+        opts: WorkerOptions,
         *,
-        registration: Callable[[], Registration],
-        notifications: bool,
-        dial_timeout: float,
-        call_timeout: float,
-        retry_delay: float,
-        backoff: Backoff,
-        time: Clock,
-        link: Link,
+        controls: LinkControls,
         registry: Registry,
         shell: AttemptShell,
         watchdog: LeaseWatchdog,
-        hooks: Hooks,
-        log: Any,
-        wake: Wakeup,
-        ready: threading.Event,
-        dial_cut: DialCut,
-        on_cancel: Callable[[CancelNotice], None],
-        take_assignments: Callable[[Connection], None],
         window: CapacityWindow,
+        hooks: Hooks,
         fail: Callable[[BaseException], None],
-        first_connect_timeout: float | None = None,
     ) -> None:
-        self._client = client
-        self._first_connect_timeout = first_connect_timeout
-        self._registration = registration
-        self._notifications = notifications
-        self._dial_timeout = dial_timeout
-        self._call_timeout = call_timeout
-        self._retry_delay = retry_delay
-        self._backoff = backoff
-        self._time = time
-        self._clock = time.now
-        self._link = link
+        self._dial = dial
+        self._opts = opts
+        self._clock = opts.clock.now
+        self._log = opts.logger
+        self._call_timeout = opts.request_timeout
+        self._link = controls.link
+        #: Wakes this thread: a new capacity report, a request kept, the connection ended, stop.
+        self._serve_wake = controls.wake
+        self._dial_cut = controls.dial_cut
         self._reg = registry
         self._shell = shell
         self._watchdog = watchdog
         self._hooks = hooks
-        self._log = log
-        #: Wakes this thread: a new capacity report, a request kept, the connection ended, stop.
-        self._serve_wake = wake
-        self._ready = ready
-        self._dial_cut = dial_cut
-        self._on_cancel = on_cancel
-        #: The intake: takes a connection's assignments until its queue ends (see _session).
-        self._take_assignments = take_assignments
         self._fail = fail
+        #: Set once the first session is established (``Worker.wait_ready``).
+        self.ready = threading.Event()
         #: Tells a wrong URL (nothing there ever spoke the protocol) from a server that is down.
-        self._endpoint = EndpointCheck(time.now)
+        self._endpoint = EndpointCheck(self._clock)
         #: Sessions in a row ended by an unexpected error (this thread only).
         self._session_bugs = 0
-        # Capacity reports: built by the window, under whose lock each one is written; this
-        # thread waits for their answers (a finish may send a lowering one ahead of it).
+        # Capacity reports: built by the window, under whose lock each one is written (a
+        # finish may send a lowering one ahead of it); every answer comes to _report_answered.
         self._window = window
         window.answered = self._report_answered
         self._drain_acked = threading.Event()
@@ -142,7 +136,6 @@ class SessionLoop:
         #: ended yet: the server may be assigning to this process (see assignments_over).
         self._assigning = False
         self._beat_lock = threading.Lock()
-        self._heartbeat = 15.0
         self._next_heartbeat = 0.0
 
     def report_drain(self) -> None:
@@ -166,11 +159,14 @@ class SessionLoop:
         with self._reg.cond:
             self._reg.cond.notify_all()
 
+    # ------------------------------------------------------------------ dial, reconnect
+
     def run(self) -> None:
         """The connection thread: dial, serve, reconnect, until the link is closed."""
-        redial = Redial(self._backoff)
+        redial = Redial(self._opts.reconnect_backoff)
         # Started with the thread, i.e. by Worker.start().
-        contact = FirstContact(self._clock, self._first_connect_timeout)
+        contact = FirstContact(self._clock, self._opts.first_connect_timeout)
+        server = self._dial.server
         first = True
         while not self._link.is_closed():
             if not first:
@@ -180,18 +176,18 @@ class SessionLoop:
                     break
             first = False
             try:
-                conn = self._dial()
+                conn = self._dial.connect(self._opts, self._dial_cut)
             except Exception as exc:
                 if self._link.is_closed():
                     break  # shutdown cut the dial
                 # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
                 # cannot help, so the worker stops and run() raises it.
                 # A server that never once spoke the protocol is the wrong server (or version).
-                wrong_server = isinstance(exc, WorkerProtocolError) and not self._ready.is_set()
-                wrong_url = self._endpoint.failed(exc, self._server)
+                wrong_server = isinstance(exc, WorkerProtocolError) and not self.ready.is_set()
+                wrong_url = self._endpoint.failed(exc, server)
                 if is_fatal_dial_error(exc) or wrong_server or wrong_url:
                     exc = wrong_url or exc
-                    self._log.error("worker cannot connect to %s: %s", self._server, exc)
+                    self._log.error("worker cannot connect to %s: %s", server, exc)
                     self._fail(exc)
                     return
                 if not isinstance(exc, OrbitError | OSError):
@@ -206,13 +202,10 @@ class SessionLoop:
                 if contact.reached:
                     # Where and why (errors never carry the token), not only the type.
                     self._log.warning(
-                        "cannot connect to %s (%s: %s); retrying",
-                        self._server,
-                        type(exc).__name__,
-                        exc,
+                        "cannot connect to %s (%s: %s); retrying", server, type(exc).__name__, exc
                     )
                     continue
-                gave_up = contact.failed(exc, self._server)
+                gave_up = contact.failed(exc, server)
                 if gave_up is not None:
                     self._log.error("worker stopped: %s", gave_up)
                     self._fail(gave_up)
@@ -235,7 +228,7 @@ class SessionLoop:
             self._log.error(
                 "cannot connect to %s (%s: %s): not reached once since this worker started;"
                 " retrying (check the URL, DNS, the network and that the server is up)",
-                self._server,
+                self._dial.server,
                 type(exc).__name__,
                 exc,
             )
@@ -243,37 +236,14 @@ class SessionLoop:
         self._log.warning(
             "cannot connect to %s (%s: %s); not reached once since the start, %.1f s ago"
             " (%d dials); retrying",
-            self._server,
+            self._dial.server,
             type(exc).__name__,
             exc,
             contact.waited(),
             contact.failures,
         )
 
-    def _dial(self) -> Connection:
-        if isinstance(self._client, Client):
-            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
-            # the worker's clock.
-            conn: Connection = self._client.dial_worker(
-                self._registration(),
-                timeout=self._dial_timeout,
-                on_cancel=self._on_cancel if self._notifications else None,
-                clock=self._time,
-                cut=self._dial_cut,
-            )
-            return conn
-        conn = self._client.dial_worker(
-            self._registration(),
-            timeout=self._dial_timeout,
-            on_cancel=self._on_cancel if self._notifications else None,
-        )
-        return conn
-
-    @property
-    def _server(self) -> str:
-        """The server's URL for log lines (a Client's base_url carries no credentials)."""
-        url = getattr(self._client, "base_url", None)
-        return url if isinstance(url, str) else "the Orbit server"
+    # ------------------------------------------------------------------ one session
 
     def _session(self, conn: Connection) -> None:
         """Reconcile, publish and serve one connection until it ends."""
@@ -286,17 +256,10 @@ class SessionLoop:
         try:
             if self._link.is_closed():
                 return
-            # Everything a reconnect must send goes out in one burst, without waiting for an
-            # answer: the resumes, then the starts and finishes kept for this connection, the
-            # renewals due and the first capacity report (the server answers a connection's
-            # frames in order, so each resume is applied before its attempt's re-send or
-            # renewal, and every kept finish frees its slot before assignments are enabled). On a
-            # link that keeps cutting, each round trip a session must survive before it delivers
-            # a finish or a renewal is lost work.
             gen = self._link.open(conn)
             first, again = self._reconcile(conn)
-            self._first_capacity(conn, first)
-            self._ready.set()
+            self._report_capacity(conn, first)
+            self.ready.set()
             self._log.info("session %s established", conn.session_id)
             if self._hooks:
                 event = SessionEvent(conn.session_id, again, self._window.offered)
@@ -313,7 +276,7 @@ class SessionLoop:
                 else:
                     self._log.warning(
                         "connection to %s lost (%s: %s); reconnecting",
-                        self._server,
+                        self._dial.server,
                         type(exc).__name__,
                         exc,
                     )
@@ -351,55 +314,34 @@ class SessionLoop:
         until the connection has ended and none is left unread; then wakes this thread."""
         woken_without_preempting()  # the reader wakes it for assignments
         try:
-            self._take_assignments(conn)
+            self._dial.admission.take_all(conn)
         except Exception:  # a bug of ours: the session cannot take assignments any more
             self._log.exception("worker error in the intake; closing the connection")
             conn.close()
         finally:
             self._serve_wake.set()
 
-    def _pause_to_retry_in_place(self, conn: Connection, error: OrbitError) -> None:
-        """Raise *error* unless it is a transient answer on a live session; else log it and
-        wait before the request is re-sent on this same connection."""
-        if (
-            is_link_failure(error)
-            or not is_transient(error)
-            or self._link.is_closed()
-            or conn.err is not None
-        ):
-            raise error
-        self._log.info(
-            "request answered %s; retrying on the same connection",
-            getattr(error, "code", type(error).__name__),
-        )
-        self._retry_pause(error)
-
-    def _retry_pause(self, error: OrbitError) -> None:
-        """Wait before re-sending after a transient error (longer for our own busy gate)."""
-        self._link.pause(retry_delay(error, self._retry_delay))
-
-    def _reconcile(self, conn: Connection) -> tuple[_ReportAnswer, bool]:
+    def _reconcile(self, conn: Connection) -> tuple[SentReport, bool]:
         """Resume every held attempt on *conn* (opened, not yet published); once every resume
-        went out, publish *conn* (the starts and finishes kept for it go out right behind the
-        resumes, and the renewals due, see :meth:`LeaseWatchdog.connected`) and send the
+        went out, publish *conn*, re-send what was kept for it, renew what is due and send the
         session's first capacity report, all without waiting for an answer (PROTOCOL §5.5);
-        return once every resume is over, with whether this session is a reconnect.
+        return once every resume is over, with that report and whether this session is a
+        reconnect.
 
-        Each attempt's machine decides its resume and what its outcome means (the lease holds,
-        is cancelled or lost; a transient answer is re-sent on this connection after the retry
-        delay; a link failure ends the session, and the next connection resumes again). The
-        resumes take the gate's request slots like every request of the attempts (the reserve
-        keeps one for the report): past them a resume goes out when an answer frees a slot, so
-        reconnecting costs one round trip per that many attempts. The re-sends, renewals and
-        report follow the last resume on the wire: the server handles a connection's frames in
-        order, so every resume is applied before its attempt's re-send or renewal, and before
-        assignments can start.
+        One burst, because on a link that keeps cutting, each round trip a session must survive
+        before it delivers a finish or a renewal is lost work. The server answers a connection's
+        frames in order, so each resume is applied before its attempt's re-send or renewal, and
+        every kept finish frees its slot before assignments are enabled. The resumes take the
+        gate's request slots like every request of the attempts (the reserve keeps one for the
+        report): past them a resume goes out when an answer frees a slot.
         """
         with self._reg.cond:
             held = list(self._reg.attempts.values())
         resumes = self._shell.resumes
         resumes.begin()
-        for att in held:  # each machine resumes its lease, within the gate's request slots
+        for att in held:
+            # Its machine decides: a transient answer is re-sent on this connection after the
+            # retry delay; a link failure ends the session, and the next one resumes again.
             self._shell.step(att, lambda m: m.reconnected())
         self._drive_resumes(conn, resumes.all_sent)
         self._link.publish(conn)
@@ -455,95 +397,11 @@ class SessionLoop:
             self._shell.step(att, event)
         return bool(taken)
 
-    def _submit_report(self, conn: Connection) -> _ReportAnswer:
-        """Send the report in force without waiting (under the window's lock, so reports reach
-        the wire in sequence order); its answer lands in the returned object."""
-        pending = _ReportAnswer()
-        with self._window.lock:
-            pending.report = self._window.report()
-            pending.sent_at = self._clock()
-            if pending.report.drain:
-                pending.on_drain_ack = partial(self._drain_answered, conn, pending.report)
-            try:
-                conn._submit(
-                    "worker.capacity", pending.report, pending.answered, timeout=self._call_timeout
-                )
-            except OrbitError as exc:  # nothing was sent (busy, or the connection ended)
-                pending.answered(None, exc)
-        return pending
-
-    def _await_report(self, conn: Connection, pending: _ReportAnswer) -> bool:
-        """Wait for *pending*'s answer (its own call timeout completes it at the latest): True
-        once acknowledged, False after a transient error answer (waited out: send again);
-        anything else raises."""
-        if not pending.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
-            raise CallTimeout("a capacity report was never completed")
-        error = pending.error
-        if error is None:
-            # The connection checked the ack's body: a capacity ack carries a Welcome.
-            assert isinstance(pending.value, Welcome) and pending.report is not None
-            self._capacity_acked(pending.report, pending.sent_at, pending.value)
-            return True
-        self._pause_to_retry_in_place(conn, error)
-        return False
-
-    def _first_capacity(self, conn: Connection, first: _ReportAnswer) -> None:
-        """Wait for the answer of the first report sent by :meth:`_reconcile`; a transient error
-        answer is retried in place, like any later report."""
-        if not self._await_report(conn, first):
-            self._send_capacity(conn)
-
-    def _send_capacity(self, conn: Connection) -> None:
-        """Send the report in force and wait for its answer; a transient error answer is
-        retried on this connection (with the report then in force)."""
-        while not self._await_report(conn, self._submit_report(conn)):
-            pass
-
-    def _report_answered(
-        self,
-        conn: Connection,
-        report: CapacityReport,
-        sent_at: float,
-        value: Any,
-        error: OrbitError | None,
-    ) -> None:
-        """The answer to a report a finish sent ahead of itself (on the reader: records only);
-        after an error this thread sends the report in force again."""
-        if error is None:
-            if report.drain:
-                self._drain_answered(conn, report)
-            self._capacity_acked(report, sent_at, value)
-        else:
-            self._serve_wake.set()
-
-    def _drain_answered(self, conn: Connection, report: CapacityReport) -> None:
-        """A drain report was acknowledged (on the reader): the server assigns nothing more
-        after it, and the assignments it made before are on the connection's queue ahead of
-        this answer. The drain counts as answered once the intake has taken all of them."""
-        conn._after_assignments(partial(self._drain_taken, report))
-
-    def _drain_taken(self, report: CapacityReport) -> None:
-        """On the intake, behind every assignment made before the drain report was applied:
-        each of them is in the registry now."""
-        if not self._drain_acked.is_set():
-            self._drain_acked.set()
-            self._log.info("drain reported to the server (sequence %d)", report.sequence)
-            self._assignments_changed()
-
-    def _capacity_acked(self, report: CapacityReport, sent_at: float, welcome: Welcome) -> None:
-        self._window.acked(report)
-        with self._beat_lock:
-            # PROTOCOL §5.6: repeat the report at least every third of the session window.
-            self._heartbeat = max(0.1, welcome.session_window / 3)
-            self._next_heartbeat = max(self._next_heartbeat, sent_at + self._heartbeat)
-        if not report.drain:
-            self._assigning = True
-
     def _serve(self, conn: Connection) -> None:
-        # Assignments are taken by the session's intake; this thread keeps the session alive,
-        # reports capacity changes (a raise the intake asked for, a drain) and re-sends the kept
-        # starts and finishes until the connection ends. It sleeps until the next heartbeat or
-        # re-send unless woken (new report, a request kept, connection ended, shutdown).
+        """Keep the session alive until its connection ends: report capacity changes (a raise
+        the intake asked for, a drain) and the heartbeat, re-send the kept requests when due.
+        Sleeps until the next of those unless woken (a new report, a request kept, the
+        connection ended, shutdown). Assignments are taken by the session's intake."""
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.err is not None:
@@ -552,9 +410,74 @@ class SessionLoop:
             with self._beat_lock:
                 next_heartbeat = self._next_heartbeat
             if self._window.unacked() or self._clock() >= next_heartbeat:
-                self._send_capacity(conn)
+                self._report_capacity(conn)
                 continue
             self._serve_wake.wait(min(next_heartbeat, next_resend) - self._clock())
         err = conn.err
         if err is not None and not self._link.is_closed():
             raise err
+
+    # ------------------------------------------------------------------ capacity reports
+
+    def _submit_report(self, conn: Connection) -> SentReport:
+        """Send the report in force, pipelined, without waiting (under the window's lock, so
+        reports reach the wire in sequence order). A report the connection refuses is answered
+        with that error."""
+        with self._window.lock:
+            sent = self._window.pipelined(
+                conn, self._window.report(), self._clock(), self._call_timeout
+            )
+            conn._submit_many([sent.submission])
+        return sent
+
+    def _report_capacity(self, conn: Connection, sent: SentReport | None = None) -> None:
+        """Wait for *sent*'s answer (default: the report in force, sent now); after a transient
+        error answer, wait out the retry delay and send the report then in force again."""
+        if sent is None:
+            sent = self._submit_report(conn)
+        while True:
+            # Its own call timeout completes it at the latest.
+            if not sent.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
+                raise CallTimeout("a capacity report was never completed")
+            error = sent.error
+            if error is None:
+                return
+            if (
+                is_link_failure(error)
+                or not is_transient(error)
+                or self._link.is_closed()
+                or conn.err is not None
+            ):
+                raise error
+            self._log.info(
+                "request answered %s; retrying on the same connection",
+                getattr(error, "code", type(error).__name__),
+            )
+            self._link.pause(retry_delay(error, self._opts.renew_retry_delay))
+            sent = self._submit_report(conn)
+
+    def _report_answered(self, sent: SentReport) -> None:
+        """Every report's answer, on the reader (records only): the window and the heartbeat
+        follow an acknowledged one; after an error this thread sends the report in force."""
+        if sent.error is not None:
+            self._serve_wake.set()
+            return
+        report = sent.report
+        if report.drain:
+            sent.conn._after_assignments(partial(self._drain_taken, report))
+        self._window.acked(report)
+        with self._beat_lock:
+            # PROTOCOL §5.6: repeat the report at least every third of the session window.
+            heartbeat = max(0.1, sent.value.session_window / 3)
+            self._next_heartbeat = max(self._next_heartbeat, sent.sent_at + heartbeat)
+        if not report.drain:
+            self._assigning = True
+
+    def _drain_taken(self, report: CapacityReport) -> None:
+        """On the intake, behind every assignment made before the drain report was applied
+        (they are on the connection's queue ahead of its answer): each of them is in the
+        registry now, and the server assigns nothing more."""
+        if not self._drain_acked.is_set():
+            self._drain_acked.set()
+            self._log.info("drain reported to the server (sequence %d)", report.sequence)
+            self._assignments_changed()
