@@ -9,6 +9,7 @@ import os
 import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -138,3 +139,28 @@ def test_the_stored_rows_read_back_intact(
     assert pending.ref == ref and pending.finish is not None
     assert pending.finish.result == json.loads('{"ok": true}')
     assert box.counts() == {"instances": 1, "launched": 1, "finishes": 1}
+
+
+def test_a_delete_that_cannot_begin_leaves_later_writes_fsynced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A done() whose transaction cannot begin (another connection holds the write lock) fails
+    with OutboxError and leaves the outbox's connection at synchronous=FULL for what follows."""
+    connect = sqlite3.connect
+    opened: list[sqlite3.Connection] = []
+
+    def quick(*args: Any, **kwargs: Any) -> sqlite3.Connection:
+        opened.append(connect(*args, **{**kwargs, "timeout": 0.05}))
+        return opened[-1]
+
+    monkeypatch.setattr(sqlite3, "connect", quick)
+    reg = Registration(queue_id=new_id(), capabilities=[Capability("resize", "1", "1")], capacity=2)
+    box = Outbox.open(tmp_path / "outbox.sqlite", reg)
+    (db,) = opened
+    with contextlib.closing(connect(box.path, isolation_level=None)) as blocker:
+        blocker.execute("BEGIN IMMEDIATE")
+        with pytest.raises(OutboxError, match="locked"):
+            box.done(new_id())
+        blocker.execute("ROLLBACK")
+    assert db.execute("PRAGMA synchronous").fetchone() == (2,)  # FULL
+    box.close()

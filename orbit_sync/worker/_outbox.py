@@ -246,22 +246,16 @@ class Outbox:
                     # A delete that may be lost: the next replay re-sends the same message_id.
                     db.execute("PRAGMA synchronous = OFF")
                 db.execute("BEGIN IMMEDIATE")
-                try:
-                    yield db
-                except BaseException:
-                    if db.in_transaction:
-                        db.execute("ROLLBACK")
-                    raise
-                else:
-                    db.execute("COMMIT")
-                finally:
-                    if not durable:
-                        db.execute("PRAGMA synchronous = FULL")
-            except sqlite3.Error:
+                yield db
+                db.execute("COMMIT")
+            except BaseException:
                 if db.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
+                    with contextlib.suppress(sqlite3.Error):  # the first error is the one to tell
                         db.execute("ROLLBACK")
                 raise
+            finally:
+                if not durable:  # also when BEGIN failed: every later write must be fsync'd again
+                    db.execute("PRAGMA synchronous = FULL")
 
     def _read(self, sql: str, params: tuple[Any, ...] = ()) -> list[Any]:
         with self._using() as db:
