@@ -1,16 +1,9 @@
-"""Admission: what the worker does with the server's pushes.
-
-:class:`Admission` takes each ``task.assign`` from the connection's assignment queue on the
-session's intake thread (:meth:`Admission.take_all`), records it as an attempt and starts its
-machine (PROTOCOL §6.1: an attempt assigned twice runs once): the start goes out from that
-thread, pipelined. A stopping worker starts what reaches it too: the protocol has no way to hand
-an unstarted assignment back (§5.7: ``drain`` releases nothing already held) and its claim
-already spent one of the task's attempts (§6.1), so skipping it would burn that attempt. Past
-the drain, the attempt starts with its context cancelled and finishes by the outcome rules.
-
-What to do with an assignment (start it, or refuse a repeat or one no handler here can run) and
-with a ``task.cancel`` (``on_cancel``, on the reader thread) is the attempt machine's: this feeds
-them to it. The registry's lock is never held across a wait for the network.
+"""Admission: the server's pushes fed to the attempts' machines. :meth:`Admission.take_all`
+takes each ``task.assign`` on the session's intake thread (its machine starts it, or refuses a
+repeat or one no handler here runs; PROTOCOL §6.1); :meth:`Admission.on_cancel` takes each
+``task.cancel`` on the reader. A stopping worker starts what reaches it too: the protocol cannot
+hand an assignment back (§5.7) and its claim spent one of the task's attempts, so past the drain
+it starts with its context cancelled and finishes by the outcome rules.
 """
 
 from __future__ import annotations

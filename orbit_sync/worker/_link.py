@@ -26,9 +26,7 @@ from ..errors import OrbitError
 from ..models import (
     Assignment,
     CancelNotice,
-    CapacityReport,
     Registration,
-    Welcome,
 )
 
 if TYPE_CHECKING:  # it imports this module
@@ -43,9 +41,6 @@ class Connection(Protocol):
     """What the worker uses of :class:`orbit_sync.connection.WorkerConnection`."""
 
     @property
-    def welcome(self) -> Welcome: ...
-
-    @property
     def session_id(self) -> str: ...
 
     @property
@@ -53,10 +48,6 @@ class Connection(Protocol):
 
     @property
     def err(self) -> OrbitError | None: ...
-
-    def capacity(
-        self, report: CapacityReport, *, message_id: str | None = ..., timeout: float | None = ...
-    ) -> Welcome: ...
 
     def _submit(
         self,

@@ -1,25 +1,9 @@
 """How long the worker waits before each reconnect: :class:`Backoff` draws a jittered delay for
-a dial's attempt number, :class:`Redial` picks that number from how the dials since the last
-welcome failed.
-
-Three kinds of failed dial call for different waits:
-
-- **refused**: the server (or whatever is in front of it) answered no: an HTTP status, an
-  ``error`` frame answering the hello, no TCP connection at all, a dial timeout, a broken
-  protocol. Retrying soon would add load where there is too much already: the wait grows
-  exponentially, attempt by attempt.
-- **cut**: the upgrade was accepted and the connection broke before the welcome arrived. The
-  server is up and took the dial; the link lost it. The next dial comes after the shortest wait
-  (attempt 0), as after a session that a cut ended: a chain of such cuts on a bad link must not
-  push the wait to its cap.
-- **reset**: connected, then reset or closed before the upgrade was answered. A link that cuts
-  looks like this, and so does an overloaded proxy that drops what it cannot serve. The two differ
-  in how they repeat: a flaky link lets most dials through, so consecutive resets are short runs
-  (even if 45 % of dials were reset, four in a row would start at one dial in 25), while an
-  overloaded proxy resets every dial. So the first :data:`RESET_GRACE` resets in a row get the
-  shortest wait, and the ones after grow exponentially like refusals. A cut in between (the path
-  reached the server) ends the run.
-
+an attempt number, :class:`Redial` picks that number from how the dials since the last welcome
+failed (docs/reliability.md, "The reconnect delay", says why): a *refused* dial backs off
+exponentially; a *cut* (upgrade accepted, lost before the welcome) waits the shortest delay; a
+*reset* (lost before the upgrade was answered) waits the shortest for the first
+:data:`RESET_GRACE` in a row, a flaky link's short runs, then backs off like a refusing proxy.
 A welcome starts everything over.
 """
 
@@ -52,14 +36,9 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 class Backoff:
     """Delay before reconnect attempt *n* (0-based): ``cap = min(maximum, initial * 2**n)``, then
     a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap) for
-    ``n >= 1``, and in ``[0, initial]`` ("full jitter") for ``n == 0``.
-
-    The worker asks for attempt 0 after a session that was welcomed and after a dial the link cut
-    once the server had accepted it, and for 1, 2, ... after dials the server (or a proxy) refused
-    in a row. Full jitter on that first reconnect halves the mean wait on a link that keeps
-    cutting healthy sessions, and, when a server restart cuts a whole fleet at once, spreads the
-    fleet's first dials over twice the window of equal jitter (half the peak rate); dials that
-    then fail back off exponentially.
+    ``n >= 1``, and in ``[0, initial]`` ("full jitter") for ``n == 0``: after a welcomed session
+    and after a cut, which halves the mean wait on a flaky link and spreads a fleet's first dials
+    after a server restart over twice the window.
     """
 
     initial: float = attrs.field(default=0.2, validator=_positive)

@@ -22,6 +22,7 @@ import math
 import threading
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import attrs
 
@@ -68,19 +69,14 @@ class Dial:
     def connect(self, opts: WorkerOptions, cut: DialCut) -> Connection:
         """A new connection, welcomed (raise if the dial fails)."""
         on_cancel = self.admission.on_cancel if opts.cancellation_notifications else None
-        if isinstance(self.client, Client):
-            # Our own client: shutdown can cut a dial in progress, and leases are anchored on
-            # the worker's clock.
-            conn: Connection = self.client.dial_worker(
-                self.registration(),
-                timeout=opts.dial_timeout,
-                on_cancel=on_cancel,
-                clock=opts.clock,
-                cut=cut,
-            )
-            return conn
-        conn = self.client.dial_worker(
-            self.registration(), timeout=opts.dial_timeout, on_cancel=on_cancel
+        # Our own client: shutdown can cut a dial in progress, and leases are anchored on the
+        # worker's clock.
+        own: dict[str, Any] = {"clock": opts.clock, "cut": cut}
+        conn: Connection = self.client.dial_worker(
+            self.registration(),
+            timeout=opts.dial_timeout,
+            on_cancel=on_cancel,
+            **(own if isinstance(self.client, Client) else {}),
         )
         return conn
 
@@ -145,14 +141,10 @@ class SessionLoop:
 
     def assignments_over(self) -> bool:
         """True once the server will assign this process nothing more: its drain report was
-        answered, or no session that could receive assignments is left (PROTOCOL §5.5: a new
-        session gets none before its first report, the drain one, is answered).
-
-        The answer comes after every assignment the server made before it applied the drain
-        (they are ahead of it on the connection, whose reader hands each to the admission
-        before it reads the next frame), so by then each of them is in the registry: a drain
-        waits for this, then for the attempts (§5.7: a drain releases nothing already held).
-        Read under the registry's condition, which is notified when it becomes true."""
+        answered and every assignment made before it is in the registry (:meth:`_drain_taken`),
+        or no session that could receive assignments is left (PROTOCOL §5.5: a new session gets
+        none before its first report, the drain one, is answered). Read under the registry's
+        condition, which is notified when it becomes true."""
         return self._drain_acked.is_set() or not self._assigning
 
     def _assignments_changed(self) -> None:
@@ -360,14 +352,12 @@ class SessionLoop:
     def _drive_resumes(self, conn: Connection, done: Callable[[], bool]) -> None:
         """Step the resumes' outcomes and re-send those due (a transient answer's retry) until
         *done*; raise if the connection ends first, or if nothing moves for a call timeout plus
-        the close allowance (each resume completes by its own call timeout: past that, the
-        connection is broken).
+        the close allowance (each resume completes by its own call timeout).
 
-        A connection that ended after the server answered every resume has still done so: the
-        session is established (what the server answered decides, not how soon this thread
-        looked; its finishes may already be acknowledged). The reader hands over each answer
-        before it reads the next frame, so once the end is seen, the outcomes taken after it
-        hold every answer that came before it."""
+        A connection that ended after the server answered every resume is established all the
+        same (its finishes may already be acknowledged): the reader hands over each answer
+        before it reads the next frame, so the outcomes taken after the end was seen hold every
+        answer that came before it."""
         resumes = self._shell.resumes
         limit = self._call_timeout + CLOSE_ALLOWANCE
         quiet_until = self._clock() + limit

@@ -77,8 +77,7 @@ class CapacityWindow:
 
     @property
     def held(self) -> int:
-        """Attempts whose handler started and whose finish has not gone out (what the window is
-        counted from)."""
+        """Attempts whose handler started and whose finish has not gone out."""
         return self._held
 
     def take(self, attempt: Held) -> bool:
@@ -88,7 +87,7 @@ class CapacityWindow:
             attempt.held = True
             self._held += 1
         with self.lock:
-            return self._wanted() != self._current_capacity()
+            return self._report is None or self._wanted() != self._report.capacity
 
     def release(self, attempt: Held) -> None:
         """*attempt* no longer counts (once, if it did): its finish goes out now, or it ended
@@ -143,9 +142,6 @@ class CapacityWindow:
         report = self.report()
         with self._ack_lock:
             return self._acked is None or report.sequence > self._acked.sequence
-
-    def _current_capacity(self) -> int | None:
-        return None if self._report is None else self._report.capacity
 
     def _wanted(self) -> int:
         """The capacity to report now (under the lock)."""
