@@ -59,10 +59,9 @@ class Admission:
         self._shell.step(att, AttemptMachine.cancel_pushed)
 
     def take_all(self, conn: Connection) -> None:
-        """The session's intake (its own thread): take each assignment from *conn*'s queue,
-        record it and send its start, until the connection has ended and none is left unread.
-        Those that arrive before the end but are taken after it are recorded all the same: the
-        next session resumes them, then sends their starts."""
+        """The session's intake (its own thread): dispatch each assignment of *conn* until it
+        has ended and none is left unread (those taken after the end: the next session resumes
+        them, then sends their starts)."""
         while True:
             assignment = conn._intake()
             if assignment is None:

@@ -92,14 +92,10 @@ def _wrong_endpoint(exc: BaseException) -> int | None:
 
 
 class EndpointCheck:
-    """Gives up on a URL that has never been a ``pulse.worker.v1`` endpoint.
-
-    A 404 on the upgrade path can be transient (an ingress during a deploy), so one is retried
-    like any dial failure; but when every dial of a worker that never connected is answered that
-    way for *window* seconds (and at least *dials* times), the URL is wrong: :meth:`failed`
-    returns the error to stop on. Once the worker has connected, the URL is known good and such
-    answers are retried without end.
-    """
+    """Gives up on a URL that has never been a ``pulse.worker.v1`` endpoint: a 404 on the
+    upgrade can be transient (an ingress during a deploy), but when every dial of a worker that
+    never connected is answered so for *window* seconds (and *dials* times), the URL is wrong.
+    Once the worker has connected, such answers are retried without end."""
 
     def __init__(self, clock: Callable[[], float], *, window: float = 60.0, dials: int = 3) -> None:
         self._clock = clock
@@ -133,14 +129,9 @@ class EndpointCheck:
 
 
 class FirstContact:
-    """Whether the worker has reached its server since it started (a welcome arrived), and, with
-    *timeout*, the moment to give up on a server never reached.
-
-    A worker that has never once reached its server is most likely misconfigured (a mistyped
-    host or port, a missing route), unlike one whose server went away: the connection thread
-    says so, and with *timeout* stops (:meth:`failed` returns the error). Once reached, the
-    server is retried for ever.
-    """
+    """Whether the worker has reached its server since it started, and, with *timeout*, when to
+    give up on one never reached: most likely a misconfiguration (a mistyped host, a missing
+    route), unlike a server that went away, which is retried for ever."""
 
     def __init__(self, clock: Callable[[], float], timeout: float | None) -> None:
         self._clock = clock

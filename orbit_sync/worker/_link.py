@@ -1,14 +1,9 @@
-"""The worker's current connection, shared by its threads, and what they need to know about it.
-
-The connection thread *opens* a new connection on the link (from then on the attempts' resumes, and
-only they, may use it), *publishes* it once every resume went out (:class:`Resumes`; now every
-request may use it, behind the resumes on the wire), and *retracts* it when it breaks. A request
-that failed on connection number ``n`` is *kept* (:meth:`Link.keep`) until a connection newer than
-``n`` is published (after a transient error answer, until its retry delay has passed); the
-connection thread then takes it (:meth:`Link.take_due`) and re-sends the same operation with the
-same ``message_id`` (PROTOCOL §7). No thread waits for that. Closing the link for good hands every
-kept request back to its closer, which gives them up: that is how shutdown bounds a finish waiting
-for a connection that never comes back.
+"""The worker's current connection, shared by its threads: *opened* for the resumes only, then
+*published* for every request once they went out (:class:`Resumes`), *retracted* when it breaks.
+A failed request is *kept* (:meth:`Link.keep`) until a newer connection or its retry delay, and
+the connection thread re-sends it with its ``message_id`` (PROTOCOL §7); closing the link hands
+every kept request back to its closer, which gives them up (how shutdown bounds a finish
+waiting for a connection that never comes back).
 """
 
 from __future__ import annotations
@@ -85,12 +80,9 @@ class GaveUp(Exception):
 
 
 class Gate:
-    """A counting semaphore for requests. A request that finds no free slot is either queued as
-    a *job* (:meth:`acquire_or_queue`: its waiter holds no thread), and :meth:`release` hands
-    the freed slot to the first queued job, in arrival order; or its thread waits for a slot
-    (:meth:`acquire`: a start, sent by the thread that took its assignment). Once closed, no new
-    request takes a slot (:class:`GaveUp`), so nothing waits for one past shutdown.
-    """
+    """A counting semaphore for requests: one that finds no free slot is queued as a *job*
+    (:meth:`acquire_or_queue`, holding no thread) or waits on its thread (:meth:`acquire`: a
+    start). Once closed, none takes a slot (:class:`GaveUp`): nothing waits past shutdown."""
 
     def __init__(self, slots: int) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -283,12 +275,10 @@ class Link:
 
 
 class Resumes(Generic[T]):
-    """The resumes of the newest connection, as its connection thread waits for them: when every
-    one has gone out (publish it) and when every one is over (the session is established, unless
-    one was *cut*: its connection failed before its answer). What an answer means is the
-    machine's; the outcomes (on the reader) are queued here for the connection thread to step
-    (:meth:`take`), so a lost lease's listeners and log lines never run on the reader.
-    Thread-safe."""
+    """The resumes of the newest connection: whether every one went out (publish it) and is over
+    (the session is established, unless one was *cut*: its connection failed before its answer);
+    their outcomes, queued for the connection thread to step (:meth:`take`) so that a lost
+    lease's listeners and log lines never run on the reader. Thread-safe."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._lock = threading.Lock()

@@ -1,13 +1,7 @@
-"""What the ``orbit-worker-connection`` thread does with each connection, top to bottom.
-
-:meth:`SessionLoop.run` dials (:class:`Dial`) and, after a failed dial or a lost session, waits
-(:mod:`._redial`) and dials again with the same registration. Each session: open the connection
-on the link; resume every held attempt on it (each attempt's machine decides; the resumes take
-the one request path) and, once they went out, publish it;
-re-send what was kept for it and renew what is due, right behind the resumes; send the first
-capacity report; wait until every resume is over, then for the report's answer; then serve:
-repeat the report before the session expires and when the window asks, re-send kept requests
-when they are due, until the connection ends.
+"""What the ``orbit-worker-connection`` thread does with each connection, top to bottom:
+dial (:meth:`SessionLoop.run`), open, resume, publish, re-send, renew, report
+(:meth:`SessionLoop._reconcile`), serve (:meth:`SessionLoop._serve`), and after a failed dial or
+a lost session wait (:mod:`._redial`) and dial again with the same registration.
 
 Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
 that never spoke the protocol, stop the worker; an unexpected exception (a bug of ours) is
@@ -314,18 +308,15 @@ class SessionLoop:
             self._serve_wake.set()
 
     def _reconcile(self, conn: Connection) -> tuple[SentReport, bool]:
-        """Resume every held attempt on *conn* (opened, not yet published); once every resume
-        went out, publish *conn*, re-send what was kept for it, renew what is due and send the
-        session's first capacity report, all without waiting for an answer (PROTOCOL §5.5);
-        return once every resume is over, with that report and whether this session is a
-        reconnect.
+        """Resume every held attempt on *conn*; once every resume went out, publish *conn*,
+        re-send what was kept for it, renew what is due and send the first capacity report, in
+        one burst without waiting (PROTOCOL §5.5); return once every resume is over, with that
+        report and whether this session is a reconnect.
 
-        One burst, because on a link that keeps cutting, each round trip a session must survive
-        before it delivers a finish or a renewal is lost work. The server answers a connection's
-        frames in order, so each resume is applied before its attempt's re-send or renewal, and
-        every kept finish frees its slot before assignments are enabled. The resumes take the
-        gate's request slots like every request of the attempts (the reserve keeps one for the
-        report): past them a resume goes out when an answer frees a slot.
+        One burst: on a link that keeps cutting, each round trip a session must survive before
+        it delivers a finish or a renewal is lost work. The server answers a connection's frames
+        in order, so each resume is applied before its attempt's re-send or renewal, and every
+        kept finish frees its slot before assignments are enabled.
         """
         with self._reg.cond:
             held = list(self._reg.attempts.values())
@@ -388,10 +379,8 @@ class SessionLoop:
         return bool(taken)
 
     def _serve(self, conn: Connection) -> None:
-        """Keep the session alive until its connection ends: report capacity changes (a raise
-        the intake asked for, a drain) and the heartbeat, re-send the kept requests when due.
-        Sleeps until the next of those unless woken (a new report, a request kept, the
-        connection ended, shutdown). Assignments are taken by the session's intake."""
+        """Until the connection ends: report capacity changes (a raise, a drain) and the
+        heartbeat, re-send the kept requests when due, else sleep until the next or a wake-up."""
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.err is not None:
