@@ -26,9 +26,13 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
 On any failure the connection records one error (``err``), releases every call in flight at once
 with that error bound to the call's own ``message_id``, and sets ``done`` once the reader exited.
 
-Why one module of about 600 lines: the public request methods, the one lock, the two threads and
-the send path must be read together to check that no wait can outlive its deadline and no
-callback runs under the lock; a fifth of it is the public methods' docstrings.
+The Worker's pipelined path (requests completed by callback, and the intake of assignments) is a
+:class:`Pipeline` that each connection makes for itself and :func:`pipeline_of` returns: it is
+not user API, so it is not a method of :class:`WorkerConnection`.
+
+Why one module of about 750 lines: the public request methods, the pipelined path, the one lock,
+the two threads and the send path must be read together to check that no wait can outlive its
+deadline and no callback runs under the lock; a fifth of it is the methods' docstrings.
 """
 
 from __future__ import annotations
@@ -217,6 +221,7 @@ class WorkerConnection:
         self._timer = threading.Condition(self._lock)
         self._wake_at = math.inf
         self._done = threading.Event()
+        self._pipeline = Pipeline(self)
         tag = welcome.session_id[:8]
         self._deadlines = threading.Thread(
             target=self._watch, name=f"orbit-sync-deadlines-{tag}", daemon=True
@@ -342,26 +347,6 @@ class WorkerConnection:
         assert err is not None
         raise err.with_message_id(None)
 
-    def _intake(self) -> Assignment | None:
-        """The next assignment, waiting until one arrives (internal: the Worker's intake, which
-        passes no ``on_assignment``). Unlike :meth:`next_assignment`, it still returns those
-        received before the connection ended (the Worker resumes them on its next session);
-        ``None`` once none is left after the end."""
-        unread = self._core.unread[ASSIGNMENT]
-        while True:
-            item = unread.get()
-            if item is _ENDED:
-                _end_queue(unread)  # for the next taker
-                return None
-            if isinstance(item, Assignment):
-                return item
-            item()  # a function put behind the assignments by _after_assignments
-
-    def _after_assignments(self, fn: Callable[[], None]) -> None:
-        """Have :meth:`_intake` run *fn* once every assignment received before now has been
-        taken (internal: called on the reader, the order is the frames' order)."""
-        _put_over_bound(self._core.unread[ASSIGNMENT], fn)
-
     # ------------------------------------------------------------------ requests
 
     def capacity(
@@ -418,62 +403,6 @@ class WorkerConnection:
         _check_ref(finish.ref)
         value: CommandResult = self._call("task.finish", finish, message_id, timeout)
         return value
-
-    def _submit(
-        self,
-        request_type: str,
-        body: Any,
-        on_done: Done,
-        *,
-        message_id: str | None = None,
-        timeout: float | None = None,
-    ) -> str:
-        """Send one request without waiting for it (internal: the Worker's pipelined path).
-
-        Returns its ``message_id``. ``on_done(value, error)`` is then called exactly once: with
-        the answer (a lease in it carries its local ``deadline``), with the server's error, or
-        with the connection's error once it ends (a timeout included). It runs on the reader
-        thread, the deadline thread or the thread that ended the connection, never under the
-        connection's lock: it must not block, it makes no request (one made on a reader raises
-        ``RuntimeError`` at once: the reader only reads), and it must not take a lock held by a
-        thread that calls ``_submit``. Errors raised here mean nothing was sent and ``on_done``
-        is not called.
-        """
-        self._refuse_on_reader("a %s request", request_type)
-        self._check_request(request_type, body)
-        call, _ = self._send(request_type, body, message_id, timeout, on_done)
-        return call.message_id
-
-    def _submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
-        """Send several requests without waiting for them, with one socket write (internal: the
-        lease watchdog renews every attempt that is due at once).
-
-        Each request is pipelined as by :meth:`_submit` and its ``on_done`` is called exactly once,
-        under the same rules. Wrong arguments (an unknown type, a wrong body, a bad or repeated
-        ``message_id`` or timeout) raise before anything is sent, for the whole batch. A request
-        the connection refuses (it has ended, or too many are in flight) is not sent: its
-        ``on_done`` gets that error once the others are written, and its place in the returned
-        list is ``None`` instead of its ``message_id``.
-        """
-        self._refuse_on_reader("a batch of requests")
-        for request in requests:
-            if not isinstance(request, Submission):
-                raise TypeError("requests must be Submission tuples")
-            self._check_request(request.request_type, request.body)
-        with self._lock:
-            texts, ids, refused = self._core.open_batch(requests)
-            calls = self._core.calls
-            for request, mid in zip(requests, ids, strict=True):
-                if mid is not None:  # sent: its completion runs as its slot is set
-                    calls[mid].on_done = self._take_slot(request.on_done).complete
-            if texts:
-                self._timer.notify()  # new deadlines: the thread computes the next one
-        # A failure completes every call of the batch with its error.
-        if texts and self._write(self._transport.send_texts, texts):
-            log.debug("sent %d requests in one write", len(texts))
-        for request, err in refused:  # never sent: each is told why
-            _run_done(request.on_done, None, err, request.request_type)
-        return ids
 
     def _check_request(self, request_type: str, body: Any) -> None:
         if type(request_type) is not str or request_type not in _BODIES:
@@ -670,6 +599,105 @@ class WorkerConnection:
         self._teardown(err)
         for call in event.calls:
             _run_done(call.on_done, None, err.with_message_id(call.message_id), call.request_type)
+
+
+class Pipeline:
+    """The Worker's pipelined path on one :class:`WorkerConnection` (internal, not user API:
+    :func:`pipeline_of` reaches it).
+
+    Requests sent without a waiting thread, each completed by a callback, and the intake of
+    assignments that outlives the connection's end: what the Worker needs to serve many attempts
+    from few threads, and what a user of the connection, who calls and waits, never does. Made
+    once per connection, so reaching it costs no allocation.
+    """
+
+    __slots__ = ("_conn",)
+
+    def __init__(self, conn: WorkerConnection) -> None:
+        self._conn = conn
+
+    def submit(
+        self,
+        request_type: str,
+        body: Any,
+        on_done: Done,
+        *,
+        message_id: str | None = None,
+        timeout: float | None = None,
+    ) -> str:
+        """Send one request without waiting for it.
+
+        Returns its ``message_id``. ``on_done(value, error)`` is then called exactly once: with
+        the answer (a lease in it carries its local ``deadline``), with the server's error, or
+        with the connection's error once it ends (a timeout included). It runs on the reader
+        thread, the deadline thread or the thread that ended the connection, never under the
+        connection's lock: it must not block, it makes no request (one made on a reader raises
+        ``RuntimeError`` at once: the reader only reads), and it must not take a lock held by a
+        thread that calls ``submit``. Errors raised here mean nothing was sent and ``on_done``
+        is not called.
+        """
+        conn = self._conn
+        conn._refuse_on_reader("a %s request", request_type)
+        conn._check_request(request_type, body)
+        call, _ = conn._send(request_type, body, message_id, timeout, on_done)
+        return call.message_id
+
+    def submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
+        """Send several requests without waiting for them, with one socket write (the lease
+        watchdog renews every attempt that is due at once).
+
+        Each request is pipelined as by :meth:`submit` and its ``on_done`` is called exactly once,
+        under the same rules. Wrong arguments (an unknown type, a wrong body, a bad or repeated
+        ``message_id`` or timeout) raise before anything is sent, for the whole batch. A request
+        the connection refuses (it has ended, or too many are in flight) is not sent: its
+        ``on_done`` gets that error once the others are written, and its place in the returned
+        list is ``None`` instead of its ``message_id``.
+        """
+        conn = self._conn
+        conn._refuse_on_reader("a batch of requests")
+        for request in requests:
+            if not isinstance(request, Submission):
+                raise TypeError("requests must be Submission tuples")
+            conn._check_request(request.request_type, request.body)
+        with conn._lock:
+            texts, ids, refused = conn._core.open_batch(requests)
+            calls = conn._core.calls
+            for request, mid in zip(requests, ids, strict=True):
+                if mid is not None:  # sent: its completion runs as its slot is set
+                    calls[mid].on_done = conn._take_slot(request.on_done).complete
+            if texts:
+                conn._timer.notify()  # new deadlines: the thread computes the next one
+        # A failure completes every call of the batch with its error.
+        if texts and conn._write(conn._transport.send_texts, texts):
+            log.debug("sent %d requests in one write", len(texts))
+        for request, err in refused:  # never sent: each is told why
+            _run_done(request.on_done, None, err, request.request_type)
+        return ids
+
+    def take_assignment(self) -> Assignment | None:
+        """The next assignment, waiting until one arrives (the Worker's intake, which passes no
+        ``on_assignment``). Unlike :meth:`WorkerConnection.next_assignment`, it still returns
+        those received before the connection ended (the Worker resumes them on its next
+        session); ``None`` once none is left after the end."""
+        unread = self._conn._core.unread[ASSIGNMENT]
+        while True:
+            item = unread.get()
+            if item is _ENDED:
+                _end_queue(unread)  # for the next taker
+                return None
+            if isinstance(item, Assignment):
+                return item
+            item()  # a function put behind the assignments by after_assignments
+
+    def after_assignments(self, fn: Callable[[], None]) -> None:
+        """Have :meth:`take_assignment` run *fn* once every assignment received before now has
+        been taken (called on the reader, the order is the frames' order)."""
+        _put_over_bound(self._conn._core.unread[ASSIGNMENT], fn)
+
+
+def pipeline_of(conn: WorkerConnection) -> Pipeline:
+    """*conn*'s pipelined path (internal: the Worker's, see :class:`Pipeline`)."""
+    return conn._pipeline
 
 
 #: Marks the reader threads of every connection (a thread-local flag, set as a reader starts).

@@ -1,5 +1,5 @@
-"""WorkerConnection._submit and _submit_many: requests sent without a parked thread, completed by
-callback."""
+"""A WorkerConnection's pipelined path (``pipeline_of(conn)``: submit and submit_many): requests
+sent without a parked thread, completed by callback."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from _scripted import (
     open_pair,
 )
 
-from orbit_sync.connection import MAX_IN_FLIGHT, Submission
+from orbit_sync.connection import MAX_IN_FLIGHT, Submission, pipeline_of
 from orbit_sync.errors import (
     CallTimeout,
     OrbitError,
@@ -56,7 +56,8 @@ def test_requests_are_all_in_flight_and_answers_route_out_of_order() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(3)
-            ids = [conn._submit("task.renew", REF, out.callback(str(i))) for i in range(3)]
+            pipeline = pipeline_of(conn)
+            ids = [pipeline.submit("task.renew", REF, out.callback(str(i))) for i in range(3)]
             requests = [peer.recv() for _ in range(3)]  # all sent, none answered yet
             assert [r["message_id"] for r in requests] == ids
             for window, request in zip((10, 20, 30), reversed(requests), strict=True):
@@ -76,9 +77,11 @@ def test_error_answer_then_close_release_every_callback_once() -> None:
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
         answered, out = Outcomes(1), Outcomes(2)
-        refused = conn._submit("task.renew", REF, answered.callback("refused"))
-        resume = conn._submit("worker.resume", REF, out.callback("resume"))
-        report = conn._submit("worker.capacity", CapacityReport(1, 4), out.callback("report"))
+        refused = pipeline_of(conn).submit("task.renew", REF, answered.callback("refused"))
+        resume = pipeline_of(conn).submit("worker.resume", REF, out.callback("resume"))
+        report = pipeline_of(conn).submit(
+            "worker.capacity", CapacityReport(1, 4), out.callback("report")
+        )
         first = peer.recv()
         assert first["message_id"] == refused
         peer.error(first, "LEASE_LOST")
@@ -103,8 +106,8 @@ def test_an_unanswered_request_times_out_and_closes_the_connection() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(2)
-            late = conn._submit("worker.resume", REF, out.callback("late"), timeout=0.2)
-            other = conn._submit("worker.resume", REF, out.callback("other"))
+            late = pipeline_of(conn).submit("worker.resume", REF, out.callback("late"), timeout=0.2)
+            other = pipeline_of(conn).submit("worker.resume", REF, out.callback("other"))
             peer.recv(), peer.recv()
             assert out.all_in.wait(WAIT)
             [(_, timed_out, _)] = out.got["late"]
@@ -122,7 +125,7 @@ def test_a_resume_answer_carries_its_local_deadline() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(1)
-            conn._submit("worker.resume", REF, out.callback("resume"))
+            pipeline_of(conn).submit("worker.resume", REF, out.callback("resume"))
             peer.ack(peer.recv(), lease_body(window=20))
             assert out.all_in.wait(WAIT)
             [(lease, error, _)] = out.got["resume"]
@@ -138,12 +141,12 @@ def test_bad_arguments_raise_before_anything_is_sent() -> None:
         try:
             out = Outcomes(1)
             with pytest.raises(ValueError):
-                conn._submit("worker.hello", REF, out.callback("x"))
+                pipeline_of(conn).submit("worker.hello", REF, out.callback("x"))
             with pytest.raises(TypeError):
-                conn._submit("task.renew", CapacityReport(1, 4), out.callback("x"))
+                pipeline_of(conn).submit("task.renew", CapacityReport(1, 4), out.callback("x"))
             with pytest.raises(ValueError):
-                conn._submit("task.renew", REF, out.callback("x"), message_id="nope")
-            probe = conn._submit("task.renew", REF, out.callback("probe"))
+                pipeline_of(conn).submit("task.renew", REF, out.callback("x"), message_id="nope")
+            probe = pipeline_of(conn).submit("task.renew", REF, out.callback("probe"))
             assert peer.recv()["message_id"] == probe  # the first frame sent is the probe
             assert not out.got
         finally:
@@ -160,7 +163,7 @@ def test_submit_many_sends_the_batch_in_order_and_routes_each_answer() -> None:
         conn, peer = open_pair(server)
         try:
             out = Outcomes(3)
-            ids = conn._submit_many(_renews(out, ["0", "1", "2"]))
+            ids = pipeline_of(conn).submit_many(_renews(out, ["0", "1", "2"]))
             requests = [peer.recv() for _ in range(3)]
             assert [r["message_id"] for r in requests] == ids and None not in ids
             assert all(r["type"] == "task.renew" for r in requests)
@@ -184,7 +187,7 @@ def test_submit_many_refuses_what_the_connection_cannot_take() -> None:
         busy = Outcomes(2)
         sent = Outcomes(MAX_IN_FLIGHT)
         requests = _renews(sent, keys[:MAX_IN_FLIGHT]) + _renews(busy, keys[MAX_IN_FLIGHT:])
-        ids = conn._submit_many(requests)
+        ids = pipeline_of(conn).submit_many(requests)
         assert ids[MAX_IN_FLIGHT:] == [None, None] and None not in ids[:MAX_IN_FLIGHT]
         assert busy.all_in.wait(WAIT)
         assert all(isinstance(v[0][1], WorkerBusy) for v in busy.got.values())
@@ -192,7 +195,7 @@ def test_submit_many_refuses_what_the_connection_cannot_take() -> None:
         conn.close()
         assert sent.all_in.wait(WAIT)
         closed = Outcomes(2)
-        assert conn._submit_many(_renews(closed, ["a", "b"])) == [None, None]
+        assert pipeline_of(conn).submit_many(_renews(closed, ["a", "b"])) == [None, None]
         assert closed.all_in.wait(WAIT)
         assert all(isinstance(v[0][1], WorkerClosed) for v in closed.got.values())
 
@@ -205,16 +208,17 @@ def test_submit_many_bad_arguments_raise_before_anything_is_sent() -> None:
             out = Outcomes(1)
             good = Submission("task.renew", REF, out.callback("x"))
             with pytest.raises(TypeError):
-                conn._submit_many([good, Submission("task.renew", CapacityReport(1, 4), good[2])])
+                wrong = Submission("task.renew", CapacityReport(1, 4), good[2])
+                pipeline_of(conn).submit_many([good, wrong])
             with pytest.raises(TypeError):
-                conn._submit_many([("task.renew", REF, good[2])])  # type: ignore[list-item]
+                pipeline_of(conn).submit_many([("task.renew", REF, good[2])])  # type: ignore[list-item]
             with pytest.raises(ValueError):
-                conn._submit_many(_renews(out, ["x", "y"], message_id="a" * 32))
+                pipeline_of(conn).submit_many(_renews(out, ["x", "y"], message_id="a" * 32))
             with pytest.raises(ValueError):
-                conn._submit_many(_renews(out, ["x"], timeout=-1.0))
-            probe = conn._submit("task.renew", REF, out.callback("probe"))
+                pipeline_of(conn).submit_many(_renews(out, ["x"], timeout=-1.0))
+            probe = pipeline_of(conn).submit("task.renew", REF, out.callback("probe"))
             with pytest.raises(ValueError):
-                conn._submit_many([good, Submission("task.renew", REF, good[2], probe)])
+                pipeline_of(conn).submit_many([good, Submission("task.renew", REF, good[2], probe)])
             assert peer.recv()["message_id"] == probe  # the first frame sent is the probe
             assert not out.got
         finally:
@@ -235,7 +239,7 @@ def test_a_bug_in_the_reader_is_logged_and_kept_as_the_cause(
 
             monkeypatch.setattr(conn._core, "decode", broken)
             out = Outcomes(1)
-            conn._submit("task.renew", REF, out.callback("renew"))
+            pipeline_of(conn).submit("task.renew", REF, out.callback("renew"))
             peer.ack(peer.recv(), command_body("renew"))
             assert out.all_in.wait(WAIT) and conn.done.wait(WAIT)
             [(_, error, _)] = out.got["renew"]
@@ -266,7 +270,7 @@ def test_a_bug_in_the_writer_is_logged_and_kept_as_the_cause(
 
             monkeypatch.setattr(conn._transport, "send_texts", broken)
             out = Outcomes(2)
-            conn._submit_many(_renews(out, ["0", "1"]))
+            pipeline_of(conn).submit_many(_renews(out, ["0", "1"]))
             assert out.all_in.wait(WAIT)
             for key in ("0", "1"):
                 [(_, error, _)] = out.got[key]

@@ -30,7 +30,12 @@ from _scripted import (
     raw_frame,
 )
 
-from orbit_sync.connection import ASSIGNMENT_BUFFER, MAX_IN_FLIGHT, WorkerConnection
+from orbit_sync.connection import (
+    ASSIGNMENT_BUFFER,
+    MAX_IN_FLIGHT,
+    WorkerConnection,
+    pipeline_of,
+)
 from orbit_sync.errors import (
     CallTimeout,
     OrbitError,
@@ -178,7 +183,7 @@ def test_a_completion_that_closes_the_connection_ends_it_without_a_deadlock(
         closed.set()
 
     _idle(conn, peer, 0.05)
-    conn._submit("task.renew", REF, on_done)
+    pipeline_of(conn).submit("task.renew", REF, on_done)
     pipelined = peer.recv()
     thread, out = _run(lambda: conn.renew(REF))
     blocked = peer.recv()
@@ -207,8 +212,8 @@ def test_a_blocking_call_from_a_completion_fails_at_once(
         for name, call in (
             ("renew", lambda: conn.renew(REF, timeout=CALL_BOUND)),
             ("next_assignment", lambda: conn.next_assignment(timeout=CALL_BOUND)),
-            ("_submit", lambda: conn._submit("task.renew", REF, lambda v, e: None)),
-            ("_submit_many", lambda: conn._submit_many([])),
+            ("submit", lambda: pipeline_of(conn).submit("task.renew", REF, lambda v, e: None)),
+            ("submit_many", lambda: pipeline_of(conn).submit_many([])),
         ):
             try:
                 call()
@@ -216,13 +221,13 @@ def test_a_blocking_call_from_a_completion_fails_at_once(
                 seen[name] = exc
         ran.set()
 
-    conn._submit("task.renew", REF, on_done)
+    pipeline_of(conn).submit("task.renew", REF, on_done)
     thread, out = _run(lambda: conn.renew(REF))
     first, second = peer.recv(), peer.recv()
     peer.send_raw(_ack(first) + _ack(second))
     assert ran.wait(WAIT)
     thread.join(WAIT)
-    for name in ("renew", "next_assignment", "_submit", "_submit_many"):
+    for name in ("renew", "next_assignment", "submit", "submit_many"):
         assert isinstance(seen[name], RuntimeError), seen
         assert "reader thread" in str(seen[name])
     assert isinstance(out.get("result"), CommandResult), out
@@ -331,10 +336,10 @@ def test_calls_hold_reused_event_slots_capped_at_the_in_flight_limit(
             all_answered.set()
 
     for _ in range(MAX_IN_FLIGHT):
-        conn._submit("task.renew", REF, on_done)
+        pipeline_of(conn).submit("task.renew", REF, on_done)
     assert conn._slots == []
     with pytest.raises(WorkerBusy):
-        conn._submit("task.renew", REF, on_done)
+        pipeline_of(conn).submit("task.renew", REF, on_done)
     requests = [peer.recv() for _ in range(MAX_IN_FLIGHT)]
     peer.send_raw(b"".join(_ack(request) for request in requests))
     assert all_answered.wait(WAIT)

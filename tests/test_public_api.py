@@ -98,9 +98,11 @@ def test_outbox_error_is_exported_once() -> None:
 
 
 def test_pipelined_requests_are_not_public() -> None:
-    """The Worker's pipelined path is internal: no public submit or submit_many."""
+    """The Worker's pipelined path is internal: no public submit or submit_many, and the
+    connection module does not export its Pipeline."""
     assert not hasattr(orbit_sync.WorkerConnection, "submit")
     assert not hasattr(orbit_sync.WorkerConnection, "submit_many")
+    assert not {"Pipeline", "pipeline_of"} & set(orbit_sync.connection.__all__)
 
 
 def test_every_clock_speaks_the_one_clock_protocol() -> None:

@@ -10,6 +10,7 @@ import pytest
 from _worker_helpers import make_worker, running
 
 from orbit_sync.client import Client
+from orbit_sync.connection import Pipeline
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Backoff, Worker
@@ -46,41 +47,34 @@ def test_a_bug_while_running_an_attempt_finishes_it_unknown(
     assert str(logged[0].exc_info[1]) == "worker bug"
 
 
-class _BuggyConnection:
-    """A real connection whose capacity report hits a bug of ours (a plain RuntimeError)."""
-
-    def __init__(self, conn: Any) -> None:
-        self._conn = conn
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-    def _submit_many(self, requests: Any) -> Any:
-        """Fail the first capacity report like a bug would; pass anything else on."""
-        if any(r.request_type == "worker.capacity" for r in requests):
-            raise RuntimeError("session bug")
-        return self._conn._submit_many(requests)
-
-
-class _BuggySessionDialer:
-    """Dials for real; each connection it returns hits the session bug."""
+class _CountingDialer:
+    """Dials for real and counts the dials."""
 
     def __init__(self, client: Client) -> None:
         self.client = client
         self.dials = 0
 
     def dial_worker(self, registration: Any, timeout: float = 8.0, **kwargs: Any) -> Any:
-        """Count the dial and wrap the real connection."""
+        """Count the dial and dial."""
         self.dials += 1
-        return _BuggyConnection(self.client.dial_worker(registration, timeout, **kwargs))
+        return self.client.dial_worker(registration, timeout, **kwargs)
 
 
 def test_a_session_bug_that_repeats_stops_the_worker(
-    server: MockOrbitServer, caplog: pytest.LogCaptureFixture
+    server: MockOrbitServer, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A bug in the session loop is logged with its traceback and retried once; when it happens
     again the worker stops and run() raises it (the CLI exits 1) instead of looping."""
-    dialer = _BuggySessionDialer(Client(server.url, server.token))
+    submit_many = Pipeline.submit_many
+
+    def buggy(self: Pipeline, requests: Any) -> Any:
+        # Every capacity report of every session hits a bug of ours (a plain RuntimeError).
+        if any(r.request_type == "worker.capacity" for r in requests):
+            raise RuntimeError("session bug")
+        return submit_many(self, requests)
+
+    monkeypatch.setattr(Pipeline, "submit_many", buggy)
+    dialer = _CountingDialer(Client(server.url, server.token))
     worker = Worker(
         dialer,
         queue_id=server.queue_id,

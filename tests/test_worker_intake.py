@@ -13,7 +13,12 @@ import pytest
 from _worker_helpers import Sessions, events, make_worker, running, worker_threads
 
 from orbit_sync import TaskContext
-from orbit_sync.connection import ASSIGNMENT_BUFFER, WorkerConnection, on_reader_thread
+from orbit_sync.connection import (
+    ASSIGNMENT_BUFFER,
+    Pipeline,
+    WorkerConnection,
+    on_reader_thread,
+)
 from orbit_sync.models import TaskState
 from orbit_sync.testing import MockOrbitServer
 
@@ -55,21 +60,21 @@ def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
     """The reader only reads: every start is written by the session's intake thread, and no
     request of the worker is made on a reader thread."""
     writers: list[tuple[str, str, bool]] = []
-    submit = WorkerConnection._submit
-    submit_many = WorkerConnection._submit_many
+    submit = Pipeline.submit
+    submit_many = Pipeline.submit_many
 
-    def recording_submit(self: WorkerConnection, request_type: str, *args: Any, **kw: Any) -> str:
+    def recording_submit(self: Pipeline, request_type: str, *args: Any, **kw: Any) -> str:
         writers.append((request_type, threading.current_thread().name, on_reader_thread()))
         return submit(self, request_type, *args, **kw)
 
-    def recording_many(self: WorkerConnection, requests: Any) -> Any:
+    def recording_many(self: Pipeline, requests: Any) -> Any:
         for request in requests:
             name = threading.current_thread().name
             writers.append((request.request_type, name, on_reader_thread()))
         return submit_many(self, requests)
 
-    monkeypatch.setattr(WorkerConnection, "_submit", recording_submit)
-    monkeypatch.setattr(WorkerConnection, "_submit_many", recording_many)
+    monkeypatch.setattr(Pipeline, "submit", recording_submit)
+    monkeypatch.setattr(Pipeline, "submit_many", recording_many)
     with MockOrbitServer(assignment_rate=None) as server:
         worker = make_worker(server, capacity=4)
 

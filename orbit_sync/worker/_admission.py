@@ -12,6 +12,7 @@ import collections
 import logging
 
 from ..clock import Clock
+from ..connection import pipeline_of
 from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext, worker_log
 from ._handlers import Handlers
@@ -63,7 +64,7 @@ class Admission:
         has ended and none is left unread (those taken after the end: the next session resumes
         them, then sends their starts)."""
         while True:
-            assignment = conn._intake()
+            assignment = pipeline_of(conn).take_assignment()
             if assignment is None:
                 return
             self.dispatch(assignment)

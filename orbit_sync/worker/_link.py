@@ -12,14 +12,12 @@ import collections
 import itertools
 import math
 import threading
-from collections.abc import Callable, Hashable, Sequence
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar
 
 from ..clock import Clock, SystemClock
-from ..connection import Submission
-from ..errors import OrbitError
+from ..connection import WorkerConnection
 from ..models import (
-    Assignment,
     CancelNotice,
     Registration,
 )
@@ -32,35 +30,10 @@ __all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link", "Resumes"]
 T = TypeVar("T")
 
 
-class Connection(Protocol):
-    """What the worker uses of :class:`orbit_sync.connection.WorkerConnection`."""
-
-    @property
-    def session_id(self) -> str: ...
-
-    @property
-    def done(self) -> threading.Event: ...
-
-    @property
-    def err(self) -> OrbitError | None: ...
-
-    def _submit(
-        self,
-        request_type: str,
-        body: Any,
-        on_done: Callable[[Any, OrbitError | None], None],
-        *,
-        message_id: str | None = ...,
-        timeout: float | None = ...,
-    ) -> str: ...
-
-    def _submit_many(self, requests: Sequence[Submission]) -> list[str | None]: ...
-
-    def _intake(self) -> Assignment | None: ...
-
-    def _after_assignments(self, fn: Callable[[], None]) -> None: ...
-
-    def close(self) -> None: ...
+#: The worker's connection: the package's own :class:`~orbit_sync.connection.WorkerConnection`
+#: (what :meth:`Dialer.dial_worker` returns). The worker's requests and its intake use its
+#: pipelined path, which is not user API: :func:`orbit_sync.connection.pipeline_of`.
+Connection: TypeAlias = WorkerConnection
 
 
 class Dialer(Protocol):

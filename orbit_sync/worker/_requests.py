@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 from .._protocol import Done
-from ..connection import on_reader_thread
+from ..connection import on_reader_thread, pipeline_of
 from ..errors import OrbitError
 from ._errors import NotConnected
 from ._link import Connection, GaveUp, Link
@@ -150,7 +150,7 @@ class RequestPath(Generic[S]):
     def write(self, subject: S, request: Request, conn: Connection, on_done: Done) -> None:
         """Write *request* on *conn*, pipelined (raise if nothing was sent); a driver may send
         something ahead of it."""
-        conn._submit(
+        pipeline_of(conn).submit(
             request.request_type,
             request.body,
             on_done,

@@ -21,6 +21,7 @@ from typing import Any
 import attrs
 
 from ..client import Client, DialCut
+from ..connection import pipeline_of
 from ..errors import CallTimeout, OrbitError, WorkerProtocolError
 from ..models import CapacityReport, Registration
 from ._admission import Admission
@@ -406,7 +407,7 @@ class SessionLoop:
             sent = self._window.pipelined(
                 conn, self._window.report(), self._clock(), self._call_timeout
             )
-            conn._submit_many([sent.submission])
+            pipeline_of(conn).submit_many([sent.submission])
         return sent
 
     def _report_capacity(self, conn: Connection, sent: SentReport | None = None) -> None:
@@ -443,7 +444,7 @@ class SessionLoop:
             return
         report = sent.report
         if report.drain:
-            sent.conn._after_assignments(partial(self._drain_taken, report))
+            pipeline_of(sent.conn).after_assignments(partial(self._drain_taken, report))
         self._window.acked(report)
         with self._beat_lock:
             # PROTOCOL §5.6: repeat the report at least every third of the session window.

@@ -22,7 +22,7 @@ import attrs
 
 from .._protocol import Done
 from ..client import DialCut
-from ..connection import Submission
+from ..connection import Submission, pipeline_of
 from ..errors import OrbitError, WorkerError
 from ..models import (
     Assignment,
@@ -407,7 +407,7 @@ class AttemptShell(RequestPath[Attempt]):
                 ahead = window.pipelined(
                     conn, report, self._options.clock.now(), self._call_timeout
                 )
-                conn._submit_many([ahead.submission, finish])
+                pipeline_of(conn).submit_many([ahead.submission, finish])
                 return
         # No report needed: the finish goes out without the lock, which handlers starting
         # elsewhere take (CapacityWindow.take). Any report built from now on counts this
@@ -777,7 +777,7 @@ class Renewals:
         if requests:
             assert current is not None
             try:
-                current[0]._submit_many(requests)
+                pipeline_of(current[0]).submit_many(requests)
             except OrbitError as exc:  # nothing was sent
                 for request in requests:
                     request.on_done(None, exc)
