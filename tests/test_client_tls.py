@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import datetime
 import socket
 import ssl
 import struct
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +24,10 @@ from _scripted import (
     orbit_threads,
     registration,
 )
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+from cryptography.x509.oid import NameOID
 
 from orbit_sync.client import Client
 from orbit_sync.errors import WorkerDisconnected
@@ -112,13 +118,45 @@ def test_host_name_mismatch_is_refused(ca: trustme.CA, trusting: ssl.SSLContext)
         assert server.requests == []
 
 
+def _common_name_only_context(ca: trustme.CA, folder: Path) -> ssl.SSLContext:
+    # trustme always writes a subjectAltName (and cryptography refuses an empty one), so the
+    # certificate without one is signed here with the CA's key.
+    ca_key = serialization.load_pem_private_key(ca.private_key_pem.bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey)
+    ca_cert = x509.load_pem_x509_certificate(ca.cert_pem.bytes())
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(hours=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    chain = folder / "cn-only.pem"
+    chain.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+        + cert.public_bytes(serialization.Encoding.PEM)
+    )
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(chain)
+    return context
+
+
 def test_a_common_name_only_certificate_is_refused(
-    ca: trustme.CA, trusting: ssl.SSLContext
+    ca: trustme.CA, trusting: ssl.SSLContext, tmp_path: Path
 ) -> None:
     """A trusted certificate naming localhost only in its common name (no subjectAltName entry)
     is refused, although the caller's context allows the common-name fallback."""
-    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ca.issue_cert(common_name="localhost").configure_cert(server_context)
+    server_context = _common_name_only_context(ca, tmp_path)
     assert trusting.hostname_checks_common_name  # the standard library's default: True
     with ScriptedServer(ssl_context=server_context) as server:
         with pytest.raises(WorkerDisconnected) as caught:
