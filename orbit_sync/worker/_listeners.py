@@ -1,14 +1,6 @@
-"""Worker events for several subscribers: listeners (observers) and handler middleware.
-
-Subclass :class:`WorkerListener`, override the events you need, and pass it as
-``Worker(listeners=[...])`` or ``worker.add_listener(...)``; each method's docstring says when
-and on which thread it is called (docs/observability.md has them as a table). Every event is one
-frozen object, so fields can be added without breaking a listener.
-
-A listener that raises is logged (with its traceback) and skipped: it never breaks a task, the
-renewal of a lease, or another listener. Listeners run on the worker's own threads: do not
-block in them (hand slow work to a queue). With no listener registered the worker pays one
-truth test per event.
+"""Worker events for several subscribers: listeners (observers) and handler middleware
+(docs/observability.md: the events, their threads, and what a failing listener does). Every
+event is one frozen object, so fields can be added without breaking a listener.
 """
 
 from __future__ import annotations
@@ -202,17 +194,6 @@ EVENTS = tuple(
 )
 
 
-class _Called:
-    """What the handler did inside one middleware (isolates a failing middleware)."""
-
-    __slots__ = ("called", "error", "value")
-
-    def __init__(self) -> None:
-        self.called = False
-        self.value: Any = None
-        self.error: BaseException | None = None
-
-
 class Hooks:
     """The worker's listeners, and the dispatch that keeps a failing one from breaking work."""
 
@@ -285,43 +266,47 @@ class Hooks:
         inner: Callable[[], Any],
     ) -> Callable[[], Any]:
         def run() -> Any:
-            seen = _Called()
+            # What the handler did inside this middleware (isolates a failing middleware).
+            called = False
+            value: Any = None
+            error: BaseException | None = None
 
             def guarded() -> Any:
-                if seen.called:
+                nonlocal called, value, error
+                if called:
                     raise RuntimeError("around_handler called the handler twice")
-                seen.called = True
+                called = True
                 try:
-                    seen.value = inner()
+                    value = inner()
                 except BaseException as exc:
-                    seen.error = exc
+                    error = exc
                     raise
-                return seen.value
+                return value
 
             try:
                 wrap(ctx, guarded)
             except BaseException:
-                if seen.error is not None:
-                    raise seen.error from None  # the handler's own ending, whatever was raised
-                if seen.called:
+                if error is not None:
+                    raise error from None  # the handler's own ending, whatever was raised
+                if called:
                     self._log.exception(
                         "worker middleware %s failed after the handler returned", _owner(wrap)
                     )
-                    return seen.value
+                    return value
                 self._log.exception(
                     "worker middleware %s failed before calling the handler; running it without",
                     _owner(wrap),
                 )
                 return inner()
-            if not seen.called:
+            if not called:
                 self._log.error(
                     "worker middleware %s did not call the handler; running it without",
                     _owner(wrap),
                 )
                 return inner()
-            if seen.error is not None:
-                raise seen.error  # a middleware swallowed the handler's exception: keep it
-            return seen.value
+            if error is not None:
+                raise error  # a middleware swallowed the handler's exception: keep it
+            return value
 
         return run
 

@@ -18,7 +18,6 @@ from ..clock import Clock, SystemClock
 from ..models import ID_RE, MAX_CAPACITY
 from ._machine import MAX_RETRY_DELAY, MIN_RETRY_DELAY
 from ._redial import Backoff
-from ._time_limits import check_time_limit
 
 __all__ = ["RESERVED_SLOTS", "WorkerOptions"]
 
@@ -34,17 +33,15 @@ def _call_timeout(instance: Any, attribute: attrs.Attribute[Any], value: Any) ->
     call_timeout(value, attribute.name)
 
 
-#: Field metadata: a number of seconds that must be above zero.
-_POSITIVE = {"positive": True}
-
-
 def _seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    seconds(value, attribute.name, positive=bool(attribute.metadata.get("positive")))
+    seconds(value, attribute.name)
 
 
-def _optional_seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None:
-        seconds(value, attribute.name, positive=True)
+def _positive_seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    seconds(value, attribute.name, positive=True)
+
+
+_optional_seconds = attrs.validators.optional(_positive_seconds)
 
 
 def _queue_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -71,17 +68,13 @@ def _retry_delay(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> 
 
 
 def _clock(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and not isinstance(value, Clock):
+    if not isinstance(value, Clock):  # after the converter: None is real time
         raise TypeError("clock must be an orbit_sync.Clock (now, wait, park, unpark)")
 
 
 def _positive_int(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (type(value) is not int or value < 1):
         raise ValueError(f"{attribute.name} must be a positive int")
-
-
-def _time_limit(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    check_time_limit(value)
 
 
 def _outbox(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -125,7 +118,7 @@ class WorkerOptions:
     reconnect_backoff: Backoff = attrs.field(default=None, converter=_default_backoff_if_none)
     renew_retry_delay: float = attrs.field(default=1.0, validator=_retry_delay)
     cancellation_notifications: bool = attrs.field(default=True, converter=bool)
-    dial_timeout: float = attrs.field(default=8.0, validator=_seconds, metadata=_POSITIVE)
+    dial_timeout: float = attrs.field(default=8.0, validator=_positive_seconds)
     call_timeout: float | None = attrs.field(default=10.0, validator=_call_timeout)
     max_in_flight: int | None = attrs.field(default=None, validator=_max_in_flight)
     handle_signals: bool = True
@@ -137,7 +130,7 @@ class WorkerOptions:
     process_max_tasks_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     process_max_memory_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
-    time_limit: float | None = attrs.field(default=None, validator=_time_limit)
+    time_limit: float | None = attrs.field(default=None, validator=_optional_seconds)
     first_connect_timeout: float | None = attrs.field(default=None, validator=_optional_seconds)
 
     @property

@@ -72,6 +72,12 @@ SHUTDOWN_TIMEOUT = "SHUTDOWN_TIMEOUT"
 #: A handler ran past its time limit: FAILED once it stopped (or its process was killed);
 #: UNKNOWN when its thread still runs after the cancel grace.
 HANDLER_TIMEOUT = "HANDLER_TIMEOUT"
+#: The durable outbox could not record the launch, so the handler was not run.
+OUTBOX_UNAVAILABLE = "OUTBOX_UNAVAILABLE"
+#: A step of the worker itself failed (a bug) while the attempt was in its hands.
+WORKER_ERROR = "WORKER_ERROR"
+#: The outcome code of an attempt whose process stopped while its handler ran.
+WORKER_LOST = "WORKER_LOST"
 
 _MAX_MESSAGE = 1024
 
@@ -191,29 +197,6 @@ def _cancelled(**more: Any) -> Verdict:
     return Verdict(Outcome.CANCELLED, result, CANCELLED, **more)
 
 
-def _error_verdict(
-    error: Fail | UnknownEffect, encoder: ResultEncoder, duration: float | None
-) -> Verdict:
-    """A FAILED (``Fail``) or UNKNOWN verdict for a raised error; unsendable details are
-    dropped, not fatal."""
-    code = error.code
-    outcome, retryable = Outcome.UNKNOWN, None
-    if isinstance(error, Fail):
-        outcome, retryable = Outcome.FAILED, error.retryable
-    raw: dict[str, Any] = {"error": code}
-    if error.message:
-        raw["message"] = _short(error.message)
-    if error.details is not None:
-        raw["details"] = error.details
-    try:
-        snapshot = encoder.encode(raw)
-        return Verdict(outcome, snapshot, code, retryable, duration=duration)
-    except ResultProblem as problem:
-        # The handler chose the outcome; only its details cannot travel. Keep the outcome.
-        result = {"error": code, "result_dropped": problem.code, "message": problem.message}
-        return Verdict(outcome, result, code, retryable, duration=duration, problem=problem.message)
-
-
 def outcome_of(
     *,
     value: Any = None,
@@ -239,7 +222,23 @@ def outcome_of(
             return _failed(problem.as_result(), False, duration=duration, problem=problem.message)
         return Verdict(Outcome.SUCCEEDED, result, duration=duration)
     if isinstance(error, Fail | UnknownEffect):
-        return _error_verdict(error, encoder, duration)
+        code = error.code
+        outcome, retryable = Outcome.UNKNOWN, None
+        if isinstance(error, Fail):
+            outcome, retryable = Outcome.FAILED, error.retryable
+        raw: dict[str, Any] = {"error": code}
+        if error.message:
+            raw["message"] = _short(error.message)
+        if error.details is not None:
+            raw["details"] = error.details
+        try:
+            return Verdict(outcome, encoder.encode(raw), code, retryable, duration=duration)
+        except ResultProblem as problem:
+            # The handler chose the outcome; only its details cannot travel: they are dropped.
+            result = {"error": code, "result_dropped": problem.code, "message": problem.message}
+            return Verdict(
+                outcome, result, code, retryable, duration=duration, problem=problem.message
+            )
     if isinstance(error, TaskCancelled) and cancel_reason is not None:
         if cancel_requested:
             return _cancelled(duration=duration)
@@ -251,10 +250,6 @@ def outcome_of(
     # Only the exception's type travels: its message may quote data or credentials.
     raised = {"error": HANDLER_ERROR, "exception": type_name(error)}
     return _failed(raised, False, duration=duration)
-
-
-#: The durable outbox could not record the launch, so the handler was not run.
-OUTBOX_UNAVAILABLE = "OUTBOX_UNAVAILABLE"
 
 
 def outbox_unavailable() -> Verdict:
@@ -292,18 +287,10 @@ def timed_out() -> Verdict:
     return _unknown(HANDLER_TIMEOUT, "handler still running past its time limit")
 
 
-#: A step of the worker itself failed (a bug) while the attempt was in its hands.
-WORKER_ERROR = "WORKER_ERROR"
-
-
 def worker_error() -> Verdict:
     """The finish for an attempt whose processing hit an unexpected error in the worker: whether
     the handler's effect happened is not known, so it is ``UNKNOWN``, never dropped."""
     return _unknown(WORKER_ERROR, "the worker failed while processing the attempt")
-
-
-#: The outcome code of an attempt whose process stopped while its handler ran.
-WORKER_LOST = "WORKER_LOST"
 
 
 def worker_lost() -> Verdict:

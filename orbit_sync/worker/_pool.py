@@ -1,10 +1,5 @@
-"""A bounded pool of daemon threads that grows on demand and shrinks when idle.
-
-``concurrent.futures.ThreadPoolExecutor`` joins its (non-daemon) threads at interpreter exit, so
-one handler that ignores cancellation would keep the process alive forever. These threads are
-daemons: after a bounded shutdown the process can always exit. A thread left without work for
-*idle_timeout* seconds exits, so one burst of ``capacity`` assignments does not leave ``capacity``
-threads behind for the life of the process.
+"""A bounded pool of daemon threads that grows on demand and retires its threads when idle (why
+not ``concurrent.futures.ThreadPoolExecutor``: docs/architecture.md, the design card's table).
 """
 
 from __future__ import annotations
@@ -31,15 +26,8 @@ IDLE_TIMEOUT = 30.0
 
 def woken_without_preempting() -> None:
     """Put the calling thread under Linux's ``SCHED_BATCH`` policy (same priority; elsewhere,
-    or where it is refused, nothing changes).
-
-    For the threads the connection's reader wakes for every task (the handler threads, the
-    session's intake): a woken ``SCHED_BATCH`` thread does not preempt the thread that woke it.
-    Otherwise it does, on the same CPU, while the reader still holds the GIL inside the wake-up
-    (a lock's release keeps it): the woken thread runs only to block on the GIL, and the reader
-    resumes; two context switches for nothing, per wake-up. The woken thread now runs once the
-    reader blocks (reading the socket) or at the scheduler's next tick.
-    """
+    or where it is refused, nothing changes): the threads the connection's reader wakes then
+    do not preempt it (docs/architecture.md, "Threads and their owners", says why)."""
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is not None:
         with contextlib.suppress(OSError):

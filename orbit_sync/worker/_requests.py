@@ -1,13 +1,8 @@
-"""The one request path of the attempts' machines: every start, resume and finish an
-:class:`~._machine.AttemptMachine` decides goes out here, pipelined within the link's request
-slots, and its answer or failure comes back as an event for that machine. A failed request is
-kept by the link (until a newer connection, or its retry delay) and re-sent with its
-``message_id`` by the thread that drives the link (:meth:`RequestPath.resend_due`); nothing is
-sent from a connection's reader (:meth:`RequestPath.handoff`). A resume
-(:attr:`~._machine.Request.early`) may go out on a connection not yet published.
-
-Two drivers share it: the live :class:`~._shell.AttemptShell` and the outbox replay's
-:class:`~._replay.ReplayShell`.
+"""The one request path of the attempts' machines (the live :class:`~._shell.AttemptShell` and
+the outbox replay's :class:`~._replay.ReplayShell`): every start, resume and finish a machine
+decides goes out pipelined within the link's request slots, its answer or failure comes back as
+an event for that machine, and a failed request is kept by the link and re-sent with its
+``message_id`` by the thread that drives the link; nothing is sent from a connection's reader.
 """
 
 from __future__ import annotations

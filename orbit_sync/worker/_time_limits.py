@@ -1,23 +1,14 @@
 """Handler time limits: what a limit is (:class:`TimeLimit`), and how a handler on a thread is
-interrupted at it (:class:`Interruptible`). What happens at the limit is the attempt machine's
-(``AttemptMachine.time_limit_passed``): the context is cancelled with ``time_limit``, the
-handler interrupted; past the cancel grace, a thread still running finishes ``UNKNOWN`` and its
-slot is stuck, a child process is killed and the attempt finishes ``FAILED``.
+interrupted at it (:class:`Interruptible`); what happens at the limit is the attempt machine's
+(``AttemptMachine.time_limit_passed``).
 
 Interrupting is what Dramatiq's time limit does: ``PyThreadState_SetAsyncExc`` (CPython's C
 API, reached through ``ctypes``) marks the handler's thread, and the interpreter raises the
-exception there at the next bytecode it runs. Its limits, which no Python-level mechanism can lift:
-
-- a thread blocked in a C call (``time.sleep``, a socket read, a lock acquired without a
-  timeout, a long C extension call) sees the exception only once that call returns to Python
-  code; a sleep of an hour is interrupted after an hour;
-- a handler that catches it (``except BaseException:``) and carries on is not stopped;
-- on an interpreter without that C API the interrupt is skipped: the handler's context is still
-  cancelled.
-
-The exception is marked only while the handler runs on the thread (:meth:`Interruptible.run`),
-and a mark not yet raised when the handler returns is cleared then: it can never land in the
-worker's own code that runs on the thread next.
+exception there at the next bytecode it runs (what that cannot interrupt: the README's "Time
+limits"; on an interpreter without that C API the interrupt is skipped, the context is still
+cancelled). The exception is marked only while the handler runs on the thread
+(:meth:`Interruptible.run`), and a mark not yet raised when the handler returns is cleared then:
+it can never land in the worker's own code that runs on the thread next.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""The lease watchdog: one heap of renew times for every running attempt.
+"""The lease watchdog: one heap of renew times for every running attempt (PROTOCOL §6.3-6.6; the
+schedule, its batching and what a reconnect changes: docs/reliability.md, section 3).
 
 :class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *send* function
-that sends a batch of renewals with one socket write without waiting for them (the connection's
-pipelined path; each answer comes back through its callback): a slow answer never delays
-another attempt's renewal. :meth:`LeaseWatchdog.run_due` sends everything that is due and says
-when to come back; :class:`WatchdogThread` is the thin shell that sleeps until then.
-
-Rules (PROTOCOL §6.3-6.6):
-
-- renew each attempt at half of what remains of its local deadline, so a late wake-up (the GIL)
-  still has slack;
-- a renewal that is nearly due (within :data:`GROUP_FRACTION` of its wait, at least
-  :data:`MIN_RENEW_INTERVAL` after its last grant, while the batch holds fewer than
-  :data:`MAX_EARLY_BATCH`) goes out early with a batch that is sent anyway: attempts started
-  together stay renewed together, in one write. Under CPU-bound handlers every socket write and
-  every GIL-releasing call on the way to it can cost a whole thread switch, so the k-th of k
-  renewals written one by one would be k switches late;
-- at most one renewal per attempt is in flight; while it is, the attempt's deadline is still
-  watched (an answer that never comes cannot keep a handler running past its lease);
-- what became of each renewal (the server's lease, the error, or the deadline that passed
-  first) is a :class:`~._machine.RenewAnswer`, an event of the attempt's machine, which decides
-  what it means: :meth:`LeaseWatchdog.track` (granted), :meth:`LeaseWatchdog.retry` (same
-  ``message_id``, later) or :meth:`LeaseWatchdog.untrack`. It is in flight until then;
-- a new connection renews at once the leases whose renew the old one left unanswered, and those
-  past a quarter of their window (:meth:`LeaseWatchdog.connected`).
+that sends a batch of renewals in one socket write without waiting for them (each answer comes
+back through its callback): a slow answer never delays another attempt's renewal.
+:meth:`LeaseWatchdog.run_due` sends everything that is due and says when to come back;
+:class:`WatchdogThread` is the thin shell that sleeps until then. At most one renewal per attempt
+is in flight, its deadline watched meanwhile, until the attempt's machine has decided what its
+:class:`~._machine.RenewAnswer` means (:meth:`~LeaseWatchdog.track`,
+:meth:`~LeaseWatchdog.retry` or :meth:`~LeaseWatchdog.untrack`).
 
 Every field of an entry is read and written under the watchdog's lock, whichever thread (the
 watchdog's, the connection's, or the reader completing a renewal) does it.
@@ -167,17 +152,10 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float) -> bool:
-        """A resume's lease says *attempt_id*'s lease ends at *deadline* (local clock).
-
-        A resume grants no time, so it never puts a scheduled renewal off: counted from the
-        resume, "half of what remains" comes later at every reconnect, and a link that cuts every
-        few hundred milliseconds would push the renewal, reconnect after reconnect, into the last
-        moments of the lease, where the next cut loses it. Nor does it bring the deadline
-        forward: a renewal sent right behind the resume may be answered first (its answer is
-        handled on the reader, the resume's on the connection thread), and the resume then
-        carries the older lease. Every deadline is counted from before its own request was sent
-        and the server only extends an active lease, so each is a safe bound: the later stands.
-        True when *deadline* stands now.
+        """A resume's lease says *attempt_id*'s lease ends at *deadline* (local clock); True when
+        that deadline stands now. A resume grants no time, so it never puts a scheduled renewal
+        off, nor brings the deadline forward (a renewal sent behind it may be answered first):
+        the later deadline stands.
         """
         with self._lock:
             entry = self._entries.get(attempt_id)
@@ -192,16 +170,9 @@ class LeaseWatchdog:
 
     def connected(self) -> None:
         """A new connection was published, right behind its resumes: renew on it now every
-        lease that has run :data:`RECONNECT_FRACTION` of the window its last grant gave. That
-        takes in every renew the old connection left unanswered (a renewal is never sent
-        sooner), re-sent with its ``message_id``.
-
-        A connection was just lost, and when the renewal falls due the link may be down again,
-        with the next connection too late for the deadline; renewing while a connection is there
-        gives the lease a full window again. These renewals do not wait for the resumes'
-        answers: the server handles a connection's frames in order, so each attempt's resume is
-        applied before its renewal, and a lease the resume finds lost answers the renewal
-        ``LEASE_LOST`` too (the answer says it went out behind the resumes).
+        lease that has run :data:`RECONNECT_FRACTION` of the window its last grant gave (every
+        renew the old connection left unanswered among them, re-sent with its ``message_id``),
+        without waiting for the resumes' answers (the answer says it went out behind them).
         """
         now = self.clock()
         wake = False
@@ -433,7 +404,6 @@ class WatchdogThread:
         self,
         core: LeaseWatchdog,
         *,
-        name: str = "orbit-lease-watchdog",
         wake: Wakeup | threading.Event | None = None,
         timers: Timers | None = None,
     ) -> None:
@@ -442,7 +412,7 @@ class WatchdogThread:
         # The worker passes one that waits on its own clock (fake time in tests).
         self._wake: Wakeup | threading.Event = wake or threading.Event()
         self._stopping = False
-        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread = threading.Thread(target=self._main, name="orbit-lease-watchdog", daemon=True)
 
     def start(self) -> None:
         """Start the thread."""

@@ -1,18 +1,10 @@
 """The capacity the worker reports, windowed so that its connection's assignment queue never
-overflows (PROTOCOL §5.6, §10; docs/architecture.md says why and what it costs).
-
-The reader of a connection queues at most :data:`~orbit_sync.connection.ASSIGNMENT_BUFFER` (8)
-unread assignments, and decodes a burst faster than the intake wakes. So the worker reports at
-most the handlers it is *running* (started, finish not yet sent) plus 8, never more than its
-capacity: the server counts every running attempt as held, so at most 8 are ever unread. A
-finish that would leave more than 8 free goes out right behind a lowered report, in the same
-write (:meth:`CapacityWindow.lowering`); a starting handler asks the connection thread for a
-raise (:meth:`CapacityWindow.take`). Hysteresis keeps reports rare: a new report leaves
-:data:`SETTLE_AT` free, the next comes once fewer than :data:`RAISE_BELOW` or more than 8 are.
-
-Every report goes out pipelined (:meth:`CapacityWindow.pipelined`) under
-:attr:`CapacityWindow.lock`, held across its write, so reports reach the wire in sequence order
-from whichever thread sends them.
+overflows (PROTOCOL §5.6, §10; docs/architecture.md, "Why the queue never overflows", says how
+and what it costs): at most the handlers it is running plus
+:data:`~orbit_sync.connection.ASSIGNMENT_BUFFER`, never more than its capacity. A new report
+leaves :data:`SETTLE_AT` free; the next comes once fewer than :data:`RAISE_BELOW` or more than 8
+are. Every report goes out pipelined under :attr:`CapacityWindow.lock`, held across its write,
+so reports reach the wire in sequence order from whichever thread sends them.
 """
 
 from __future__ import annotations
