@@ -19,18 +19,12 @@ import cattrs
 from .._seconds import seconds
 from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
-from ..models import (
-    Outcome,
-    Registration,
-)
+from ..models import Outcome, Registration
 from ._admission import Admission
 from ._clock import Wakeup
 from ._handlers import Handlers
 from ._link import Dialer, Link
-from ._listeners import (
-    DrainEvent,
-    Hooks,
-)
+from ._listeners import DrainEvent, Hooks
 from ._options import WorkerOptions
 from ._outbox import Outbox
 from ._pool import DaemonPool
@@ -39,7 +33,7 @@ from ._replay import replay_until_done
 from ._report import ShutdownReport, WorkerStats
 from ._session_loop import Dial, SessionLoop
 from ._shell import AttemptShell, Handler, LinkControls, Registry, Renewals, WorkerThreads
-from ._shutdown import AttemptPhases, Shutdown
+from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
@@ -64,60 +58,46 @@ class Worker:
 
         worker.run()   # blocks; SIGTERM/SIGINT drain, a second signal stops at once
 
-    *queue_id* left out is read from ``$ORBIT_QUEUE_ID`` (as :meth:`Client.from_env` reads the
-    server and the token; a missing or malformed value raises
-    :class:`~orbit_sync.client.SettingError` naming it, so ``Worker(Client.from_env())`` is
-    configured by the environment alone).
-    *capacity* (1-256) is the number of handlers run at once and the capacity reported to the
-    server. On stop, running handlers get *drain_timeout* seconds to return (their leases are
-    renewed meanwhile); then their contexts are cancelled (``shutdown``) and they get
-    *cancel_grace* more; handlers still running are finished ``UNKNOWN`` with
-    ``SHUTDOWN_TIMEOUT``; finishes still waiting for a connection get *flush_timeout*. Keep
-    *cancel_grace* under half the lease window: cancelled attempts are no longer renewed.
+    The keywords are checked, all of them, as a :class:`~orbit_sync.worker.WorkerOptions` before
+    anything else happens (a wrong one raises ``TypeError`` or ``ValueError`` naming it);
+    :attr:`options` returns them, and :meth:`from_options` builds a Worker from such an object.
 
-    Connection: reconnects wait per *reconnect_backoff* (exponential, jittered, bounded), for
-    ever by default; a worker that has not reached its server since it started says so at
-    ``ERROR`` from the first failed dial, and with *first_connect_timeout* (seconds) it stops
-    when no session was established that long after :meth:`start`: :meth:`run` raises
-    :class:`~orbit_sync.errors.ServerUnreachable`. A server once reached is retried for ever.
-    *dial_timeout* and *call_timeout* bound one dial and one request (after which the request is
-    re-sent with its ``message_id`` on the next connection); *max_in_flight* (3-32, default 32)
-    bounds the requests outstanding at once, of which a quarter (2 to 8) are kept for renewals
-    and capacity reports;
-    *renew_retry_delay* (0.1-5 s) spaces retries of a failed renewal. *cancellation_notifications*
-    asks the server for ``task.cancel`` pushes. *handle_signals* lets :meth:`run` on the main
-    thread handle SIGTERM/SIGINT. Logs go to *logger* (default ``orbit_sync.worker``);
-    ``ctx.logger`` logs under ``orbit_sync.task.<handler>``.
-
-    Handlers registered with ``executor="process"`` run in child processes (spawned lazily, at
-    most *process_pool* of them, default one per CPU), so CPU-bound work neither holds the GIL
-    against lease renewals nor shares the process with the connection: see
-    ``docs/process-executor.md``. A child is replaced between attempts after
-    *process_max_tasks_per_child* attempts, or when its RSS exceeds
-    *process_max_memory_per_child* MB after one.
-
-    With *outbox* (a file path), launches and finishes are committed to a durable SQLite
-    outbox, so a process killed with ``kill -9`` loses no result: the next worker started with
-    the same path delivers what it left (see ``docs/outbox.md``).
-
-    Results are encoded by *result_converter* (a cattrs converter; default
-    :func:`~orbit_sync.worker.result_converter`, which knows datetimes, ``Decimal``, ``UUID``,
-    enums, attrs classes and dataclasses) when the handler returns. *listeners*
-    (:class:`~orbit_sync.worker.WorkerListener`) observe attempts, leases and sessions; see also
-    :meth:`add_listener`.
-
-    *time_limit* (seconds, default ``None``: none) bounds how long each handler may run, unless
-    it is registered with a ``time_limit`` of its own (see :meth:`handler`).
-
-    *clock* (an :class:`orbit_sync.Clock`, the kind of object ``dial_worker`` takes) is the
-    worker's time: lease deadlines, renewals, heartbeats, retry delays, the shutdown phases and
-    idle handler threads run on it. Tests pass the mock server's
-    :class:`~orbit_sync.testing.ManualClock` to let those windows pass without sleeping.
-
-    The keyword arguments are checked, all of them, as a
-    :class:`~orbit_sync.worker.WorkerOptions` before anything else happens (a wrong one raises
-    ``TypeError`` or ``ValueError`` naming it); :attr:`options` returns them, and
-    :meth:`from_options` builds a Worker from such an object.
+    - *queue_id*: the queue served; left out, ``$ORBIT_QUEUE_ID`` (a missing or malformed value
+      raises :class:`~orbit_sync.client.SettingError` naming it).
+    - *capacity* (1-256): the handlers run at once, and the capacity reported to the server.
+    - *drain_timeout*: on stop, the seconds running handlers get to return, leases renewed.
+    - *cancel_grace*: then their contexts are cancelled (``shutdown``) and they get this much
+      more before they finish ``UNKNOWN`` ``SHUTDOWN_TIMEOUT``; keep it under half the lease
+      window, since cancelled attempts are no longer renewed (README, "Shutdown").
+    - *flush_timeout*: then the seconds finishes still waiting for a connection get.
+    - *reconnect_backoff*: the wait before each reconnect (exponential, jittered, bounded); a
+      server is retried for ever, and one not reached since the start is logged at ``ERROR``.
+    - *first_connect_timeout*: stop when no session was established that many seconds after
+      :meth:`start` (:meth:`run` raises :class:`~orbit_sync.errors.ServerUnreachable`).
+    - *dial_timeout*, *call_timeout*: bound one dial and one request (a request past it is
+      re-sent with its ``message_id`` on the next connection).
+    - *max_in_flight* (3-32, default 32): the requests outstanding at once, of which a quarter
+      (2 to 8) are kept for renewals and capacity reports.
+    - *renew_retry_delay* (0.1-5 s): the spacing of retries of a failed renewal.
+    - *cancellation_notifications*: ask the server for ``task.cancel`` pushes.
+    - *handle_signals*: :meth:`run` on the main thread handles SIGTERM/SIGINT.
+    - *logger*: the worker's logs (default ``orbit_sync.worker``; ``ctx.logger`` logs under
+      ``orbit_sync.task.<handler>``).
+    - *result_converter*: the cattrs converter that encodes results as the handler returns
+      (default :func:`~orbit_sync.worker.result_converter`; ``docs/results.md``).
+    - *listeners*: :class:`~orbit_sync.worker.WorkerListener` objects that observe attempts,
+      leases and sessions (see also :meth:`add_listener`).
+    - *clock*: the worker's time (an :class:`orbit_sync.Clock`): lease deadlines, renewals,
+      heartbeats, retry delays, the shutdown phases and idle handler threads; tests pass the mock
+      server's :class:`~orbit_sync.testing.ManualClock` to let them pass without sleeping.
+    - *process_pool*, *process_max_tasks_per_child*, *process_max_memory_per_child*: the child
+      processes of ``executor="process"`` handlers: at most *process_pool* (default one per
+      CPU), each replaced after that many attempts or past that RSS in MB after one
+      (``docs/process-executor.md``).
+    - *outbox*: a file path; launches and finishes are committed to a durable SQLite outbox, and
+      a worker started with the same path delivers what a killed one left (``docs/outbox.md``).
+    - *time_limit*: the seconds each handler may run (default ``None``: no limit), unless it is
+      registered with a ``time_limit`` of its own (see :meth:`handler`).
     """
 
     def __init__(
@@ -147,34 +127,12 @@ class Worker:
         time_limit: float | None = None,
         first_connect_timeout: float | None = None,
     ) -> None:
-        self._build(
-            client,
-            WorkerOptions(
-                # Resolved once: options and with_options() then name the queue this worker serves.
-                queue_id=queue_id_from_env() if queue_id is None else queue_id,
-                capacity=capacity,
-                drain_timeout=drain_timeout,
-                cancel_grace=cancel_grace,
-                flush_timeout=flush_timeout,
-                reconnect_backoff=reconnect_backoff,
-                renew_retry_delay=renew_retry_delay,
-                cancellation_notifications=cancellation_notifications,
-                dial_timeout=dial_timeout,
-                call_timeout=call_timeout,
-                max_in_flight=max_in_flight,
-                handle_signals=handle_signals,
-                logger=logger,
-                result_converter=result_converter,
-                listeners=listeners,
-                clock=clock,
-                process_pool=process_pool,
-                process_max_tasks_per_child=process_max_tasks_per_child,
-                process_max_memory_per_child=process_max_memory_per_child,
-                outbox=outbox,
-                time_limit=time_limit,
-                first_connect_timeout=first_connect_timeout,
-            ),
-        )
+        # Every keyword but the client is a WorkerOptions field of the same name.
+        options = dict(locals())
+        del options["self"], options["client"]
+        # Resolved once: options and with_options() then name the queue this worker serves.
+        options["queue_id"] = queue_id_from_env() if queue_id is None else queue_id
+        self._build(client, WorkerOptions(**options))
 
     @classmethod
     def from_options(cls, client: Dialer, options: WorkerOptions) -> Worker:
@@ -259,13 +217,12 @@ class Worker:
         )
         self._shutdown = Shutdown(
             self._reg,
-            AttemptPhases(
-                self._reg, clock, self._shell, assignments_over=self._sessions.assignments_over
-            ),
             opts,
+            shell=self._shell,
             controls=self._controls,
             threads=self._threads,
             handlers=self._registered,
+            assignments_over=self._sessions.assignments_over,
             stopped=self._stopped,
         )
 
@@ -432,7 +389,7 @@ class Worker:
                 with self._cond:
                     self._started = False  # nothing ran: a later start() may try again
                 raise
-            self._shell.outbox = self._shutdown.outbox = self._outbox
+            self._shell.outbox = self._outbox
             if self._registered.processes is not None:
                 self._registered.processes.guard(
                     self._outbox.lock_path, self._registered.instance_id

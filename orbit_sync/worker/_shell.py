@@ -1,11 +1,7 @@
 """The attempts' threaded shell: performs what each attempt's state machine (:mod:`._machine`)
 decides, on whichever thread the event arrives (docs/architecture.md follows one attempt across
-them). Requests take the one request path (:mod:`._requests`); no thread waits for an answer.
-
-Each attempt's machine is read and changed only under the attempt's lock, and its lease and
-context actions are performed under it too (shutdown's abandon step must never see a lease
-tracked after its untrack); everything else after it is released. An outbox write or a listener
-(user code) never runs on a connection's reader thread: those actions go to a pool thread.
+them; :meth:`AttemptShell.lease_actions` and :meth:`AttemptShell.perform` say what runs where).
+Requests take the one request path (:mod:`._requests`); no thread waits for an answer.
 """
 
 from __future__ import annotations
@@ -24,13 +20,7 @@ from .._protocol import Done
 from ..client import DialCut
 from ..connection import Submission, pipeline_of
 from ..errors import OrbitError, WorkerError
-from ..models import (
-    Assignment,
-    AttemptRef,
-    Disposition,
-    Finish,
-    Outcome,
-)
+from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
 from ._clock import Wakeup
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
@@ -207,34 +197,9 @@ class WorkerThreads:
         return threading.current_thread() in self.started or self.pool.owns_current_thread()
 
 
-def _writes(actions: list[Action]) -> bool:
-    """Do *actions* write the outbox or call listeners (never on a connection's reader)?"""
-    return any(isinstance(a, RecordFinish | Reported | LeaseLost) for a in actions)
-
-
-def _abandoned(att: Attempt) -> bool:
-    with att.lock:
-        return att.machine.abandoned
-
-
 def attempt_event(att: Attempt) -> AttemptEvent:
     task = att.task
     return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
-
-
-def _finished(att: Attempt, verdict: Verdict, delivered: bool) -> AttemptFinished:
-    task = att.task
-    return AttemptFinished(
-        task_id=task.task_id,
-        attempt_id=att.id,
-        handler=task.handler,
-        attempt=task.attempt,
-        outcome=verdict.outcome,
-        error_code=verdict.error_code,
-        duration=verdict.duration,
-        ran=verdict.ran,
-        delivered=delivered,
-    )
 
 
 def lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
@@ -274,7 +239,7 @@ class AttemptShell(RequestPath[Attempt]):
             if options.result_converter is None
             else ResultEncoder(options.result_converter)
         )
-        #: The durable outbox, once start() opened it.
+        #: The durable outbox, once start() opened it (the shutdown closes it last).
         self.outbox: Outbox | None = None
         #: The resumes of the newest connection (the connection thread waits for them).
         self.resumes: Resumes[Attempt] = Resumes(self._wake)
@@ -332,14 +297,22 @@ class AttemptShell(RequestPath[Attempt]):
         perform everything themselves: the shutdown thread must not wait for a pool whose threads
         may all be held by handlers that ignore cancellation; for the same reason, an abandoned
         attempt's last actions (at shutdown only) run where its answer arrives."""
-        if (
-            self._slow
-            and _writes(actions)
+        offload = (
+            (self.outbox is not None or bool(self._hooks))
+            and any(isinstance(a, RecordFinish | Reported | LeaseLost) for a in actions)
             and not self._threads.owns_current()
-            and not _abandoned(att)
-        ):
-            self._offload(partial(self._perform_now, att, actions))
-            return
+        )
+        if offload:
+            with att.lock:
+                offload = not att.machine.abandoned
+        if offload:
+            try:
+                self._threads.pool.submit(partial(self._perform_now, att, actions))
+                return
+            except RuntimeError:
+                # The pool is shut down: a late answer at the very end of shutdown, when the
+                # link is closed and nothing is written any more.
+                pass
         self._perform_now(att, actions)
 
     def _perform_now(self, att: Attempt, actions: list[Action]) -> None:
@@ -355,7 +328,8 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, Reported):
                 self._reported(att, action)
             elif isinstance(action, NotStarted):
-                self._not_started(att, action)
+                level = logging.INFO if action.error is None else logging.WARNING
+                worker_log(att.ctx).log(level, "%s", action.why)
             elif isinstance(action, LeaseLost):
                 self._lease_lost(att, action)
             elif isinstance(action, LeaseRenewed):
@@ -364,7 +338,10 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, RenewAfter):
                 self._threads.watchdog.core.retry(att.id, action.delay, action.error)
             elif isinstance(action, ResumeEnded):
-                self._resume_ended(att, action)
+                if action.refused is not None:
+                    code = getattr(action.refused, "code", type(action.refused).__name__)
+                    self._log.warning("resume of attempt %s refused (%s)", att.id, code)
+                self.resumes.ended(action.request, cut=action.cut)
             elif isinstance(action, Release):
                 self.settle(att)
             elif isinstance(action, InterruptHandler):
@@ -375,19 +352,6 @@ class AttemptShell(RequestPath[Attempt]):
                 self._unstuck(att)
             elif not self.perform_request(att, action):
                 raise AssertionError(f"unexpected attempt action {action!r}")
-
-    @property
-    def _slow(self) -> bool:
-        """Are there outbox writes or listeners (kept off the connection's reader thread)?"""
-        return self.outbox is not None or bool(self._hooks)
-
-    def _offload(self, job: Callable[[], None]) -> None:
-        """Run *job* on a pool thread; once the pool is shut down (a late answer at the very end
-        of shutdown, when the link is closed and nothing is written any more), here."""
-        try:
-            self._threads.pool.submit(job)
-        except RuntimeError:
-            job()
 
     def write(self, att: Attempt, request: Request, conn: Connection, on_done: Done) -> None:
         """A finish frees the attempt's place in the capacity window; when that leaves the
@@ -464,10 +428,9 @@ class AttemptShell(RequestPath[Attempt]):
             self.crashed(att)
             self.notify()
             return
-        if verdict is None:
-            self.step(att, lambda m: m.launch_refused())
-            return
-        self.step(att, lambda m: m.handler_returned(verdict))
+        self.step(
+            att, lambda m: m.launch_refused() if verdict is None else m.handler_returned(verdict)
+        )
 
     def execute(self, att: Attempt) -> Verdict:
         ctx = att.ctx
@@ -577,11 +540,19 @@ class AttemptShell(RequestPath[Attempt]):
                 "; kept in the outbox for the next start" if self.outbox else "",
             )
         if self._hooks:
-            self._hooks.emit("attempt_finished", _finished(att, verdict, reported.delivered))
-
-    def _not_started(self, att: Attempt, not_started: NotStarted) -> None:
-        level = logging.INFO if not_started.error is None else logging.WARNING
-        worker_log(att.ctx).log(level, "%s", not_started.why)
+            task = att.task
+            finished = AttemptFinished(
+                task_id=task.task_id,
+                attempt_id=att.id,
+                handler=task.handler,
+                attempt=task.attempt,
+                outcome=verdict.outcome,
+                error_code=verdict.error_code,
+                duration=verdict.duration,
+                ran=verdict.ran,
+                delivered=reported.delivered,
+            )
+            self._hooks.emit("attempt_finished", finished)
 
     # ------------------------------------------------------------------ time limits
 
@@ -699,12 +670,6 @@ class AttemptShell(RequestPath[Attempt]):
             remaining=ctx.remaining(),
             cancelled=ctx.cancelled.is_set(),
         )
-
-    def _resume_ended(self, att: Attempt, ended: ResumeEnded) -> None:
-        if ended.refused is not None:
-            code = getattr(ended.refused, "code", type(ended.refused).__name__)
-            self._log.warning("resume of attempt %s refused (%s)", att.id, code)
-        self.resumes.ended(ended.request, cut=ended.cut)
 
     def _lease_lost(self, att: Attempt, lost: LeaseLost) -> None:
         """The lease is gone: count it, say so, tell the listeners."""

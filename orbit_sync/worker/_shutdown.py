@@ -1,11 +1,11 @@
 """The ``orbit-worker-shutdown`` thread: wait for a stop request, then shut down in bounded
 phases and report (the bounds: docs/architecture.md).
 
-The phases drain, cancel, abandon and flush act on the attempts (:class:`AttemptPhases`, on the
-worker's clock); each ends at its deadline or once what it waits for has happened. The close
-(:class:`Shutdown`) then closes the link and stops the worker's threads, in real time. An alarm
-thread (``orbit-worker-shutdown-alarm``) ends every phase at once past their bound in real time
-(:func:`real_time_bound`): a clock nobody moves must not keep a process from exiting.
+The phases drain, cancel, abandon and flush act on the attempts, on the worker's clock; each ends
+at its deadline or once what it waits for has happened. The close then closes the link and stops
+the worker's threads, in real time. An alarm thread (``orbit-worker-shutdown-alarm``) ends every
+phase at once past their bound in real time (:meth:`Shutdown.bound`): a clock nobody moves must
+not keep a process from exiting.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ from ..clock import Clock, SystemClock
 from ._handlers import Handlers
 from ._machine import Phase
 from ._options import WorkerOptions
-from ._outbox import Outbox
 from ._report import AttemptInfo, ShutdownReport
 from ._shell import Attempt, AttemptShell, LinkControls, Registry, WorkerThreads
 
-__all__ = ["CLOSE_ALLOWANCE", "AttemptPhases", "Shutdown", "real_time_bound"]
+__all__ = ["CLOSE_ALLOWANCE", "Shutdown"]
 
 #: After the last shutdown phase: how long (real seconds) the worker's own threads get to exit
 #: once everything they wait on was closed (they end on those events, in milliseconds; this only
@@ -33,32 +32,42 @@ CLOSE_ALLOWANCE = 0.5
 REAL_TIME: Clock = SystemClock()
 
 
-def real_time_bound(window: float, cancel_grace: float, flush_timeout: float) -> float:
-    """The real seconds the phases of a shutdown may take: their budget on the worker's clock
-    (a drain *window*, *cancel_grace*, *flush_timeout*), plus the close allowance as slack for
-    their own work, so that on a real clock the bound never cuts a phase short."""
-    return window + cancel_grace + flush_timeout + CLOSE_ALLOWANCE
-
-
-class AttemptPhases:
-    """The phases of shutdown that act on the attempts (see the module's docstring)."""
+class Shutdown:
+    """The shutdown thread's work for one Worker (see the module's docstring)."""
 
     def __init__(
         self,
         registry: Registry,
-        time: Clock,
-        shell: AttemptShell,
+        options: WorkerOptions,
         *,
+        shell: AttemptShell,
+        controls: LinkControls,
+        threads: WorkerThreads,
+        handlers: Handlers,
         assignments_over: Callable[[], bool],
+        stopped: Callable[[ShutdownReport], None],
     ) -> None:
         self._reg = registry
-        self._time = time
+        self._options = options
+        self._time = options.clock
         self._shell = shell
+        self._controls = controls
+        self._threads = threads
+        #: Their child processes are closed with the worker's threads.
+        self._handlers = handlers
         #: True once the server will assign nothing more (read under the registry's
         #: condition, which is notified when it becomes true).
         self._assignments_over = assignments_over
+        #: Publishes the report and tells the listeners.
+        self._stopped = stopped
         #: Set by overdue(): the phases overran their real-time bound (under the condition).
         self._overdue = False
+
+    def bound(self, window: float) -> float:
+        """The real seconds the phases of a shutdown may take: their budget on the worker's clock
+        (a drain *window*, ``cancel_grace``, ``flush_timeout``), plus the close allowance as slack
+        for their own work, so that on a real clock the bound never cuts a phase short."""
+        return window + self._options.cancel_grace + self._options.flush_timeout + CLOSE_ALLOWANCE
 
     def overdue(self) -> None:
         """The phases overran their real-time bound (the worker's clock did not reach their
@@ -66,11 +75,6 @@ class AttemptPhases:
         with self._reg.cond:
             self._overdue = True
             self._reg.cond.notify_all()
-
-    @property
-    def overran(self) -> bool:
-        with self._reg.cond:
-            return self._overdue
 
     def wait_until(
         self, done: Callable[[], bool], deadline: float, *, real_time: bool = False
@@ -144,33 +148,6 @@ class AttemptPhases:
         # Under the registry's condition (a wait_until predicate); attempt locks come after it.
         return any(a.phase() is Phase.RUNNING for a in self._reg.attempts.values())
 
-
-class Shutdown:
-    """The shutdown thread's work for one Worker (see the module's docstring)."""
-
-    def __init__(
-        self,
-        registry: Registry,
-        phases: AttemptPhases,
-        options: WorkerOptions,
-        *,
-        controls: LinkControls,
-        threads: WorkerThreads,
-        handlers: Handlers,
-        stopped: Callable[[ShutdownReport], None],
-    ) -> None:
-        self._reg = registry
-        self._phases = phases
-        self._options = options
-        self._controls = controls
-        self._threads = threads
-        #: Their child processes are closed with the worker's threads.
-        self._handlers = handlers
-        #: Publishes the report and tells the listeners.
-        self._stopped = stopped
-        #: Set by Worker.start when the worker has an outbox; closed last.
-        self.outbox: Outbox | None = None
-
     def await_report(
         self,
         window: float,
@@ -181,12 +158,9 @@ class Shutdown:
         time at most the shutdown's bound (a drain of *window* seconds) plus the close
         allowance; then the phases are cut short (the alarm may not have fired yet: this stop
         shortened the drain), and past two more allowances the shutdown is :meth:`stuck`."""
-        bound = (
-            real_time_bound(window, self._options.cancel_grace, self._options.flush_timeout)
-            + CLOSE_ALLOWANCE
-        )
+        bound = self.bound(window) + CLOSE_ALLOWANCE
         if not done.wait(bound):
-            self._phases.overdue()
+            self.overdue()
             if not done.wait(2 * CLOSE_ALLOWANCE):
                 return self.stuck(published(), bound + 2 * CLOSE_ALLOWANCE)
         report = published()
@@ -247,17 +221,10 @@ class Shutdown:
         self._stopped(report)
 
     def _shutdown(self) -> ShutdownReport:
-        # A plan over the clock (see ._shutdown): at most drain + cancel_grace + flush_timeout,
-        # plus the close allowance; the alarm bounds the same plan in real time.
-        phases = self._phases
         with self._reg.cond:
-            window = max(0.0, self._reg.drain_deadline - self._options.clock.now())
-        bound = real_time_bound(
-            window,
-            self._options.cancel_grace,
-            self._options.flush_timeout,
-        )
-        alarm = threading.Timer(bound, phases.overdue)
+            window = max(0.0, self._reg.drain_deadline - self._time.now())
+        bound = self.bound(window)
+        alarm = threading.Timer(bound, self.overdue)
         alarm.name = "orbit-worker-shutdown-alarm"
         alarm.daemon = True
         alarm.start()
@@ -266,7 +233,7 @@ class Shutdown:
             #    assigns nothing more. What it assigned before reaches us ahead of that
             #    report's answer and runs here too (nothing hands it back, and its claim spent
             #    an attempt): the drain waits for the answer, then for every attempt.
-            drained = phases.drain()
+            drained = self.drain()
             if not drained:
                 with self._reg.cond:
                     held = [a.info for a in self._reg.attempts.values()]
@@ -276,17 +243,17 @@ class Shutdown:
                     _named(held),
                 )
             # 2. Cancel what is still running, and give it a grace period to return.
-            cancelled = phases.cancel(self._options.cancel_grace)
+            cancelled = self.cancel(self._options.cancel_grace)
             # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
-            gave_up = phases.abandon()
+            gave_up = self.abandon()
             # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
-            phases.settled(self._options.clock.now() + self._options.flush_timeout)
+            self.settled(self._time.now() + self._options.flush_timeout)
         finally:
             alarm.cancel()
             alarm.join()  # at once: cancelled, or done firing
-        if phases.overran:
-            with self._reg.cond:
-                left = len(self._reg.attempts)
+        with self._reg.cond:
+            overran, left = self._overdue, len(self._reg.attempts)
+        if overran:
             self._options.logger.error(
                 "worker shutdown overran its bound of %.1fs in real time (the worker's clock "
                 "did not reach its deadlines): closing now with %d attempt(s) unsettled; what is "
@@ -319,7 +286,7 @@ class Shutdown:
         controls.wake.set()
         if current is not None:
             current[0].close()
-        self._phases.settled(close_end, real_time=True)
+        self.settled(close_end, real_time=True)
         threads.watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
         with self._reg.cond:  # handlers finished UNKNOWN that still run: not waited for
             stuck = len(self._reg.stuck)
@@ -329,8 +296,8 @@ class Shutdown:
         for thread in threads.started:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, close_end - REAL_TIME.now()))
-        if self.outbox is not None:
-            self.outbox.close()  # after the replay thread: it writes to the file
+        if self._shell.outbox is not None:
+            self._shell.outbox.close()  # after the replay thread: it writes to the file
 
 
 def _named(infos: Iterable[AttemptInfo]) -> str:
