@@ -1,21 +1,14 @@
 """One attempt's life on the worker as a pure state machine: no sockets, no threads, no clock
 of its own (time comes in as arguments).
 
-The Worker's threaded shell feeds it whatever happens to the attempt and performs the actions
-it returns, in order: nothing else decides what an attempt does. The shell holds the attempt's
-lock around every call, and performs the actions after releasing it (they send requests, write
-the outbox and call listeners: never under a lock). Every decision goes through one table,
+Each event of the attempt is a method of :class:`AttemptMachine`, which returns the actions the
+shell performs, in order, outside the attempt's lock. Every decision goes through one table,
 :data:`TABLE`, ``(trigger, phase) -> (phase, actions)`` as h11 keeps its state machine; every
-other pair is a declared refusal (:data:`REFUSED`); unit tests walk every pair. The events and
-the phases as diagrams: docs/architecture.md, "One attempt".
-
-One module: the machine, the requests it keeps and the actions it returns are one idea, and
-every transition reads the same few fields; split by phase, a reconnect's rules (which touch
-every phase) would live in several files.
+other pair is a declared refusal (:data:`REFUSED`). The phases and events as diagrams:
+docs/architecture.md, "One attempt". One module, because a reconnect's rules touch every phase.
 
 A request (start, resume or finish) keeps its ``message_id`` for as long as it lives, so every
-re-send is the same operation to the server (PROTOCOL §7). The retry/fatal classification is
-:mod:`._errors`'s, shared with the outbox replay.
+re-send is the same operation to the server (PROTOCOL §7).
 """
 
 from __future__ import annotations
@@ -51,10 +44,10 @@ from ._time_limits import TimeLimit
 
 __all__ = [
     "BUSY_DELAY",
-    "HELD",
     "REFUSED",
     "SETTLED",
     "TABLE",
+    "Action",
     "AttemptMachine",
     "AwaitConnection",
     "BreakConnection",
@@ -130,9 +123,8 @@ class Request:
 
 @attrs.frozen
 class LeaseView:
-    """What the shell knows of an attempt's lease when a live resume's outcome arrives: the
-    clock's time, the seconds left before the local deadline, and whether the handler's context
-    is already cancelled."""
+    """The lease as the shell knows it when a live resume's outcome arrives: the clock's time,
+    the seconds left before the local deadline, whether the handler's context is cancelled."""
 
     now: float
     remaining: float
@@ -141,10 +133,10 @@ class LeaseView:
 
 @attrs.frozen
 class RenewAnswer:
-    """What became of a renewal of the running handler's lease, as the lease watchdog reports
-    it: the server's *lease*, or the *error* it failed with, or neither (the local deadline
-    passed first). *behind_resume*: it went out right behind a new connection's resumes, so a
-    loss answering it is the resume's. *lag*: how late the watchdog sent it."""
+    """What became of a renewal, as the lease watchdog reports it: the server's *lease*, or the
+    *error* it failed with, or neither (the local deadline passed first). *behind_resume*: it
+    went out right behind a new connection's resumes, so a loss answering it is the resume's.
+    *lag*: how late the watchdog sent it."""
 
     lease: Lease | None = None
     error: BaseException | None = None
@@ -156,21 +148,26 @@ class RenewAnswer:
 
 
 @attrs.frozen
-class Send:
+class Action:
+    """Something the shell is to do for the attempt; the table names each by its class."""
+
+
+@attrs.frozen
+class Send(Action):
     """Send *request* on the current connection (pipelined; its answer comes back as an event)."""
 
     request: Request
 
 
 @attrs.frozen
-class BreakConnection:
+class BreakConnection(Action):
     """Close connection *gen*, so the session reconnects at once (0: there was none)."""
 
     gen: int
 
 
 @attrs.frozen
-class AwaitConnection:
+class AwaitConnection(Action):
     """Keep *request*; send it again on the first connection newer than *gen*."""
 
     gen: int
@@ -178,7 +175,7 @@ class AwaitConnection:
 
 
 @attrs.frozen
-class RetryAfter:
+class RetryAfter(Action):
     """Send *request* again after *delay* seconds (a transient error answer)."""
 
     delay: float
@@ -187,33 +184,33 @@ class RetryAfter:
 
 
 @attrs.frozen
-class TrackLease:
+class TrackLease(Action):
     """Renew the lease (just granted, until *deadline*) from now on."""
 
     deadline: float
 
 
 @attrs.frozen
-class RefreshLease:
+class RefreshLease(Action):
     """The lease survived a reconnect: watch *deadline*."""
 
     deadline: float
 
 
 @attrs.frozen
-class UntrackLease:
+class UntrackLease(Action):
     """Stop renewing the lease."""
 
 
 @attrs.frozen
-class CancelContext:
+class CancelContext(Action):
     """Cancel the handler's context with *reason*."""
 
     reason: str
 
 
 @attrs.frozen
-class LeaseLost:
+class LeaseLost(Action):
     """The lease is gone (*detail*: the server's error code): count it, say so, tell the
     listeners. *resume*: a reconnect's resume found it lost (else a renewal or the deadline)."""
 
@@ -223,14 +220,14 @@ class LeaseLost:
 
 
 @attrs.frozen
-class LeaseRenewed:
+class LeaseRenewed(Action):
     """Tell the listeners that a renewal was granted (*lag*: how late it went out)."""
 
     lag: float
 
 
 @attrs.frozen
-class RenewAfter:
+class RenewAfter(Action):
     """Send the unanswered renewal again, same ``message_id``, after *delay* seconds (or at the
     deadline, if sooner)."""
 
@@ -239,7 +236,7 @@ class RenewAfter:
 
 
 @attrs.frozen
-class InterruptHandler:
+class InterruptHandler(Action):
     """Raise ``TimeLimitExceeded`` in the handler's thread; step
     :meth:`AttemptMachine.time_limit_grace_passed` *grace* seconds from now."""
 
@@ -247,7 +244,7 @@ class InterruptHandler:
 
 
 @attrs.frozen
-class SlotStuck:
+class SlotStuck(Action):
     """Finished while its handler still runs past the cancel grace of *reason*: its thread
     holds a slot until it returns, if it ever does."""
 
@@ -255,24 +252,24 @@ class SlotStuck:
 
 
 @attrs.frozen
-class SlotFreed:
+class SlotFreed(Action):
     """A stuck handler returned at last: its slot is free (its result is dropped)."""
 
 
 @attrs.frozen
-class RunHandler:
+class RunHandler(Action):
     """Record the launch (outbox) and run the handler on a pool thread."""
 
 
 @attrs.frozen
-class RecordFinish:
+class RecordFinish(Action):
     """Commit the finish to the outbox before it is sent."""
 
     request: Request
 
 
 @attrs.frozen
-class NotStarted:
+class NotStarted(Action):
     """The handler will not run and there is nothing to finish: say why."""
 
     why: str
@@ -280,7 +277,7 @@ class NotStarted:
 
 
 @attrs.frozen
-class Reported:
+class Reported(Action):
     """The finish's fate: *result* (accepted), *error* (refused), or neither (unreported)."""
 
     verdict: Verdict
@@ -293,7 +290,7 @@ class Reported:
 
 
 @attrs.frozen
-class Ended:
+class Ended(Action):
     """Replay: the server already ended the attempt and nothing was stored to send: drop its
     record (reporting it lost would only contradict what the server knows)."""
 
@@ -301,7 +298,7 @@ class Ended:
 
 
 @attrs.frozen
-class ResumeEnded:
+class ResumeEnded(Action):
     """The live resume *request* is over, for the connection waiting for its resumes;
     *refused*: the server's refusal, to log; *cut*: its connection failed first (that session
     is not established)."""
@@ -312,42 +309,16 @@ class ResumeEnded:
 
 
 @attrs.frozen
-class Release:
+class Release(Action):
     """The worker is done with the attempt."""
 
 
 @attrs.frozen
-class Skipped:
+class Skipped(Action):
     """The assignment is not taken (*why*); *count*: the counter it adds to, if any."""
 
     why: str
     count: str | None = None
-
-
-Action = (
-    Send
-    | BreakConnection
-    | AwaitConnection
-    | RetryAfter
-    | TrackLease
-    | RefreshLease
-    | UntrackLease
-    | CancelContext
-    | InterruptHandler
-    | SlotStuck
-    | SlotFreed
-    | LeaseLost
-    | LeaseRenewed
-    | RenewAfter
-    | RunHandler
-    | RecordFinish
-    | NotStarted
-    | Reported
-    | Ended
-    | ResumeEnded
-    | Release
-    | Skipped
-)
 
 
 # ---------------------------------------------------------------------------------- the table
@@ -359,8 +330,7 @@ class Trigger(enum.Enum):
 
     ADMITTED = "admitted: send the start"
     ADMITTED_STOPPING = "admitted after the drain: started with its context cancelled"
-    ASSIGNED_AGAIN = "assigned again: a handler runs once per attempt (PROTOCOL §6.1)"
-    NO_HANDLER = "no handler of this process can run it"
+    SKIPPED = "not taken: assigned again (a handler runs once, PROTOCOL §6.1), or no handler"
     START_RUNS = "start: the lease lets the handler run"
     START_MAY_NOT_RUN = "start: started, but the lease (or the context) forbids the run"
     START_CANCEL_REQUESTED = "start: started, cancel requested"
@@ -385,18 +355,15 @@ class Trigger(enum.Enum):
     RESUME_LOST = "resume: the lease did not survive the reconnect"
     RESUME_OVER = "resume: over, saying nothing of the lease the handler runs on"
     RESUME_LINK_FAILED = "resume: link failed"
-    RESUME_TRANSIENT = "resume: transient error"
-    RESUME_RESEND = "resume: resend"
     RENEWED = "renewal: granted"
     RENEW_FAILED = "renewal: failed for now (transient, or nothing sent): sent again later"
     LEASE_CANCEL_REQUESTED = "renewal: cancel requested"
     LEASE_ENDED = "lease: the deadline passed unrenewed, or a renewal says it is gone"
     CANCEL_PUSHED = "task.cancel pushed"
     SHUTDOWN_CANCEL = "shutdown: cancel"
-    ABANDON = "shutdown: gave up waiting for the handler"
+    ABANDON = "the handler does not stop: shutdown's wait, or a time limit's grace, is over"
     TIME_LIMIT = "time limit: the handler on a thread reached it"
     TIME_LIMIT_IN_PROCESS = "time limit: the handler in a child process reached it"
-    TIME_LIMIT_GRACE = "time limit: the grace is over and the thread still runs"
 
 
 @attrs.frozen
@@ -405,13 +372,13 @@ class Transition:
     returns, in order."""
 
     to: Phase
-    actions: tuple[type, ...]
+    actions: tuple[type[Action], ...]
 
 
 _A, _S, _R, _F = Phase.ASSIGNED, Phase.STARTING, Phase.RUNNING, Phase.FINISHING
 _RS = Phase.RESUMING
 #: Phases in which the worker holds a live attempt (and a reconnect resumes its lease).
-HELD = (_S, _R, _F)
+_HELD = (_S, _R, _F)
 #: Where a finish ends (and an abandoned handler may still return, or a live resume sent while
 #: the attempt was held still be on its way).
 _FINISHED = (Phase.DELIVERED, Phase.REFUSED, Phase.UNREPORTED)
@@ -419,7 +386,7 @@ _FINISH = (RecordFinish, Send)
 _STARTS_FINISH = (UntrackLease, RecordFinish, Send)
 
 
-def _stay(phases: tuple[Phase, ...], *actions: type) -> dict[Phase, Transition]:
+def _stay(phases: tuple[Phase, ...], *actions: type[Action]) -> dict[Phase, Transition]:
     return {phase: Transition(phase, actions) for phase in phases}
 
 
@@ -430,8 +397,7 @@ def _stay(phases: tuple[Phase, ...], *actions: type) -> dict[Phase, Transition]:
 TABLE: dict[Trigger, dict[Phase, Transition]] = {
     Trigger.ADMITTED: {_A: Transition(_S, (Send,))},
     Trigger.ADMITTED_STOPPING: {_A: Transition(_S, (CancelContext, Send))},
-    Trigger.ASSIGNED_AGAIN: {_A: Transition(Phase.NOT_RUN, (Skipped,))},
-    Trigger.NO_HANDLER: {_A: Transition(Phase.NOT_RUN, (Skipped,))},
+    Trigger.SKIPPED: {_A: Transition(Phase.NOT_RUN, (Skipped,))},
     Trigger.START_RUNS: {_S: Transition(_R, (TrackLease, RunHandler))},
     Trigger.START_MAY_NOT_RUN: {_S: Transition(_F, _FINISH)},
     Trigger.START_CANCEL_REQUESTED: {_S: Transition(_F, (CancelContext, *_FINISH))},
@@ -441,12 +407,12 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     },
     Trigger.FINISH_ANSWERED: {_F: Transition(Phase.DELIVERED, (Reported, Release))},
     Trigger.LINK_FAILED: _stay((_S, _F, _RS), BreakConnection, AwaitConnection),
-    Trigger.TRANSIENT: _stay((_S, _F, _RS), RetryAfter),
+    Trigger.TRANSIENT: _stay((*_HELD, _RS), RetryAfter),
     Trigger.REFUSED: {
         _S: Transition(Phase.NOT_RUN, (NotStarted, Release)),
         _F: Transition(Phase.REFUSED, (Reported, Release)),
     },
-    Trigger.RESEND: _stay((_S, _F, _RS), Send),
+    Trigger.RESEND: _stay((*_HELD, _RS), Send),
     Trigger.GAVE_UP: {
         _S: Transition(Phase.NOT_RUN, (NotStarted, Release)),
         _F: Transition(Phase.UNREPORTED, (Reported, Release)),
@@ -464,17 +430,15 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
         _R: Transition(_F, _STARTS_FINISH),
         _F: Transition(_F, (AwaitConnection,)),
     },
-    Trigger.RECONNECTED: _stay(HELD, Send),
+    Trigger.RECONNECTED: _stay(_HELD, Send),
     Trigger.RESUME_HOLDS: _stay((_R,), RefreshLease, ResumeEnded),
     Trigger.RESUME_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext, ResumeEnded),
     Trigger.RESUME_LOST: _stay((_R,), UntrackLease, CancelContext, LeaseLost, ResumeEnded),
     # A resume outlives the phase it was sent in: its end is counted whatever the phase.
-    Trigger.RESUME_OVER: _stay((*HELD, *_FINISHED, Phase.NOT_RUN), ResumeEnded),
+    Trigger.RESUME_OVER: _stay((*_HELD, *_FINISHED, Phase.NOT_RUN), ResumeEnded),
     Trigger.RESUME_LINK_FAILED: _stay(
-        (*HELD, *_FINISHED, Phase.NOT_RUN), BreakConnection, ResumeEnded
+        (*_HELD, *_FINISHED, Phase.NOT_RUN), BreakConnection, ResumeEnded
     ),
-    Trigger.RESUME_TRANSIENT: _stay(HELD, RetryAfter),
-    Trigger.RESUME_RESEND: _stay(HELD, Send),
     Trigger.RENEWED: _stay((_R,), TrackLease, LeaseRenewed),
     Trigger.RENEW_FAILED: _stay((_R,), RenewAfter),
     Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext),
@@ -490,7 +454,6 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     Trigger.ABANDON: {_R: Transition(_F, (UntrackLease, SlotStuck, *_FINISH))},
     Trigger.TIME_LIMIT: _stay((_R,), UntrackLease, CancelContext, InterruptHandler),
     Trigger.TIME_LIMIT_IN_PROCESS: _stay((_R,), UntrackLease, CancelContext),
-    Trigger.TIME_LIMIT_GRACE: {_R: Transition(_F, (UntrackLease, SlotStuck, *_FINISH))},
 }
 
 #: For each trigger, the phases that refuse it (every phase the table does not list for it).
@@ -499,63 +462,38 @@ REFUSED: dict[Trigger, frozenset[Phase]] = {
 }
 
 
+@attrs.define(eq=False)
 class AttemptMachine:
-    """The phase of one attempt and the request it has on its way. Not thread-safe by itself:
-    the shell calls it under the attempt's lock. Each method reads its event into a
-    :class:`Trigger`, fires it, and builds the actions the table names, in order."""
+    """The phase of one attempt and the requests it has on its way. Not thread-safe by itself:
+    the shell calls it under the attempt's lock."""
 
-    __slots__ = (
-        "_new_id",
-        "abandoned",
-        "handler_done",
-        "phase",
-        "ref",
-        "renewing",
-        "request",
-        "resume",
-        "resumed_running",
-        "retry_delay",
-        "stored",
-        "time_limit",
-        "timed_out",
-        "verdict",
-    )
-
-    def __init__(
-        self,
-        ref: AttemptRef,
-        *,
-        new_id: Callable[[], str],
-        retry_delay: float,
-        time_limit: TimeLimit | None = None,
-    ) -> None:
-        self.ref = ref
-        #: The handler's time limit, if it has one.
-        self.time_limit = time_limit
-        #: The handler ran past its time limit and was interrupted.
-        self.timed_out = False
-        self._new_id = new_id
-        self.retry_delay = retry_delay
-        self.phase = Phase.ASSIGNED
-        #: The lease is tracked (renewed): from the start's grant until the handler is told to
-        #: stop or returns. Only then does a renewal's answer speak for it.
-        self.renewing = False
-        #: The start or finish on its way (sent, queued, or kept for a re-send).
-        self.request: Request | None = None
-        #: The verdict being finished (FINISHING and after).
-        self.verdict: Verdict | None = None
-        #: Shutdown gave up on the handler and finished it UNKNOWN: its late result is dropped.
-        self.abandoned = False
-        #: The handler's thread is done with the attempt (an abandoned handler may never be).
-        self.handler_done = False
-        #: Replay: the finish the dead process stored, with its original message_id.
-        self.stored: Request | None = None
-        #: The live resume on its way on a new connection, beside ``request`` (which may hold
-        #: a start or finish kept for that connection).
-        self.resume: Request | None = None
-        #: Was the attempt RUNNING when ``resume`` was sent? Only then does its answer speak
-        #: for the lease the handler runs on.
-        self.resumed_running = False
+    ref: AttemptRef
+    _new_id: Callable[[], str] = attrs.field(kw_only=True)
+    retry_delay: float = attrs.field(kw_only=True)
+    #: The handler's time limit, if it has one.
+    time_limit: TimeLimit | None = attrs.field(default=None, kw_only=True)
+    phase: Phase = attrs.field(default=Phase.ASSIGNED, init=False)
+    #: The handler ran past its time limit and was interrupted.
+    timed_out: bool = attrs.field(default=False, init=False)
+    #: The lease is tracked (renewed): from the start's grant until the handler is told to
+    #: stop or returns. Only then does a renewal's answer speak for it.
+    renewing: bool = attrs.field(default=False, init=False)
+    #: The start or finish on its way (sent, queued, or kept for a re-send).
+    request: Request | None = attrs.field(default=None, init=False)
+    #: The verdict being finished (FINISHING and after).
+    verdict: Verdict | None = attrs.field(default=None, init=False)
+    #: Shutdown gave up on the handler and finished it UNKNOWN: its late result is dropped.
+    abandoned: bool = attrs.field(default=False, init=False)
+    #: The handler's thread is done with the attempt (an abandoned handler may never be).
+    handler_done: bool = attrs.field(default=False, init=False)
+    #: Replay: the finish the dead process stored, with its original message_id.
+    stored: Request | None = attrs.field(default=None, init=False)
+    #: The live resume on its way on a new connection, beside ``request`` (which may hold
+    #: a start or finish kept for that connection).
+    resume: Request | None = attrs.field(default=None, init=False)
+    #: Was the attempt RUNNING when ``resume`` was sent? Only then does its answer speak
+    #: for the lease the handler runs on.
+    resumed_running: bool = attrs.field(default=False, init=False)
 
     @property
     def settled(self) -> bool:
@@ -563,10 +501,13 @@ class AttemptMachine:
 
     def fire(self, trigger: Trigger) -> bool:
         """Move by :data:`TABLE`: True if *trigger* is a transition in this phase (the phase
-        is moved), False if the phase refuses it. Every method below decides through it."""
+        is moved), False if the phase refuses it. Every method below decides through it. A
+        move to another phase ends the request on its way (the method sets the next, if any)."""
         move = TABLE[trigger].get(self.phase)
         if move is None:
             return False
+        if move.to is not self.phase:
+            self.request = None
         self.phase = move.to
         if TrackLease in move.actions:
             self.renewing = True
@@ -586,12 +527,11 @@ class AttemptMachine:
         with its context cancelled: the protocol cannot hand it back, PROTOCOL §5.7)."""
         attempt_id = self.ref.attempt_id
         if again:
-            return self._take(
-                Trigger.ASSIGNED_AGAIN, Skipped(f"attempt {attempt_id} assigned twice; ignored")
-            )
+            why = f"attempt {attempt_id} assigned twice; ignored"
+            return self._take(Trigger.SKIPPED, Skipped(why))
         if not runnable:
             why = f"attempt {attempt_id} not started: no handler registered"
-            return self._take(Trigger.NO_HANDLER, Skipped(why, "skipped"))
+            return self._take(Trigger.SKIPPED, Skipped(why, "skipped"))
         if not self.fire(Trigger.ADMITTED_STOPPING if stopping else Trigger.ADMITTED):
             return []
         self.request = Request("task.start", self.ref, self._new_id())
@@ -617,42 +557,30 @@ class AttemptMachine:
         *cancel_reason*: the context's, if it is already cancelled (not by this lease)."""
         if request is not self.request:
             return []  # a stale answer: the request was given up meanwhile
-        lease = result.lease
+        lease, receipt = result.lease, result.receipt
+        if cancel_reason is None and lease.deadline is not None and may_run_at(lease, now):
+            return self._take(Trigger.START_RUNS, TrackLease(lease.deadline), RunHandler())
         asked = lease.cancel_requested
+        cancel: list[Action] = [CancelContext("cancel_requested")] if asked else []
+        if (
+            receipt.disposition is not Disposition.APPLIED
+            or receipt.attempt_state is not AttemptState.RUNNING
+        ):
+            trigger = Trigger.START_NOT_STARTED_CANCELLED if asked else Trigger.START_NOT_STARTED
+            why = f"not started (lease {lease.state}, active={lease.active})"
+            return self._take(trigger, *cancel, NotStarted(why), Release())
         if asked:
             cancel_reason = cancel_reason or "cancel_requested"
-            cancel_requested = True
-        receipt = result.receipt
-        if cancel_reason is None and lease.deadline is not None and may_run_at(lease, now):
-            trigger = Trigger.START_RUNS
-        elif (
-            receipt.disposition is Disposition.APPLIED
-            and receipt.attempt_state is AttemptState.RUNNING
-        ):
-            trigger = Trigger.START_CANCEL_REQUESTED if asked else Trigger.START_MAY_NOT_RUN
-        else:
-            trigger = Trigger.START_NOT_STARTED_CANCELLED if asked else Trigger.START_NOT_STARTED
-        if not self.fire(trigger):
-            return []
-        self.request = None
-        cancel = [CancelContext("cancel_requested")] if asked else []
-        if trigger is Trigger.START_RUNS:
-            assert lease.deadline is not None
-            return [TrackLease(lease.deadline), RunHandler()]
-        if self.phase is Phase.NOT_RUN:
-            why = f"not started (lease {lease.state}, active={lease.active})"
-            return [*cancel, NotStarted(why), Release()]
         reason = cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
-        verdict = not_run(cancel_requested=cancel_requested, reason=reason)
-        return [*cancel, *self._finish(verdict)]
+        verdict = not_run(cancel_requested=cancel_requested or asked, reason=reason)
+        trigger = Trigger.START_CANCEL_REQUESTED if asked else Trigger.START_MAY_NOT_RUN
+        return self._finishing(trigger, verdict, *cancel)
 
     def finish_answered(self, request: Request, result: CommandResult) -> list[Action]:
         """The finish was accepted (applied, kept as evidence, or deduplicated)."""
-        if request is not self.request or not self.fire(Trigger.FINISH_ANSWERED):
+        if request is not self.request:
             return []
-        assert self.verdict is not None
-        self.request = None
-        return [Reported(self.verdict, result=result), Release()]
+        return self._reported(Trigger.FINISH_ANSWERED, result=result)
 
     def failed(
         self, request: Request, error: OrbitError, *, gen: int, view: LeaseView | None = None
@@ -666,7 +594,7 @@ class AttemptMachine:
             if self.settled:
                 return self._resume_over(Trigger.RESUME_OVER)  # nothing left to resume
             if is_transient(error):
-                return self._take(Trigger.RESUME_TRANSIENT, self._retry(request, error))
+                return self._take(Trigger.TRANSIENT, self._retry(request, error))
             assert view is not None, "a live resume's refusal is judged on the lease"
             return self._live_resumed(None, view, refused=error)
         if request is not self.request:
@@ -679,22 +607,18 @@ class AttemptMachine:
             return self._take(Trigger.TRANSIENT, self._retry(request, error))
         if self.phase is Phase.RESUMING:
             return self._resumed(None)  # refused: the lease is gone
-        if not self.fire(Trigger.REFUSED):
-            return []
-        self.request = None
-        if self.phase is Phase.NOT_RUN:
+        if self.phase is Phase.STARTING:
             code = getattr(error, "code", type(error).__name__)
-            return [NotStarted(f"start refused ({code}); handler not run", error), Release()]
-        assert self.verdict is not None
-        return [Reported(self.verdict, error=error), Release()]
+            why = f"start refused ({code}); handler not run"
+            return self._take(Trigger.REFUSED, NotStarted(why, error), Release())
+        return self._reported(Trigger.REFUSED, error=error)
 
     def resend(self, request: Request) -> list[Action]:
         """A connection (or the retry delay) came for *request*: send it again, same id."""
         if request is self.resume:
             if self.settled:
                 return self._resume_over(Trigger.RESUME_OVER)  # nothing left to resume
-            return self._take(Trigger.RESUME_RESEND, Send(request))
-        if request is not self.request:
+        elif request is not self.request:
             return []
         return self._take(Trigger.RESEND, Send(request))
 
@@ -702,15 +626,15 @@ class AttemptMachine:
         """The worker stopped before *request* was answered."""
         if request is self.resume:
             return self._resume_over(Trigger.RESUME_OVER)
-        if request is not self.request or not self.fire(Trigger.GAVE_UP):
+        if request is not self.request:
             return []
-        self.request = None
-        if self.phase is Phase.NOT_RUN:
+        if self.phase is Phase.STARTING:
             why = "not started: the worker stopped before start was answered"
-            return [NotStarted(why), Release()]
-        if self.verdict is None:
-            return [Release()]  # replay: still stored, a later replay resumes it again
-        return [Reported(self.verdict), Release()]
+            return self._take(Trigger.GAVE_UP, NotStarted(why), Release())
+        if self.phase is Phase.RESUMING:
+            # Nothing sent for the stored attempt: a later replay resumes it again.
+            return self._take(Trigger.GAVE_UP, Release())
+        return self._reported(Trigger.GAVE_UP)
 
     # ------------------------------------------------------------------ outbox replay
 
@@ -740,26 +664,20 @@ class AttemptMachine:
         """The replay's resume is over (answered with *lease*, or refused: ``None``)."""
         stored = self.stored
         if stored is not None:
-            trigger = Trigger.REPLAY_STORED
-        elif lease is not None and lease.active:
-            trigger = Trigger.REPLAY_LEASE_ACTIVE
-        else:
-            trigger = Trigger.REPLAY_LEASE_GONE
-        if not self.fire(trigger):
-            return []
-        self.request = None
-        if stored is not None:
             # Sent either way: the server applies it within the lease, keeps it as evidence
             # after, and answers a repeat with the original receipt.
+            if not self.fire(Trigger.REPLAY_STORED):
+                return []
             assert isinstance(stored.body, Finish)
             self.verdict = stored_verdict(stored.body)
             self.request = stored
             return [Send(stored)]
-        if trigger is Trigger.REPLAY_LEASE_ACTIVE:
+        if lease is not None and lease.active:
             # Launched, never finished, still leased: its effect is uncertain; say so now
             # rather than at lease expiry. Recorded first: a cut replay re-sends the same one.
-            return self._finish(worker_lost())
-        return [Ended("refused" if lease is None else f"lease {lease.state}"), Release()]
+            return self._finishing(Trigger.REPLAY_LEASE_ACTIVE, worker_lost())
+        why = "refused" if lease is None else f"lease {lease.state}"
+        return self._take(Trigger.REPLAY_LEASE_GONE, Ended(why), Release())
 
     # ------------------------------------------------------------------ the handler
 
@@ -771,9 +689,7 @@ class AttemptMachine:
         if self.abandoned:
             # Finished UNKNOWN already: this result is dropped.
             return self._take(Trigger.STUCK_HANDLER_RETURNED, SlotFreed())
-        if not self.fire(Trigger.HANDLER_RETURNED):
-            return []
-        return [UntrackLease(), *self._finish(verdict)]
+        return self._finishing(Trigger.HANDLER_RETURNED, verdict, UntrackLease())
 
     def launch_refused(self) -> list[Action]:
         """The outbox could not record the launch: the handler must not run."""
@@ -786,16 +702,15 @@ class AttemptMachine:
         its way is over: its connection must not wait for it."""
         if self.resume is not None:
             return [*self._resume_over(Trigger.RESUME_OVER), *self.crashed()]
-        request, finishing = self.request, self.phase is Phase.FINISHING
-        if not self.fire(Trigger.CRASHED):
-            return []
-        if self.phase is Phase.NOT_RUN:
-            return [NotStarted("not started: worker error"), Release()]
-        if finishing:
-            assert request is not None, "a finishing attempt has its finish on its way"
-            return [AwaitConnection(0, request)]
-        self.handler_done = True
-        return [UntrackLease(), *self._finish(worker_error())]
+        if self.phase is Phase.ASSIGNED:
+            return self._take(Trigger.CRASHED, NotStarted("not started: worker error"), Release())
+        if self.phase is Phase.FINISHING:
+            assert self.request is not None, "a finishing attempt has its finish on its way"
+            return self._take(Trigger.CRASHED, AwaitConnection(0, self.request))
+        actions = self._finishing(Trigger.CRASHED, worker_error(), UntrackLease())
+        if actions:
+            self.handler_done = True
+        return actions
 
     # ------------------------------------------------------------------ leases and cancels
 
@@ -811,11 +726,7 @@ class AttemptMachine:
         return [Send(self.resume)]
 
     def renew_answered(self, answer: RenewAnswer) -> list[Action]:
-        """The lease watchdog reports what became of a renewal (PROTOCOL §6.3-6.6): a lease
-        that lets the handler run is tracked to its new deadline; a transient failure (or one
-        where nothing was sent) is retried after the retry delay; a cancel request stops the
-        handler; anything else ends the lease: ``lease_expired`` (the deadline passed first),
-        ``lease_lost`` (``session_replaced`` behind a new connection's resumes)."""
+        """The lease watchdog reports what became of a renewal (PROTOCOL §6.3-6.6)."""
         if not self.renewing:
             return []  # told to stop or returned meanwhile: nothing is renewed any more
         lease, error = answer.lease, answer.error
@@ -847,7 +758,7 @@ class AttemptMachine:
 
     def abandon(self) -> list[Action]:
         """Shutdown gave up waiting for the handler: finish UNKNOWN (``SHUTDOWN_TIMEOUT``)."""
-        return self._abandon(Trigger.ABANDON, abandoned(), "shutdown")
+        return self._abandon(abandoned(), "shutdown")
 
     def time_limit_passed(self) -> list[Action]:
         """The handler has run for its time limit: cancel its context (``time_limit``) and, on a
@@ -870,7 +781,7 @@ class AttemptMachine:
         be stopped, so its effect is uncertain: finish UNKNOWN (``HANDLER_TIMEOUT``)."""
         if not self.timed_out:
             return []
-        return self._abandon(Trigger.TIME_LIMIT_GRACE, timed_out(), "time_limit")
+        return self._abandon(timed_out(), "time_limit")
 
     # ------------------------------------------------------------------ internal
 
@@ -884,13 +795,15 @@ class AttemptMachine:
             return [UntrackLease(), cancel, *more]
         return [cancel, *more]
 
-    def _abandon(self, trigger: Trigger, verdict: Verdict, reason: str) -> list[Action]:
-        """Give up waiting for a handler that does not stop: finish with *verdict* (UNKNOWN)
-        now; its thread keeps a slot (stuck) until it returns, and its late result is dropped."""
-        if self.handler_done or not self.fire(trigger):
+    def _abandon(self, verdict: Verdict, reason: str) -> list[Action]:
+        """Give up on a handler that does not stop: finish with *verdict* (UNKNOWN) now; its
+        thread keeps a slot (stuck) until it returns, and its late result is dropped."""
+        if self.handler_done:
             return []
-        self.abandoned = True
-        return [UntrackLease(), SlotStuck(reason), *self._finish(verdict)]
+        actions = self._finishing(Trigger.ABANDON, verdict, UntrackLease(), SlotStuck(reason))
+        if actions:
+            self.abandoned = True
+        return actions
 
     def _live_resumed(
         self, lease: Lease | None, view: LeaseView, *, refused: OrbitError | None = None
@@ -898,12 +811,12 @@ class AttemptMachine:
         """A live resume is over (answered with *lease*, or refused): what it says of the
         lease the handler runs on, then its end, which the connection counts.
 
-        Only for an attempt that was running when the resume was sent, and whose context is
+        It speaks only for an attempt that was running when it was sent, and whose context is
         not cancelled yet: a starting or finishing one has its own request right behind the
         resume, whose answer decides. A start kept for the connection may already be answered
         (its answer is stepped on the reader, the resume's on the connection thread): the
-        resume's lease, from before the start was applied, is then a reservation that says
-        nothing of the lease the handler now runs on."""
+        resume's lease, from before the start was applied, then says nothing of the lease the
+        handler now runs on."""
         speaks = self.resumed_running and self.phase is Phase.RUNNING and not view.cancelled
         if not speaks:
             return self._resume_over(Trigger.RESUME_OVER, refused=refused)
@@ -931,14 +844,31 @@ class AttemptMachine:
         self.resume = None
         return [*first, ResumeEnded(request, refused, cut)]
 
-    def _retry(self, request: Request, error: OrbitError) -> RetryAfter:
-        return RetryAfter(retry_delay(error, self.retry_delay), error, request)
+    def _reported(
+        self,
+        trigger: Trigger,
+        *,
+        result: CommandResult | None = None,
+        error: OrbitError | None = None,
+    ) -> list[Action]:
+        """The finish's fate, if the phase takes *trigger*: *result* (accepted), *error*
+        (refused), or neither (unreported)."""
+        if not self.fire(trigger):
+            return []
+        assert self.verdict is not None
+        return [Reported(self.verdict, result, error), Release()]
 
-    def _finish(self, verdict: Verdict) -> list[Action]:
-        self.phase = Phase.FINISHING
+    def _finishing(self, trigger: Trigger, verdict: Verdict, *first: Action) -> list[Action]:
+        """If the phase takes *trigger* (to FINISHING): *first*, then the finish of *verdict*,
+        committed to the outbox before it is sent."""
+        if not self.fire(trigger):
+            return []
         self.verdict = verdict
         self.request = Request("task.finish", verdict.finish(self.ref), self._new_id())
-        return [RecordFinish(self.request), Send(self.request)]
+        return [*first, RecordFinish(self.request), Send(self.request)]
+
+    def _retry(self, request: Request, error: OrbitError) -> RetryAfter:
+        return RetryAfter(retry_delay(error, self.retry_delay), error, request)
 
 
 def retry_delay(error: BaseException, delay: float) -> float:
