@@ -61,43 +61,30 @@ class Worker:
     The keywords are checked, all of them, as a :class:`~orbit_sync.worker.WorkerOptions` before
     anything else happens (a wrong one raises ``TypeError`` or ``ValueError`` naming it);
     :attr:`options` returns them, and :meth:`from_options` builds a Worker from such an object.
+    In short (the README's "Running a worker" and ``docs/`` say more):
 
-    - *queue_id*: the queue served; left out, ``$ORBIT_QUEUE_ID`` (a missing or malformed value
-      raises :class:`~orbit_sync.client.SettingError` naming it).
+    - *queue_id*: the queue served (left out: ``$ORBIT_QUEUE_ID``, else ``SettingError``).
     - *capacity* (1-256): the handlers run at once, and the capacity reported to the server.
     - *drain_timeout*: on stop, the seconds running handlers get to return, leases renewed.
-    - *cancel_grace*: then their contexts are cancelled (``shutdown``) and they get this much
-      more before they finish ``UNKNOWN`` ``SHUTDOWN_TIMEOUT``; keep it under half the lease
-      window, since cancelled attempts are no longer renewed (README, "Shutdown").
-    - *flush_timeout*: then the seconds finishes still waiting for a connection get.
-    - *reconnect_backoff*: the wait before each reconnect (exponential, jittered, bounded); a
-      server is retried for ever, and one not reached since the start is logged at ``ERROR``.
-    - *first_connect_timeout*: stop when no session was established that many seconds after
-      :meth:`start` (:meth:`run` raises :class:`~orbit_sync.errors.ServerUnreachable`).
-    - *dial_timeout*, *call_timeout*: bound one dial and one request (a request past it is
-      re-sent with its ``message_id`` on the next connection).
-    - *max_in_flight* (3-32, default 32): the requests outstanding at once, of which a quarter
-      (2 to 8) are kept for renewals and capacity reports.
+    - *cancel_grace*: then, cancelled, the seconds before they finish ``UNKNOWN`` (keep it under
+      half the lease window: cancelled attempts are no longer renewed).
+    - *flush_timeout*: then, the seconds finishes still waiting for a connection get.
+    - *reconnect_backoff*: the wait before each reconnect (exponential, jittered, bounded).
+    - *first_connect_timeout*: stop (``ServerUnreachable``) if not connected that long after start.
+    - *dial_timeout*, *call_timeout*: bound one dial, one request (re-sent on the next connection).
+    - *max_in_flight* (3-32, default 32): requests outstanding at once, a quarter for renewals.
     - *renew_retry_delay* (0.1-5 s): the spacing of retries of a failed renewal.
     - *cancellation_notifications*: ask the server for ``task.cancel`` pushes.
     - *handle_signals*: :meth:`run` on the main thread handles SIGTERM/SIGINT.
-    - *logger*: the worker's logs (default ``orbit_sync.worker``; ``ctx.logger`` logs under
-      ``orbit_sync.task.<handler>``).
-    - *result_converter*: the cattrs converter that encodes results as the handler returns
-      (default :func:`~orbit_sync.worker.result_converter`; ``docs/results.md``).
-    - *listeners*: :class:`~orbit_sync.worker.WorkerListener` objects that observe attempts,
-      leases and sessions (see also :meth:`add_listener`).
-    - *clock*: the worker's time (an :class:`orbit_sync.Clock`): lease deadlines, renewals,
-      heartbeats, retry delays, the shutdown phases and idle handler threads; tests pass the mock
-      server's :class:`~orbit_sync.testing.ManualClock` to let them pass without sleeping.
-    - *process_pool*, *process_max_tasks_per_child*, *process_max_memory_per_child*: the child
-      processes of ``executor="process"`` handlers: at most *process_pool* (default one per
-      CPU), each replaced after that many attempts or past that RSS in MB after one
-      (``docs/process-executor.md``).
-    - *outbox*: a file path; launches and finishes are committed to a durable SQLite outbox, and
-      a worker started with the same path delivers what a killed one left (``docs/outbox.md``).
-    - *time_limit*: the seconds each handler may run (default ``None``: no limit), unless it is
-      registered with a ``time_limit`` of its own (see :meth:`handler`).
+    - *logger*: the worker's logs (default ``orbit_sync.worker``; ``docs/observability.md``).
+    - *result_converter*: the cattrs converter that encodes results (``docs/results.md``).
+    - *listeners*: :class:`~orbit_sync.worker.WorkerListener` objects (see :meth:`add_listener`).
+    - *clock*: the worker's time, an :class:`orbit_sync.Clock` (tests pass a ``ManualClock``).
+    - *process_pool*, *process_max_tasks_per_child*, *process_max_memory_per_child*: how many
+      child processes run ``executor="process"`` handlers, and the attempts or RSS in MB after
+      which one is replaced (``docs/process-executor.md``).
+    - *outbox*: a file path: a durable outbox, so a killed process loses no result (docs/outbox.md).
+    - *time_limit*: the seconds a handler may run, unless registered with its own (default: none).
     """
 
     def __init__(
@@ -240,22 +227,20 @@ class Worker:
         time_limit: HandlerLimit = WORKER_DEFAULT,
         time_limit_retryable: bool = False,
     ) -> Callable[[H], H]:
-        """Register the decorated function for (*name*, *version*, *payload_version*).
-
-        The function is called as ``fn(ctx, payload)`` on a pool thread, or, with
-        ``executor="process"``, in a child process of the worker's process pool (see
-        *process_pool*); there *memory_limit* (MB) bounds what one attempt may allocate: past
-        it the attempt ends ``FAILED`` with ``HANDLER_MEMORY_LIMIT``, retryable when
-        *memory_limit_retryable*. Use it with a name, ``@worker.handler("resize")``: the bare
+        """Register the decorated function for (*name*, *version*, *payload_version*), called as
+        ``fn(ctx, payload)``. Use it with a name, ``@worker.handler("resize")``: the bare
         ``@worker.handler`` raises ``TypeError``.
 
-        *time_limit* (seconds; default: the worker's ``time_limit``; ``None``: no limit) bounds
-        one run of the handler. At the limit its context is cancelled (``time_limit``) and
-        ``TimeLimitExceeded`` is raised in its thread; a handler that then ends within the
-        worker's ``cancel_grace`` finishes ``FAILED`` with ``HANDLER_TIMEOUT``, retryable when
-        *time_limit_retryable*. Past the grace, a handler in a child process is killed (also
-        ``FAILED HANDLER_TIMEOUT``); one on a thread, which cannot be killed, finishes
-        ``UNKNOWN`` with ``HANDLER_TIMEOUT`` and its slot counts as stuck until it returns.
+        - *executor*: ``"thread"`` (a pool thread) or ``"process"`` (a child process of the
+          worker's process pool: ``docs/process-executor.md``).
+        - *memory_limit* (MB, process handlers): what one attempt may allocate; past it the
+          attempt ends ``FAILED`` ``HANDLER_MEMORY_LIMIT``, retryable when *memory_limit_retryable*.
+        - *time_limit* (seconds; default: the worker's ``time_limit``; ``None``: no limit): one
+          run's bound; at it the context is cancelled (``time_limit``) and ``TimeLimitExceeded``
+          raised in the handler's thread. Ending within the worker's ``cancel_grace`` finishes
+          ``FAILED`` ``HANDLER_TIMEOUT``, retryable when *time_limit_retryable*; past it, a child
+          process is killed (the same) and a thread finishes ``UNKNOWN`` ``HANDLER_TIMEOUT``, its
+          slot stuck until it returns (README, "Time limits").
         """
         if callable(name) and not isinstance(name, str):
             raise TypeError(

@@ -59,7 +59,7 @@ from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outco
 from ._pool import DaemonPool
 from ._report import AttemptInfo
 from ._requests import Event, RequestPath
-from ._time_limits import Interruptible, TimeLimit, Timers
+from ._time_limits import Interruptible, Timers
 from ._watchdog import RenewDone, WatchdogThread
 from ._window import CapacityWindow
 
@@ -75,7 +75,6 @@ __all__ = [
     "Renewals",
     "WorkerThreads",
     "attempt_event",
-    "lease_event",
 ]
 
 #: ``handler(ctx, payload) -> result``
@@ -117,10 +116,6 @@ class Attempt:
         #: Counted by the capacity window from its handler's start until its finish goes out
         #: (or it settles without one).
         self.held = False
-
-    @property
-    def time_limit(self) -> TimeLimit | None:
-        return self.machine.time_limit
 
     @property
     def id(self) -> str:
@@ -202,7 +197,7 @@ def attempt_event(att: Attempt) -> AttemptEvent:
     return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
 
 
-def lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
+def _lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
     return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
 
 
@@ -334,7 +329,7 @@ class AttemptShell(RequestPath[Attempt]):
                 self._lease_lost(att, action)
             elif isinstance(action, LeaseRenewed):
                 if self._hooks:
-                    self._hooks.emit("lease_renewed", lease_event(att, lag=action.lag))
+                    self._hooks.emit("lease_renewed", _lease_event(att, lag=action.lag))
             elif isinstance(action, RenewAfter):
                 self._threads.watchdog.core.retry(att.id, action.delay, action.error)
             elif isinstance(action, ResumeEnded):
@@ -417,7 +412,12 @@ class AttemptShell(RequestPath[Attempt]):
     def _run_handler(self, att: Attempt) -> None:
         """The attempt's one pool job: record the launch, run the handler, send its finish."""
         try:
-            launched = self.record_launch(att)
+            # Without the launch record a kill would leave no trace of the run: do not run.
+            launched = self._outbox_write(
+                att,
+                lambda o: o.launch(self._handlers.instance_id, att.ref, att.task.handler),
+                failed="outbox unavailable: handler not run",
+            )
             if launched and self._window.take(att):
                 self._wake()  # the connection thread raises the reported capacity
             verdict = self.execute(att) if launched else None
@@ -438,10 +438,9 @@ class AttemptShell(RequestPath[Attempt]):
             self._reg.running += 1
         error: BaseException | None = None
         value: Any = None
-        hooks = self._hooks
-        if hooks:
-            hooks.emit("attempt_started", attempt_event(att))
-        limit = att.time_limit
+        if self._hooks:
+            self._hooks.emit("attempt_started", attempt_event(att))
+        limit = att.machine.time_limit
         timer = None
         if limit is not None:
             att.limit_at = self._options.clock.now() + limit.seconds
@@ -559,7 +558,7 @@ class AttemptShell(RequestPath[Attempt]):
     def _interrupt(self, att: Attempt, grace: float) -> None:
         """The handler ran past its time limit (its context is cancelled): raise
         ``TimeLimitExceeded`` in its thread, and give it *grace* seconds to end."""
-        limit = att.time_limit
+        limit = att.machine.time_limit
         assert att.running_on is not None and limit is not None
         marked = att.running_on.interrupt(TimeLimitExceeded)
         worker_log(att.ctx).warning(
@@ -580,12 +579,12 @@ class AttemptShell(RequestPath[Attempt]):
         if reason == "shutdown":
             worker_log(att.ctx).error("handler ignored cancellation at shutdown: finishing UNKNOWN")
         else:
-            assert att.time_limit is not None
+            assert att.machine.time_limit is not None
             worker_log(att.ctx).error(
                 "handler %s still running %gs after its time limit: finishing UNKNOWN; its "
                 "thread keeps a slot until it returns (%d of %d slots stuck)",
                 att.task.handler,
-                att.time_limit.grace,
+                att.machine.time_limit.grace,
                 stuck,
                 self._options.capacity,
             )
@@ -624,26 +623,19 @@ class AttemptShell(RequestPath[Attempt]):
 
     # ------------------------------------------------------------------ durable outbox
 
-    def record_launch(self, att: Attempt) -> bool:
-        """Commit the launch record before the handler runs; False: do not run it."""
+    def _outbox_write(
+        self, att: Attempt, write: Callable[[Outbox], None], failed: str = "outbox write failed"
+    ) -> bool:
+        """Write to the outbox, if there is one; False (logged as *failed*) if that failed. A
+        finish is still sent then: a failing outbox must not hold up a result."""
         if self.outbox is None:
             return True
         try:
-            self.outbox.launch(self._handlers.instance_id, att.ref, att.task.handler)
-        except OutboxError:
-            # Without the record a kill would leave no trace of the run: do not run.
-            worker_log(att.ctx).exception("outbox unavailable: handler not run")
-            return False
-        return True
-
-    def _outbox_write(self, att: Attempt, write: Callable[[Outbox], None]) -> None:
-        if self.outbox is None:
-            return
-        try:
             write(self.outbox)
         except OutboxError:
-            # The finish is still sent: a failing outbox must not hold up a result.
-            worker_log(att.ctx).exception("outbox write failed")
+            worker_log(att.ctx).exception(failed)
+            return False
+        return True
 
     def settle(self, att: Attempt) -> None:
         """The worker is done with *att* (its machine reached a settled phase)."""
@@ -681,7 +673,7 @@ class AttemptShell(RequestPath[Attempt]):
             detail = f" ({lost.detail})" if lost.detail else ""
             self._log.warning("lease of attempt %s: %s%s", att.id, lost.reason, detail)
         if self._hooks:
-            self._hooks.emit("lease_lost", lease_event(att, reason=lost.reason))
+            self._hooks.emit("lease_lost", _lease_event(att, reason=lost.reason))
 
     def refused(self, actions: list[Action]) -> None:
         """An assignment its machine did not take (never recorded: nothing else to do): say

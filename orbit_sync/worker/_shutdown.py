@@ -135,10 +135,9 @@ class Shutdown:
             self._shell.perform(att, actions)
         return gave_up
 
-    def settled(self, deadline: float, *, real_time: bool = False) -> bool:
-        """Wait until every attempt is settled (its finish delivered, refused or given up), or
-        *deadline* (see :meth:`wait_until` for *real_time*)."""
-        return self.wait_until(lambda: not self._reg.attempts, deadline, real_time=real_time)
+    def _settled(self) -> bool:
+        """Is every attempt settled (its finish delivered, refused or given up)?"""
+        return not self._reg.attempts
 
     def _live(self) -> list[Attempt]:
         with self._reg.cond:
@@ -229,10 +228,7 @@ class Shutdown:
         alarm.daemon = True
         alarm.start()
         try:
-            # 1. Drain: meanwhile the connection thread tells the server (drain: true) so it
-            #    assigns nothing more. What it assigned before reaches us ahead of that
-            #    report's answer and runs here too (nothing hands it back, and its claim spent
-            #    an attempt): the drain waits for the answer, then for every attempt.
+            # 1. Drain (why it also runs what arrives meanwhile: docs/architecture.md).
             drained = self.drain()
             if not drained:
                 with self._reg.cond:
@@ -247,7 +243,7 @@ class Shutdown:
             # 3. Abandon handlers that ignore cancellation: finished UNKNOWN.
             gave_up = self.abandon()
             # 4. Flush: finishes waiting for a connection get a bounded time to be delivered.
-            self.settled(self._time.now() + self._options.flush_timeout)
+            self.wait_until(self._settled, self._time.now() + self._options.flush_timeout)
         finally:
             alarm.cancel()
             alarm.join()  # at once: cancelled, or done firing
@@ -286,7 +282,7 @@ class Shutdown:
         controls.wake.set()
         if current is not None:
             current[0].close()
-        self.settled(close_end, real_time=True)
+        self.wait_until(self._settled, close_end, real_time=True)
         threads.watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
         with self._reg.cond:  # handlers finished UNKNOWN that still run: not waited for
             stuck = len(self._reg.stuck)
