@@ -471,6 +471,24 @@ def orbit_threads() -> list[str]:
     return [t.name for t in threading.enumerate() if t.name.startswith("orbit-sync-")]
 
 
+@contextlib.contextmanager
+def small_send_buffers() -> Iterator[None]:
+    """Inside, each new socket (the client's, dialled there) gets a 4 KiB send buffer: with the
+    tiny receive window of a :class:`StallingServer`, one large write then blocks in ``send``."""
+    plain = socket.socket
+
+    class SmallSendBuffer(plain):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+
+    setattr(socket, "socket", SmallSendBuffer)  # noqa: B010 (mypy refuses assigning a class)
+    try:
+        yield
+    finally:
+        setattr(socket, "socket", plain)  # noqa: B010
+
+
 class StallingServer:
     """Completes the upgrade and the hello/welcome by hand, then never reads again.
 

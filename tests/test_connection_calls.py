@@ -484,18 +484,16 @@ def test_second_answer_to_the_same_request_is_a_protocol_error() -> None:
 
 def test_call_bound_releases_a_caller_stuck_in_a_blocked_write() -> None:
     """A caller blocked inside send (peer not reading) is released by the call bound too."""
-    import socket
-
-    from _scripted import TOKEN, StallingServer, registration
+    from _scripted import TOKEN, StallingServer, registration, small_send_buffers
 
     from orbit_sync.client import Client
 
     with StallingServer() as server:
-        conn = Client(server.url, TOKEN).dial_worker(registration())
+        # A small send buffer (and the server's tiny receive window) makes this one 250 KiB
+        # write block, so the caller never reaches its own wait.
+        with small_send_buffers():
+            conn = Client(server.url, TOKEN).dial_worker(registration())
         try:
-            # White box: a small send buffer (and the server's tiny receive window) makes this one
-            # 250 KiB write block, so the caller never reaches its own wait.
-            conn._transport._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             mid = new_message_id()
             started = time.monotonic()
             with pytest.raises(CallTimeout) as caught:

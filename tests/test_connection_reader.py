@@ -407,19 +407,16 @@ def test_ctrl_c_during_a_stuck_write_never_leaves_half_a_frame_on_an_open_connec
     """Ctrl-C while the main thread is blocked writing a large frame: the write is not cut
     short; the call bound ends the connection, then KeyboardInterrupt is raised. An open
     connection with half a frame on the wire would corrupt every later request."""
-    import socket
-
-    from _scripted import TOKEN, StallingServer, registration
+    from _scripted import TOKEN, StallingServer, registration, small_send_buffers
 
     from orbit_sync.client import Client
     from orbit_sync.models import Finish, Outcome
 
     with StallingServer() as server:
-        conn = Client(server.url, TOKEN).dial_worker(registration())
+        # A small send buffer and the server's tiny receive window make this 250 KiB write block.
+        with small_send_buffers():
+            conn = Client(server.url, TOKEN).dial_worker(registration())
         try:
-            # White box: a small send buffer and the server's tiny receive window make this
-            # 250 KiB write block.
-            conn._transport._sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
             timer = threading.Timer(0.2, interruptible)  # the scenario: Ctrl-C mid-write
             timer.start()
             try:

@@ -130,7 +130,7 @@ def test_connection_limit(server: MockOrbitServer) -> None:
         a.hello()
         assert _status(srv) == 503
         a.close()
-        srv.wait_until(lambda s: len(s._hub.conns) == 1)
+        srv.wait_until(lambda s: not [x for x in s.sessions() if x.connected])
         c = RawClient(srv).connect()
         assert c.hello()["type"] == "worker.welcome"
         b.close()

@@ -22,7 +22,6 @@ from orbit_sync.errors import HTTPError
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import DrainEvent, ShutdownReport, TaskContext, Worker, WorkerListener
-from orbit_sync.worker._outbox import Outbox
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 HELPER = Path(__file__).with_name("_worker_helpers.py")
@@ -530,11 +529,19 @@ def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothin
     assert stopped.report is not None
     assert [a.task_id for a in stopped.report.unreported] == [task_id]
     assert "overran its bound" in caplog.text
-    if with_outbox:
-        with Outbox(path) as box:
-            assert box.counts()["finishes"] == 1  # the next start delivers it
     assert worker.stop() is stopped.report
     assert not [t for t in worker_threads() if t.startswith("orbit-worker")]
+    if with_outbox:  # the finish was kept: the next worker on the outbox delivers it
+        server.faults.clear()
+        after = make_worker(server, outbox=path)
+        after.register("quick", lambda ctx, payload: {"ok": True})
+        (kept,) = stopped.report.unreported
+        delivered = f"outbox: delivered SUCCEEDED of attempt {kept.attempt_id}"
+        with caplog.at_level(logging.INFO, logger="orbit_sync"), running(after):
+            deadline = time.monotonic() + 10
+            while delivered not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert f"{delivered} (task {task_id})" in caplog.text
 
 
 def test_stop_that_shortens_a_drain_ends_in_real_time(server: MockOrbitServer) -> None:

@@ -497,7 +497,7 @@ def test_thread_shell_renews_and_stops() -> None:
 
     shells: list[WatchdogThread] = []
     core = LeaseWatchdog(sync(renew), on_change=lambda: shells[0].wake() if shells else None)
-    shell = WatchdogThread(core)
+    shell = WatchdogThread(core, name="watchdog-under-test")
     shells.append(shell)
     shell.start()
     try:
@@ -505,7 +505,7 @@ def test_thread_shell_renews_and_stops() -> None:
         assert renewed.wait(5.0)
     finally:
         shell.stop()
-    assert not shell._thread.is_alive()
+    assert "watchdog-under-test" not in [t.name for t in threading.enumerate()]
 
 
 def test_a_held_renewal_does_not_delay_another_attempts(
