@@ -497,15 +497,19 @@ def test_thread_shell_renews_and_stops() -> None:
 
     shells: list[WatchdogThread] = []
     core = LeaseWatchdog(sync(renew), on_change=lambda: shells[0].wake() if shells else None)
-    shell = WatchdogThread(core, name="watchdog-under-test")
+    shell = WatchdogThread(core)
     shells.append(shell)
+    before = set(threading.enumerate())
     shell.start()
+    (thread,) = [
+        t for t in threading.enumerate() if t not in before and t.name == "orbit-lease-watchdog"
+    ]
     try:
         core.track("a" * 32, time.monotonic() + 0.2)
         assert renewed.wait(5.0)
     finally:
         shell.stop()
-    assert "watchdog-under-test" not in [t.name for t in threading.enumerate()]
+    assert not thread.is_alive()
 
 
 def test_a_held_renewal_does_not_delay_another_attempts(
