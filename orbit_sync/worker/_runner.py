@@ -413,13 +413,10 @@ class Worker:
         On the main thread, SIGTERM and SIGINT drain (``stop(drain=True)``); a second signal
         stops at once (``stop(drain=False)``). The previous handlers are restored on return.
         """
-        install = (
-            self._options.handle_signals and threading.current_thread() is threading.main_thread()
-        )
-        signals = StopSignals(self._on_stop_signal) if install else None
-        if signals is not None:
+        signals = None
+        if self._options.handle_signals and threading.current_thread() is threading.main_thread():
+            signals = self._signals = StopSignals(self._on_stop_signal)
             signals.install()
-            self._signals = signals
         try:
             self.start()
             # Unbounded until a stop is asked for; then the shutdown's alarm bounds the wait.
@@ -482,12 +479,10 @@ class Worker:
         """Stop (draining for *timeout* seconds) and return the shutdown report.
 
         Safe to call again, and from any thread but the worker's own (use :meth:`request_stop`
-        from a handler). Returns after at most ``timeout + cancel_grace + flush_timeout`` (with
-        ``timeout`` 0 when not draining), plus up to half a second for the worker's threads to
-        exit once their connection is closed; a dial in progress is cut.
-
-        It holds in real time whatever *clock* does, give or take a second: past it, what was not
-        delivered is reported ``unreported`` (see ``docs/architecture.md``).
+        from a handler). Returns within ``timeout + cancel_grace + flush_timeout`` (``timeout``
+        0 when not draining) plus half a second, in real time whatever *clock* does (give or
+        take a second: what was not delivered by then is reported ``unreported``); a dial in
+        progress is cut. See the README's "Shutdown" and ``docs/architecture.md``.
         """
         with self._cond:
             started = self._started

@@ -7,6 +7,7 @@ Requests take the one request path (:mod:`._requests`); no thread waits for an a
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -300,14 +301,12 @@ class AttemptShell(RequestPath[Attempt]):
         if offload:
             with att.lock:
                 offload = not att.machine.abandoned
+        # A pool shut down raises: a late answer at the very end of shutdown, when the link is
+        # closed and nothing is written any more, is performed here.
         if offload:
-            try:
+            with contextlib.suppress(RuntimeError):
                 self._threads.pool.submit(partial(self._perform_now, att, actions))
                 return
-            except RuntimeError:
-                # The pool is shut down: a late answer at the very end of shutdown, when the
-                # link is closed and nothing is written any more.
-                pass
         self._perform_now(att, actions)
 
     def _perform_now(self, att: Attempt, actions: list[Action]) -> None:
@@ -352,25 +351,23 @@ class AttemptShell(RequestPath[Attempt]):
         """A finish frees the attempt's place in the capacity window; when that leaves the
         reported capacity too high for the connection's assignment queue, a lowered report goes
         out ahead of it in the same write (see :mod:`._window`)."""
-        if request.request_type != "task.finish":
-            super().write(att, request, conn, on_done)
-            return
-        window = self._window
-        with window.lock:  # held across a report's write: reports reach the wire in order
-            window.release(att)
-            report = window.lowering()
-            if report is not None:
-                finish = Submission(
-                    "task.finish", request.body, on_done, request.message_id, self._call_timeout
-                )
-                ahead = window.pipelined(
-                    conn, report, self._options.clock.now(), self._call_timeout
-                )
-                pipeline_of(conn).submit_many([ahead.submission, finish])
-                return
-        # No report needed: the finish goes out without the lock, which handlers starting
-        # elsewhere take (CapacityWindow.take). Any report built from now on counts this
-        # attempt as released already, so the finish may reach the server before or after it.
+        if request.request_type == "task.finish":
+            window = self._window
+            with window.lock:  # held across a report's write: reports reach the wire in order
+                window.release(att)
+                report = window.lowering()
+                if report is not None:
+                    finish = Submission(
+                        "task.finish", request.body, on_done, request.message_id, self._call_timeout
+                    )
+                    ahead = window.pipelined(
+                        conn, report, self._options.clock.now(), self._call_timeout
+                    )
+                    pipeline_of(conn).submit_many([ahead.submission, finish])
+                    return
+            # No report needed: the finish goes out without the lock, which handlers starting
+            # elsewhere take (CapacityWindow.take). Any report built from now on counts this
+            # attempt as released already, so the finish may reach the server before or after it.
         super().write(att, request, conn, on_done)
 
     def outcome(self, att: Attempt, request: Request, event: Event) -> None:
@@ -688,9 +685,7 @@ class AttemptShell(RequestPath[Attempt]):
     # ------------------------------------------------------------------ the lease watchdog
 
     def renew_answered(self, attempt_id: str, answer: RenewAnswer) -> None:
-        """The lease watchdog reports what became of a renewal of *attempt_id*: its machine
-        decides what it means (tracked to the new deadline, retried, the handler told to stop,
-        the loss reported)."""
+        """The lease watchdog reports what became of a renewal: the attempt's machine decides."""
         att = self._reg.get(attempt_id)
         if att is not None:
             self.step(att, lambda m: m.renew_answered(answer))
@@ -700,11 +695,9 @@ class AttemptShell(RequestPath[Attempt]):
 
 
 class Renewals:
-    """How the lease watchdog's renewals reach the current connection: its batches go out
-    pipelined on the link's current connection (one socket write), a lost connection is
-    reported to the link. Every callback here runs on the watchdog's thread or the connection's
-    reader thread and never blocks. What an answer means for the attempt is its machine's
-    (:meth:`AttemptShell.renew_answered`)."""
+    """How the lease watchdog's renewals reach the link's current connection, a lost one reported
+    to the link. Every callback here runs on the watchdog's thread or the connection's reader
+    thread and never blocks."""
 
     def __init__(self, registry: Registry, link: Link, call_timeout: float) -> None:
         self._reg = registry
@@ -729,7 +722,7 @@ class Renewals:
             else:
                 # A slow answer closes its connection before the lease runs out (and is re-sent).
                 timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
-                done = self._renew_done(on_done, current[1])
+                done = partial(self._renew_done, on_done, current[1])
                 requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
         if requests:
             assert current is not None
@@ -741,14 +734,13 @@ class Renewals:
         for on_done, error in refused:
             on_done(None, error)
 
-    def _renew_done(self, on_done: RenewDone, gen: int) -> Callable[[Any, OrbitError | None], None]:
-        def done(result: Any, error: OrbitError | None) -> None:
-            if error is None:
-                on_done(result.lease, None)
-                return
-            if is_link_failure(error) and not isinstance(error, WorkerError):
-                # (A fatal error answer ends the connection by itself, with that error.)
-                self._link.broken(gen)
-            on_done(None, error)
-
-        return done
+    def _renew_done(
+        self, on_done: RenewDone, gen: int, result: Any, error: OrbitError | None
+    ) -> None:
+        if error is None:
+            on_done(result.lease, None)
+            return
+        if is_link_failure(error) and not isinstance(error, WorkerError):
+            # (A fatal error answer ends the connection by itself, with that error.)
+            self._link.broken(gen)
+        on_done(None, error)

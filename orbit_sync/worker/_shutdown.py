@@ -1,11 +1,7 @@
-"""The ``orbit-worker-shutdown`` thread: wait for a stop request, then shut down in bounded
-phases and report (the bounds: docs/architecture.md).
-
-The phases drain, cancel, abandon and flush act on the attempts, on the worker's clock; each ends
-at its deadline or once what it waits for has happened. The close then closes the link and stops
-the worker's threads, in real time. An alarm thread (``orbit-worker-shutdown-alarm``) ends every
-phase at once past their bound in real time (:meth:`Shutdown.bound`): a clock nobody moves must
-not keep a process from exiting.
+"""The ``orbit-worker-shutdown`` thread: wait for a stop request, then shut down and report. The
+phases drain, cancel, abandon and flush act on the attempts, on the worker's clock, each ending
+early once what it waits for has happened; the close stops the worker's threads in real time, and
+an alarm bounds the phases in real time too (docs/architecture.md, "Threads and their owners").
 """
 
 from __future__ import annotations
