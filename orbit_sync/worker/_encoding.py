@@ -1,17 +1,10 @@
-"""A handler's return value as the JSON the server records: a cattrs converter plus strict JSON.
+"""A handler's return value as the JSON the server records: a cattrs converter plus strict JSON
+(docs/results.md: what each kind of value becomes, and the rules that still hold after it).
 
-Plain JSON values (``dict``, ``list``, ``tuple``, ``str``, ``int``, ``float``, ``bool``, ``None``)
-go to the encoder as they are, so the common case costs one ``json.dumps`` and one strict parse.
-Anything else is handed to the result converter (a ``cattrs`` converter) and what it returns is
-encoded in turn; :func:`result_converter` builds one with the defaults users expect. What each
-kind of value becomes, and the strict rules that still hold after conversion (no NaN or
-infinity, at most 256 KiB, not ``null``): docs/results.md. A value that still cannot be encoded
-is reported with its key path and type (never its content), e.g.
-``$.items[2].blob: bytes is not JSON``.
-
-The encoded result is parsed back into fresh plain objects: that copy is what the worker sends,
-and re-sends after a reconnect, so a handler that keeps mutating what it returned cannot change a
-finish that was already decided.
+Plain JSON values go to the encoder as they are, so the common case costs one ``json.dumps`` and
+one strict parse; anything else is handed to the result converter and what it returns encoded in
+turn. A value that still cannot be encoded is reported with its key path and type, never its
+content (``$.items[2].blob: bytes is not JSON``). The parsed-back copy is what the worker sends.
 """
 
 from __future__ import annotations

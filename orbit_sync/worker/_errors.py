@@ -77,20 +77,6 @@ def is_fatal_dial_error(exc: BaseException, *, stored_identity: bool = False) ->
     return False
 
 
-#: Upgrade answers that say "no pulse.worker.v1 endpoint here" (wrong path, a plain web server,
-#: a redirect, a refused subprotocol), unlike 401/403 (credentials) and 408/429/5xx (busy).
-_BUSY_STATUSES = frozenset({408, 429})
-
-
-def _wrong_endpoint(exc: BaseException) -> int | None:
-    if not isinstance(exc, HTTPError):
-        return None
-    code = exc.status_code
-    if code in (401, 403) or code in _BUSY_STATUSES or code >= 500:
-        return None
-    return code
-
-
 class EndpointCheck:
     """Gives up on a URL that has never been a ``pulse.worker.v1`` endpoint: a 404 on the
     upgrade can be transient (an ingress during a deploy), but when every dial of a worker that
@@ -111,8 +97,11 @@ class EndpointCheck:
 
     def failed(self, exc: BaseException, server: str) -> HTTPError | None:
         """Record a failed dial; the error to stop on, or None to retry."""
-        code = _wrong_endpoint(exc)
-        if code is None or self._connected:
+        # Upgrade answers that say "no pulse.worker.v1 endpoint here" (wrong path, a plain web
+        # server, a redirect, a refused subprotocol), unlike 401/403 (credentials) and
+        # 408/429/5xx (busy).
+        code = exc.status_code if isinstance(exc, HTTPError) else None
+        if code is None or code in (401, 403, 408, 429) or code >= 500 or self._connected:
             self._since, self._count = None, 0
             return None
         now = self._clock()

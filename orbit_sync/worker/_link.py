@@ -17,10 +17,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..connection import WorkerConnection
-from ..models import (
-    CancelNotice,
-    Registration,
-)
+from ..models import CancelNotice, Registration
 
 if TYPE_CHECKING:  # it imports this module
     from ._requests import Event

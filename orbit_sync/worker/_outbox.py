@@ -1,13 +1,11 @@
-"""The durable outbox: what a killed worker process leaves for the next one to deliver.
+"""The durable outbox: what a killed worker process leaves for the next one to deliver
+(docs/outbox.md: the file, its checks and its lock).
 
-``Worker(outbox="path.sqlite")`` keeps one SQLite file (WAL, mode 0600; docs/outbox.md): each
-run's identity (``instances``: a later process speaks *as that instance* to deliver what it
-left), each attempt about to run (``launched``) and each finish decided (``finishes``, with its
-``message_id``), committed and fsync'd before the step they record. Both rows of an attempt go
-once the server acknowledged its finish (not fsync'd: a lost delete only re-sends the same
-``message_id``). The file holds secrets: it is refused when another user could read it or owns
-it; one that is not an outbox, or is corrupt, is refused and never overwritten. One process at
-a time: see ``_outbox_lock``.
+One SQLite file (WAL, mode 0600) holds each run's identity (``instances``: a later process speaks
+*as that instance* to deliver what it left), each attempt about to run (``launched``) and each
+finish decided (``finishes``, with its ``message_id``), committed and fsync'd before the step they
+record. Both rows of an attempt go once the server acknowledged its finish (not fsync'd: a lost
+delete only re-sends the same ``message_id``). One process at a time: see ``_outbox_lock``.
 """
 
 from __future__ import annotations

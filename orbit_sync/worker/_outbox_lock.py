@@ -1,23 +1,17 @@
-"""The outbox's lock file: one process owns the outbox; every handler process holds its instance.
+"""The outbox's lock file, ``outbox.sqlite-lock`` (empty, mode 0600): one process owns the
+outbox; every handler process holds its instance.
 
-Beside ``outbox.sqlite`` lives ``outbox.sqlite-lock`` (empty, mode 0600). It carries POSIX record
-locks (``fcntl.lockf``), not ``flock``, on purpose:
+POSIX record locks (``fcntl.lockf``), not ``flock``: a record lock belongs to the *process* that
+took it and is not inherited by ``fork()``, so a grandchild a handler forks cannot keep the next
+worker from opening the outbox (docs/outbox.md). And byte ranges let one file carry many locks:
+byte 0 is the owner's (exclusive), and each worker *instance* has a byte of its own, held shared
+by every process-executor child of that instance while it lives; a later process's replay takes
+that byte exclusively before it reports an attempt of the instance lost.
 
-- a record lock belongs to the *process* that took it and is not inherited by ``fork()``, so a
-  handler that forks (``os.fork``, ``multiprocessing`` with fork, a C library) leaves the
-  grandchild without the lock: it cannot keep the next worker from opening the outbox. An
-  ``flock`` lock belongs to the open file description, which a fork shares, and an ``O_CLOEXEC``
-  descriptor stays open in a child that does not ``exec``;
-- byte ranges let one file carry many locks: byte 0 is the owner's (the worker process with the
-  outbox open, exclusive), and each worker *instance* has a byte of its own, held shared by every
-  process-executor child of that instance while it lives. A later process's replay takes that
-  byte exclusively before it reports an attempt of the instance lost: while it cannot, a child of
-  the dead instance may still run the handler.
-
-The price of record locks: closing *any* descriptor of the file releases every lock the process
-holds on it. So a process opens the lock file once (:class:`LockFile`), every lock of the
-process goes through that descriptor, and a second open in the same process is refused before it
-can touch the file. Nothing else (SQLite included) ever opens it.
+The price: closing *any* descriptor of the file releases every lock the process holds on it. So
+a process opens the lock file once (:class:`LockFile`), every lock of the process goes through
+that descriptor, and a second open in the same process is refused before it can touch the file.
+Nothing else (SQLite included) ever opens it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""What a handler's ending becomes on the wire: the worker's outcome rules (the table of them,
-by how the handler ends: the README's "Outcome rules").
-
-Results (and ``details``) are encoded by a :class:`~._encoding.ResultEncoder` when the verdict
-is made: the verdict holds a plain-JSON snapshot, never the handler's live object.
-
-Pure functions, no I/O: :func:`outcome_of` maps a finished call to a :class:`Verdict`.
+"""What a handler's ending becomes on the wire: the worker's outcome rules (the README's
+"Outcome rules"), pure functions, no I/O: :func:`outcome_of` maps a finished call to a
+:class:`Verdict`, which holds a plain-JSON snapshot of the result (encoded by a
+:class:`~._encoding.ResultEncoder` as the verdict is made), never the handler's live object.
 """
 
 from __future__ import annotations
@@ -15,20 +12,11 @@ import attrs
 
 from ..errors import OrbitError
 from ..models import CODE_RE, AttemptRef, Finish, Outcome
-from ._encoding import (
-    DEFAULT_ENCODER,
-    RESULT_NOT_JSON,
-    RESULT_TOO_LARGE,
-    ResultEncoder,
-    ResultProblem,
-    type_name,
-)
+from ._encoding import DEFAULT_ENCODER, ResultEncoder, ResultProblem, type_name
 
 __all__ = [
     "CANCEL_REASONS",
     "HANDLER_TIMEOUT",
-    "RESULT_NOT_JSON",
-    "RESULT_TOO_LARGE",
     "WORKER_LOST",
     "Fail",
     "TaskCancelled",

@@ -1,14 +1,11 @@
-"""The process executor's parent side: handlers that run in child processes, the lease kept here.
+"""The process executor's parent side (docs/process-executor.md: what a user sees of it).
 
-A handler registered with ``executor="process"`` runs in a child (its CPU-bound work then holds
-no GIL against the reader and the watchdog); the parent's pool thread only relays the job, then
-cancellations and lease-deadline changes, to the child, and the child's log records and ending
-back (docs/process-executor.md: what a user sees of it). The parent bounds every ending: a child
-that ignores a cancellation for *cancel_grace* is terminated, one that dies is seen at once
-through its sentinel. Children are started with ``spawn`` (the parent is threaded) from one
-long-lived thread (:class:`_Spawner`), and never receive the connection or a secret: a job
-carries the ``Task`` and the attempt id only. The child's side, and how it never outlives its
-worker, is ``_process_child``.
+A handler registered with ``executor="process"`` runs in a child; the parent's pool thread only
+relays the job, then cancellations and lease-deadline changes, to the child, and the child's log
+records and ending back. The parent bounds every ending: a child that ignores a cancellation for
+*cancel_grace* is terminated, one that dies is seen at once through its sentinel. Children are
+started with ``spawn`` (the parent is threaded) from one long-lived thread (:class:`_Spawner`),
+and never receive the connection or a secret. The child's side is ``_process_child``.
 """
 
 from __future__ import annotations
@@ -150,11 +147,6 @@ class _Process:
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
-    def _drain_wake(self) -> None:
-        with contextlib.suppress(OSError):  # BlockingIOError once drained
-            while self._wake_r.recv(512):
-                pass
-
     def run(self, fn_bytes: bytes, ctx: TaskContext, cancel_grace: float) -> tuple[str, Any]:
         """Run one job; relay until it ends. Returns ``(kind, data)`` as the child sent it."""
         job = next(self._jobs)
@@ -185,7 +177,9 @@ class _Process:
                     [self.conn, self.proc.sentinel, self._wake_r], timeout
                 )
                 if self._wake_r in ready:
-                    self._drain_wake()
+                    with contextlib.suppress(OSError):  # BlockingIOError once drained
+                        while self._wake_r.recv(512):
+                            pass
                 if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
                     try:
                         message = self.conn.recv()
@@ -394,8 +388,7 @@ class ProcessHandler:
     """Wraps a handler so that each call runs in a child of *pool*."""
 
     def __init__(self, fn: Callable[[TaskContext, Any], Any], pool: ProcessPool) -> None:
-        check_process_handler(fn)
-        self.fn = fn
+        self.fn = fn  # checked by check_process_handler
         self._fn_bytes: bytes | None = None
         self._pool = pool
         self.__name__ = getattr(fn, "__name__", "handler")

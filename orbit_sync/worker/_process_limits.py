@@ -1,11 +1,6 @@
-"""Limits of the process executor (docs/process-executor.md), and the one reader of a process's
-memory (Linux: ``/proc/PID/statm``) they use.
-
-Recycling (``process_max_tasks_per_child``, ``process_max_memory_per_child``): after each
-attempt the pool counts the child's jobs and reads its RSS; past a limit the child exits between
-attempts, so no attempt is cut short. A memory budget (``memory_limit=MB`` of a process handler):
-while the handler runs, its process may not grow its address space (``RLIMIT_AS``, Linux) by more
-than *MB*; ``MemoryError`` then ends the attempt ``FAILED`` with :data:`HANDLER_MEMORY_LIMIT`.
+"""Limits of the process executor (docs/process-executor.md, "Recycling children and a memory
+limit per attempt"): recycling a child between attempts, a handler's memory budget
+(``RLIMIT_AS``), and the one reader of a process's memory (Linux: ``/proc/PID/statm``).
 """
 
 from __future__ import annotations

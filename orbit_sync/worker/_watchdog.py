@@ -144,8 +144,11 @@ class LeaseWatchdog:
         """Renew *attempt_id*, whose lease (just granted) ends locally at *deadline*, at half of
         what remains."""
         now = self.clock()
+        remaining = deadline - now
+        # Half of what remains, at least MIN_RENEW_INTERVAL away, never past the deadline.
+        due = now + min(max(remaining, 0.0), max(MIN_RENEW_INTERVAL, remaining / 2))
         with self._lock:
-            entry = _Entry(attempt_id, deadline, self._half_way(now, deadline), now)
+            entry = _Entry(attempt_id, deadline, due, now)
             entry.granted = (now, deadline)
             self._entries[attempt_id] = entry
             wake = self._push(entry, entry.due)
@@ -215,8 +218,7 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def untrack(self, attempt_id: str) -> None:
-        """Stop renewing *attempt_id* (its handler returned or was told to stop, or the lease
-        is gone)."""
+        """Stop renewing *attempt_id*."""
         with self._lock:
             self._entries.pop(attempt_id, None)
 
@@ -369,13 +371,6 @@ class LeaseWatchdog:
 
     # ------------------------------------------------------------------ heap (lock held)
 
-    @staticmethod
-    def _half_way(now: float, deadline: float) -> float:
-        remaining = deadline - now
-        if remaining <= 0:
-            return now
-        return now + min(remaining, max(MIN_RENEW_INTERVAL, remaining / 2))
-
     def _push(self, entry: _Entry, at: float) -> bool:
         """Schedule *entry* at *at* (its earlier item goes stale); True if the thread shell
         sleeps past it and must be woken."""
@@ -415,7 +410,6 @@ class WatchdogThread:
         self._thread = threading.Thread(target=self._main, name="orbit-lease-watchdog", daemon=True)
 
     def start(self) -> None:
-        """Start the thread."""
         self._thread.start()
 
     def wake(self) -> None:

@@ -57,8 +57,8 @@ class CapacityWindow:
         #: wait for a thread holding ``lock`` across a write.
         self._ack_lock = threading.Lock()
         #: Where every report's answer goes, on the reader (the connection thread's handling,
-        #: which sets it).
-        self.answered: Callable[[SentReport], None] = _ignored
+        #: which sets it; nobody listens to a window used alone).
+        self.answered: Callable[[SentReport], None] = lambda sent: None
 
     @property
     def offered(self) -> int:
@@ -152,10 +152,6 @@ class CapacityWindow:
         ):
             return min(capacity, held + SETTLE_AT)
         return report.capacity
-
-
-def _ignored(sent: SentReport) -> None:
-    """No connection thread listens (a window used alone)."""
 
 
 class SentReport:
