@@ -236,11 +236,8 @@ class Worker:
         - *memory_limit* (MB, process handlers): what one attempt may allocate; past it the
           attempt ends ``FAILED`` ``HANDLER_MEMORY_LIMIT``, retryable when *memory_limit_retryable*.
         - *time_limit* (seconds; default: the worker's ``time_limit``; ``None``: no limit): one
-          run's bound; at it the context is cancelled (``time_limit``) and ``TimeLimitExceeded``
-          raised in the handler's thread. Ending within the worker's ``cancel_grace`` finishes
-          ``FAILED`` ``HANDLER_TIMEOUT``, retryable when *time_limit_retryable*; past it, a child
-          process is killed (the same) and a thread finishes ``UNKNOWN`` ``HANDLER_TIMEOUT``, its
-          slot stuck until it returns (README, "Time limits").
+          run's bound, past which the handler is cancelled and interrupted and ends
+          ``HANDLER_TIMEOUT``, retryable when *time_limit_retryable* (README, "Time limits").
         """
         if callable(name) and not isinstance(name, str):
             raise TypeError(

@@ -227,8 +227,7 @@ class Shutdown:
             # 1. Drain (why it also runs what arrives meanwhile: docs/architecture.md).
             drained = self.drain()
             if not drained:
-                with self._reg.cond:
-                    held = [a.info for a in self._reg.attempts.values()]
+                held = [a.info for a in self._live()]
                 self._options.logger.warning(
                     "drain ended with %d attempt(s) still held, cancelling them: %s",
                     len(held),
