@@ -25,9 +25,9 @@ from orbit_sync.worker._errors import NotConnected
 from orbit_sync.worker._machine import (
     BUSY_DELAY,
     AttemptMachine,
-    AwaitConnection,
     BreakConnection,
     CancelContext,
+    Keep,
     LeaseLost,
     LeaseView,
     NotStarted,
@@ -37,7 +37,6 @@ from orbit_sync.worker._machine import (
     Release,
     Reported,
     ResumeEnded,
-    RetryAfter,
     RunHandler,
     Send,
     SlotFreed,
@@ -82,8 +81,13 @@ def _kinds(actions: list[object]) -> list[type]:
     return [type(a) for a in actions]
 
 
+def _begin(m: AttemptMachine) -> list[object]:
+    """The intake took the assignment and a handler here runs it: the start goes out."""
+    return m.assigned(again=False, runnable=True, stopping=False)
+
+
 def _started(m: AttemptMachine) -> None:
-    m.begin()
+    _begin(m)
     assert m.request is not None
     m.start_answered(m.request, _result(), now=NOW, cancel_reason=None, cancel_requested=False)
 
@@ -93,19 +97,19 @@ def _finishing(m: AttemptMachine) -> None:
     m.handler_returned(outcome_of(value={"ok": 1}))
 
 
-def test_begin_sends_the_start_once() -> None:
-    """An accepted assignment sends one start; a second begin does nothing."""
+def test_an_admitted_assignment_sends_the_start_once() -> None:
+    """An accepted assignment sends one start; admitting it again does nothing."""
     m = _machine()
-    actions = m.begin()
+    actions = _begin(m)
     assert actions == [Send(m.request)] and m.phase is Phase.STARTING
     assert m.request is not None and m.request.request_type == "task.start"
-    assert m.begin() == []
+    assert _begin(m) == []
 
 
 def test_start_answered_with_a_running_lease_runs_the_handler() -> None:
     """A start whose lease lets the handler run tracks the lease and runs it."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     actions = m.start_answered(
         m.request, _result(), now=NOW, cancel_reason=None, cancel_requested=False
@@ -117,7 +121,7 @@ def test_start_answered_with_a_running_lease_runs_the_handler() -> None:
 def test_start_answered_not_started_releases_without_a_finish() -> None:
     """A start that did not start the attempt (evidence only) runs nothing and sends nothing."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     lease = _lease(active=False, state=AttemptState.EXPIRED)
     actions = m.start_answered(
@@ -133,7 +137,7 @@ def test_start_answered_not_started_releases_without_a_finish() -> None:
 def test_start_answered_with_a_cancel_request_finishes_cancelled_without_running() -> None:
     """A lease carrying a cancel request cancels the context and finishes CANCELLED, not run."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     actions = m.start_answered(
         m.request,
@@ -151,7 +155,7 @@ def test_start_answered_with_a_cancel_request_finishes_cancelled_without_running
 def test_start_answered_after_a_cancelled_context_finishes_not_run() -> None:
     """A context cancelled (shutdown) before the start's answer finishes FAILED, not run."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     actions = m.start_answered(
         m.request, _result(), now=NOW, cancel_reason="shutdown", cancel_requested=False
@@ -163,7 +167,7 @@ def test_start_answered_after_a_cancelled_context_finishes_not_run() -> None:
 def test_start_answered_past_the_deadline_finishes_lease_expired() -> None:
     """A lease whose local deadline has already passed does not run the handler."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     actions = m.start_answered(
         m.request, _result(), now=NOW + 3600, cancel_reason=None, cancel_requested=False
@@ -175,7 +179,7 @@ def test_start_answered_past_the_deadline_finishes_lease_expired() -> None:
 def test_a_stale_answer_is_ignored() -> None:
     """An answer to a request the machine no longer has changes nothing."""
     m = _machine()
-    m.begin()
+    _begin(m)
     old = m.request
     assert old is not None
     m.gave_up(old)
@@ -189,30 +193,30 @@ def test_a_stale_answer_is_ignored() -> None:
 def test_link_failure_keeps_the_request_for_the_next_connection() -> None:
     """A start cut with its connection closes it and waits for a newer one, same message_id."""
     m = _machine()
-    m.begin()
+    _begin(m)
     request = m.request
     assert request is not None
     actions = m.failed(request, WorkerDisconnected("cut"), gen=3)
-    assert actions == [BreakConnection(3), AwaitConnection(3, request)]
+    assert actions == [BreakConnection(3), Keep(request, newer_than=3)]
     assert m.request is request and m.phase is Phase.STARTING
     assert m.resend(request) == [Send(request)]
     # Nothing was sent (no connection 0 to break): only wait.
     assert m.failed(request, WorkerDisconnected("none"), gen=0) == [
         BreakConnection(0),
-        AwaitConnection(0, request),
+        Keep(request),
     ]
 
 
 def test_no_connection_waits_for_the_first_one_published() -> None:
     """A start or finish that found no connection waits for one, not for a retry delay."""
     m = _machine()
-    m.begin()
+    _begin(m)
     start = m.request
     assert start is not None
     # An assignment read while its connection is still being reconciled (not yet published).
     assert m.failed(start, NotConnected("no connection"), gen=0) == [
         BreakConnection(0),
-        AwaitConnection(0, start),
+        Keep(start),
     ]
     assert m.request is start and m.phase is Phase.STARTING
     m = _machine()
@@ -221,35 +225,35 @@ def test_no_connection_waits_for_the_first_one_published() -> None:
     assert finish is not None and m.phase is Phase.FINISHING
     assert m.failed(finish, NotConnected("no connection"), gen=0) == [
         BreakConnection(0),
-        AwaitConnection(0, finish),
+        Keep(finish),
     ]
 
 
 def test_stale_session_is_a_link_failure() -> None:
     """STALE_SESSION means the connection is dead: re-send after the reconnect."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     error = WorkerError("STALE_SESSION", "old")
-    assert _kinds(m.failed(m.request, error, gen=2)) == [BreakConnection, AwaitConnection]
+    assert _kinds(m.failed(m.request, error, gen=2)) == [BreakConnection, Keep]
 
 
 def test_transient_answers_retry_after_a_delay() -> None:
     """RATE_LIMITED retries after the retry delay; our own busy after the short busy delay."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     limited = WorkerError("RATE_LIMITED", "slow down")
-    assert m.failed(m.request, limited, gen=1) == [RetryAfter(1.0, limited, m.request)]
+    assert m.failed(m.request, limited, gen=1) == [Keep(m.request, delay=1.0, error=limited)]
     busy = WorkerBusy("full")
-    assert m.failed(m.request, busy, gen=1) == [RetryAfter(BUSY_DELAY, busy, m.request)]
+    assert m.failed(m.request, busy, gen=1) == [Keep(m.request, delay=BUSY_DELAY, error=busy)]
     assert m.phase is Phase.STARTING
 
 
 def test_a_refused_start_releases_without_running() -> None:
     """A start refused for good (LEASE_LOST) runs nothing and releases the attempt."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     actions = m.failed(m.request, WorkerError("LEASE_LOST", "gone"), gen=1)
     assert _kinds(actions) == [NotStarted, Release] and m.phase is Phase.NOT_RUN
@@ -307,7 +311,7 @@ def test_finish_cut_is_kept_and_resent_with_its_id() -> None:
     assert request is not None
     assert _kinds(m.failed(request, WorkerDisconnected("cut"), gen=1)) == [
         BreakConnection,
-        AwaitConnection,
+        Keep,
     ]
     assert m.resend(request) == [Send(request)]
     assert _kinds(m.finish_answered(request, _result())) == [Reported, Release]
@@ -327,7 +331,7 @@ def test_worker_stopping_leaves_the_finish_unreported() -> None:
 def test_worker_stopping_before_the_start_answer_runs_nothing() -> None:
     """A start still waiting when the worker stops ends the attempt, not run."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     assert _kinds(m.gave_up(m.request)) == [NotStarted, Release]
     assert m.phase is Phase.NOT_RUN
@@ -367,7 +371,7 @@ def test_crash_while_running_finishes_unknown() -> None:
 def test_crash_while_starting_finishes_unknown_and_drops_the_late_answer() -> None:
     """A crash before the start's answer finishes UNKNOWN; the late start answer is ignored."""
     m = _machine()
-    m.begin()
+    _begin(m)
     start = m.request
     assert start is not None
     assert _kinds(m.crashed()) == [UntrackLease, RecordFinish, Send]
@@ -386,7 +390,7 @@ def test_crash_before_the_start_or_after_the_finish() -> None:
     _finishing(m)
     finish = m.request
     assert finish is not None
-    assert m.crashed() == [AwaitConnection(0, finish)] and m.request is finish
+    assert m.crashed() == [Keep(finish)] and m.request is finish
     m.finish_answered(finish, _result())
     assert m.crashed() == []
 
@@ -427,7 +431,7 @@ def test_resume_ignores_attempts_not_running() -> None:
     left alone: a resume only ends."""
     view = LeaseView(now=NOW, remaining=1.0, cancelled=False)
     m = _machine()
-    m.begin()
+    _begin(m)
     m.reconnected()
     assert m.resume is not None
     refusal = WorkerError("LEASE_LOST", "gone")
@@ -444,7 +448,7 @@ def test_shutdown_cancel_reaches_starting_and_running_attempts_only() -> None:
     """Shutdown's cancel step cancels a starting or running handler, nothing else."""
     m = _machine()
     assert m.shutdown_cancel() == []
-    m.begin()
+    _begin(m)
     assert m.shutdown_cancel() == [CancelContext("shutdown")]
     m = _machine()
     _started(m)

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_worker_attempt import _kinds, _lease, _machine, _result
+from test_worker_attempt import _begin, _kinds, _lease, _machine, _result
 
 from orbit_sync.client import Client
 from orbit_sync.errors import WorkerDisconnected, WorkerError
@@ -30,14 +30,13 @@ from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker._link import Link
 from orbit_sync.worker._machine import (
     AttemptMachine,
-    AwaitConnection,
     BreakConnection,
     Ended,
+    Keep,
     Phase,
     RecordFinish,
     Release,
     Reported,
-    RetryAfter,
     Send,
 )
 from orbit_sync.worker._outbox import Outbox
@@ -67,7 +66,7 @@ def test_replay_resumes_first_and_only_once() -> None:
     assert m.request.body is m.ref
     assert m.replay(None, None) == []
     live = _machine()
-    live.begin()
+    _begin(live)
     assert live.replay(None, None) == [] and live.phase is Phase.STARTING
 
 
@@ -137,9 +136,9 @@ def test_resume_failures_use_the_one_classification() -> None:
     resume = m.request
     assert resume is not None
     cut = m.failed(resume, WorkerDisconnected("cut"), gen=3)
-    assert cut == [BreakConnection(3), AwaitConnection(3, resume)]
+    assert cut == [BreakConnection(3), Keep(resume, newer_than=3)]
     busy = WorkerError("UNAVAILABLE", "later")
-    assert m.failed(resume, busy, gen=3) == [RetryAfter(1.0, busy, resume)]
+    assert m.failed(resume, busy, gen=3) == [Keep(resume, delay=1.0, error=busy)]
     assert m.resend(resume) == [Send(resume)] and m.phase is Phase.RESUMING
 
 
@@ -152,7 +151,7 @@ def test_a_stored_finish_cut_is_kept_with_its_original_id() -> None:
     m.resume_answered(m.request, _lease())
     request = m.request
     assert request is not None and request.message_id == mid
-    assert m.failed(request, WorkerDisconnected("cut"), gen=1)[1] == AwaitConnection(1, request)
+    assert m.failed(request, WorkerDisconnected("cut"), gen=1)[1] == Keep(request, newer_than=1)
     assert m.resend(request) == [Send(request)]
     assert m.finish_answered(request, _result())[-1] == Release()
 

@@ -8,9 +8,9 @@ import datetime as dt
 import math
 
 import pytest
-from test_worker_attempt import NOW, _finishing, _kinds, _lease, _machine, _result, _started
+from test_worker_attempt import NOW, _begin, _finishing, _kinds, _lease, _machine, _result, _started
 
-from orbit_sync.errors import WorkerBusy, WorkerDisconnected, WorkerError
+from orbit_sync.errors import OrbitError, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Finish, Outcome
 from orbit_sync.testing import ManualClock
 from orbit_sync.worker._errors import NotConnected
@@ -20,6 +20,7 @@ from orbit_sync.worker._machine import (
     AttemptMachine,
     BreakConnection,
     CancelContext,
+    Keep,
     LeaseLost,
     LeaseView,
     Phase,
@@ -29,7 +30,6 @@ from orbit_sync.worker._machine import (
     Reported,
     Request,
     ResumeEnded,
-    RetryAfter,
     RunHandler,
     Send,
     TrackLease,
@@ -55,7 +55,7 @@ def test_every_held_phase_resumes_first_on_a_new_connection() -> None:
     """A starting, running or finishing attempt sends a resume of its own lease (a new
     message_id per connection) and keeps its start or finish as it is."""
     starting, running, finishing = _machine(), _machine(), _machine()
-    starting.begin()
+    _begin(starting)
     _started(running)
     _finishing(finishing)
     for m in (starting, running, finishing):
@@ -71,7 +71,7 @@ def test_every_held_phase_resumes_first_on_a_new_connection() -> None:
 def test_settled_and_replayed_attempts_resume_nothing() -> None:
     """A settled attempt has no lease to resume; a replayed one is resumed by the replay."""
     m = _machine()
-    m.begin()
+    _begin(m)
     assert m.request is not None
     m.failed(m.request, WorkerError("LEASE_LOST", "gone"), gen=1)
     assert m.phase is Phase.NOT_RUN and m.reconnected() == [] and m.resume is None
@@ -107,7 +107,7 @@ def test_a_resume_sent_while_starting_never_judges_the_lease_its_start_got() -> 
     lease, a reservation from before the start was applied, then leaves the running handler
     alone."""
     m = _machine()
-    m.begin()
+    _begin(m)
     start = m.request
     assert start is not None
     resume = _resume(m)
@@ -197,7 +197,7 @@ def test_a_kept_start_goes_out_after_the_resume_and_its_answer_decides() -> None
     """A start kept across the cut is re-sent, same message_id, after the resume; the resume
     itself starts nothing."""
     m = _machine()
-    m.begin()
+    _begin(m)
     start = m.request
     assert start is not None
     m.failed(start, NotConnected("none"), gen=0)
@@ -230,13 +230,13 @@ def test_a_resume_whose_connection_fails_ends_and_breaks_that_connection() -> No
     ("error", "delay"),
     [(WorkerError("RATE_LIMITED", "slow"), 1.0), (WorkerBusy("busy"), BUSY_DELAY)],
 )
-def test_a_transient_answer_re_sends_the_same_resume(error: Exception, delay: float) -> None:
+def test_a_transient_answer_re_sends_the_same_resume(error: OrbitError, delay: float) -> None:
     """RATE_LIMITED (or our own busy gate) keeps the resume for its delay; the re-send is the
     same request, and only its answer ends it."""
     m = _machine()
     _started(m)
     resume = _resume(m)
-    assert m.failed(resume, error, gen=2, view=_view()) == [RetryAfter(delay, error, resume)]  # type: ignore[arg-type]
+    assert m.failed(resume, error, gen=2, view=_view()) == [Keep(resume, delay=delay, error=error)]
     assert m.resume is resume and m.resend(resume) == [Send(resume)]
     assert _kinds(m.resume_answered(resume, _lease(), _view())) == [RefreshLease, ResumeEnded]
 
@@ -262,7 +262,7 @@ def test_a_resume_given_up_or_outlived_ends_without_touching_the_attempt() -> No
     resume = _resume(m)
     assert m.gave_up(resume) == [ResumeEnded(resume)] and m.phase is Phase.RUNNING
     m = _machine()
-    m.begin()
+    _begin(m)
     resume = _resume(m)
     assert m.request is not None
     m.failed(m.request, WorkerError("LEASE_LOST", "x"), gen=1)  # the start refused: settled
@@ -284,7 +284,7 @@ def test_a_worker_error_mid_resume_ends_the_resume_and_finishes_unknown() -> Non
 def test_a_resume_refusal_of_a_starting_attempt_only_ends_it() -> None:
     """A refused resume of an attempt still starting leaves the start's answer to decide."""
     m = _machine()
-    m.begin()
+    _begin(m)
     resume = _resume(m)
     refusal = WorkerError("LEASE_LOST", "x")
     assert m.failed(resume, refusal, gen=1, view=_view()) == [ResumeEnded(resume, refusal)]

@@ -1,14 +1,9 @@
 """One attempt's life on the worker as a pure state machine: no sockets, no threads, no clock
-of its own (time comes in as arguments).
-
-Each event of the attempt is a method of :class:`AttemptMachine`, which returns the actions the
-shell performs, in order, outside the attempt's lock. Every decision goes through one table,
-:data:`TABLE`, ``(trigger, phase) -> (phase, actions)`` as h11 keeps its state machine; every
-other pair is a declared refusal (:data:`REFUSED`). The phases and events as diagrams:
-docs/architecture.md, "One attempt". One module, because a reconnect's rules touch every phase.
-
-A request (start, resume or finish) keeps its ``message_id`` for as long as it lives, so every
-re-send is the same operation to the server (PROTOCOL §7).
+of its own. Each event is a method of :class:`AttemptMachine`, which returns the actions the
+shell performs, in order; every decision goes through one table, :data:`TABLE`, ``(trigger,
+phase) -> (phase, actions)`` as h11 keeps its state machine. The diagrams: docs/architecture.md,
+"One attempt". A request keeps its ``message_id`` for as long as it lives, so every re-send is
+the same operation to the server (PROTOCOL §7).
 """
 
 from __future__ import annotations
@@ -49,11 +44,11 @@ __all__ = [
     "TABLE",
     "Action",
     "AttemptMachine",
-    "AwaitConnection",
     "BreakConnection",
     "CancelContext",
     "Ended",
     "InterruptHandler",
+    "Keep",
     "LeaseLost",
     "LeaseRenewed",
     "LeaseView",
@@ -67,7 +62,6 @@ __all__ = [
     "Reported",
     "Request",
     "ResumeEnded",
-    "RetryAfter",
     "RunHandler",
     "Send",
     "Skipped",
@@ -116,8 +110,7 @@ class Request:
 
     @property
     def early(self) -> bool:
-        """A resume: it may go out on a connection not yet published, since publishing waits
-        for it to go out (every other request of the attempts waits for the publishing)."""
+        """A resume: it may go out on a connection not yet published (publishing waits for it)."""
         return self.request_type == "worker.resume"
 
 
@@ -167,20 +160,14 @@ class BreakConnection(Action):
 
 
 @attrs.frozen
-class AwaitConnection(Action):
-    """Keep *request*; send it again on the first connection newer than *gen*."""
+class Keep(Action):
+    """Keep *request*; send it again on the first connection newer than *newer_than*, after
+    *delay* seconds (*error*: the transient answer that delays it)."""
 
-    gen: int
     request: Request
-
-
-@attrs.frozen
-class RetryAfter(Action):
-    """Send *request* again after *delay* seconds (a transient error answer)."""
-
-    delay: float
-    error: OrbitError
-    request: Request
+    newer_than: int = 0
+    delay: float = 0.0
+    error: OrbitError | None = None
 
 
 @attrs.frozen
@@ -228,8 +215,7 @@ class LeaseRenewed(Action):
 
 @attrs.frozen
 class RenewAfter(Action):
-    """Send the unanswered renewal again, same ``message_id``, after *delay* seconds (or at the
-    deadline, if sooner)."""
+    """Renew again, same ``message_id``, after *delay* seconds (or at the deadline if sooner)."""
 
     delay: float
     error: BaseException
@@ -300,8 +286,7 @@ class Ended(Action):
 @attrs.frozen
 class ResumeEnded(Action):
     """The live resume *request* is over, for the connection waiting for its resumes;
-    *refused*: the server's refusal, to log; *cut*: its connection failed first (that session
-    is not established)."""
+    *refused*: the server's refusal; *cut*: its connection failed first."""
 
     request: Request
     refused: OrbitError | None = None
@@ -325,8 +310,8 @@ class Skipped(Action):
 
 
 class Trigger(enum.Enum):
-    """What happened to an attempt, as the table knows it: each public method of
-    :class:`AttemptMachine` reads its event's data into one trigger."""
+    """What happened to an attempt, as the table knows it: each event method reads its data
+    into one trigger."""
 
     ADMITTED = "admitted: send the start"
     ADMITTED_STOPPING = "admitted after the drain: started with its context cancelled"
@@ -368,8 +353,7 @@ class Trigger(enum.Enum):
 
 @attrs.frozen
 class Transition:
-    """What a trigger does in a phase: the phase after it, and the kinds of the actions it
-    returns, in order."""
+    """What a trigger does in a phase: the phase after it, and its actions' kinds in order."""
 
     to: Phase
     actions: tuple[type[Action], ...]
@@ -379,9 +363,10 @@ _A, _S, _R, _F = Phase.ASSIGNED, Phase.STARTING, Phase.RUNNING, Phase.FINISHING
 _RS = Phase.RESUMING
 #: Phases in which the worker holds a live attempt (and a reconnect resumes its lease).
 _HELD = (_S, _R, _F)
-#: Where a finish ends (and an abandoned handler may still return, or a live resume sent while
-#: the attempt was held still be on its way).
+#: Where a finish ends (and an abandoned handler may still return).
 _FINISHED = (Phase.DELIVERED, Phase.REFUSED, Phase.UNREPORTED)
+#: Where a live resume may be on its way: it outlives the phase it was sent in.
+_RESUMED = (*_HELD, *_FINISHED, Phase.NOT_RUN)
 _FINISH = (RecordFinish, Send)
 _STARTS_FINISH = (UntrackLease, RecordFinish, Send)
 
@@ -390,10 +375,8 @@ def _stay(phases: tuple[Phase, ...], *actions: type[Action]) -> dict[Phase, Tran
     return {phase: Transition(phase, actions) for phase in phases}
 
 
-#: The transitions: ``TABLE[trigger][phase]``. A trigger in a phase not listed for it is
-#: refused: the machine ignores it (a stale answer, an event its phase is past) and returns no
-#: action. ``REFUSED`` lists those phases, so that every (phase, trigger) pair is declared once:
-#: the tests walk both.
+#: The transitions: ``TABLE[trigger][phase]``. A phase not listed for a trigger refuses it (a
+#: stale answer, an event its phase is past): no move, no action.
 TABLE: dict[Trigger, dict[Phase, Transition]] = {
     Trigger.ADMITTED: {_A: Transition(_S, (Send,))},
     Trigger.ADMITTED_STOPPING: {_A: Transition(_S, (CancelContext, Send))},
@@ -406,8 +389,8 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
         _S: Transition(Phase.NOT_RUN, (CancelContext, NotStarted, Release))
     },
     Trigger.FINISH_ANSWERED: {_F: Transition(Phase.DELIVERED, (Reported, Release))},
-    Trigger.LINK_FAILED: _stay((_S, _F, _RS), BreakConnection, AwaitConnection),
-    Trigger.TRANSIENT: _stay((*_HELD, _RS), RetryAfter),
+    Trigger.LINK_FAILED: _stay((_S, _F, _RS), BreakConnection, Keep),
+    Trigger.TRANSIENT: _stay((*_HELD, _RS), Keep),
     Trigger.REFUSED: {
         _S: Transition(Phase.NOT_RUN, (NotStarted, Release)),
         _F: Transition(Phase.REFUSED, (Reported, Release)),
@@ -428,17 +411,14 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
         _A: Transition(Phase.NOT_RUN, (NotStarted, Release)),
         _S: Transition(_F, _STARTS_FINISH),
         _R: Transition(_F, _STARTS_FINISH),
-        _F: Transition(_F, (AwaitConnection,)),
+        _F: Transition(_F, (Keep,)),
     },
     Trigger.RECONNECTED: _stay(_HELD, Send),
     Trigger.RESUME_HOLDS: _stay((_R,), RefreshLease, ResumeEnded),
     Trigger.RESUME_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext, ResumeEnded),
     Trigger.RESUME_LOST: _stay((_R,), UntrackLease, CancelContext, LeaseLost, ResumeEnded),
-    # A resume outlives the phase it was sent in: its end is counted whatever the phase.
-    Trigger.RESUME_OVER: _stay((*_HELD, *_FINISHED, Phase.NOT_RUN), ResumeEnded),
-    Trigger.RESUME_LINK_FAILED: _stay(
-        (*_HELD, *_FINISHED, Phase.NOT_RUN), BreakConnection, ResumeEnded
-    ),
+    Trigger.RESUME_OVER: _stay(_RESUMED, ResumeEnded),
+    Trigger.RESUME_LINK_FAILED: _stay(_RESUMED, BreakConnection, ResumeEnded),
     Trigger.RENEWED: _stay((_R,), TrackLease, LeaseRenewed),
     Trigger.RENEW_FAILED: _stay((_R,), RenewAfter),
     Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext),
@@ -464,8 +444,8 @@ REFUSED: dict[Trigger, frozenset[Phase]] = {
 
 @attrs.define(eq=False)
 class AttemptMachine:
-    """The phase of one attempt and the requests it has on its way. Not thread-safe by itself:
-    the shell calls it under the attempt's lock."""
+    """The phase of one attempt and the requests it has on its way (the shell calls it under
+    the attempt's lock)."""
 
     ref: AttemptRef
     _new_id: Callable[[], str] = attrs.field(kw_only=True)
@@ -500,9 +480,8 @@ class AttemptMachine:
         return self.phase in SETTLED
 
     def fire(self, trigger: Trigger) -> bool:
-        """Move by :data:`TABLE`: True if *trigger* is a transition in this phase (the phase
-        is moved), False if the phase refuses it. Every method below decides through it. A
-        move to another phase ends the request on its way (the method sets the next, if any)."""
+        """Move by :data:`TABLE`: False if the phase refuses *trigger*. A move to another phase
+        ends the request on its way (the method sets the next, if any)."""
         move = TABLE[trigger].get(self.phase)
         if move is None:
             return False
@@ -516,7 +495,7 @@ class AttemptMachine:
         return True
 
     def _take(self, trigger: Trigger, *actions: Action) -> list[Action]:
-        """*actions* if the phase takes *trigger* (and moves by it), else none."""
+        """*actions* if the phase takes *trigger*, else none."""
         return list(actions) if self.fire(trigger) else []
 
     # ------------------------------------------------------------------ the assignment
@@ -537,10 +516,6 @@ class AttemptMachine:
         self.request = Request("task.start", self.ref, self._new_id())
         send = Send(self.request)
         return [CancelContext("shutdown"), send] if stopping else [send]
-
-    def begin(self) -> list[Action]:
-        """The assignment was accepted: send its start."""
-        return self.assigned(again=False, runnable=True, stopping=False)
 
     # ------------------------------------------------------------------ requests
 
@@ -601,7 +576,7 @@ class AttemptMachine:
             return []
         if is_link_failure(error):
             # Maybe sent, maybe applied: the same operation goes out again after the reconnect.
-            kept = AwaitConnection(gen, request)
+            kept = Keep(request, newer_than=gen)
             return self._take(Trigger.LINK_FAILED, BreakConnection(gen), kept)
         if is_transient(error):
             return self._take(Trigger.TRANSIENT, self._retry(request, error))
@@ -639,8 +614,8 @@ class AttemptMachine:
     # ------------------------------------------------------------------ outbox replay
 
     def replay(self, finish: Finish | None, message_id: str | None) -> list[Action]:
-        """A stored attempt of a dead instance, on the replay session: resume its lease first
-        (the session takes it over); *finish* and *message_id*: its stored finish, if any."""
+        """A stored attempt of a dead instance: resume its lease first (the replay session
+        takes it over); *finish* and *message_id*: its stored finish, if any."""
         if not self.fire(Trigger.REPLAY):
             return []
         if finish is not None and message_id is not None:
@@ -696,17 +671,16 @@ class AttemptMachine:
         return self.handler_returned(outbox_unavailable())
 
     def crashed(self) -> list[Action]:
-        """A step of this attempt raised unexpectedly (a bug of ours): finish it UNKNOWN rather
-        than drop it; if its finish was already decided, keep it for a re-send (same
-        ``message_id``: a copy that did go out is answered as a duplicate). A live resume on
-        its way is over: its connection must not wait for it."""
+        """A step of this attempt raised (a bug of ours): finish it UNKNOWN rather than drop
+        it, or keep a decided finish for a re-send (a copy that did go out is answered as a
+        duplicate). A live resume is over: its connection must not wait for it."""
         if self.resume is not None:
             return [*self._resume_over(Trigger.RESUME_OVER), *self.crashed()]
         if self.phase is Phase.ASSIGNED:
             return self._take(Trigger.CRASHED, NotStarted("not started: worker error"), Release())
         if self.phase is Phase.FINISHING:
             assert self.request is not None, "a finishing attempt has its finish on its way"
-            return self._take(Trigger.CRASHED, AwaitConnection(0, self.request))
+            return self._take(Trigger.CRASHED, Keep(self.request))
         actions = self._finishing(Trigger.CRASHED, worker_error(), UntrackLease())
         if actions:
             self.handler_done = True
@@ -715,10 +689,9 @@ class AttemptMachine:
     # ------------------------------------------------------------------ leases and cancels
 
     def reconnected(self) -> list[Action]:
-        """A new connection is open (not yet published) while the worker holds the attempt:
-        resume its lease there first (PROTOCOL §5.5). A start or finish kept for the new
-        connection stays kept: it goes out, same ``message_id``, once the connection is
-        published, which waits for every resume to go out (so it follows this one)."""
+        """A new connection is open (not yet published): resume the lease there first
+        (PROTOCOL §5.5). A start or finish kept for it goes out once it is published, which
+        waits for every resume to go out."""
         if not self.fire(Trigger.RECONNECTED):
             return []  # not held: nothing to resume (RESUMING: the replay's own session)
         self.resume = Request("worker.resume", self.ref, self._new_id())
@@ -748,8 +721,7 @@ class AttemptMachine:
         return self._lease_over(Trigger.LEASE_ENDED, reason, lost)
 
     def cancel_pushed(self) -> list[Action]:
-        """A ``task.cancel`` push: the handler is told to stop (it has not started: it never
-        will; it runs: its lease is no longer renewed)."""
+        """A ``task.cancel`` push: the handler is told to stop (or never starts)."""
         return self._lease_over(Trigger.CANCEL_PUSHED, "cancel_requested")
 
     def shutdown_cancel(self) -> list[Action]:
@@ -761,9 +733,9 @@ class AttemptMachine:
         return self._abandon(abandoned(), "shutdown")
 
     def time_limit_passed(self) -> list[Action]:
-        """The handler has run for its time limit: cancel its context (``time_limit``) and, on a
-        thread, interrupt it, giving it the grace to stop. A handler in a child process is
-        interrupted there by the process executor, which kills the child past the grace."""
+        """The handler has run for its time limit: cancel its context and, on a thread,
+        interrupt it (in a child process, the process executor interrupts it and kills the
+        child past the grace)."""
         limit = self.time_limit
         if limit is None or self.timed_out or self.handler_done:
             return []
@@ -777,8 +749,8 @@ class AttemptMachine:
         return actions
 
     def time_limit_grace_passed(self) -> list[Action]:
-        """The grace after the time limit is over and the handler's thread still runs: it cannot
-        be stopped, so its effect is uncertain: finish UNKNOWN (``HANDLER_TIMEOUT``)."""
+        """The handler's thread still runs past the time limit's grace: it cannot be stopped,
+        its effect is uncertain: finish UNKNOWN (``HANDLER_TIMEOUT``)."""
         if not self.timed_out:
             return []
         return self._abandon(timed_out(), "time_limit")
@@ -786,8 +758,7 @@ class AttemptMachine:
     # ------------------------------------------------------------------ internal
 
     def _lease_over(self, trigger: Trigger, reason: str, *more: Action) -> list[Action]:
-        """The context is cancelled with *reason*; a running handler's lease is no longer
-        renewed (it is told to stop)."""
+        """Cancel the context with *reason*; a running handler's lease is renewed no more."""
         if not self.fire(trigger):
             return []
         cancel = CancelContext(reason)
@@ -809,14 +780,10 @@ class AttemptMachine:
         self, lease: Lease | None, view: LeaseView, *, refused: OrbitError | None = None
     ) -> list[Action]:
         """A live resume is over (answered with *lease*, or refused): what it says of the
-        lease the handler runs on, then its end, which the connection counts.
-
-        It speaks only for an attempt that was running when it was sent, and whose context is
-        not cancelled yet: a starting or finishing one has its own request right behind the
-        resume, whose answer decides. A start kept for the connection may already be answered
-        (its answer is stepped on the reader, the resume's on the connection thread): the
-        resume's lease, from before the start was applied, then says nothing of the lease the
-        handler now runs on."""
+        lease the handler runs on, then its end. It speaks only for an attempt running when it
+        was sent, context not cancelled: a starting or finishing one has its own request right
+        behind the resume, whose answer decides. A start kept for the connection may be answered
+        first (on the reader): the resume's lease, from before it, says nothing of the new one."""
         speaks = self.resumed_running and self.phase is Phase.RUNNING and not view.cancelled
         if not speaks:
             return self._resume_over(Trigger.RESUME_OVER, refused=refused)
@@ -851,28 +818,25 @@ class AttemptMachine:
         result: CommandResult | None = None,
         error: OrbitError | None = None,
     ) -> list[Action]:
-        """The finish's fate, if the phase takes *trigger*: *result* (accepted), *error*
-        (refused), or neither (unreported)."""
+        """The finish's fate: *result* (accepted), *error* (refused), or neither."""
         if not self.fire(trigger):
             return []
         assert self.verdict is not None
         return [Reported(self.verdict, result, error), Release()]
 
     def _finishing(self, trigger: Trigger, verdict: Verdict, *first: Action) -> list[Action]:
-        """If the phase takes *trigger* (to FINISHING): *first*, then the finish of *verdict*,
-        committed to the outbox before it is sent."""
+        """*first*, then the finish of *verdict*, recorded before it is sent."""
         if not self.fire(trigger):
             return []
         self.verdict = verdict
         self.request = Request("task.finish", verdict.finish(self.ref), self._new_id())
         return [*first, RecordFinish(self.request), Send(self.request)]
 
-    def _retry(self, request: Request, error: OrbitError) -> RetryAfter:
-        return RetryAfter(retry_delay(error, self.retry_delay), error, request)
+    def _retry(self, request: Request, error: OrbitError) -> Keep:
+        return Keep(request, delay=retry_delay(error, self.retry_delay), error=error)
 
 
 def retry_delay(error: BaseException, delay: float) -> float:
-    """The one delay before a request answered with the transient *error* goes out again:
-    *delay* (the worker's retry delay), or :data:`BUSY_DELAY` when nothing was sent because
-    the worker's own request slots were full (one frees within a round trip)."""
+    """The delay before a request answered with the transient *error* goes out again:
+    *delay*, or :data:`BUSY_DELAY` when the worker's own request slots were full."""
     return BUSY_DELAY if isinstance(error, WorkerBusy) else delay

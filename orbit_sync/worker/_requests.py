@@ -17,15 +17,7 @@ from ..connection import on_reader_thread, pipeline_of
 from ..errors import OrbitError
 from ._errors import NotConnected
 from ._link import Connection, GaveUp, Link
-from ._machine import (
-    Action,
-    AttemptMachine,
-    AwaitConnection,
-    BreakConnection,
-    Request,
-    RetryAfter,
-    Send,
-)
+from ._machine import Action, AttemptMachine, BreakConnection, Keep, Request, Send
 
 __all__ = ["Event", "RequestPath"]
 
@@ -87,7 +79,7 @@ class RequestPath(Generic[S]):
         """Perform *action* if it is about a request (send, keep, break); False if not."""
         if isinstance(action, Send):
             self._send(subject, action.request)
-        elif isinstance(action, AwaitConnection | RetryAfter):
+        elif isinstance(action, Keep):
             self._keep(subject, action)
         elif isinstance(action, BreakConnection):
             if action.gen:  # 0: nothing was sent, there is no connection to break
@@ -163,19 +155,15 @@ class RequestPath(Generic[S]):
         else:
             self.outcome(subject, request, self.answer(subject, request, value))
 
-    def _keep(self, subject: S, action: AwaitConnection | RetryAfter) -> None:
+    def _keep(self, subject: S, kept: Keep) -> None:
         """Keep the request for the link's driver to re-send (same message_id)."""
-        request = action.request
-        if isinstance(action, RetryAfter):
+        request, error = kept.request, kept.error
+        if error is not None:
             self._log.info(
-                "request answered %s; retrying",
-                getattr(action.error, "code", type(action.error).__name__),
+                "request answered %s; retrying", getattr(error, "code", type(error).__name__)
             )
-            newer_than, delay = 0, action.delay
-        else:
-            newer_than, delay = action.gen, 0.0
         job = partial(self.step, subject, lambda m: m.resend(request))
-        if self._link.keep(job, newer_than=newer_than, delay=delay, early=request.early):
+        if self._link.keep(job, newer_than=kept.newer_than, delay=kept.delay, early=request.early):
             self._wake()
         else:
             self.outcome(subject, request, lambda m: m.gave_up(request))
