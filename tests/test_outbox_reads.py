@@ -134,7 +134,7 @@ def test_the_stored_rows_read_back_intact(
     """The reads still decode what was written (the mapping changes only failures)."""
     box, reg, ref = stored
     (instance,) = box.instances()
-    assert instance.registration.instance_secret == reg.instance_secret
+    assert instance.instance_secret == reg.instance_secret
     (pending,) = box.pending(reg.instance_id)
     assert pending.ref == ref and pending.finish is not None
     assert pending.finish.result == json.loads('{"ok": true}')

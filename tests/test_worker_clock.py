@@ -13,7 +13,7 @@ from orbit_sync import SystemClock
 from orbit_sync.models import TaskState
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import TaskContext
-from orbit_sync.worker._clock import Wakeup
+from orbit_sync.worker._link import Wakeup
 from orbit_sync.worker._pool import IDLE_TIMEOUT, DaemonPool
 
 

@@ -57,11 +57,9 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Handlers:
-    """The handler table of one Worker: each handler by (name, handler version, payload
-    version) with its task logger and time limit, the process pool its ``executor="process"``
-    handlers share (made at the first), the worker's identity (new in a forked child) and its
-    :class:`~orbit_sync.models.Registration`. Read and changed under the worker's registry
-    condition: registration happens before start, lookups on the connection's reader after it."""
+    """The handler table of one Worker (docs/architecture.md, ``_handlers``). Read and changed
+    under the worker's registry condition: registration happens before start, lookups on the
+    connection's reader after it."""
 
     def __init__(self, lock: threading.Condition, options: WorkerOptions) -> None:
         self._lock = lock

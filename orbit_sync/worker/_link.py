@@ -22,7 +22,7 @@ from ..models import CancelNotice, Registration
 if TYPE_CHECKING:  # it imports this module
     from ._requests import Event
 
-__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link", "Resumes"]
+__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link", "Resumes", "Wakeup"]
 
 T = TypeVar("T")
 
@@ -313,3 +313,38 @@ class Resumes(Generic[T]):
         while self._events:
             taken.append(self._events.popleft())
         return taken
+
+
+class Wakeup:
+    """An ``Event`` whose timed :meth:`wait` runs on a :class:`~orbit_sync.Clock` (the worker's
+    waits for its next due moment: a test's ``ManualClock`` ends them when it moves past their
+    deadline)."""
+
+    __slots__ = ("_clock", "_cond", "_flag")
+
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._cond = threading.Condition(threading.Lock())
+        self._flag = False
+
+    def set(self) -> None:
+        """Set the flag and wake every waiter."""
+        with self._cond:
+            self._flag = True
+            self._cond.notify_all()
+
+    def clear(self) -> None:
+        """Reset the flag."""
+        with self._cond:
+            self._flag = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the flag is set or *timeout* (clock seconds) passes; return the flag."""
+        deadline = None if timeout is None else self._clock.now() + max(0.0, timeout)
+        with self._cond:
+            while True:
+                if self._flag:
+                    return True
+                if deadline is not None and self._clock.now() >= deadline:
+                    return False
+                self._clock.wait(self._cond, deadline)

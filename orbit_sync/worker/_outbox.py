@@ -25,7 +25,7 @@ from ..errors import OrbitError
 from ..models import AttemptRef, Capability, Finish, Outcome, Registration
 from ._outbox_lock import HeldHere, LockBusy, LockFile, lock_path, open_private
 
-__all__ = ["Outbox", "OutboxError", "Pending", "StoredInstance"]
+__all__ = ["Outbox", "OutboxError", "Pending"]
 
 #: ``PRAGMA application_id``: marks the file as ours ("ORBT").
 APPLICATION_ID = 0x4F524254
@@ -81,13 +81,6 @@ def _file_error(path: str, exc: BaseException) -> BaseException:
             return OutboxError(f"outbox {path} is a directory; give a file path")
         return OutboxError(f"outbox {path} cannot be opened: {exc.strerror or exc}")
     return exc
-
-
-@attrs.frozen
-class StoredInstance:
-    """A worker run's identity, as stored (the secret is redacted in the repr)."""
-
-    registration: Registration
 
 
 @attrs.frozen
@@ -327,7 +320,7 @@ class Outbox:
 
     # ------------------------------------------------------------------ replay
 
-    def instances(self, *, exclude: str | None = None) -> list[StoredInstance]:
+    def instances(self, *, exclude: str | None = None) -> list[Registration]:
         """Stored identities (other than *exclude*, this run's)."""
         rows = self._read(
             "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
@@ -339,14 +332,12 @@ class Outbox:
                 if instance_id == exclude:
                     continue
                 out.append(
-                    StoredInstance(
-                        Registration(
-                            queue_id=queue_id,
-                            capabilities=[Capability(*c) for c in json.loads(caps)],
-                            capacity=capacity,
-                            instance_id=instance_id,
-                            instance_secret=secret,
-                        )
+                    Registration(
+                        queue_id=queue_id,
+                        capabilities=[Capability(*c) for c in json.loads(caps)],
+                        capacity=capacity,
+                        instance_id=instance_id,
+                        instance_secret=secret,
                     )
                 )
         return out

@@ -1,19 +1,10 @@
-"""Replay of a durable outbox: deliver what earlier, killed processes left (docs/outbox.md).
-
-A restarted process speaks *as the instance that left the records* on a session of its own
-(which fences any session the dead process still had), resumes each stored attempt, then sends
-each stored finish with its original ``message_id`` and, for an attempt launched but never
-finished whose lease it could resume, ``UNKNOWN`` with ``WORKER_LOST`` (recorded before it is
-sent). A refused resume, or an inactive lease, means the server already ended the attempt: its
-record is dropped rather than contradict what the server knows.
+"""Replay of a durable outbox: deliver what earlier, killed processes left (docs/outbox.md: what
+is sent, as which instance, and why nothing runs twice; docs/architecture.md: the transitions).
 
 Each stored attempt is an :class:`~._machine.AttemptMachine` entered by its ``replay`` step; its
 requests go through the worker's one request path (:mod:`._requests`), retried as a live
 attempt's. :class:`ReplayShell` drives one try on one connection and ends by :data:`TRY_LIMIT`
-at the latest; what is left waits for the next try, after the backoff. No attempt is reported
-lost while a handler process of the dead instance may still run it: the replay first takes the
-instance's lock (``_outbox_lock``). The replay session never reports capacity and runs no
-handler: replay cannot run anything twice.
+at the latest; what is left waits for the next try, after the backoff.
 """
 
 from __future__ import annotations
@@ -25,9 +16,8 @@ from functools import partial
 from ..clock import Clock, SystemClock
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
-from ._clock import Wakeup
 from ._errors import is_fatal_dial_error
-from ._link import Connection, Dialer, Link
+from ._link import Connection, Dialer, Link, Wakeup
 from ._machine import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
 from ._outbox import Outbox, Pending
 from ._outcomes import WORKER_LOST
@@ -115,10 +105,9 @@ def replay(
     """
     clock = clock or SystemClock()
     complete = True
-    for stored in outbox.instances(exclude=exclude):
+    for registration in outbox.instances(exclude=exclude):
         if stop is not None and stop.is_closed():
             return False
-        registration = stored.registration
         instance = registration.instance_id
         pending = outbox.pending(instance)
         if not pending:
@@ -286,13 +275,12 @@ class ReplayShell(RequestPath[_Stored]):
 
     def _drain(self) -> None:
         while self._events:
-            subject, event = self._events.popleft()
-            self._perform(subject, event(subject.machine))
+            s, event = self._events.popleft()
+            for action in event(s.machine):
+                self._perform(s, action)
 
-    def _perform(self, s: _Stored, actions: list[Action]) -> None:
-        for action in actions:
-            if self.perform_request(s, action):
-                continue
+    def _perform(self, s: _Stored, action: Action) -> None:
+        if not self.perform_request(s, action):
             if isinstance(action, RecordFinish):
                 finish = action.request.body
                 assert isinstance(finish, Finish)

@@ -21,9 +21,8 @@ from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
 from ..models import Outcome, Registration
 from ._admission import Admission
-from ._clock import Wakeup
 from ._handlers import Handlers
-from ._link import Dialer, Link
+from ._link import Dialer, Link, Wakeup
 from ._listeners import DrainEvent, Hooks
 from ._options import WorkerOptions
 from ._outbox import Outbox

@@ -1,7 +1,6 @@
-"""What the ``orbit-worker-connection`` thread does with each connection, top to bottom:
-dial (:meth:`SessionLoop.run`), open, resume, publish, re-send, renew, report
-(:meth:`SessionLoop._reconcile`), serve (:meth:`SessionLoop._serve`), and after a failed dial or
-a lost session wait (:mod:`._redial`) and dial again with the same registration.
+"""What the ``orbit-worker-connection`` thread does with each connection (docs/architecture.md,
+``_session_loop``): dial (:meth:`SessionLoop.run`), reconcile (:meth:`SessionLoop._reconcile`),
+serve (:meth:`SessionLoop._serve`), and after a failed dial or a lost session dial again.
 
 Errors: a network or protocol failure reconnects; credentials the server refuses, or a server
 that never spoke the protocol, stop the worker; an unexpected exception (a bug of ours) is

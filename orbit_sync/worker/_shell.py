@@ -22,11 +22,10 @@ from ..client import DialCut
 from ..connection import Submission, pipeline_of
 from ..errors import OrbitError, WorkerError
 from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
-from ._clock import Wakeup
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_link_failure
-from ._link import Connection, Link, Resumes
+from ._link import Connection, Link, Resumes, Wakeup
 from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,

@@ -29,8 +29,8 @@ import attrs
 from .._realtime import monotonic
 from ..errors import OrbitError
 from ..models import Lease, new_message_id
-from ._clock import Wakeup
 from ._errors import is_transient
+from ._link import Wakeup
 from ._machine import MIN_RETRY_DELAY, RenewAnswer
 from ._time_limits import Timers
 
@@ -50,16 +50,13 @@ SendRenews = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
 #: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
 MIN_RENEW_INTERVAL = 0.05
 #: A renewal joins a batch that is being sent anyway once no more than this fraction of its wait
-#: (from its last grant to when it is due) is left: it then goes out at 3/8 instead of 1/2 of
-#: the remaining window at the earliest, so it keeps more slack, never less.
+#: (from its last grant to when it is due) is left.
 GROUP_FRACTION = 0.25
-#: Renewals added early stop once a batch holds this many: a connection takes at most 32 requests
-#: in flight (more are refused, then retried a retry delay later), and handlers' starts and
-#: finishes need room too. Renewals that are due always go, however many.
+#: Renewals added early stop once a batch holds this many: handlers' starts and finishes need
+#: room among the connection's 32 requests in flight too. Renewals that are due always go.
 MAX_EARLY_BATCH = 16
 #: On a new connection, a lease is renewed at once once this fraction of the window its last
-#: grant gave has passed (see :meth:`LeaseWatchdog.connected`): at most one renewal per attempt
-#: per quarter window, however often the link reconnects.
+#: grant gave has passed (see :meth:`LeaseWatchdog.connected`).
 RECONNECT_FRACTION = 0.25
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
@@ -192,11 +189,9 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def retry(self, attempt_id: str, delay: float, error: BaseException) -> None:
-        """Send *attempt_id*'s unanswered renewal (which failed with *error*) again after
-        *delay*, or at its deadline if sooner (then to expire it, if nothing came meanwhile).
-        Its ``message_id`` is kept: if that renew reached the server, the re-send returns the
-        original receipt instead of applying a second renewal (a new connection re-sends it
-        sooner, see :meth:`connected`)."""
+        """Send *attempt_id*'s unanswered renewal (which failed with *error*) again, with its
+        ``message_id``, after *delay*, or at its deadline if sooner (then to expire it, if
+        nothing came meanwhile)."""
         now = self.clock()
         with self._lock:
             entry = self._entries.get(attempt_id)
