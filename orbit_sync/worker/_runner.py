@@ -113,12 +113,33 @@ class Worker:
         time_limit: float | None = None,
         first_connect_timeout: float | None = None,
     ) -> None:
-        # Every keyword but the client is a WorkerOptions field of the same name.
-        options = dict(locals())
-        del options["self"], options["client"]
-        # Resolved once: options and with_options() then name the queue this worker serves.
-        options["queue_id"] = queue_id_from_env() if queue_id is None else queue_id
-        self._build(client, WorkerOptions(**options))
+        # Each keyword by name (not locals()), so mypy checks every one against WorkerOptions.
+        options = WorkerOptions(
+            # Resolved once: options and with_options() then name the queue this worker serves.
+            queue_id=queue_id_from_env() if queue_id is None else queue_id,
+            capacity=capacity,
+            drain_timeout=drain_timeout,
+            cancel_grace=cancel_grace,
+            flush_timeout=flush_timeout,
+            reconnect_backoff=reconnect_backoff,
+            renew_retry_delay=renew_retry_delay,
+            cancellation_notifications=cancellation_notifications,
+            dial_timeout=dial_timeout,
+            call_timeout=call_timeout,
+            max_in_flight=max_in_flight,
+            handle_signals=handle_signals,
+            logger=logger,
+            result_converter=result_converter,
+            listeners=listeners,
+            clock=clock,
+            process_pool=process_pool,
+            process_max_tasks_per_child=process_max_tasks_per_child,
+            process_max_memory_per_child=process_max_memory_per_child,
+            outbox=outbox,
+            time_limit=time_limit,
+            first_connect_timeout=first_connect_timeout,
+        )
+        self._build(client, options)
 
     @classmethod
     def from_options(cls, client: Dialer, options: WorkerOptions) -> Worker:
