@@ -369,6 +369,8 @@ _FINISHED = (Phase.DELIVERED, Phase.REFUSED, Phase.UNREPORTED)
 _RESUMED = (*_HELD, *_FINISHED, Phase.NOT_RUN)
 _FINISH = (RecordFinish, Send)
 _STARTS_FINISH = (UntrackLease, RecordFinish, Send)
+#: A running handler told to stop: its lease is renewed no more, its context cancelled.
+_STOP = (UntrackLease, CancelContext)
 
 
 def _stay(phases: tuple[Phase, ...], *actions: type[Action]) -> dict[Phase, Transition]:
@@ -415,25 +417,19 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     },
     Trigger.RECONNECTED: _stay(_HELD, Send),
     Trigger.RESUME_HOLDS: _stay((_R,), RefreshLease, ResumeEnded),
-    Trigger.RESUME_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext, ResumeEnded),
-    Trigger.RESUME_LOST: _stay((_R,), UntrackLease, CancelContext, LeaseLost, ResumeEnded),
+    Trigger.RESUME_CANCEL_REQUESTED: _stay((_R,), *_STOP, ResumeEnded),
+    Trigger.RESUME_LOST: _stay((_R,), *_STOP, LeaseLost, ResumeEnded),
     Trigger.RESUME_OVER: _stay(_RESUMED, ResumeEnded),
     Trigger.RESUME_LINK_FAILED: _stay(_RESUMED, BreakConnection, ResumeEnded),
     Trigger.RENEWED: _stay((_R,), TrackLease, LeaseRenewed),
     Trigger.RENEW_FAILED: _stay((_R,), RenewAfter),
-    Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), UntrackLease, CancelContext),
-    Trigger.LEASE_ENDED: _stay((_R,), UntrackLease, CancelContext, LeaseLost),
-    Trigger.CANCEL_PUSHED: {
-        **_stay((_A, _S), CancelContext),
-        **_stay((_R,), UntrackLease, CancelContext),
-    },
-    Trigger.SHUTDOWN_CANCEL: {
-        **_stay((_S,), CancelContext),
-        **_stay((_R,), UntrackLease, CancelContext),
-    },
+    Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), *_STOP),
+    Trigger.LEASE_ENDED: _stay((_R,), *_STOP, LeaseLost),
+    Trigger.CANCEL_PUSHED: {**_stay((_A, _S), CancelContext), **_stay((_R,), *_STOP)},
+    Trigger.SHUTDOWN_CANCEL: {**_stay((_S,), CancelContext), **_stay((_R,), *_STOP)},
     Trigger.ABANDON: {_R: Transition(_F, (UntrackLease, SlotStuck, *_FINISH))},
-    Trigger.TIME_LIMIT: _stay((_R,), UntrackLease, CancelContext, InterruptHandler),
-    Trigger.TIME_LIMIT_IN_PROCESS: _stay((_R,), UntrackLease, CancelContext),
+    Trigger.TIME_LIMIT: _stay((_R,), *_STOP, InterruptHandler),
+    Trigger.TIME_LIMIT_IN_PROCESS: _stay((_R,), *_STOP),
 }
 
 #: For each trigger, the phases that refuse it (every phase the table does not list for it).
