@@ -14,7 +14,7 @@ from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
 from orbit_sync.errors import HTTPError
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import Backoff, Worker
-from orbit_sync.worker._errors import EndpointCheck
+from orbit_sync.worker._errors import FirstContact
 
 URL = "ws://127.0.0.1:1"
 
@@ -57,11 +57,11 @@ def test_a_wrong_path_stops_the_worker_after_the_window(server: MockOrbitServer)
 def test_wrong_endpoint_answers_are_retried_within_the_window() -> None:
     """Fewer than three dials, or less than the window: retry."""
     now = [0.0]
-    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
-    assert check.failed(HTTPError(404), URL) is None
+    check = FirstContact(lambda: now[0], None, window=60.0, dials=3)
+    assert check.wrong_endpoint(HTTPError(404), URL) is None
     now[0] = 100.0
-    assert check.failed(HTTPError(404), URL) is None  # only the second dial
-    stop = check.failed(HTTPError(404), URL)
+    assert check.wrong_endpoint(HTTPError(404), URL) is None  # only the second dial
+    stop = check.wrong_endpoint(HTTPError(404), URL)
     assert stop is not None and stop.status_code == 404
 
 
@@ -69,28 +69,28 @@ def test_wrong_endpoint_answers_are_retried_within_the_window() -> None:
 def test_busy_and_credential_answers_are_not_wrong_endpoints(status: int) -> None:
     """A busy server (408/429/5xx) is retried without end; credentials are judged elsewhere."""
     now = [0.0]
-    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
+    check = FirstContact(lambda: now[0], None, window=60.0, dials=3)
     for _ in range(10):
         now[0] += 100.0
-        assert check.failed(HTTPError(status), URL) is None
+        assert check.wrong_endpoint(HTTPError(status), URL) is None
 
 
 def test_a_url_that_once_connected_is_retried_without_end() -> None:
     """After a welcome, a 404 (an ingress during a deploy) never stops the worker."""
     now = [0.0]
-    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
+    check = FirstContact(lambda: now[0], None, window=60.0, dials=3)
     check.connected()
     for _ in range(10):
         now[0] += 100.0
-        assert check.failed(HTTPError(404), URL) is None
+        assert check.wrong_endpoint(HTTPError(404), URL) is None
 
 
 def test_another_failure_restarts_the_count() -> None:
     """A network failure between 404s (the server restarting) starts the window again."""
     now = [0.0]
-    check = EndpointCheck(lambda: now[0], window=60.0, dials=3)
-    check.failed(HTTPError(404), URL)
-    check.failed(HTTPError(404), URL)
+    check = FirstContact(lambda: now[0], None, window=60.0, dials=3)
+    check.wrong_endpoint(HTTPError(404), URL)
+    check.wrong_endpoint(HTTPError(404), URL)
     now[0] = 100.0
-    check.failed(ConnectionRefusedError(), URL)
-    assert check.failed(HTTPError(404), URL) is None
+    check.wrong_endpoint(ConnectionRefusedError(), URL)
+    assert check.wrong_endpoint(HTTPError(404), URL) is None

@@ -16,17 +16,19 @@ from ._link import Dialer
 from ._listeners import (
     AttemptEvent,
     AttemptFinished,
+    AttemptInfo,
     DisconnectEvent,
     DrainEvent,
     LeaseEvent,
     SessionEvent,
+    ShutdownReport,
     StuckEvent,
     WorkerListener,
+    WorkerStats,
 )
 from ._options import WorkerOptions
 from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, Verdict
 from ._redial import Backoff
-from ._report import AttemptInfo, ShutdownReport, WorkerStats
 from ._runner import Handler, Worker
 
 __all__ = [

@@ -21,7 +21,6 @@ from ..errors import (
 )
 
 __all__ = [
-    "EndpointCheck",
     "FirstContact",
     "NotConnected",
     "is_fatal_dial_error",
@@ -77,59 +76,35 @@ def is_fatal_dial_error(exc: BaseException, *, stored_identity: bool = False) ->
     return False
 
 
-class EndpointCheck:
-    """Gives up on a URL that has never been a ``pulse.worker.v1`` endpoint: a 404 on the
-    upgrade can be transient (an ingress during a deploy), but when every dial of a worker that
-    never connected is answered so for *window* seconds (and *dials* times), the URL is wrong.
-    Once the worker has connected, such answers are retried without end."""
-
-    def __init__(self, clock: Callable[[], float], *, window: float = 60.0, dials: int = 3) -> None:
-        self._clock = clock
-        self._window = window
-        self._dials = dials
-        self._since: float | None = None
-        self._count = 0
-        self._connected = False
-
-    def connected(self) -> None:
-        """A welcome arrived: the URL is right."""
-        self._connected = True
-
-    def failed(self, exc: BaseException, server: str) -> HTTPError | None:
-        """Record a failed dial; the error to stop on, or None to retry."""
-        # Upgrade answers that say "no pulse.worker.v1 endpoint here" (wrong path, a plain web
-        # server, a redirect, a refused subprotocol), unlike 401/403 (credentials) and
-        # 408/429/5xx (busy).
-        code = exc.status_code if isinstance(exc, HTTPError) else None
-        if code is None or code in (401, 403, 408, 429) or code >= 500 or self._connected:
-            self._since, self._count = None, 0
-            return None
-        now = self._clock()
-        if self._since is None:
-            self._since = now
-        self._count += 1
-        if self._count < self._dials or now - self._since < self._window:
-            return None
-        return HTTPError(
-            code,
-            f"{server} is not a pulse.worker.v1 endpoint: every dial for {now - self._since:.0f} s "
-            f"({self._count} dials) was answered HTTP {code}; check the URL and its path",
-        )
-
-
 class FirstContact:
-    """Whether the worker has reached its server since it started, and, with *timeout*, when to
-    give up on one never reached: most likely a misconfiguration (a mistyped host, a missing
-    route), unlike a server that went away, which is retried for ever."""
+    """Whether the worker has reached its server since it started, and when to give up on one
+    never reached: most likely a misconfiguration (a mistyped host, a missing route), unlike a
+    server that went away, which is retried for ever. With *timeout*: once it has passed
+    (:meth:`failed`). And a URL that has never been a ``pulse.worker.v1`` endpoint
+    (:meth:`wrong_endpoint`): a 404 on the upgrade can be transient (an ingress during a
+    deploy), but when every dial is answered so for *window* seconds (and *dials* times), the
+    URL is wrong."""
 
-    def __init__(self, clock: Callable[[], float], timeout: float | None) -> None:
+    def __init__(
+        self,
+        clock: Callable[[], float],
+        timeout: float | None,
+        *,
+        window: float = 60.0,
+        dials: int = 3,
+    ) -> None:
         self._clock = clock
         self._timeout = timeout
+        self._window = window
+        self._dials = dials
         self._started = clock()
         #: A welcome arrived since the start.
         self.reached = False
         #: Dials that failed before the first welcome.
         self.failures = 0
+        #: Since when, and how many dials in a row, were answered "no endpoint here".
+        self._wrong_since: float | None = None
+        self._wrong_count = 0
 
     def connected(self) -> None:
         """A welcome arrived: the server is reachable."""
@@ -154,4 +129,26 @@ class FirstContact:
             f"{server} was not reached within {self._timeout:g} s of the start ({self.failures}"
             f" dials failed, the last: {type(exc).__name__}: {exc}); check the URL, DNS, the"
             " network and that the server is up"
+        )
+
+    def wrong_endpoint(self, exc: BaseException, server: str) -> HTTPError | None:
+        """Record a failed dial; the error to stop on if the URL is wrong, or None to retry."""
+        # Upgrade answers that say "no pulse.worker.v1 endpoint here" (wrong path, a plain web
+        # server, a redirect, a refused subprotocol), unlike 401/403 (credentials) and
+        # 408/429/5xx (busy). Once the worker has connected, such answers are retried for ever.
+        code = exc.status_code if isinstance(exc, HTTPError) else None
+        if code is None or code in (401, 403, 408, 429) or code >= 500 or self.reached:
+            self._wrong_since, self._wrong_count = None, 0
+            return None
+        now = self._clock()
+        if self._wrong_since is None:
+            self._wrong_since = now
+        self._wrong_count += 1
+        if self._wrong_count < self._dials or now - self._wrong_since < self._window:
+            return None
+        return HTTPError(
+            code,
+            f"{server} is not a pulse.worker.v1 endpoint: every dial for"
+            f" {now - self._wrong_since:.0f} s ({self._wrong_count} dials) was answered HTTP"
+            f" {code}; check the URL and its path",
         )

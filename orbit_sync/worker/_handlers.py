@@ -63,8 +63,6 @@ class Handlers:
 
     def __init__(self, lock: threading.Condition, options: WorkerOptions) -> None:
         self._lock = lock
-        #: The Worker's options: the registration's queue, capacity and notifications; the
-        #: process pool's size and limits; the time limit handlers registered without one get.
         self._options = options
         #: Each handler's time limit as registered (for :meth:`specs`) and as it applies.
         self._limit_specs: dict[Key, tuple[HandlerLimit, bool]] = {}

@@ -68,10 +68,8 @@ class OutboxError(OrbitError):
 
 
 def _file_error(path: str, exc: BaseException) -> BaseException:
-    """The error to raise for a file of the outbox that cannot be opened as ours.
-
-    A missing directory stays ``FileNotFoundError`` (as for any file a program is given).
-    """
+    """The error to raise for a file of the outbox that cannot be opened as ours (a missing
+    directory stays ``FileNotFoundError``, as for any file a program is given)."""
     if isinstance(exc, ValueError):  # open_private's reason
         return OutboxError(f"outbox {path} {exc}")
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
@@ -214,13 +212,10 @@ class Outbox:
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[sqlite3.Connection]:
-        """The open connection, under the lock, for one read or transaction.
-
-        The one place SQLite failures of an open outbox become ``OutboxError`` (disk full, I/O
-        error, a file damaged or changed under us): the caller decides, and the replay retries
-        rather than taking them for a bug of ours. SQLite's reason is the cause; its messages hold
-        no stored values (every value is a bound parameter), so no secret.
-        """
+        """The open connection, under the lock, for one read or transaction: the one place
+        SQLite failures of an open outbox become ``OutboxError`` (the replay retries them rather
+        than taking them for a bug of ours), SQLite's reason the cause; its messages hold no
+        stored values (every value is a bound parameter), so no secret."""
         with self._lock:
             if self._closed:
                 raise OutboxError("the outbox is closed")

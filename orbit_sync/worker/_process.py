@@ -65,12 +65,10 @@ def _not_importable(fn: Callable[..., Any], reason: str = "") -> TypeError:
 
 
 def check_process_handler(fn: Callable[..., Any]) -> None:
-    """Raise ``TypeError`` when *fn* can never be sent to a child process by reference.
-
-    Only what its name already tells (a lambda, a nested function) is refused here: whether the
-    module binds the name to *fn* is looked up by :func:`pickled_handler` when the worker starts,
-    since a ``@worker.handler`` decorator runs before its module binds the function's name.
-    """
+    """Raise ``TypeError`` when *fn* can never be sent to a child process by reference: only
+    what its name already tells (a lambda, a nested function). Whether the module binds the name
+    to *fn* is looked up when the worker starts (:func:`pickled_handler`): a ``@worker.handler``
+    decorator runs before its module binds the function's name."""
     qualname = getattr(fn, "__qualname__", None)
     if isinstance(qualname, str) and isinstance(getattr(fn, "__module__", None), str):
         if "<lambda>" in qualname or "<locals>" in qualname:
@@ -92,10 +90,8 @@ def pickled_handler(fn: Callable[..., Any]) -> bytes:
 
 
 def _remote_error(name: str, child_traceback: str) -> BaseException:
-    """An exception whose type carries the child's exception name (for ``HANDLER_ERROR``).
-
-    Its message is the child's traceback, for the parent's log line; it never goes to the server.
-    """
+    """An exception whose type carries the child's exception name (for ``HANDLER_ERROR``) and
+    whose message is the child's traceback, for the parent's log line (never the server's)."""
     module, _, qualname = name.rpartition(".")
     kind = type(qualname.rsplit(".", 1)[-1], (Exception,), {})
     kind.__module__ = module or "builtins"
@@ -186,7 +182,10 @@ class _Process:
                     except (EOFError, OSError):
                         return "died", self._exit_code()
                     if message[0] == "log":
-                        _relog(message[1])
+                        data = message[1]
+                        logger = logging.getLogger(data.get("name") or "")
+                        if logger.isEnabledFor(data.get("levelno", logging.INFO)):
+                            logger.handle(logging.makeLogRecord(data))
                     elif message[0] == "done" and message[1] == job:
                         return message[2], message[3]
                 elif self.proc.sentinel in ready:
@@ -222,19 +221,9 @@ class _Process:
         self._wake_w.close()
 
 
-def _relog(data: dict[str, Any]) -> None:
-    logger = logging.getLogger(data.get("name") or "")
-    level = data.get("levelno", logging.INFO)
-    if logger.isEnabledFor(level):
-        logger.handle(logging.makeLogRecord(data))
-
-
 class _Spawner:
-    """The one thread that starts a pool's children, for as long as the pool is open.
-
-    On Linux a child's parent-death signal fires when the *thread* that started it ends, not
-    the process; a pool thread that retires when idle would take its children with it.
-    """
+    """The one thread that starts a pool's children, for as long as the pool is open (a child's
+    parent-death signal fires when the *thread* that started it ends: docs/architecture.md)."""
 
     def __init__(self) -> None:
         self._requests: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()

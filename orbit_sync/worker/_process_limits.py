@@ -20,7 +20,6 @@ __all__ = [
     "HANDLER_MEMORY_LIMIT",
     "ChildLimits",
     "MemoryLimited",
-    "address_space_bytes",
     "rss_bytes",
 ]
 
@@ -33,13 +32,10 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def rss_bytes(pid: int | None = None) -> int | None:
     """The current RSS of *pid* (default: this process) in bytes; None if it is gone or the
-    platform cannot tell.
-
-    Linux reads ``/proc/PID/statm`` (a few microseconds: cheap enough after every attempt).
-    Elsewhere only this process's peak RSS is known (``getrusage``), which can only grow: a limit
-    on it recycles once the peak passed it, which is what a limit on the current RSS would do for a
-    process that leaks.
-    """
+    platform cannot tell. Linux reads ``/proc/PID/statm`` (a few microseconds: cheap enough after
+    every attempt). Elsewhere only this process's peak RSS is known (``getrusage``): a limit on
+    it recycles once the peak passed it, as a limit on the current RSS would a process that
+    leaks."""
     try:
         return _statm(pid)[1]
     except (OSError, ValueError, IndexError):
@@ -48,12 +44,6 @@ def rss_bytes(pid: int | None = None) -> int | None:
         return None
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS says bytes, others KiB
-
-
-def address_space_bytes() -> int:
-    """This process's address space now (VmSize), in bytes; Linux only (``OSError``
-    elsewhere)."""
-    return _statm(None)[0]
 
 
 def _statm(pid: int | None) -> tuple[int, int]:
@@ -129,7 +119,7 @@ class MemoryLimited:
 
     def __call__(self, ctx: TaskContext, payload: Any) -> Any:
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-        budget = address_space_bytes() + self.limit_mb * _MB
+        budget = _statm(None)[0] + self.limit_mb * _MB  # the address space now (VmSize)
         if hard != resource.RLIM_INFINITY:
             budget = min(budget, hard)
         resource.setrlimit(resource.RLIMIT_AS, (budget, hard))

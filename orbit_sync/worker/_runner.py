@@ -23,13 +23,12 @@ from ..models import Outcome, Registration
 from ._admission import Admission
 from ._handlers import Handlers
 from ._link import Dialer, Link, Wakeup
-from ._listeners import DrainEvent, Hooks
+from ._listeners import DrainEvent, Hooks, ShutdownReport, WorkerStats
 from ._options import WorkerOptions
 from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._redial import Backoff
 from ._replay import replay_until_done
-from ._report import ShutdownReport, WorkerStats
 from ._session_loop import Dial, SessionLoop
 from ._shell import AttemptShell, Handler, LinkControls, Registry, Renewals, WorkerThreads
 from ._shutdown import Shutdown

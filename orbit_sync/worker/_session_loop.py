@@ -25,7 +25,6 @@ from ..errors import CallTimeout, OrbitError, WorkerProtocolError
 from ..models import CapacityReport, Registration
 from ._admission import Admission
 from ._errors import (
-    EndpointCheck,
     FirstContact,
     NotConnected,
     is_fatal_dial_error,
@@ -113,8 +112,6 @@ class SessionLoop:
         self._fail = fail
         #: Set once the first session is established (``Worker.wait_ready``).
         self.ready = threading.Event()
-        #: Tells a wrong URL (nothing there ever spoke the protocol) from a server that is down.
-        self._endpoint = EndpointCheck(self._clock)
         #: Sessions in a row ended by an unexpected error (this thread only).
         self._session_bugs = 0
         # Capacity reports: built by the window, under whose lock each one is written (a
@@ -170,7 +167,7 @@ class SessionLoop:
                 # cannot help, so the worker stops and run() raises it.
                 # A server that never once spoke the protocol is the wrong server (or version).
                 wrong_server = isinstance(exc, WorkerProtocolError) and not self.ready.is_set()
-                wrong_url = self._endpoint.failed(exc, server)
+                wrong_url = contact.wrong_endpoint(exc, server)
                 if is_fatal_dial_error(exc) or wrong_server or wrong_url:
                     exc = wrong_url or exc
                     self._log.error("worker cannot connect to %s: %s", server, exc)
@@ -202,14 +199,12 @@ class SessionLoop:
             # session, the next reconnect starts again from the shortest delay, so a link that
             # keeps cutting sessions does not push the delay to its cap.
             redial.welcomed()
-            self._endpoint.connected()
             contact.connected()
             self._session(conn)
 
     def _never_reached(self, contact: FirstContact, exc: BaseException) -> None:
-        """Log a failed dial of a worker that has not reached its server once since it started:
-        at ERROR the first time (most likely a wrong URL or a missing route, not an outage),
-        then at WARNING, each line saying so, unlike the retries of a server that went away."""
+        """Log a failed dial of a worker that has not reached its server once since it started,
+        at ERROR the first time (most likely a wrong URL or a missing route, not an outage)."""
         if contact.failures == 1:
             self._log.error(
                 "cannot connect to %s (%s: %s): not reached once since this worker started;"

@@ -26,7 +26,7 @@ from ._context import TaskContext, cancel_context, set_lease_deadline, worker_lo
 from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_link_failure
 from ._link import Connection, Link, Resumes, Wakeup
-from ._listeners import AttemptEvent, AttemptFinished, Hooks, LeaseEvent, StuckEvent
+from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,
     AttemptMachine,
@@ -57,7 +57,6 @@ from ._options import WorkerOptions
 from ._outbox import Outbox, OutboxError
 from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outcome_of
 from ._pool import DaemonPool
-from ._report import AttemptInfo
 from ._requests import Event, RequestPath
 from ._time_limits import Interruptible, Timers
 from ._watchdog import RenewDone, WatchdogThread

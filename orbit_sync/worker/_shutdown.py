@@ -12,9 +12,9 @@ from collections.abc import Callable, Iterable
 
 from ..clock import Clock, SystemClock
 from ._handlers import Handlers
+from ._listeners import AttemptInfo, ShutdownReport
 from ._machine import Phase
 from ._options import WorkerOptions
-from ._report import AttemptInfo, ShutdownReport
 from ._shell import Attempt, AttemptShell, LinkControls, Registry, WorkerThreads
 
 __all__ = ["CLOSE_ALLOWANCE", "Shutdown"]

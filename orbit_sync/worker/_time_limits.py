@@ -119,16 +119,11 @@ class Interruptible:
             return _mark(self._ident, exc_type)
 
 
-# ---------------------------------------------------------------------------------- timers
-# One-shot timers on the worker's clock: the handlers' time limits and their cancel grace. The
-# lease watchdog's thread runs them beside the leases (:class:`~._watchdog.WatchdogThread`): time
-# limits are rare, short work, and a thread of their own would be one more to start, wake and
-# join. A callback must not block (it steps an attempt's machine); one that raises is logged
-# and the others still run.
-
-
 class Timers:
-    """Callbacks due at times of *clock*; *on_change* is called when one is set earlier than
+    """One-shot timers on the worker's clock (the handlers' time limits and their cancel grace),
+    run by the lease watchdog's thread: time limits are rare, short work, and a thread of their
+    own would be one more to start, wake and join. A callback must not block; one that raises is
+    logged and the others still run. *on_change* is called when a timer is set earlier than
     what the thread running them sleeps until."""
 
     def __init__(self, clock: Callable[[], float], on_change: Callable[[], None]) -> None:

@@ -222,11 +222,6 @@ class LeaseWatchdog:
         with self._lock:
             return [e.attempt_id for e in self._entries.values() if e.pending_id is not None]
 
-    def is_tracked(self, attempt_id: str) -> bool:
-        """True while *attempt_id* is being renewed."""
-        with self._lock:
-            return attempt_id in self._entries
-
     def stats(self) -> WatchdogStats:
         """A snapshot of the counters."""
         with self._lock:
@@ -304,10 +299,8 @@ class LeaseWatchdog:
         batch.append((entry, message_id, entry.flight, lag))
 
     def _pull_in(self, now: float, batch: _Batch) -> None:
-        """Add to *batch* every renewal nearly due (lock held); see :data:`GROUP_FRACTION`.
-
-        One pass over the entries (at most the worker's capacity), only when a batch is sent.
-        """
+        """Add to *batch* every renewal nearly due (lock held; see :data:`GROUP_FRACTION`): one
+        pass over the entries (at most the worker's capacity), only when a batch is sent."""
         for entry in self._entries.values():
             if len(batch) >= MAX_EARLY_BATCH:
                 return
