@@ -4,6 +4,7 @@ pool threads, and each task's database connection closed as Django closes a requ
 from __future__ import annotations
 
 import datetime
+import inspect
 import sqlite3
 import sys
 import threading
@@ -200,21 +201,29 @@ def test_time_limit_comes_from_the_argument_then_settings_then_the_handler(
     django_project: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """ORBIT_SYNC['TIME_LIMIT'] (or manage.py orbit_worker --time-limit, passed to build_worker)
-    is the worker's default; a handler declared with its own time_limit keeps it."""
+    is the worker's default; a handler declared with its own time_limit keeps it (what the
+    worker makes of both: test_worker_time_limits)."""
+    import importlib
+
     from django.conf import settings
 
     from orbit_sync.contrib.django import handler, registry
+    from orbit_sync.worker import Worker
 
-    key = ("invoice.charge", "1", "1")
+    unset = inspect.signature(Worker.register).parameters["time_limit"].default
+    registered: dict[str, tuple[Any, bool]] = {}
+    register = Worker.register
 
-    def limit_of(worker: Any, key: tuple[str, str, str]) -> Any:
-        limit = worker._registered.find(key)[2]
-        return None if limit is None else (limit.seconds, limit.retryable)
+    def recording(worker: Worker, name: str, fn: Any, **kwargs: Any) -> None:
+        registered[name] = (kwargs["time_limit"], kwargs["time_limit_retryable"])
+        register(worker, name, fn, **kwargs)
 
+    monkeypatch.setattr(Worker, "register", recording)
     with MockOrbitServer() as server:
         monkeypatch.setattr(settings, "ORBIT_SYNC", {"TIME_LIMIT": 7})
-        assert limit_of(build(server), key) == (7.0, False)
-        assert limit_of(build(server, time_limit=3), key) == (3.0, False)
+        assert build(server).options.time_limit == 7.0
+        assert registered["invoice.charge"] == (unset, False)  # the worker's default applies
+        assert build(server, time_limit=3).options.time_limit == 3.0
 
         @handler("report.build", time_limit=None)
         def report(ctx: Any, payload: Any) -> Any:
@@ -225,10 +234,9 @@ def test_time_limit_comes_from_the_argument_then_settings_then_the_handler(
             return {}
 
         try:
-            worker = build(server)
-            assert limit_of(worker, ("report.build", "1", "1")) is None
-            assert limit_of(worker, ("report.send", "1", "1")) == (2.0, True)
-        finally:
-            for name in ("report.build", "report.send"):
-                registry._handlers.pop((name, "1", "1"))
-                registry._limits.pop((name, "1", "1"))
+            assert build(server).options.time_limit == 7.0
+            assert registered["report.build"] == (None, False)
+            assert registered["report.send"] == (2, True)
+        finally:  # the project's own declarations only, as the app declares them
+            registry.clear()
+            importlib.reload(importlib.import_module("billing.orbit_tasks"))

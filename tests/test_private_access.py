@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What the tests reached into at commit 96662c7, counted by the script as it is now: 105
 #: attributes, 89 import statements from private modules. The tests may reach half as far.
 BASELINE_TESTS = 194
-MAX_TESTS = 101
+MAX_TESTS = 94
 
 
 def _load() -> ModuleType:
@@ -46,7 +46,7 @@ def test_tests_reach_into_privates_at_most_half_as_often_as_before(script: Modul
     """The tests' private reaches stay under the bound (halving what they were at 96662c7)."""
     hits = script.scan_tests(ROOT)
     assert len(hits) <= MAX_TESTS, "\n".join(str(h) for h in hits)
-    assert BASELINE_TESTS // 2 <= MAX_TESTS
+    assert MAX_TESTS <= BASELINE_TESTS // 2
 
 
 def _tree(tmp_path: Path, files: dict[str, str]) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import os
+import random
 import threading
 from collections.abc import Iterator
 
@@ -43,13 +43,25 @@ def pair() -> Iterator[tuple[_transport.Transport, Peer]]:
             transport.close()
 
 
-def test_mask_matches_the_rfc_definition() -> None:
-    """The big-integer XOR equals RFC 6455's byte-wise masking for every length remainder."""
-    key = os.urandom(4)
+def _random_text(n: int) -> str:
+    """Random text of exactly *n* UTF-8 bytes, characters of 1 to 4 bytes mixed."""
+    chars: list[str] = []
+    while n:
+        pick = chr(random.choice([random.randrange(128), 0xE9, 0x20AC, 0x1F600]))
+        if len(pick.encode()) <= n:
+            chars.append(pick)
+            n -= len(pick.encode())
+    return "".join(chars)
+
+
+def test_mask_matches_the_rfc_definition(pair: tuple[_transport.Transport, Peer]) -> None:
+    """The big-integer XOR masks as RFC 6455's byte-wise definition does, for every length
+    remainder: what the server unmasks (websockets, by the RFC) is the text sent."""
+    transport, peer = pair
     for n in [*range(10), 125, 1000, 65_537]:
-        payload = os.urandom(n)
-        expected = bytes(b ^ key[i % 4] for i, b in enumerate(payload))
-        assert _transport._mask(key, payload) == expected
+        text = _random_text(n)
+        transport.send_text(text)  # under a new random key each time
+        assert peer.conn.recv(WAIT, decode=True) == text
 
 
 def test_many_frames_in_one_write_are_parsed_in_order(

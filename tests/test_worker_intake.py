@@ -12,13 +12,9 @@ from typing import Any
 import pytest
 from _worker_helpers import Sessions, events, make_worker, running, worker_threads
 
-from orbit_sync import TaskContext
-from orbit_sync.connection import (
-    ASSIGNMENT_BUFFER,
-    Pipeline,
-    WorkerConnection,
-    on_reader_thread,
-)
+from orbit_sync import TaskContext, Worker
+from orbit_sync.client import Client
+from orbit_sync.connection import Pipeline, on_reader_thread
 from orbit_sync.models import TaskState
 from orbit_sync.testing import MockOrbitServer
 
@@ -132,19 +128,39 @@ def test_a_session_runs_the_cards_threads_and_no_watch_thread() -> None:
     assert not [k for k in kinds if "watch" in k and k != "orbit-lease-watchdog"], kinds
 
 
-def test_the_queue_holds_the_protocol_buffer() -> None:
-    """The connection's assignment queue is a queue.Queue bounded at the protocol's 8."""
-    import queue
+class _RecordingDialer:
+    """Dials for real and keeps each dial's keywords."""
 
-    from orbit_sync._protocol import ASSIGNMENT
+    def __init__(self, client: Client) -> None:
+        self.client = client
+        self.dials: list[dict[str, Any]] = []
 
+    def dial_worker(self, registration: Any, timeout: float = 8.0, **kwargs: Any) -> Any:
+        """Keep the keywords and dial."""
+        self.dials.append(kwargs)
+        return self.client.dial_worker(registration, timeout, **kwargs)
+
+
+def test_the_queue_holds_the_protocol_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker dials without an on_assignment callback, so its connection keeps what it is
+    assigned in its queue of 8 (PROTOCOL §10, see test_connection_pushes), where the intake
+    takes each assignment."""
+    taken: list[str] = []
+    take = Pipeline.take_assignment
+
+    def recording(self: Pipeline) -> Any:
+        assignment = take(self)
+        if assignment is not None:
+            taken.append(assignment.task.task_id)
+        return assignment
+
+    monkeypatch.setattr(Pipeline, "take_assignment", recording)
     with MockOrbitServer() as server:
-        worker = make_worker(server)
+        dialer = _RecordingDialer(Client(server.url, server.token))
+        worker = Worker(dialer, queue_id=server.queue_id, handle_signals=False)
         worker.handler("work")(lambda ctx, payload: None)
         with running(worker):
-            current = worker._controls.link.current()
-            assert current is not None
-            conn = current[0]
-            assert isinstance(conn, WorkerConnection)
-            unread = conn._core.unread[ASSIGNMENT]
-            assert isinstance(unread, queue.Queue) and unread.maxsize == ASSIGNMENT_BUFFER
+            task_id = server.enqueue("work", {})
+            assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+    assert taken == [task_id]
+    assert dialer.dials and not [kwargs for kwargs in dialer.dials if "on_assignment" in kwargs]
