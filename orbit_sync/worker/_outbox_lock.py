@@ -138,11 +138,9 @@ class LockFile:
 
 
 def hold_instance_shared(path: str, instance_id: str) -> int:
-    """In a handler process: hold *instance_id*'s byte shared for as long as this process lives.
-
-    Returns the descriptor (keep it open). Raises ``OSError`` when it cannot: the instance is
-    being replayed by a later process, so its worker is gone.
-    """
+    """In a handler process: hold *instance_id*'s byte shared for as long as this process lives;
+    return the descriptor (keep it open). ``OSError`` when it cannot: the instance is being
+    replayed by a later process, so its worker is gone."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, instance_offset(instance_id))

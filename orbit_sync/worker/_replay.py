@@ -97,12 +97,10 @@ def replay(
     clock: Clock | None = None,
     stop: Link | None = None,
 ) -> bool:
-    """Deliver every stored outcome of instances other than *exclude* (this run's).
-
-    Returns True when nothing is left that a later try could deliver; False after a transient
-    failure (the caller retries with backoff). Never raises for a server or network problem.
-    Closing *stop* (the worker's link, at shutdown) ends a try in progress.
-    """
+    """Deliver every stored outcome of instances other than *exclude* (this run's); True when
+    nothing is left that a later try could deliver, False after a transient failure (the caller
+    retries with backoff). Never raises for a server or network problem. Closing *stop* (the
+    worker's link, at shutdown) ends a try in progress."""
     clock = clock or SystemClock()
     complete = True
     for registration in outbox.instances(exclude=exclude):

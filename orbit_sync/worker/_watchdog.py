@@ -131,8 +131,7 @@ class LeaseWatchdog:
         self._lag_max = 0.0
 
     def report_to(self, on_answer: OnAnswer) -> None:
-        """Report what became of each renewal to *on_answer* from now on (the attempts' shell,
-        built after the watchdog it drives)."""
+        """Report what became of each renewal to *on_answer* from now on (the attempts' shell)."""
         self._on_answer = on_answer
 
     # ------------------------------------------------------------------ tracking
