@@ -159,29 +159,3 @@ def test_attempt_finished_runs_off_the_reader_thread_after_delivery(
     assert thread.startswith("orbit-handler"), thread
     assert event.delivered and event.ran and event.task_id == task_id
     assert snap.state is TaskState.SUCCEEDED and probe.runs[task_id] == 1
-
-
-def test_gate_hands_freed_slots_to_queued_jobs_in_arrival_order() -> None:
-    """A job queued for a slot holds no thread: each release hands the slot to the first
-    queued job (returned to run), in arrival order; closing keeps queued jobs, which still get
-    the slots released after it, and refuses new ones."""
-    from orbit_sync.worker._link import Gate, GaveUp
-
-    gate = Gate(1)
-    ran: list[str] = []
-    assert gate.acquire_or_queue(lambda: ran.append("never"))  # a free slot: taken, not queued
-    assert not gate.acquire_or_queue(lambda: ran.append("a"))
-    assert not gate.acquire_or_queue(lambda: ran.append("b"))
-    job = gate.release()
-    assert job is not None
-    job()
-    gate.close()
-    with pytest.raises(GaveUp):
-        gate.acquire_or_queue(lambda: ran.append("late"))
-    job = gate.release()
-    assert job is not None
-    job()
-    assert gate.release() is None
-    assert ran == ["a", "b"]
-    with pytest.raises(GaveUp):  # the slot is free, yet a closed gate lends it to no one
-        gate.acquire()

@@ -1,4 +1,5 @@
-"""The link keeps failed requests for the connection thread to re-send: on fake time, no sockets."""
+"""The link keeps failed requests for the connection thread to re-send, and its gate bounds the
+requests in flight: on fake time, no sockets."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import math
 import threading
 from typing import Any
 
+import pytest
+
 from orbit_sync.testing import ManualClock
-from orbit_sync.worker._link import Link
+from orbit_sync.worker._link import Gate, GaveUp, Link
 
 
 class _Conn:
@@ -143,3 +146,67 @@ def test_on_close_runs_once_at_close_or_at_once_when_already_closed() -> None:
     assert ran == ["a"]
     link.on_close(_job(ran, "late"))
     assert ran == ["a", "late"]
+
+
+def test_gate_hands_freed_slots_to_queued_jobs_in_arrival_order() -> None:
+    """A job queued for a slot holds no thread: each release hands the slot to the first
+    queued job (returned to run), in arrival order; closing keeps queued jobs, which still get
+    the slots released after it, and refuses new ones."""
+    gate = Gate(1)
+    ran: list[str] = []
+    assert gate.acquire_or_queue(lambda: ran.append("never"))  # a free slot: taken, not queued
+    assert not gate.acquire_or_queue(lambda: ran.append("a"))
+    assert not gate.acquire_or_queue(lambda: ran.append("b"))
+    job = gate.release()
+    assert job is not None
+    job()
+    gate.close()
+    with pytest.raises(GaveUp):
+        gate.acquire_or_queue(lambda: ran.append("late"))
+    job = gate.release()
+    assert job is not None
+    job()
+    assert gate.release() is None
+    assert ran == ["a", "b"]
+    with pytest.raises(GaveUp):  # the slot is free, yet a closed gate lends it to no one
+        gate.acquire()
+
+
+def test_gate_release_hands_the_slot_to_the_queued_request_then_to_a_waiting_start() -> None:
+    """The request gate: past its slots a request is queued, holding no thread, and a freed
+    slot goes to it first (its job is returned to the freeing thread); with nothing queued a
+    thread waiting in acquire() (a start) takes the slot; closing wakes a waiter with GaveUp."""
+    gate = Gate(1)
+    ran: list[str] = []
+    assert gate.acquire_or_queue(lambda: ran.append("never"))
+    assert not gate.acquire_or_queue(lambda: ran.append("queued"))
+    assert ran == []
+    job = gate.release()
+    assert job is not None and ran == [], "the queued request took it"
+    job()
+    assert ran == ["queued"]
+    took = threading.Event()
+
+    def start() -> None:
+        gate.acquire()
+        took.set()
+
+    waiter = threading.Thread(target=start, name="start")
+    waiter.start()
+    assert not took.wait(0.05)  # the gap itself: no slot is free, so the start waits
+    assert gate.release() is None
+    assert took.wait(5.0), "the waiting start took the freed slot"
+    assert not gate.acquire_or_queue(lambda: ran.append("behind the start")), "none is free"
+    failed: list[BaseException] = []
+
+    def start_then_fail() -> None:
+        try:
+            gate.acquire()
+        except GaveUp as exc:
+            failed.append(exc)
+
+    late = threading.Thread(target=start_then_fail)
+    late.start()
+    gate.close()
+    late.join(5.0)
+    assert not late.is_alive() and len(failed) == 1

@@ -92,50 +92,6 @@ def test_resumes_are_all_in_flight_before_the_capacity_report(server: MockOrbitS
     assert all(probe.runs[t] == 1 for t in tasks)
 
 
-def test_gate_release_hands_the_slot_to_the_queued_request_then_to_a_waiting_start() -> None:
-    """The request gate: past its slots a request is queued, holding no thread, and a freed
-    slot goes to it first (its job is returned to the freeing thread); with nothing queued a
-    thread waiting in acquire() (a start) takes the slot; closing wakes a waiter with GaveUp."""
-    import threading
-
-    from orbit_sync.worker._link import Gate, GaveUp
-
-    gate = Gate(1)
-    ran: list[str] = []
-    assert gate.acquire_or_queue(lambda: ran.append("never"))
-    assert not gate.acquire_or_queue(lambda: ran.append("queued"))
-    assert ran == []
-    job = gate.release()
-    assert job is not None and ran == [], "the queued request took it"
-    job()
-    assert ran == ["queued"]
-    took = threading.Event()
-
-    def start() -> None:
-        gate.acquire()
-        took.set()
-
-    waiter = threading.Thread(target=start, name="start")
-    waiter.start()
-    assert not took.wait(0.05)  # the gap itself: no slot is free, so the start waits
-    assert gate.release() is None
-    assert took.wait(5.0), "the waiting start took the freed slot"
-    assert not gate.acquire_or_queue(lambda: ran.append("behind the start")), "none is free"
-    failed: list[BaseException] = []
-
-    def start_then_fail() -> None:
-        try:
-            gate.acquire()
-        except GaveUp as exc:
-            failed.append(exc)
-
-    late = threading.Thread(target=start_then_fail)
-    late.start()
-    gate.close()
-    late.join(5.0)
-    assert not late.is_alive() and len(failed) == 1
-
-
 def _sessions_resuming(server: MockOrbitServer) -> list[str]:
     """The sessions that resumed attempts, in order."""
     return list(dict.fromkeys(e.session_id for e in events(server, "attempt.resumed")))
