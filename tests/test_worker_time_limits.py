@@ -89,6 +89,19 @@ def test_grace_passed_with_the_thread_still_running_finishes_unknown_and_sticks(
     assert m.verdict.outcome is Outcome.UNKNOWN
 
 
+def test_a_second_abandon_keeps_the_stuck_slot_freed_by_the_late_return() -> None:
+    """A handler abandoned past its grace and then again by shutdown is finished once; when it
+    returns at last its result is still dropped and its stuck slot freed (the second abandon,
+    which changes nothing, must not forget the first)."""
+    m = _running(TimeLimit(LIMIT, GRACE))
+    m.time_limit_passed()
+    assert SlotStuck("time_limit") in m.time_limit_grace_passed()
+    assert m.abandon() == [] and m.time_limit_grace_passed() == []
+    assert m.abandoned
+    assert m.handler_returned(outcome_of(value=1)) == [SlotFreed()]
+    assert m.verdict is not None and m.verdict.error_code == "HANDLER_TIMEOUT"
+
+
 def test_grace_passed_after_the_handler_stopped_changes_nothing() -> None:
     """A handler that stopped within the grace keeps its own finish (FAILED HANDLER_TIMEOUT)."""
     m = _running(TimeLimit(LIMIT, GRACE))
