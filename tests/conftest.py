@@ -9,6 +9,16 @@ import pytest
 from _cli_process import procs  # noqa: F401 (the fixture, for the tests that run processes)
 from hypothesis import HealthCheck, settings
 
+import orbit_sync.testing
+
+# orbit_sync.testing imports its exports on first use, and an inner pytester run
+# (test_plugin_fixtures, test_freezegun, test_readme) removes every module it imported first when
+# it ends: a later test would then import a second MockOrbitServer class beside the one
+# orbit_sync.testing keeps, or miss a module it saw. Importing them all here, before any inner
+# run, keeps one of each for the whole session.
+for _name in orbit_sync.testing.__all__:
+    getattr(orbit_sync.testing, _name)
+
 # Property tests check what is generated, not how fast: on a loaded 2-core CI machine the
 # per-example deadline and the slow-generation health check fail runs whose every example passed.
 settings.register_profile("orbit-sync", deadline=None, suppress_health_check=[HealthCheck.too_slow])

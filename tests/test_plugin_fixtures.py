@@ -7,16 +7,7 @@ from pathlib import Path
 
 import pytest
 
-import orbit_sync.testing
-
 pytest_plugins = ["pytester"]
-
-# orbit_sync.testing imports its exports on first use, and an inner pytester run removes every
-# module it imported first when it ends: a later test would then import a second MockOrbitServer
-# class beside the one orbit_sync.testing keeps. Importing them all here, before any inner run,
-# keeps one of each for the whole session.
-for _name in orbit_sync.testing.__all__:
-    getattr(orbit_sync.testing, _name)
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "test_user_handler.py"
 
