@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: What the tests reached into at commit 96662c7, counted by the script as it is now: 105
 #: attributes, 89 import statements from private modules. The tests may reach half as far.
 BASELINE_TESTS = 194
-MAX_TESTS = 92
+MAX_TESTS = 90
 
 
 def _load() -> ModuleType:
