@@ -97,7 +97,7 @@ def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
         check_heartbeat,
         main,
     )
-    from orbit_sync.testing import ManualClock
+    from orbit_sync.testing import ManualClock, MockOrbitServer
     from orbit_sync.testing._clock import ServerTime
     from orbit_sync.worker import Backoff
 
@@ -110,6 +110,7 @@ def test_health_backoff_and_clocks_refuse_nan_and_infinity() -> None:
         lambda v: check_heartbeat("missing", v),
         lambda v: ManualClock(0.0).advance(v),
         lambda v: ServerTime(SystemClock()).advance(v),
+        lambda v: MockOrbitServer(clock=ManualClock(0.0)).advance(v),
     ]
     for make in makers:
         with pytest.raises(ValueError, match="not NaN"):

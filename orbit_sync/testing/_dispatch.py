@@ -23,11 +23,11 @@ from __future__ import annotations
 import collections
 import heapq
 import json
-import math
 from collections.abc import Callable
 
 from .. import models
 from .._codec import unstructure
+from .._seconds import seconds as check_seconds
 from ..models import (
     Assignment,
     AttemptState,
@@ -412,11 +412,7 @@ class Dispatch(StateCore):
         With *commit*, each step's actions are handed over as soon as the step ran (so the
         shell's outbox gates see them) and the returned list is empty.
         """
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
-            raise ValueError("seconds must be a number >= 0")
-        if not math.isfinite(seconds):
-            raise ValueError("seconds must be finite")
-        target = self.now_us() + round(seconds * US)
+        target = self.now_us() + round(check_seconds(seconds, "seconds") * US)
         actions: list[Action] = []
         while True:
             due = self.next_due()
