@@ -7,7 +7,9 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+
+import attrs
 
 from ..models import Capability, Registration, new_id, new_secret
 from ._context import task_logger
@@ -17,10 +19,23 @@ from ._process_limits import ChildLimits, MemoryLimited
 from ._shell import Handler
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, TimeLimit, check_time_limit
 
-__all__ = ["Handlers", "check_handler_signature"]
+__all__ = ["HandlerSettings", "Handlers", "check_handler_signature"]
 
 #: A handler's key: (name, handler version, payload version).
 Key = tuple[str, str, str]
+
+
+@attrs.frozen
+class HandlerSettings:
+    """How a handler is registered: :meth:`Worker.handler`'s keywords."""
+
+    version: str | int = "1"
+    payload_version: str | int = "1"
+    executor: str = "thread"
+    memory_limit: int | None = None
+    memory_limit_retryable: bool = False
+    time_limit: HandlerLimit = WORKER_DEFAULT
+    time_limit_retryable: bool = False
 
 
 def check_handler_signature(fn: object) -> None:
@@ -61,11 +76,15 @@ class Handlers:
     under the worker's registry condition: registration happens before start, lookups on the
     connection's reader after it."""
 
-    def __init__(self, lock: threading.Condition, options: WorkerOptions) -> None:
+    def __init__(
+        self, lock: threading.Condition, options: WorkerOptions, started: Callable[[], bool]
+    ) -> None:
         self._lock = lock
         self._options = options
-        #: Each handler's time limit as registered (for :meth:`specs`) and as it applies.
-        self._limit_specs: dict[Key, tuple[HandlerLimit, bool]] = {}
+        #: Read under the lock: is registering too late?
+        self._started = started
+        #: Each handler as registered (for :meth:`specs`), and its time limit as it applies.
+        self._registered: dict[Key, tuple[Handler, HandlerSettings]] = {}
         self._limits: dict[Key, TimeLimit | None] = {}
         #: The handlers by key (``executor="process"`` ones wrapped in a ProcessHandler).
         self.table: dict[Key, Handler] = {}
@@ -79,22 +98,10 @@ class Handlers:
         self._instance_secret = new_secret()
         _TABLES.add(self)
 
-    def add(
-        self,
-        name: str,
-        fn: Handler,
-        *,
-        version: str | int,
-        payload_version: str | int,
-        executor: str,
-        memory_limit: int | None,
-        memory_limit_retryable: bool,
-        started: Callable[[], bool],
-        time_limit: HandlerLimit = WORKER_DEFAULT,
-        time_limit_retryable: bool = False,
-    ) -> None:
-        """Register *fn* (see :meth:`Worker.register`); *started()*, read under the lock, says
-        whether registering is too late."""
+    def add(self, name: str, fn: Handler, settings: HandlerSettings) -> None:
+        """Register *fn* (see :meth:`Worker.register`)."""
+        executor, time_limit = settings.executor, settings.time_limit
+        registered = fn
         if executor not in ("thread", "process"):
             raise ValueError('executor must be "thread" or "process"')
         seconds = (
@@ -102,19 +109,19 @@ class Handlers:
             if time_limit is WORKER_DEFAULT
             else check_time_limit(time_limit)
         )
-        if type(time_limit_retryable) is not bool:
+        if type(settings.time_limit_retryable) is not bool:
             raise TypeError("time_limit_retryable must be a bool")
         check_handler_signature(fn)
-        if memory_limit is not None:
+        if settings.memory_limit is not None:
             if executor != "process":
                 raise ValueError('memory_limit needs executor="process"')
-            fn = MemoryLimited(fn, memory_limit, retryable=memory_limit_retryable)
+            fn = MemoryLimited(fn, settings.memory_limit, retryable=settings.memory_limit_retryable)
         if executor == "process":
             check_process_handler(fn)
-        cap = Capability(name, version, payload_version)  # validates the names
+        cap = Capability(name, settings.version, settings.payload_version)  # validates the names
         key = (cap.handler, cap.handler_version, cap.payload_version)
         with self._lock:
-            if started():
+            if self._started():
                 raise RuntimeError("register handlers before the worker starts")
             if key in self.table:
                 raise ValueError(
@@ -134,14 +141,14 @@ class Handlers:
                     )
                 fn = ProcessHandler(fn, self.processes)
             self.table[key] = fn
-            self._limit_specs[key] = (time_limit, time_limit_retryable)
+            self._registered[key] = (registered, settings)
             self._limits[key] = (
                 None
                 if seconds is None
                 else TimeLimit(
                     seconds,
                     self._options.cancel_grace,
-                    retryable=time_limit_retryable,
+                    retryable=settings.time_limit_retryable,
                     in_process=executor == "process",
                 )
             )
@@ -154,17 +161,11 @@ class Handlers:
             fn = self.table.get(key)
             return None if fn is None else (fn, self._loggers[key[0]], self._limits[key])
 
-    def specs(self) -> Iterator[tuple[Key, Handler, str, tuple[HandlerLimit, bool]]]:
-        """Each registration as (key, the function as registered, executor, its time limit and
-        whether a timeout is retryable, as registered), so another Worker can register it anew
-        (a process handler is bound to this worker's pool)."""
+    def specs(self) -> list[tuple[Key, Handler, HandlerSettings]]:
+        """Each registration as given (the function unwrapped), so another Worker can register
+        it anew (a process handler is bound to this worker's pool)."""
         with self._lock:
-            items = [(key, fn, self._limit_specs[key]) for key, fn in self.table.items()]
-        for key, fn, limit in items:
-            if isinstance(fn, ProcessHandler):
-                yield key, fn.fn, "process", limit
-            else:
-                yield key, fn, "thread", limit
+            return [(key, fn, settings) for key, (fn, settings) in self._registered.items()]
 
     def bind(self) -> None:
         """Look up every process handler by its name (by start, the handler's module has bound

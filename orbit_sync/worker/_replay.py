@@ -19,9 +19,9 @@ from ..models import Finish, Registration, new_message_id
 from ._errors import is_fatal_dial_error
 from ._link import Connection, Dialer, Link, Wakeup
 from ._machine import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
+from ._options import WorkerOptions
 from ._outbox import Outbox, Pending
 from ._outcomes import WORKER_LOST
-from ._redial import Backoff
 from ._requests import Event, RequestPath
 from ._shutdown import CLOSE_ALLOWANCE
 
@@ -41,21 +41,12 @@ RETRY_DELAY = 1.0
 
 
 def replay_until_done(
-    outbox: Outbox,
-    dialer: Dialer,
-    *,
-    link: Link,
-    backoff: Backoff,
-    exclude: str,
-    log: logging.Logger,
-    dial_timeout: float,
-    call_timeout: float | None,
-    retry_delay: float = RETRY_DELAY,
-    clock: Clock | None = None,
+    outbox: Outbox, dialer: Dialer, *, link: Link, exclude: str, options: WorkerOptions
 ) -> None:
-    """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per
-    *backoff* between tries; ends early when *link* (the worker's) is closed: shutdown also
-    ends a try in progress."""
+    """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per the
+    worker's ``reconnect_backoff`` between tries; ends early when *link* (the worker's) is
+    closed: shutdown also ends a try in progress."""
+    log = options.logger
     failures = 0
     while not link.is_closed():
         try:
@@ -64,10 +55,10 @@ def replay_until_done(
                 dialer,
                 exclude=exclude,
                 log=log,
-                dial_timeout=dial_timeout,
-                call_timeout=call_timeout,
-                retry_delay=retry_delay,
-                clock=clock,
+                dial_timeout=options.dial_timeout,
+                call_timeout=options.request_timeout,
+                retry_delay=options.renew_retry_delay,
+                clock=options.clock,
                 stop=link,
             )
         except OrbitError:  # the outbox file (OutboxError): try again later
@@ -81,7 +72,7 @@ def replay_until_done(
         if done:
             return
         failures += 1
-        link.pause(backoff.delay(failures))
+        link.pause(options.reconnect_backoff.delay(failures))
 
 
 def replay(

@@ -21,7 +21,7 @@ from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
 from ..models import Outcome, Registration
 from ._admission import Admission
-from ._handlers import Handlers
+from ._handlers import Handlers, HandlerSettings
 from ._link import Dialer, Link, Wakeup
 from ._listeners import DrainEvent, Hooks, ShutdownReport, WorkerStats
 from ._options import WorkerOptions
@@ -160,7 +160,7 @@ class Worker:
         # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
         self._cond = self._reg.cond
-        self._registered = Handlers(self._cond, opts)
+        self._registered = Handlers(self._cond, opts, lambda: self._started)
         self._started = False
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
@@ -264,18 +264,18 @@ class Worker:
                 "not a bare @worker.handler"
             )
 
+        settings = HandlerSettings(
+            version=version,
+            payload_version=payload_version,
+            executor=executor,
+            memory_limit=memory_limit,
+            memory_limit_retryable=memory_limit_retryable,
+            time_limit=time_limit,
+            time_limit_retryable=time_limit_retryable,
+        )
+
         def register(fn: H) -> H:
-            self.register(
-                name,
-                fn,
-                version=version,
-                payload_version=payload_version,
-                executor=executor,
-                memory_limit=memory_limit,
-                memory_limit_retryable=memory_limit_retryable,
-                time_limit=time_limit,
-                time_limit_retryable=time_limit_retryable,
-            )
+            self._registered.add(name, fn, settings)
             return fn
 
         return register
@@ -299,18 +299,16 @@ class Worker:
         ``executor="process"``, when it cannot be sent to a child process by reference (a lambda
         or nested function; whether its module binds its name is checked by :meth:`start`).
         """
-        self._registered.add(
-            name,
-            fn,
+        settings = HandlerSettings(
             version=version,
             payload_version=payload_version,
             executor=executor,
             memory_limit=memory_limit,
             memory_limit_retryable=memory_limit_retryable,
-            started=lambda: self._started,
             time_limit=time_limit,
             time_limit_retryable=time_limit_retryable,
         )
+        self._registered.add(name, fn, settings)
 
     @property
     def options(self) -> WorkerOptions:
@@ -333,7 +331,7 @@ class Worker:
     def executors(self) -> dict[tuple[str, str, str], str]:
         """How each registered handler runs, ``"thread"`` or ``"process"``, by (name, handler
         version, payload version) as registered (a copy)."""
-        return {key: executor for key, _, executor, _ in self._registered.specs()}
+        return {key: settings.executor for key, _, settings in self._registered.specs()}
 
     def with_options(self, **changes: Any) -> Worker:
         """A new, unstarted Worker with this one's handlers and options, except *changes* (e.g.
@@ -343,17 +341,8 @@ class Worker:
         # Listeners added with add_listener() (a health probe, metrics) come along too.
         options = attrs.evolve(self._options, **{"listeners": self.listeners, **changes})
         worker = Worker.from_options(client, options)
-        for key, fn, executor, (time_limit, retryable) in self._registered.specs():
-            name, version, payload_version = key
-            worker.register(
-                name,
-                fn,
-                version=version,
-                payload_version=payload_version,
-                executor=executor,
-                time_limit=time_limit,
-                time_limit_retryable=retryable,
-            )
+        for key, fn, settings in self._registered.specs():
+            worker._registered.add(key[0], fn, settings)
         return worker
 
     @property
@@ -406,13 +395,8 @@ class Worker:
                 self._outbox,
                 self._client,
                 link=self._controls.link,
-                backoff=self._options.reconnect_backoff,
                 exclude=self._registered.instance_id,
-                log=self._options.logger,
-                dial_timeout=self._options.dial_timeout,
-                call_timeout=self._options.request_timeout,
-                retry_delay=self._options.renew_retry_delay,
-                clock=self._options.clock,
+                options=self._options,
             )
             targets.append((replay, "orbit-worker-outbox"))
         for target, name in targets:
