@@ -30,7 +30,7 @@ from ._pool import DaemonPool
 from ._redial import Backoff
 from ._replay import replay_until_done
 from ._session_loop import Dial, SessionLoop
-from ._shell import AttemptShell, Handler, LinkControls, Registry, Renewals, WorkerThreads
+from ._shell import AttemptShell, Handler, LinkControls, Registry, WorkerThreads
 from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, Timers
@@ -173,11 +173,10 @@ class Worker:
         self._controls = LinkControls(
             Link(clock, slots=opts.handler_slots), Wakeup(clock), DialCut()
         )
-        renewals = Renewals(self._reg, self._controls.link, opts.request_timeout)
         # Wakes the watchdog's thread: a lease tracked or renewed, a time limit set.
         watchdog_wake = Wakeup(clock)
         self._watchdog = LeaseWatchdog(
-            renewals.send_renews,
+            lambda renewals: self._shell.send_renews(renewals),
             clock=clock.now,
             on_change=watchdog_wake.set,
             logger=opts.logger,

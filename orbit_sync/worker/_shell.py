@@ -71,7 +71,6 @@ __all__ = [
     "Handler",
     "LinkControls",
     "Registry",
-    "Renewals",
     "WorkerThreads",
     "attempt_event",
 ]
@@ -688,25 +687,12 @@ class AttemptShell(RequestPath[Attempt]):
         if att is not None:
             self.step(att, lambda m: m.renew_answered(answer))
 
-
-# ---------------------------------------------------------------------------------- renewals
-
-
-class Renewals:
-    """How the lease watchdog's renewals reach the link's current connection, a lost one reported
-    to the link. Every callback here runs on the watchdog's thread or the connection's reader
-    thread and never blocks."""
-
-    def __init__(self, registry: Registry, link: Link, call_timeout: float) -> None:
-        self._reg = registry
-        self._link = link
-        self._call_timeout = call_timeout
-
     def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
         """The watchdog's batch send: every renew in one write on the current connection; each
         answer (or failure) comes back through its own *on_done*, on the connection's reader
-        thread. Renewals that cannot be sent are told so after the write: nothing on the way to
-        it may release the GIL (a log line in a callback could)."""
+        thread, and a lost connection is reported to the link (neither ever blocks). Renewals
+        that cannot be sent are told so after the write: nothing on the way to it may release
+        the GIL (a log line in a callback could)."""
         with self._reg.cond:
             atts = [self._reg.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
@@ -719,7 +705,7 @@ class Renewals:
                 refused.append((on_done, NotConnected("no connection")))
             else:
                 # A slow answer closes its connection before the lease runs out (and is re-sent).
-                timeout = min(self._call_timeout, max(1.0, att.ctx.remaining() / 2))
+                timeout = min(self._options.request_timeout, max(1.0, att.ctx.remaining() / 2))
                 done = partial(self._renew_done, on_done, current[1])
                 requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
         if requests:
