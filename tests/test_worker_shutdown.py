@@ -512,6 +512,19 @@ def _unanswered_finish(
     return worker, task_id, stopped
 
 
+class _LogLine(logging.Handler):
+    """Sets an event once a log record whose message contains *text* is emitted."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
 @pytest.mark.parametrize("with_outbox", [False, True], ids=["no-outbox", "outbox"])
 def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothing(
     server: MockOrbitServer, tmp_path: Path, caplog: pytest.LogCaptureFixture, with_outbox: bool
@@ -537,10 +550,13 @@ def test_shutdown_on_a_clock_that_never_moves_ends_in_real_time_and_loses_nothin
         after.register("quick", lambda ctx, payload: {"ok": True})
         (kept,) = stopped.report.unreported
         delivered = f"outbox: delivered SUCCEEDED of attempt {kept.attempt_id}"
-        with caplog.at_level(logging.INFO, logger="orbit_sync"), running(after):
-            deadline = time.monotonic() + 10
-            while delivered not in caplog.text and time.monotonic() < deadline:
-                time.sleep(0.01)
+        line = _LogLine(delivered)
+        logging.getLogger("orbit_sync").addHandler(line)
+        try:
+            with caplog.at_level(logging.INFO, logger="orbit_sync"), running(after):
+                assert line.seen.wait(10), "the next worker never delivered the kept finish"
+        finally:
+            logging.getLogger("orbit_sync").removeHandler(line)
         assert f"{delivered} (task {task_id})" in caplog.text
 
 
