@@ -9,17 +9,13 @@ it starts with its context cancelled and finishes by the outcome rules.
 from __future__ import annotations
 
 import collections
-import logging
 
-from ..clock import Clock
 from ..connection import pipeline_of
 from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext, worker_log
-from ._handlers import Handlers
 from ._link import Connection
-from ._listeners import Hooks
 from ._machine import AttemptMachine
-from ._shell import Attempt, AttemptShell, Registry, attempt_event
+from ._shell import Attempt, AttemptShell, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
 
@@ -30,24 +26,14 @@ SEEN_LIMIT = 65_536
 class Admission:
     """The intake of the worker's connections and their ``on_cancel`` callback."""
 
-    def __init__(
-        self,
-        registry: Registry,
-        handlers: Handlers,
-        shell: AttemptShell,
-        hooks: Hooks,
-        *,
-        clock: Clock,
-        retry_delay: float,
-        log: logging.Logger,
-    ) -> None:
-        self._reg = registry
-        self._handlers = handlers
+    def __init__(self, shell: AttemptShell) -> None:
         self._shell = shell
-        self._hooks = hooks
-        self._clock = clock
-        self._retry_delay = retry_delay
-        self._log = log
+        self._reg = shell.registry
+        self._handlers = shell.handlers
+        self._hooks = shell.hooks
+        self._clock = shell.options.clock
+        self._retry_delay = shell.options.renew_retry_delay
+        self._log = shell.options.logger
         #: Attempt ids seen, oldest first (under the registry's lock).
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 

@@ -188,47 +188,24 @@ class Worker:
             WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers),
             timers,
         )
-        self._window = CapacityWindow(opts.capacity)
         self._shell = AttemptShell(
             self._reg,
             opts,
             controls=self._controls,
             threads=self._threads,
-            window=self._window,
+            window=CapacityWindow(opts.capacity),
             hooks=self._hooks,
             handlers=self._registered,
         )
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
-        self._admission = Admission(
-            self._reg,
-            self._registered,
-            self._shell,
-            self._hooks,
-            clock=clock,
-            retry_delay=opts.renew_retry_delay,
-            log=opts.logger,
-        )
         self._sessions = SessionLoop(
-            Dial(client, self._registered.registration, self._admission),
-            opts,
-            controls=self._controls,
-            registry=self._reg,
-            shell=self._shell,
-            watchdog=self._watchdog,
-            window=self._window,
-            hooks=self._hooks,
+            Dial(client, self._registered.registration, Admission(self._shell)),
+            self._shell,
             fail=self._fail,
         )
         self._shutdown = Shutdown(
-            self._reg,
-            opts,
-            shell=self._shell,
-            controls=self._controls,
-            threads=self._threads,
-            handlers=self._registered,
-            assignments_over=self._sessions.assignments_over,
-            stopped=self._stopped,
+            self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped
         )
 
     # ------------------------------------------------------------------ registration

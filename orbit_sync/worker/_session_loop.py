@@ -32,15 +32,14 @@ from ._errors import (
     is_transient,
 )
 from ._link import Connection, Dialer
-from ._listeners import DisconnectEvent, Hooks, SessionEvent
+from ._listeners import DisconnectEvent, SessionEvent
 from ._machine import retry_delay
 from ._options import WorkerOptions
 from ._pool import woken_without_preempting
 from ._redial import Redial
-from ._shell import AttemptShell, LinkControls, Registry
+from ._shell import AttemptShell
 from ._shutdown import CLOSE_ALLOWANCE
-from ._watchdog import LeaseWatchdog
-from ._window import CapacityWindow, SentReport
+from ._window import SentReport
 
 __all__ = ["SESSION_BUG_LIMIT", "Dial", "SessionLoop"]
 
@@ -84,31 +83,20 @@ class SessionLoop:
     """The connection thread's work for one Worker (see the module's docstring)."""
 
     def __init__(
-        self,
-        dial: Dial,
-        opts: WorkerOptions,
-        *,
-        controls: LinkControls,
-        registry: Registry,
-        shell: AttemptShell,
-        watchdog: LeaseWatchdog,
-        window: CapacityWindow,
-        hooks: Hooks,
-        fail: Callable[[BaseException], None],
+        self, dial: Dial, shell: AttemptShell, *, fail: Callable[[BaseException], None]
     ) -> None:
         self._dial = dial
-        self._opts = opts
+        self._opts = opts = shell.options
         self._clock = opts.clock.now
         self._log = opts.logger
         self._call_timeout = opts.request_timeout
-        self._link = controls.link
+        self._link = shell.controls.link
         #: Wakes this thread: a new capacity report, a request kept, the connection ended, stop.
-        self._serve_wake = controls.wake
-        self._dial_cut = controls.dial_cut
-        self._reg = registry
+        self._serve_wake = shell.controls.wake
+        self._reg = shell.registry
         self._shell = shell
-        self._watchdog = watchdog
-        self._hooks = hooks
+        self._watchdog = shell.threads.watchdog.core
+        self._hooks = shell.hooks
         self._fail = fail
         #: Set once the first session is established (``Worker.wait_ready``).
         self.ready = threading.Event()
@@ -116,8 +104,8 @@ class SessionLoop:
         self._session_bugs = 0
         # Capacity reports: built by the window, under whose lock each one is written (a
         # finish may send a lowering one ahead of it); every answer comes to _report_answered.
-        self._window = window
-        window.answered = self._report_answered
+        self._window = shell.window
+        shell.window.answered = self._report_answered
         self._drain_acked = threading.Event()
         #: A session's capacity report without drain was answered and its connection has not
         #: ended yet: the server may be assigning to this process (see assignments_over).
@@ -159,7 +147,7 @@ class SessionLoop:
                     break
             first = False
             try:
-                conn = self._dial.connect(self._opts, self._dial_cut)
+                conn = self._dial.connect(self._opts, self._shell.controls.dial_cut)
             except Exception as exc:
                 if self._link.is_closed():
                     break  # shutdown cut the dial

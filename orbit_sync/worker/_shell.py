@@ -201,7 +201,8 @@ def _lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -
 
 class AttemptShell(RequestPath[Attempt]):
     """Performs the attempts' actions: sends and re-sends (:class:`~._requests.RequestPath`),
-    runs handlers, writes the outbox, counts, logs and tells the listeners."""
+    runs handlers, writes the outbox, counts, logs and tells the listeners. The worker's parts it
+    holds are the ones admission, the session loop and the shutdown work with."""
 
     def __init__(
         self,
@@ -220,13 +221,14 @@ class AttemptShell(RequestPath[Attempt]):
             log=options.logger,
             wake=controls.wake.set,
         )
-        self._reg = registry
-        self._options = options
-        self._threads = threads
-        self._window = window
-        self._hooks = hooks
+        self.registry = registry
+        self.options = options
+        self.controls = controls
+        self.threads = threads
+        self.window = window
+        self.hooks = hooks
         #: Its ``instance_id`` (new in a forked child) goes into the outbox's records.
-        self._handlers = handlers
+        self.handlers = handlers
         self._encoder = (
             DEFAULT_ENCODER
             if options.result_converter is None
@@ -259,15 +261,15 @@ class AttemptShell(RequestPath[Attempt]):
         except Exception:
             # Twice in a row: nothing more can be sent for it; never leave it counted as live.
             worker_log(att.ctx).exception("worker error while finishing the attempt UNKNOWN")
-            with self._reg.cond:
-                self._reg.unreported.append(att.info)
+            with self.registry.cond:
+                self.registry.unreported.append(att.info)
             self.settle(att)
 
     def lease_actions(self, att: Attempt, actions: list[Action]) -> list[Action]:
         """Perform the lease and context actions now, under the attempt's lock (shutdown's
         abandon step must never see a lease tracked after its untrack); return the rest."""
         rest: list[Action] = []
-        leases = self._threads.watchdog.core
+        leases = self.threads.watchdog.core
         for action in actions:
             if isinstance(action, TrackLease):
                 leases.track(att.id, action.deadline)
@@ -291,9 +293,9 @@ class AttemptShell(RequestPath[Attempt]):
         may all be held by handlers that ignore cancellation; for the same reason, an abandoned
         attempt's last actions (at shutdown only) run where its answer arrives."""
         offload = (
-            (self.outbox is not None or bool(self._hooks))
+            (self.outbox is not None or bool(self.hooks))
             and any(isinstance(a, RecordFinish | Reported | LeaseLost) for a in actions)
-            and not self._threads.owns_current()
+            and not self.threads.owns_current()
         )
         if offload:
             with att.lock:
@@ -302,7 +304,7 @@ class AttemptShell(RequestPath[Attempt]):
         # closed and nothing is written any more, is performed here.
         if offload:
             with contextlib.suppress(RuntimeError):
-                self._threads.pool.submit(partial(self._perform_now, att, actions))
+                self.threads.pool.submit(partial(self._perform_now, att, actions))
                 return
         self._perform_now(att, actions)
 
@@ -324,10 +326,10 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, LeaseLost):
                 self._lease_lost(att, action)
             elif isinstance(action, LeaseRenewed):
-                if self._hooks:
-                    self._hooks.emit("lease_renewed", _lease_event(att, lag=action.lag))
+                if self.hooks:
+                    self.hooks.emit("lease_renewed", _lease_event(att, lag=action.lag))
             elif isinstance(action, RenewAfter):
-                self._threads.watchdog.core.retry(att.id, action.delay, action.error)
+                self.threads.watchdog.core.retry(att.id, action.delay, action.error)
             elif isinstance(action, ResumeEnded):
                 if action.refused is not None:
                     code = getattr(action.refused, "code", type(action.refused).__name__)
@@ -349,7 +351,7 @@ class AttemptShell(RequestPath[Attempt]):
         reported capacity too high for the connection's assignment queue, a lowered report goes
         out ahead of it in the same write (see :mod:`._window`)."""
         if request.request_type == "task.finish":
-            window = self._window
+            window = self.window
             with window.lock:  # held across a report's write: reports reach the wire in order
                 window.release(att)
                 report = window.lowering()
@@ -358,7 +360,7 @@ class AttemptShell(RequestPath[Attempt]):
                         "task.finish", request.body, on_done, request.message_id, self._call_timeout
                     )
                     ahead = window.pipelined(
-                        conn, report, self._options.clock.now(), self._call_timeout
+                        conn, report, self.options.clock.now(), self._call_timeout
                     )
                     pipeline_of(conn).submit_many([ahead.submission, finish])
                     return
@@ -391,14 +393,14 @@ class AttemptShell(RequestPath[Attempt]):
         return lambda m: m.start_answered(
             request,
             value,
-            now=self._options.clock.now(),
+            now=self.options.clock.now(),
             cancel_reason=ctx.cancel_reason,
             cancel_requested=ctx.cancel_requested,
         )
 
     def _run_handler_on_pool(self, att: Attempt) -> None:
         try:
-            self._threads.pool.submit(partial(self._run_handler, att))
+            self.threads.pool.submit(partial(self._run_handler, att))
         except RuntimeError:  # the pool shut down under a late start answer: do not run it
             stop = not_run(cancel_requested=False, reason="shutdown")
             self.step(att, lambda m: m.handler_returned(stop))
@@ -409,10 +411,10 @@ class AttemptShell(RequestPath[Attempt]):
             # Without the launch record a kill would leave no trace of the run: do not run.
             launched = self._outbox_write(
                 att,
-                lambda o: o.launch(self._handlers.instance_id, att.ref, att.task.handler),
+                lambda o: o.launch(self.handlers.instance_id, att.ref, att.task.handler),
                 failed="outbox unavailable: handler not run",
             )
-            if launched and self._window.take(att):
+            if launched and self.window.take(att):
                 self._wake()  # the connection thread raises the reported capacity
             verdict = self.execute(att) if launched else None
         except Exception:
@@ -428,17 +430,17 @@ class AttemptShell(RequestPath[Attempt]):
 
     def execute(self, att: Attempt) -> Verdict:
         ctx = att.ctx
-        with self._reg.cond:
-            self._reg.running += 1
+        with self.registry.cond:
+            self.registry.running += 1
         error: BaseException | None = None
         value: Any = None
-        if self._hooks:
-            self._hooks.emit("attempt_started", attempt_event(att))
+        if self.hooks:
+            self.hooks.emit("attempt_started", attempt_event(att))
         limit = att.machine.time_limit
         timer = None
         if limit is not None:
-            att.limit_at = self._options.clock.now() + limit.seconds
-            timer = self._threads.timers.call_at(
+            att.limit_at = self.options.clock.now() + limit.seconds
+            timer = self.threads.timers.call_at(
                 att.limit_at, lambda: self.step(att, lambda m: m.time_limit_passed())
             )
         began = time.perf_counter()
@@ -452,9 +454,9 @@ class AttemptShell(RequestPath[Attempt]):
         finally:
             duration = time.perf_counter() - began
             if timer is not None:
-                self._threads.timers.cancel(timer)
-            with self._reg.cond:
-                self._reg.running -= 1
+                self.threads.timers.cancel(timer)
+            with self.registry.cond:
+                self.registry.running -= 1
         verdict = outcome_of(
             value=value,
             error=error,
@@ -483,8 +485,8 @@ class AttemptShell(RequestPath[Attempt]):
     def _call_handler(self, att: Attempt) -> Any:
         """The handler's own call (through the listeners' hook when there are listeners)."""
         ctx = att.ctx
-        if self._hooks:
-            return self._hooks.call_handler(att.handler, ctx)
+        if self.hooks:
+            return self.hooks.call_handler(att.handler, ctx)
         return att.handler(ctx, ctx.payload)
 
     def _record_finish(self, att: Attempt, request: Request) -> None:
@@ -494,7 +496,7 @@ class AttemptShell(RequestPath[Attempt]):
         self._outbox_write(
             att,
             lambda o: o.record_finish(
-                self._handlers.instance_id, att.task.handler, finish, request.message_id
+                self.handlers.instance_id, att.task.handler, finish, request.message_id
             ),
         )
 
@@ -504,10 +506,10 @@ class AttemptShell(RequestPath[Attempt]):
         if result is not None:
             self._outbox_write(att, lambda o: o.done(att.id))
             evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
-            with self._reg.cond:
-                self._reg.counts[verdict.outcome.value] += 1
+            with self.registry.cond:
+                self.registry.counts[verdict.outcome.value] += 1
                 if evidence:
-                    self._reg.counts["evidence_only"] += 1
+                    self.registry.counts["evidence_only"] += 1
             log = worker_log(ctx)
             if log.isEnabledFor(logging.INFO):  # a line per task: its text only when kept
                 log.info(
@@ -519,20 +521,20 @@ class AttemptShell(RequestPath[Attempt]):
                     " (deduplicated)" if result.deduplicated else "",
                 )
         elif reported.error is not None:
-            with self._reg.cond:
-                self._reg.counts["finish_rejected"] += 1
+            with self.registry.cond:
+                self.registry.counts["finish_rejected"] += 1
             code = getattr(reported.error, "code", reported.error)
             worker_log(ctx).error("finish %s refused (%s)", verdict.outcome, code)
             self._outbox_write(att, lambda o: o.done(att.id))
         else:
-            with self._reg.cond:
-                self._reg.unreported.append(att.info)
+            with self.registry.cond:
+                self.registry.unreported.append(att.info)
             worker_log(ctx).error(
                 "finish %s not delivered: the worker stopped%s",
                 verdict.outcome,
                 "; kept in the outbox for the next start" if self.outbox else "",
             )
-        if self._hooks:
+        if self.hooks:
             task = att.task
             finished = AttemptFinished(
                 task_id=task.task_id,
@@ -545,7 +547,7 @@ class AttemptShell(RequestPath[Attempt]):
                 ran=verdict.ran,
                 delivered=reported.delivered,
             )
-            self._hooks.emit("attempt_finished", finished)
+            self.hooks.emit("attempt_finished", finished)
 
     # ------------------------------------------------------------------ time limits
 
@@ -563,7 +565,7 @@ class AttemptShell(RequestPath[Attempt]):
         )
         # From the limit, not from now: the handler gets at most limit + grace, however late
         # this thread woke.
-        self._threads.timers.call_at(
+        self.threads.timers.call_at(
             att.limit_at + grace, lambda: self.step(att, lambda m: m.time_limit_grace_passed())
         )
 
@@ -580,10 +582,10 @@ class AttemptShell(RequestPath[Attempt]):
                 att.task.handler,
                 att.machine.time_limit.grace,
                 stuck,
-                self._options.capacity,
+                self.options.capacity,
             )
-        if self._hooks:
-            self._hooks.emit("handler_stuck", self._stuck_event(att, reason, stuck))
+        if self.hooks:
+            self.hooks.emit("handler_stuck", self._stuck_event(att, reason, stuck))
 
     def _unstuck(self, att: Attempt) -> None:
         """A stuck handler returned at last: its slot is free, its result dropped."""
@@ -592,28 +594,28 @@ class AttemptShell(RequestPath[Attempt]):
             "handler returned after it was finished UNKNOWN; its result is dropped and its "
             "slot is free again"
         )
-        if self._hooks:
+        if self.hooks:
             reason = "time_limit" if att.machine.timed_out else "shutdown"
-            self._hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
+            self.hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
 
     def _count_stuck(self, att: Attempt, stuck: bool) -> int:
         """Count *att*'s slot stuck (or free again); return how many are. The capacity reported
         leaves out the stuck slots: no task waits behind a thread that cannot be stopped (the
         connection thread sends the new report)."""
-        with self._reg.cond:
+        with self.registry.cond:
             if stuck:
-                self._reg.stuck[att.id] = att.info
+                self.registry.stuck[att.id] = att.info
             else:
-                self._reg.stuck.pop(att.id, None)
-            count = len(self._reg.stuck)
-        with self._window.lock:
-            self._window.stuck = count
+                self.registry.stuck.pop(att.id, None)
+            count = len(self.registry.stuck)
+        with self.window.lock:
+            self.window.stuck = count
         self._wake()
         return count
 
     def _stuck_event(self, att: Attempt, reason: str, stuck: int) -> StuckEvent:
         task = att.task
-        return StuckEvent(task.task_id, att.id, task.handler, reason, stuck, self._options.capacity)
+        return StuckEvent(task.task_id, att.id, task.handler, reason, stuck, self.options.capacity)
 
     # ------------------------------------------------------------------ durable outbox
 
@@ -633,18 +635,18 @@ class AttemptShell(RequestPath[Attempt]):
 
     def settle(self, att: Attempt) -> None:
         """The worker is done with *att* (its machine reached a settled phase)."""
-        self._window.release(att)
-        with self._reg.cond:
-            self._reg.attempts.pop(att.id, None)
-            if self._reg.stop_requested:
-                self._reg.cond.notify_all()
+        self.window.release(att)
+        with self.registry.cond:
+            self.registry.attempts.pop(att.id, None)
+            if self.registry.stop_requested:
+                self.registry.cond.notify_all()
 
     def notify(self) -> None:
         # Only the shutdown thread waits on the condition for attempts to change, and only once a
         # stop was requested: waking it on every phase change of every task is wasted work.
-        if self._reg.stop_requested:
-            with self._reg.cond:
-                self._reg.cond.notify_all()
+        if self.registry.stop_requested:
+            with self.registry.cond:
+                self.registry.cond.notify_all()
 
     # ------------------------------------------------------------------ a new connection
 
@@ -652,22 +654,22 @@ class AttemptShell(RequestPath[Attempt]):
         """The attempt's lease as the shell knows it now (read under the attempt's lock)."""
         ctx = att.ctx
         return LeaseView(
-            now=self._options.clock.now(),
+            now=self.options.clock.now(),
             remaining=ctx.remaining(),
             cancelled=ctx.cancelled.is_set(),
         )
 
     def _lease_lost(self, att: Attempt, lost: LeaseLost) -> None:
         """The lease is gone: count it, say so, tell the listeners."""
-        with self._reg.cond:
-            self._reg.counts["lease_losses"] += 1
+        with self.registry.cond:
+            self.registry.counts["lease_losses"] += 1
         if lost.resume:
             worker_log(att.ctx).warning("lease did not survive the reconnect (%s)", lost.reason)
         else:
             detail = f" ({lost.detail})" if lost.detail else ""
             self._log.warning("lease of attempt %s: %s%s", att.id, lost.reason, detail)
-        if self._hooks:
-            self._hooks.emit("lease_lost", _lease_event(att, reason=lost.reason))
+        if self.hooks:
+            self.hooks.emit("lease_lost", _lease_event(att, reason=lost.reason))
 
     def refused(self, actions: list[Action]) -> None:
         """An assignment its machine did not take (never recorded: nothing else to do): say
@@ -675,15 +677,15 @@ class AttemptShell(RequestPath[Attempt]):
         for skipped in actions:
             assert isinstance(skipped, Skipped)
             if skipped.count is not None:
-                with self._reg.cond:
-                    self._reg.counts[skipped.count] += 1
+                with self.registry.cond:
+                    self.registry.counts[skipped.count] += 1
             self._log.warning("%s", skipped.why)
 
     # ------------------------------------------------------------------ the lease watchdog
 
     def renew_answered(self, attempt_id: str, answer: RenewAnswer) -> None:
         """The lease watchdog reports what became of a renewal: the attempt's machine decides."""
-        att = self._reg.get(attempt_id)
+        att = self.registry.get(attempt_id)
         if att is not None:
             self.step(att, lambda m: m.renew_answered(answer))
 
@@ -693,8 +695,8 @@ class AttemptShell(RequestPath[Attempt]):
         thread, and a lost connection is reported to the link (neither ever blocks). Renewals
         that cannot be sent are told so after the write: nothing on the way to it may release
         the GIL (a log line in a callback could)."""
-        with self._reg.cond:
-            atts = [self._reg.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
+        with self.registry.cond:
+            atts = [self.registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
         refused: list[tuple[RenewDone, OrbitError]] = []
         requests: list[Submission] = []
@@ -705,7 +707,7 @@ class AttemptShell(RequestPath[Attempt]):
                 refused.append((on_done, NotConnected("no connection")))
             else:
                 # A slow answer closes its connection before the lease runs out (and is re-sent).
-                timeout = min(self._options.request_timeout, max(1.0, att.ctx.remaining() / 2))
+                timeout = min(self.options.request_timeout, max(1.0, att.ctx.remaining() / 2))
                 done = partial(self._renew_done, on_done, current[1])
                 requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
         if requests:

@@ -11,11 +11,9 @@ import threading
 from collections.abc import Callable, Iterable
 
 from ..clock import Clock, SystemClock
-from ._handlers import Handlers
 from ._listeners import AttemptInfo, ShutdownReport
 from ._machine import Phase
-from ._options import WorkerOptions
-from ._shell import Attempt, AttemptShell, LinkControls, Registry, WorkerThreads
+from ._shell import Attempt, AttemptShell
 
 __all__ = ["CLOSE_ALLOWANCE", "Shutdown"]
 
@@ -33,24 +31,15 @@ class Shutdown:
 
     def __init__(
         self,
-        registry: Registry,
-        options: WorkerOptions,
-        *,
         shell: AttemptShell,
-        controls: LinkControls,
-        threads: WorkerThreads,
-        handlers: Handlers,
+        *,
         assignments_over: Callable[[], bool],
         stopped: Callable[[ShutdownReport], None],
     ) -> None:
-        self._reg = registry
-        self._options = options
-        self._time = options.clock
+        self._reg = shell.registry
+        self._options = shell.options
+        self._time = shell.options.clock
         self._shell = shell
-        self._controls = controls
-        self._threads = threads
-        #: Their child processes are closed with the worker's threads.
-        self._handlers = handlers
         #: True once the server will assign nothing more (read under the registry's
         #: condition, which is notified when it becomes true).
         self._assignments_over = assignments_over
@@ -270,7 +259,7 @@ class Shutdown:
         handlers: abandoned ones still running)."""
         # Real time: what is waited for here are threads ending on the events closing sets.
         close_end = REAL_TIME.now() + CLOSE_ALLOWANCE
-        controls, threads = self._controls, self._threads
+        controls, threads = self._shell.controls, self._shell.threads
         current = controls.link.current()
         controls.close_link()
         controls.dial_cut.cut()
@@ -282,8 +271,8 @@ class Shutdown:
         with self._reg.cond:  # handlers finished UNKNOWN that still run: not waited for
             stuck = len(self._reg.stuck)
         threads.pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=stuck)
-        if self._handlers.processes is not None:
-            self._handlers.processes.close()
+        if self._shell.handlers.processes is not None:
+            self._shell.handlers.processes.close()
         for thread in threads.started:
             if thread is not threading.current_thread():
                 thread.join(max(0.0, close_end - REAL_TIME.now()))
