@@ -42,6 +42,8 @@ from orbit_sync.worker._machine import (
     retry_delay,
 )
 from orbit_sync.worker._watchdog import (
+    GROUP_FRACTION,
+    LEAD_WAKES,
     MAX_EARLY_BATCH,
     LeaseWatchdog,
     RenewDone,
@@ -420,6 +422,46 @@ def test_lag_is_measured(clock: CallClock, renewer: Renewer, leases: Leases) -> 
     wd.run_due()
     assert wd.stats().lag_last == pytest.approx(0.75)
     assert wd.stats().lag_max == pytest.approx(0.75)
+
+
+def test_a_late_wake_up_brings_the_next_renewals_forward(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
+    """A wake-up 0.75 s late schedules the next renewal 0.75 s before half the window."""
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 30.0)
+    clock.advance(15.0 + 0.75)
+    nxt = wd.run_due()
+    assert len(renewer.calls) == 1
+    assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2 - 0.75)
+
+
+def test_the_lead_is_at_most_a_quarter_of_the_wait(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
+    """A wake-up later than a quarter of the wait brings the next renewal that quarter forward."""
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 30.0)
+    clock.advance(15.0 + 10.0)
+    nxt = wd.run_due()
+    wait = (30.0 - 0.25) / 2
+    assert nxt == pytest.approx(clock() + wait * (1 - GROUP_FRACTION))
+
+
+def test_the_lead_fades_after_punctual_wake_ups(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
+    """Once the recent wake-ups came on time, renewals are due at half the window again."""
+    wd = leases.watchdog(renewer)
+    wd.track("a" * 32, clock() + 30.0)
+    clock.advance(15.0 + 0.75)
+    nxt = wd.run_due()
+    for _ in range(LEAD_WAKES):
+        assert nxt is not None and nxt < clock() + (30.0 - 0.25) / 2 - 1e-9
+        clock.set(nxt)
+        nxt = wd.run_due()
+    assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2)
+    assert len(renewer.calls) == LEAD_WAKES + 1
 
 
 def test_a_resume_moves_the_deadline_later_never_sooner(

@@ -22,6 +22,7 @@ import itertools
 import logging
 import math
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import attrs
@@ -60,6 +61,9 @@ MAX_EARLY_BATCH = 16
 RECONNECT_FRACTION = 0.25
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
+#: A renewal is scheduled early by the worst lag of this many recent wake-ups (see
+#: :meth:`LeaseWatchdog.track`).
+LEAD_WAKES = 8
 
 
 @attrs.frozen
@@ -129,6 +133,8 @@ class LeaseWatchdog:
         self._failures = 0
         self._lag_last = 0.0
         self._lag_max = 0.0
+        #: How late the recent wake-ups came (the lead of the next renewals).
+        self._recent_lags: deque[float] = deque(maxlen=LEAD_WAKES)
 
     def report_to(self, on_answer: OnAnswer) -> None:
         """Report what became of each renewal to *on_answer* from now on (the attempts' shell)."""
@@ -138,12 +144,21 @@ class LeaseWatchdog:
 
     def track(self, attempt_id: str, deadline: float) -> None:
         """Renew *attempt_id*, whose lease (just granted) ends locally at *deadline*, at half of
-        what remains."""
+        what remains, less the lag the watchdog's recent wake-ups had."""
         now = self.clock()
         remaining = deadline - now
         # Half of what remains, at least MIN_RENEW_INTERVAL away, never past the deadline.
-        due = now + min(max(remaining, 0.0), max(MIN_RENEW_INTERVAL, remaining / 2))
+        wait = min(max(remaining, 0.0), max(MIN_RENEW_INTERVAL, remaining / 2))
         with self._lock:
+            # Early by the worst lag of the recent wake-ups (under CPU-bound handlers each one
+            # waits for the GIL), so the renewal still goes out when due: at most a quarter of
+            # the wait (the slack a batch may take too), never under the minimum interval.
+            lead = min(
+                max(self._recent_lags, default=0.0),
+                GROUP_FRACTION * wait,
+                max(0.0, wait - MIN_RENEW_INTERVAL),
+            )
+            due = now + wait - lead
             entry = _Entry(attempt_id, deadline, due, now)
             entry.granted = (now, deadline)
             self._entries[attempt_id] = entry
@@ -272,6 +287,7 @@ class LeaseWatchdog:
                 if woke_lag is not None:
                     self._lag_last = woke_lag
                     self._lag_max = max(self._lag_max, woke_lag)
+                    self._recent_lags.append(woke_lag)
             # Nothing between the wake-up and this write may release the GIL (no log line, no
             # contended lock): each such call can cost a whole thread switch under CPU load.
             self._send_batch(batch)
