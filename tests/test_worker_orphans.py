@@ -24,6 +24,7 @@ from test_worker_units import _task as unit_task
 from orbit_sync.client import Client
 from orbit_sync.models import AttemptState, Outcome, Task, TaskState, new_id
 from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import WorkerOptions
 from orbit_sync.worker._outbox import Outbox
 from orbit_sync.worker._process import _Process
 from orbit_sync.worker._process_child import ORPHAN_EXIT
@@ -169,10 +170,10 @@ def test_replay_reports_lost_only_once_no_handler_process_holds_the_instance(
         client = Client(server.url, server.token)
         log = logging.getLogger("tests.replay")
 
+        options = WorkerOptions(queue_id=server.queue_id, logger=log, dial_timeout=10)
+
         def run() -> bool:
-            return replay(
-                box, client, exclude="", log=log, dial_timeout=10, call_timeout=10, lock_wait=0.2
-            )
+            return replay(box, client, exclude="", options=options, lock_wait=0.2)
 
         try:
             holder = _hold_lock(box.lock_path, instance_id)

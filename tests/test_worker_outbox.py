@@ -23,7 +23,7 @@ from orbit_sync import OutboxError
 from orbit_sync.client import Client
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import AttemptFinished, TaskContext, WorkerListener
+from orbit_sync.worker import AttemptFinished, TaskContext, WorkerListener, WorkerOptions
 from orbit_sync.worker._outbox import Outbox
 from orbit_sync.worker._replay import replay
 
@@ -378,14 +378,10 @@ def test_result_delivered_despite_a_full_disk_is_not_replayed_lost(
     box = Outbox(outbox)
     try:
         assert box.counts()["launched"] == 1  # the launch record the full disk left behind
-        done = replay(
-            box,
-            Client(server.url, server.token),
-            exclude="",
-            log=logging.getLogger("tests.replay"),
-            dial_timeout=10,
-            call_timeout=10,
+        options = WorkerOptions(
+            queue_id=server.queue_id, logger=logging.getLogger("tests.replay"), dial_timeout=10
         )
+        done = replay(box, Client(server.url, server.token), exclude="", options=options)
         assert done is True
         assert box.counts() == {"instances": 0, "launched": 0, "finishes": 0}
     finally:

@@ -7,6 +7,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from test_worker_attempt import _begin, _kinds, _lease, _machine, _result
@@ -27,6 +28,7 @@ from orbit_sync.models import (
     new_secret,
 )
 from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import WorkerOptions
 from orbit_sync.worker._link import Link
 from orbit_sync.worker._machine import (
     AttemptMachine,
@@ -218,15 +220,12 @@ def box(tmp_path: Path) -> Iterator[Outbox]:
         yield outbox
 
 
-def _replay(server: MockOrbitServer, box: Outbox, **options: object) -> bool:
-    settings: dict[str, object] = {"dial_timeout": 10, "call_timeout": 10, **options}
-    return replay(
-        box,
-        Client(server.url, server.token),
-        exclude="",
-        log=LOG,
-        **settings,  # type: ignore[arg-type]
-    )
+def _replay(
+    server: MockOrbitServer, box: Outbox, *, stop: Link | None = None, **options: Any
+) -> bool:
+    """Replay with the options of a worker of *server*."""
+    settings = WorkerOptions(queue_id=server.queue_id, logger=LOG, dial_timeout=10, **options)
+    return replay(box, Client(server.url, server.token), exclude="", options=settings, stop=stop)
 
 
 def _events(server: MockOrbitServer, kind: str, task_id: str) -> list[str]:
@@ -293,7 +292,7 @@ def test_transient_answers_are_retried_on_the_same_connection(
     resume = server.faults.reply_error("worker.resume", "UNAVAILABLE", count=1)
     finish = server.faults.reply_error("task.finish", "RATE_LIMITED", count=2)
     try:
-        assert _replay(server, box, retry_delay=0.1) is True
+        assert _replay(server, box, renew_retry_delay=0.1) is True
     finally:
         dead.conn.close()
     assert (resume.fired, finish.fired) == (1, 2)
@@ -305,14 +304,14 @@ def test_transient_answers_are_retried_on_the_same_connection(
 
 
 def test_shutdown_ends_a_try_waiting_for_an_answer(server: MockOrbitServer, box: Outbox) -> None:
-    """A resume that is never answered (no call timeout): closing the worker's link ends the
-    try at once; nothing was reported and the records stay for the next start."""
+    """A resume that is never answered: closing the worker's link ends the try at once (long
+    before its call timeout); nothing was reported and the records stay for the next start."""
     dead = _Dead(server, box)
     dropped = server.faults.drop_reply("worker.resume")
     stop = Link()
     outcome: list[bool] = []
     thread = threading.Thread(
-        target=lambda: outcome.append(_replay(server, box, call_timeout=None, stop=stop)),
+        target=lambda: outcome.append(_replay(server, box, stop=stop)),
         name="test-replay",
     )
     thread.start()
@@ -336,14 +335,8 @@ def test_a_refused_stored_identity_keeps_its_records(
     dead = _Dead(server, box)
     dead.conn.close()
     caplog.set_level(logging.ERROR, LOG.name)
-    done = replay(
-        box,
-        Client(server.url, "not-the-token"),
-        exclude="",
-        log=LOG,
-        dial_timeout=10,
-        call_timeout=10,
-    )
+    options = WorkerOptions(queue_id=server.queue_id, logger=LOG, dial_timeout=10)
+    done = replay(box, Client(server.url, "not-the-token"), exclude="", options=options)
     assert done is True
     assert box.counts() == {"instances": 1, "launched": 1, "finishes": 0}
     assert "kept undelivered" in caplog.text and "not-the-token" not in caplog.text

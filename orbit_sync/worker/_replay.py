@@ -10,10 +10,8 @@ at the latest; what is left waits for the next try, after the backoff.
 from __future__ import annotations
 
 import collections
-import logging
 from functools import partial
 
-from ..clock import Clock, SystemClock
 from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
 from ._errors import is_fatal_dial_error
@@ -32,12 +30,9 @@ __all__ = ["TRY_LIMIT", "WORKER_LOST", "ReplayShell", "replay", "replay_until_do
 LOCK_WAIT = 1.0
 
 #: The longest one try delivers on its connection: a server answering a transient error for
-#: longer (or a request never answered, without a call timeout) waits for the next try, after
-#: the backoff. What a try delivered is done; the rest stays stored.
+#: longer waits for the next try, after the backoff. What a try delivered is done; the rest stays
+#: stored.
 TRY_LIMIT = 30.0
-
-#: Spacing of re-sends after a transient error answer (the worker's ``renew_retry_delay``).
-RETRY_DELAY = 1.0
 
 
 def replay_until_done(
@@ -50,17 +45,7 @@ def replay_until_done(
     failures = 0
     while not link.is_closed():
         try:
-            done = replay(
-                outbox,
-                dialer,
-                exclude=exclude,
-                log=log,
-                dial_timeout=options.dial_timeout,
-                call_timeout=options.request_timeout,
-                retry_delay=options.renew_retry_delay,
-                clock=options.clock,
-                stop=link,
-            )
+            done = replay(outbox, dialer, exclude=exclude, options=options, stop=link)
         except OrbitError:  # the outbox file (OutboxError): try again later
             log.exception("outbox replay failed; retrying")
             done = False
@@ -80,19 +65,15 @@ def replay(
     dialer: Dialer,
     *,
     exclude: str,
-    log: logging.Logger,
-    dial_timeout: float,
-    call_timeout: float | None,
+    options: WorkerOptions,
     lock_wait: float = LOCK_WAIT,
-    retry_delay: float = RETRY_DELAY,
-    clock: Clock | None = None,
     stop: Link | None = None,
 ) -> bool:
-    """Deliver every stored outcome of instances other than *exclude* (this run's); True when
-    nothing is left that a later try could deliver, False after a transient failure (the caller
-    retries with backoff). Never raises for a server or network problem. Closing *stop* (the
-    worker's link, at shutdown) ends a try in progress."""
-    clock = clock or SystemClock()
+    """Deliver every stored outcome of instances other than *exclude* (this run's), with the
+    worker's *options*; True when nothing is left that a later try could deliver, False after a
+    transient failure (the caller retries with backoff). Never raises for a server or network
+    problem. Closing *stop* (the worker's link, at shutdown) ends a try in progress."""
+    log = options.logger
     complete = True
     for registration in outbox.instances(exclude=exclude):
         if stop is not None and stop.is_closed():
@@ -115,20 +96,11 @@ def replay(
                 len(pending),
                 instance,
             )
-            conn, refused = _dial(outbox, dialer, registration, len(pending), log, dial_timeout)
+            conn, refused = _dial(outbox, dialer, registration, len(pending), options)
             if conn is None:
                 complete = complete and refused
                 continue
-            shell = ReplayShell(
-                outbox,
-                registration,
-                pending,
-                clock=clock,
-                log=log,
-                call_timeout=call_timeout,
-                retry_delay=retry_delay,
-            )
-            if not shell.run(conn, stop):
+            if not ReplayShell(outbox, registration, pending, options).run(conn, stop):
                 complete = False
             outbox.forget_instance(instance)
     return complete
@@ -139,13 +111,13 @@ def _dial(
     dialer: Dialer,
     registration: Registration,
     count: int,
-    log: logging.Logger,
-    dial_timeout: float,
+    options: WorkerOptions,
 ) -> tuple[Connection | None, bool]:
     """A session as the dead instance, or ``None`` and whether no later try can get one (the
     server refuses the stored identity: its outcomes are kept, undelivered)."""
+    log = options.logger
     try:
-        conn: Connection = dialer.dial_worker(registration, dial_timeout)
+        conn: Connection = dialer.dial_worker(registration, options.dial_timeout)
     except (WorkerError, HTTPError) as exc:
         if not is_fatal_dial_error(exc, stored_identity=True):
             return None, False
@@ -186,18 +158,19 @@ class ReplayShell(RequestPath[_Stored]):
         outbox: Outbox,
         registration: Registration,
         pending: list[Pending],
-        *,
-        clock: Clock,
-        log: logging.Logger,
-        call_timeout: float | None,
-        retry_delay: float,
+        options: WorkerOptions,
     ) -> None:
+        self._clock = clock = options.clock
         self._wakeup = Wakeup(clock)
-        super().__init__(Link(clock), call_timeout=call_timeout, log=log, wake=self._wakeup.set)
+        super().__init__(
+            Link(clock),
+            call_timeout=options.request_timeout,
+            log=options.logger,
+            wake=self._wakeup.set,
+        )
         self._outbox = outbox
         self._instance = registration.instance_id
-        self._clock = clock
-        self._stored = [_Stored(item, retry_delay) for item in pending]
+        self._stored = [_Stored(item, options.renew_retry_delay) for item in pending]
         #: Events for the machines, from any thread; drained by run()'s thread only.
         self._events: collections.deque[tuple[_Stored, Event]] = collections.deque()
         #: Stored attempts not yet settled, and those the try gave up (still stored).
