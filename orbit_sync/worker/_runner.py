@@ -20,7 +20,6 @@ from .._seconds import seconds
 from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
 from ..models import Outcome, Registration
-from ._admission import Admission
 from ._handlers import Handlers, HandlerSettings
 from ._link import Dialer, Link, Wakeup
 from ._listeners import DrainEvent, Hooks, ShutdownReport, WorkerStats
@@ -29,7 +28,7 @@ from ._outbox import Outbox
 from ._pool import DaemonPool
 from ._redial import Backoff
 from ._replay import replay_until_done
-from ._session_loop import Dial, SessionLoop
+from ._session_loop import SessionLoop
 from ._shell import AttemptShell, Handler, LinkControls, Registry, WorkerThreads
 from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
@@ -199,11 +198,7 @@ class Worker:
         )
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
-        self._sessions = SessionLoop(
-            Dial(client, self._registered.registration, Admission(self._shell)),
-            self._shell,
-            fail=self._fail,
-        )
+        self._sessions = SessionLoop(client, self._shell, fail=self._fail)
         self._shutdown = Shutdown(
             self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped
         )

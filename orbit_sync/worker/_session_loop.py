@@ -17,12 +17,10 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import attrs
-
-from ..client import Client, DialCut
+from ..client import Client
 from ..connection import pipeline_of
 from ..errors import CallTimeout, OrbitError, WorkerProtocolError
-from ..models import CapacityReport, Registration
+from ..models import CapacityReport
 from ._admission import Admission
 from ._errors import (
     FirstContact,
@@ -34,58 +32,32 @@ from ._errors import (
 from ._link import Connection, Dialer
 from ._listeners import DisconnectEvent, SessionEvent
 from ._machine import retry_delay
-from ._options import WorkerOptions
 from ._pool import woken_without_preempting
 from ._redial import Redial
 from ._shell import AttemptShell
 from ._shutdown import CLOSE_ALLOWANCE
 from ._window import SentReport
 
-__all__ = ["SESSION_BUG_LIMIT", "Dial", "SessionLoop"]
+__all__ = ["SESSION_BUG_LIMIT", "SessionLoop"]
 
 #: Sessions in a row ended by an unexpected error (a bug of ours) after which the worker stops
 #: (``run()`` raises it; the CLI exits 1) instead of reconnecting in a loop.
 SESSION_BUG_LIMIT = 2
 
 
-@attrs.frozen
-class Dial:
-    """Whom the connection thread dials and as what: *client*, the ``worker.hello`` body
-    *registration* returns (read at each dial), and *admission*, which takes each connection's
-    pushes (cancel notices on its reader, assignments on the session's intake)."""
-
-    client: Dialer
-    registration: Callable[[], Registration]
-    admission: Admission
-
-    def connect(self, opts: WorkerOptions, cut: DialCut) -> Connection:
-        """A new connection, welcomed (raise if the dial fails)."""
-        on_cancel = self.admission.on_cancel if opts.cancellation_notifications else None
-        # Our own client: shutdown can cut a dial in progress, and leases are anchored on the
-        # worker's clock.
-        own: dict[str, Any] = {"clock": opts.clock, "cut": cut}
-        conn: Connection = self.client.dial_worker(
-            self.registration(),
-            timeout=opts.dial_timeout,
-            on_cancel=on_cancel,
-            **(own if isinstance(self.client, Client) else {}),
-        )
-        return conn
-
-    @property
-    def server(self) -> str:
-        """The server's URL for log lines (a Client's base_url carries no credentials)."""
-        url = getattr(self.client, "base_url", None)
-        return url if isinstance(url, str) else "the Orbit server"
-
-
 class SessionLoop:
     """The connection thread's work for one Worker (see the module's docstring)."""
 
     def __init__(
-        self, dial: Dial, shell: AttemptShell, *, fail: Callable[[BaseException], None]
+        self, client: Dialer, shell: AttemptShell, *, fail: Callable[[BaseException], None]
     ) -> None:
-        self._dial = dial
+        self._client = client
+        #: The server's URL for log lines (a Client's base_url carries no credentials).
+        url = getattr(client, "base_url", None)
+        self._server = url if isinstance(url, str) else "the Orbit server"
+        #: Takes each connection's pushes: cancel notices on its reader, assignments on the
+        #: session's intake.
+        self._admission = Admission(shell)
         self._opts = opts = shell.options
         self._clock = opts.clock.now
         self._log = opts.logger
@@ -132,12 +104,27 @@ class SessionLoop:
 
     # ------------------------------------------------------------------ dial, reconnect
 
+    def _connect(self) -> Connection:
+        """A new connection, welcomed (raise if the dial fails)."""
+        opts = self._opts
+        on_cancel = self._admission.on_cancel if opts.cancellation_notifications else None
+        # Our own client: shutdown can cut a dial in progress, and leases are anchored on the
+        # worker's clock.
+        own: dict[str, Any] = {"clock": opts.clock, "cut": self._shell.controls.dial_cut}
+        conn: Connection = self._client.dial_worker(
+            self._shell.handlers.registration(),
+            timeout=opts.dial_timeout,
+            on_cancel=on_cancel,
+            **(own if isinstance(self._client, Client) else {}),
+        )
+        return conn
+
     def run(self) -> None:
         """The connection thread: dial, serve, reconnect, until the link is closed."""
         redial = Redial(self._opts.reconnect_backoff)
         # Started with the thread, i.e. by Worker.start().
         contact = FirstContact(self._clock, self._opts.first_connect_timeout)
-        server = self._dial.server
+        server = self._server
         first = True
         while not self._link.is_closed():
             if not first:
@@ -147,7 +134,7 @@ class SessionLoop:
                     break
             first = False
             try:
-                conn = self._dial.connect(self._opts, self._shell.controls.dial_cut)
+                conn = self._connect()
             except Exception as exc:
                 if self._link.is_closed():
                     break  # shutdown cut the dial
@@ -197,7 +184,7 @@ class SessionLoop:
             self._log.error(
                 "cannot connect to %s (%s: %s): not reached once since this worker started;"
                 " retrying (check the URL, DNS, the network and that the server is up)",
-                self._dial.server,
+                self._server,
                 type(exc).__name__,
                 exc,
             )
@@ -205,7 +192,7 @@ class SessionLoop:
         self._log.warning(
             "cannot connect to %s (%s: %s); not reached once since the start, %.1f s ago"
             " (%d dials); retrying",
-            self._dial.server,
+            self._server,
             type(exc).__name__,
             exc,
             contact.waited(),
@@ -245,7 +232,7 @@ class SessionLoop:
                 else:
                     self._log.warning(
                         "connection to %s lost (%s: %s); reconnecting",
-                        self._dial.server,
+                        self._server,
                         type(exc).__name__,
                         exc,
                     )
@@ -283,7 +270,7 @@ class SessionLoop:
         until the connection has ended and none is left unread; then wakes this thread."""
         woken_without_preempting()  # the reader wakes it for assignments
         try:
-            self._dial.admission.take_all(conn)
+            self._admission.take_all(conn)
         except Exception:  # a bug of ours: the session cannot take assignments any more
             self._log.exception("worker error in the intake; closing the connection")
             conn.close()
@@ -293,14 +280,9 @@ class SessionLoop:
     def _reconcile(self, conn: Connection) -> tuple[SentReport, bool]:
         """Resume every held attempt on *conn*; once every resume went out, publish *conn*,
         re-send what was kept for it, renew what is due and send the first capacity report, in
-        one burst without waiting (PROTOCOL §5.5); return once every resume is over, with that
-        report and whether this session is a reconnect.
-
-        One burst: on a link that keeps cutting, each round trip a session must survive before
-        it delivers a finish or a renewal is lost work. The server answers a connection's frames
-        in order, so each resume is applied before its attempt's re-send or renewal, and every
-        kept finish frees its slot before assignments are enabled.
-        """
+        one burst without waiting (PROTOCOL §5.5; why one burst: docs/architecture.md, "One
+        attempt"); return once every resume is over, with that report and whether this session
+        is a reconnect."""
         with self._reg.cond:
             held = list(self._reg.attempts.values())
         resumes = self._shell.resumes
@@ -385,9 +367,10 @@ class SessionLoop:
         """Send the report in force, pipelined, without waiting (under the window's lock, so
         reports reach the wire in sequence order). A report the connection refuses is answered
         with that error."""
-        with self._window.lock:
-            sent = self._window.pipelined(
-                conn, self._window.report(), self._clock(), self._call_timeout
+        window = self._window
+        with window.lock:
+            sent = SentReport(
+                conn, window.report(), self._clock(), self._call_timeout, window.answered
             )
             pipeline_of(conn).submit_many([sent.submission])
         return sent

@@ -60,7 +60,7 @@ from ._pool import DaemonPool
 from ._requests import Event, RequestPath
 from ._time_limits import Interruptible, Timers
 from ._watchdog import RenewDone, WatchdogThread
-from ._window import CapacityWindow
+from ._window import CapacityWindow, SentReport
 
 if TYPE_CHECKING:  # it imports Handler from here
     from ._handlers import Handlers
@@ -359,8 +359,8 @@ class AttemptShell(RequestPath[Attempt]):
                     finish = Submission(
                         "task.finish", request.body, on_done, request.message_id, self._call_timeout
                     )
-                    ahead = window.pipelined(
-                        conn, report, self.options.clock.now(), self._call_timeout
+                    ahead = SentReport(
+                        conn, report, self.options.clock.now(), self._call_timeout, window.answered
                     )
                     pipeline_of(conn).submit_many([ahead.submission, finish])
                     return
@@ -490,7 +490,6 @@ class AttemptShell(RequestPath[Attempt]):
         return att.handler(ctx, ctx.payload)
 
     def _record_finish(self, att: Attempt, request: Request) -> None:
-        """Commit the finish to the outbox before it is sent."""
         finish = request.body
         assert isinstance(finish, Finish)
         self._outbox_write(

@@ -116,13 +116,6 @@ class CapacityWindow:
                 return None
             return self.report()
 
-    def pipelined(
-        self, conn: Connection, report: CapacityReport, sent_at: float, timeout: float | None
-    ) -> SentReport:
-        """*report*, about to be written on *conn* (under :attr:`lock`) as its
-        :attr:`~SentReport.submission`, alone or ahead of a finish."""
-        return SentReport(conn, report, sent_at, timeout, self.answered)
-
     def acked(self, report: CapacityReport) -> None:
         """The server acknowledged *report*."""
         with self._ack_lock:
