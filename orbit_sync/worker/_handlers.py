@@ -83,12 +83,11 @@ class Handlers:
         self._options = options
         #: Read under the lock: is registering too late?
         self._started = started
-        #: Each handler as registered (for :meth:`specs`), and its time limit as it applies.
+        #: Each handler as registered (for :meth:`specs`).
         self._registered: dict[Key, tuple[Handler, HandlerSettings]] = {}
-        self._limits: dict[Key, TimeLimit | None] = {}
-        #: The handlers by key (``executor="process"`` ones wrapped in a ProcessHandler).
-        self.table: dict[Key, Handler] = {}
-        self._loggers: dict[str, logging.Logger] = {}
+        #: What :meth:`find` returns for each key: the handler (``executor="process"`` ones
+        #: wrapped in a ProcessHandler), its task logger and its time limit as it applies.
+        self._found: dict[Key, tuple[Handler, logging.Logger, TimeLimit | None]] = {}
         #: Child processes for the ``executor="process"`` handlers; none before the first one.
         self.processes: ProcessPool | None = None
         self._registration: Registration | None = None
@@ -120,10 +119,18 @@ class Handlers:
             check_process_handler(fn)
         cap = Capability(name, settings.version, settings.payload_version)  # validates the names
         key = (cap.handler, cap.handler_version, cap.payload_version)
+        limit = None
+        if seconds is not None:
+            limit = TimeLimit(
+                seconds,
+                self._options.cancel_grace,
+                retryable=settings.time_limit_retryable,
+                in_process=executor == "process",
+            )
         with self._lock:
             if self._started():
                 raise RuntimeError("register handlers before the worker starts")
-            if key in self.table:
+            if key in self._found:
                 raise ValueError(
                     f"handler {name!r} version {key[1]}/{key[2]} is already registered"
                 )
@@ -140,26 +147,14 @@ class Handlers:
                         ),
                     )
                 fn = ProcessHandler(fn, self.processes)
-            self.table[key] = fn
+            self._found[key] = (fn, task_logger(cap.handler), limit)
             self._registered[key] = (registered, settings)
-            self._limits[key] = (
-                None
-                if seconds is None
-                else TimeLimit(
-                    seconds,
-                    self._options.cancel_grace,
-                    retryable=settings.time_limit_retryable,
-                    in_process=executor == "process",
-                )
-            )
-            self._loggers.setdefault(cap.handler, task_logger(cap.handler))
 
     def find(self, key: Key) -> tuple[Handler, logging.Logger, TimeLimit | None] | None:
         """The handler registered for *key*, its task logger and its time limit (None: not
         registered)."""
         with self._lock:
-            fn = self.table.get(key)
-            return None if fn is None else (fn, self._loggers[key[0]], self._limits[key])
+            return self._found.get(key)
 
     def specs(self) -> list[tuple[Key, Handler, HandlerSettings]]:
         """Each registration as given (the function unwrapped), so another Worker can register
@@ -170,7 +165,7 @@ class Handlers:
     def bind(self) -> None:
         """Look up every process handler by its name (by start, the handler's module has bound
         it, decorator form included)."""
-        for fn in list(self.table.values()):
+        for fn, _, _ in list(self._found.values()):
             if isinstance(fn, ProcessHandler):
                 fn.bind()
 
@@ -178,11 +173,11 @@ class Handlers:
         """The ``worker.hello`` body, built once, by whichever thread asks first."""
         with self._lock:
             if self._registration is None:
-                if not self.table:
+                if not self._found:
                     raise ValueError("register at least one handler before starting the worker")
                 self._registration = Registration(
                     queue_id=self._options.queue_id,
-                    capabilities=[Capability(*key) for key in self.table],
+                    capabilities=[Capability(*key) for key in self._found],
                     capacity=self._options.capacity,
                     instance_id=self.instance_id,
                     instance_secret=self._instance_secret,

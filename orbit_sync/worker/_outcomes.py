@@ -32,18 +32,6 @@ __all__ = [
     "worker_lost",
 ]
 
-#: Why a TaskContext was cancelled (the first reason wins).
-CANCEL_REASONS = frozenset(
-    {
-        "cancel_requested",
-        "lease_expired",
-        "lease_lost",
-        "session_replaced",
-        "shutdown",
-        "time_limit",
-    }
-)
-
 #: Error codes for a handler that stopped cooperatively for a reason other than a cancel request.
 #: The handler chose the checkpoint, so stopping there is clean: FAILED and retryable.
 STOP_CODES = {
@@ -52,6 +40,8 @@ STOP_CODES = {
     "lease_lost": "LEASE_LOST",
     "session_replaced": "SESSION_REPLACED",
 }
+#: Why a TaskContext was cancelled (the first reason wins).
+CANCEL_REASONS = frozenset({*STOP_CODES, "cancel_requested", "time_limit"})
 
 HANDLER_ERROR = "HANDLER_ERROR"
 CANCELLED = "CANCELLED"
