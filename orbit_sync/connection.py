@@ -662,11 +662,16 @@ class Pipeline:
         with conn._lock:
             texts, ids, refused = conn._core.open_batch(requests)
             calls = conn._core.calls
+            earliest = math.inf
             for request, mid in zip(requests, ids, strict=True):
                 if mid is not None:  # sent: its completion runs as its slot is set
-                    calls[mid].on_done = conn._take_slot(request.on_done).complete
-            if texts:
-                conn._timer.notify()  # new deadlines: the thread computes the next one
+                    call = calls[mid]
+                    call.on_done = conn._take_slot(request.on_done).complete
+                    earliest = min(earliest, call.deadline)
+            # Only a deadline before the deadline thread's wake-up needs it woken (see _send):
+            # waking it for every batch made it contend for the GIL and this lock each time.
+            if earliest < conn._wake_at:
+                conn._timer.notify()
         # A failure completes every call of the batch with its error.
         if texts and conn._write(conn._transport.send_texts, texts):
             log.debug("sent %d requests in one write", len(texts))

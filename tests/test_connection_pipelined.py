@@ -119,6 +119,23 @@ def test_an_unanswered_request_times_out_and_closes_the_connection() -> None:
             conn.close()
 
 
+def test_a_batch_bound_shorter_than_the_deadline_threads_sleep_still_ends_it() -> None:
+    """A batch sent while the deadline thread sleeps until a longer bound times out on its own."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            out = Outcomes(2)
+            pipeline_of(conn).submit("worker.resume", REF, out.callback("long"))  # 10 s bound
+            peer.recv()
+            [late] = pipeline_of(conn).submit_many(_renews(out, ["late"], timeout=0.2))
+            peer.recv()
+            assert out.all_in.wait(WAIT)
+            [(_, timed_out, _)] = out.got["late"]
+            assert isinstance(timed_out, CallTimeout) and timed_out.message_id == late
+        finally:
+            conn.close()
+
+
 def test_a_resume_answer_carries_its_local_deadline() -> None:
     """A pipelined resume completes with a Lease anchored like the blocking resume's."""
     with ScriptedServer() as server:
