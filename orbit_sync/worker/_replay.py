@@ -162,12 +162,7 @@ class ReplayShell(RequestPath[_Stored]):
     ) -> None:
         self._clock = clock = options.clock
         self._wakeup = Wakeup(clock)
-        super().__init__(
-            Link(clock),
-            call_timeout=options.request_timeout,
-            log=options.logger,
-            wake=self._wakeup.set,
-        )
+        super().__init__(Link(clock), options, self._wakeup.set)
         self._outbox = outbox
         self._instance = registration.instance_id
         self._stored = [_Stored(item, options.renew_retry_delay) for item in pending]

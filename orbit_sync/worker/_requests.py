@@ -7,7 +7,6 @@ an event for that machine, and a failed request is kept by the link and re-sent 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
@@ -18,6 +17,7 @@ from ..errors import OrbitError
 from ._errors import NotConnected
 from ._link import Connection, GaveUp, Link
 from ._machine import Action, AttemptMachine, BreakConnection, Keep, Request, Send
+from ._options import WorkerOptions
 
 __all__ = ["Event", "RequestPath"]
 
@@ -34,19 +34,14 @@ S = TypeVar("S", bound=_Subject)
 
 
 class RequestPath(Generic[S]):
-    """Sends the requests of the machines of *S* (one attempt each) on *link*."""
+    """Sends the requests of the machines of *S* (one attempt each) on *link*, with the worker's
+    *options* (its call timeout and logger)."""
 
-    def __init__(
-        self,
-        link: Link,
-        *,
-        call_timeout: float | None,
-        log: logging.Logger,
-        wake: Callable[[], None],
-    ) -> None:
+    def __init__(self, link: Link, options: WorkerOptions, wake: Callable[[], None]) -> None:
         self._link = link
-        self._call_timeout = call_timeout
-        self._log = log
+        self.options = options
+        self._call_timeout = options.request_timeout
+        self._log = options.logger
         #: Wakes the thread that drives the link (a request was kept for it to re-send).
         self._wake = wake
 

@@ -34,7 +34,6 @@ from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, Timers
 from ._watchdog import LeaseWatchdog, WatchdogThread
-from ._window import CapacityWindow
 
 __all__ = ["Handler", "Worker"]
 
@@ -192,7 +191,6 @@ class Worker:
             opts,
             controls=self._controls,
             threads=self._threads,
-            window=CapacityWindow(opts.capacity),
             hooks=self._hooks,
             handlers=self._registered,
         )

@@ -211,21 +211,14 @@ class AttemptShell(RequestPath[Attempt]):
         *,
         controls: LinkControls,
         threads: WorkerThreads,
-        window: CapacityWindow,
         hooks: Hooks,
         handlers: Handlers,
     ) -> None:
-        super().__init__(
-            controls.link,
-            call_timeout=options.request_timeout,
-            log=options.logger,
-            wake=controls.wake.set,
-        )
+        super().__init__(controls.link, options, controls.wake.set)
         self.registry = registry
-        self.options = options
         self.controls = controls
         self.threads = threads
-        self.window = window
+        self.window = CapacityWindow(options.capacity)
         self.hooks = hooks
         #: Its ``instance_id`` (new in a forked child) goes into the outbox's records.
         self.handlers = handlers
