@@ -171,7 +171,8 @@ def commands() -> Any:
 
 def wait_succeeded(worker: Any, n: int, timeout: float) -> bool:
     """Wait until *worker* counts *n* answered finishes; False after *timeout* seconds."""
-    # Bench-side wait for the finishes to be answered; 5 ms steps cost the worker nothing.
+    # Bench-side wait for the last finishes to be answered, once every handler ran (the
+    # lateness run, whose watchdog such polling would delay, waits on a listener instead).
     end = time.monotonic() + timeout
     while worker.stats().succeeded < n:
         if time.monotonic() > end:

@@ -125,7 +125,7 @@ class FrameTap:
                     self.lateness.append(now - due)
 
 
-def _worker(args: argparse.Namespace, capacity: int) -> Any:
+def _worker(args: argparse.Namespace, capacity: int, listeners: Any = ()) -> Any:
     from orbit_sync import Client, Worker
 
     return Worker(
@@ -136,7 +136,26 @@ def _worker(args: argparse.Namespace, capacity: int) -> Any:
         drain_timeout=5.0,
         cancel_grace=1.0,
         flush_timeout=5.0,
+        listeners=list(listeners),
     )
+
+
+class Delivered:
+    """A listener whose ``done`` is set once *n* finishes were delivered: the lateness run waits
+    on it instead of polling ``Worker.stats()``, whose locks (the watchdog's among them) a
+    polling thread would hold now and then just as the watchdog wakes."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.done = threading.Event()
+        self._lock = threading.Lock()
+
+    def attempt_finished(self, event: Any) -> None:
+        with self._lock:
+            if event.delivered:
+                self.n -= 1
+            if self.n <= 0:
+                self.done.set()
 
 
 def run_noop(args: argparse.Namespace) -> dict[str, Any]:
@@ -187,7 +206,8 @@ def _cpu_bound(ctx: Any, seconds: float) -> None:
 
 def run_lateness(args: argparse.Namespace) -> dict[str, Any]:
     tap = FrameTap(renewals=True)
-    worker = _worker(args, args.tasks)
+    delivered = Delivered(args.tasks)
+    worker = _worker(args, args.tasks, [delivered])
     running = threading.Barrier(args.tasks + 1)
 
     @worker.handler("spin")
@@ -199,7 +219,7 @@ def run_lateness(args: argparse.Namespace) -> dict[str, Any]:
     worker.start()
     running.wait(timeout=args.timeout)
     waiter.start()
-    ok = wait_succeeded(worker, args.tasks, args.seconds + args.timeout)
+    ok = delivered.done.wait(args.seconds + args.timeout)
     waiter.stop()
     stats = worker.stats()
     worker.stop(drain=False, timeout=5)

@@ -43,6 +43,7 @@ from orbit_sync.worker._machine import (
 )
 from orbit_sync.worker._watchdog import (
     GROUP_FRACTION,
+    LEAD_FACTOR,
     LEAD_WAKES,
     MAX_EARLY_BATCH,
     LeaseWatchdog,
@@ -427,13 +428,13 @@ def test_lag_is_measured(clock: CallClock, renewer: Renewer, leases: Leases) -> 
 def test_a_late_wake_up_brings_the_next_renewals_forward(
     clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
-    """A wake-up 0.75 s late schedules the next renewal 0.75 s before half the window."""
+    """A wake-up 0.75 s late schedules the next renewal twice that before half the window."""
     wd = leases.watchdog(renewer)
     wd.track("a" * 32, clock() + 30.0)
     clock.advance(15.0 + 0.75)
     nxt = wd.run_due()
     assert len(renewer.calls) == 1
-    assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2 - 0.75)
+    assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2 - LEAD_FACTOR * 0.75)
 
 
 def test_the_lead_is_at_most_a_quarter_of_the_wait(

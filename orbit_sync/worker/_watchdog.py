@@ -61,9 +61,11 @@ MAX_EARLY_BATCH = 16
 RECONNECT_FRACTION = 0.25
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
-#: A renewal is scheduled early by the worst lag of this many recent wake-ups (see
-#: :meth:`LeaseWatchdog.track`).
+#: A renewal is scheduled early by the worst lag of this many recent wake-ups, times
+#: :data:`LEAD_FACTOR` (see :meth:`LeaseWatchdog.track`).
 LEAD_WAKES = 8
+#: GIL waits have a long tail: the next wake-up is often later than the worst of the last few.
+LEAD_FACTOR = 2.0
 
 
 @attrs.frozen
@@ -150,11 +152,11 @@ class LeaseWatchdog:
         # Half of what remains, at least MIN_RENEW_INTERVAL away, never past the deadline.
         wait = min(max(remaining, 0.0), max(MIN_RENEW_INTERVAL, remaining / 2))
         with self._lock:
-            # Early by the worst lag of the recent wake-ups (under CPU-bound handlers each one
-            # waits for the GIL), so the renewal still goes out when due: at most a quarter of
-            # the wait (the slack a batch may take too), never under the minimum interval.
+            # Early by twice the worst lag of the recent wake-ups (under CPU-bound handlers each
+            # one waits for the GIL), so the renewal still goes out when due: at most a quarter
+            # of the wait (the slack a batch may take too), never under the minimum interval.
             lead = min(
-                max(self._recent_lags, default=0.0),
+                LEAD_FACTOR * max(self._recent_lags, default=0.0),
                 GROUP_FRACTION * wait,
                 max(0.0, wait - MIN_RENEW_INTERVAL),
             )
