@@ -14,7 +14,7 @@ from ..connection import pipeline_of
 from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext, worker_log
 from ._link import Connection
-from ._machine import AttemptMachine
+from ._machine import AttemptMachine, Skipped
 from ._shell import Attempt, AttemptShell, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
@@ -93,7 +93,12 @@ class Admission:
                 att = Attempt(assignment, ctx, handler, machine)
                 self._reg.attempts[att.id] = att
         if att is None:
-            self._shell.refused(actions)
+            for skipped in actions:
+                assert isinstance(skipped, Skipped)
+                if skipped.count is not None:
+                    with self._reg.cond:
+                        self._reg.counts[skipped.count] += 1
+                self._log.warning("%s", skipped.why)
             return
         worker_log(att.ctx).debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts

@@ -321,21 +321,18 @@ class Outbox:
             "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
             "FROM instances ORDER BY rowid"
         )
-        out = []
         with self._decoding("an instance"):
-            for instance_id, secret, queue_id, caps, capacity in rows:
-                if instance_id == exclude:
-                    continue
-                out.append(
-                    Registration(
-                        queue_id=queue_id,
-                        capabilities=[Capability(*c) for c in json.loads(caps)],
-                        capacity=capacity,
-                        instance_id=instance_id,
-                        instance_secret=secret,
-                    )
+            return [
+                Registration(
+                    queue_id=queue_id,
+                    capabilities=[Capability(*c) for c in json.loads(caps)],
+                    capacity=capacity,
+                    instance_id=instance_id,
+                    instance_secret=secret,
                 )
-        return out
+                for instance_id, secret, queue_id, caps, capacity in rows
+                if instance_id != exclude
+            ]
 
     def pending(self, instance_id: str) -> list[Pending]:
         """What *instance_id* left: every launched attempt, with its finish when decided."""

@@ -1,10 +1,8 @@
 """Replay of a durable outbox: deliver what earlier, killed processes left (docs/outbox.md: what
-is sent, as which instance, and why nothing runs twice; docs/architecture.md: the transitions).
-
-Each stored attempt is an :class:`~._machine.AttemptMachine` entered by its ``replay`` step; its
-requests go through the worker's one request path (:mod:`._requests`), retried as a live
-attempt's. :class:`ReplayShell` drives one try on one connection and ends by :data:`TRY_LIMIT`
-at the latest; what is left waits for the next try, after the backoff.
+is sent, as which instance, and why nothing runs twice; docs/architecture.md: the transitions of
+its attempt machines, whose requests take the live attempts' path). :class:`ReplayShell` drives
+one try on one connection and ends by :data:`TRY_LIMIT` at the latest; what is left waits for
+the next try, after the backoff.
 """
 
 from __future__ import annotations
@@ -41,16 +39,15 @@ def replay_until_done(
     """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per the
     worker's ``reconnect_backoff`` between tries; ends early when *link* (the worker's) is
     closed: shutdown also ends a try in progress."""
-    log = options.logger
     failures = 0
     while not link.is_closed():
         try:
             done = replay(outbox, dialer, exclude=exclude, options=options, stop=link)
         except OrbitError:  # the outbox file (OutboxError): try again later
-            log.exception("outbox replay failed; retrying")
+            options.logger.exception("outbox replay failed; retrying")
             done = False
         except Exception:  # a bug of ours: retrying would repeat it
-            log.exception(
+            options.logger.exception(
                 "outbox replay stopped by a worker error; stored results wait for a restart"
             )
             return

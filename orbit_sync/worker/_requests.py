@@ -1,8 +1,7 @@
-"""The one request path of the attempts' machines (the live :class:`~._shell.AttemptShell` and
-the outbox replay's :class:`~._replay.ReplayShell`): every start, resume and finish a machine
-decides goes out pipelined within the link's request slots, its answer or failure comes back as
-an event for that machine, and a failed request is kept by the link and re-sent with its
-``message_id`` by the thread that drives the link; nothing is sent from a connection's reader.
+"""The one request path of the attempts' machines, the live :class:`~._shell.AttemptShell`'s
+and the outbox replay's :class:`~._replay.ReplayShell`'s (docs/architecture.md, ``_requests``);
+a failed request is re-sent with its ``message_id``, and nothing is sent from a connection's
+reader.
 """
 
 from __future__ import annotations

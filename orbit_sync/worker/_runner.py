@@ -164,9 +164,6 @@ class Worker:
         self._report: ShutdownReport | None = None
         #: run()'s signal handling, while run() on the main thread waits in it.
         self._signals: StopSignals | None = None
-        # Opened by start(), not here: a process-executor child imports the module that builds
-        # this Worker, and must not contend for the parent's outbox lock.
-        self._outbox: Outbox | None = None
 
         self._controls = LinkControls(
             Link(clock, slots=opts.handler_slots), Wakeup(clock), DialCut()
@@ -340,34 +337,33 @@ class Worker:
             registration.capacity,
             ", ".join(f"{c.handler}@{c.handler_version}" for c in registration.capabilities),
         )
-        if self._options.outbox is not None:
-            try:
-                # Raises OutboxError (before anything is sent) for a file we must not use.
-                self._outbox = Outbox.open(self._options.outbox, registration)
-            except BaseException:
-                with self._cond:
-                    self._started = False  # nothing ran: a later start() may try again
-                raise
-            self._shell.outbox = self._outbox
-            if self._registered.processes is not None:
-                self._registered.processes.guard(
-                    self._outbox.lock_path, self._registered.instance_id
-                )
-        self._threads.watchdog.start()
         targets = [
             (self._sessions.run, "orbit-worker-connection"),
             (self._shutdown.run, "orbit-worker-shutdown"),
         ]
-        if self._outbox is not None:
+        if self._options.outbox is not None:
+            # Opened here, not as the Worker is built: a process-executor child imports the
+            # module that builds it, and must not contend for the parent's outbox lock.
+            try:
+                # Raises OutboxError (before anything is sent) for a file we must not use.
+                outbox = Outbox.open(self._options.outbox, registration)
+            except BaseException:
+                with self._cond:
+                    self._started = False  # nothing ran: a later start() may try again
+                raise
+            self._shell.outbox = outbox
+            if self._registered.processes is not None:
+                self._registered.processes.guard(outbox.lock_path, self._registered.instance_id)
             replay = partial(
                 replay_until_done,
-                self._outbox,
+                outbox,
                 self._client,
                 link=self._controls.link,
                 exclude=self._registered.instance_id,
                 options=self._options,
             )
             targets.append((replay, "orbit-worker-outbox"))
+        self._threads.watchdog.start()
         for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
             self._threads.started.append(thread)

@@ -47,7 +47,6 @@ from ._machine import (
     ResumeEnded,
     RunHandler,
     Send,
-    Skipped,
     SlotFreed,
     SlotStuck,
     TrackLease,
@@ -662,16 +661,6 @@ class AttemptShell(RequestPath[Attempt]):
             self._log.warning("lease of attempt %s: %s%s", att.id, lost.reason, detail)
         if self.hooks:
             self.hooks.emit("lease_lost", _lease_event(att, reason=lost.reason))
-
-    def refused(self, actions: list[Action]) -> None:
-        """An assignment its machine did not take (never recorded: nothing else to do): say
-        why, count it."""
-        for skipped in actions:
-            assert isinstance(skipped, Skipped)
-            if skipped.count is not None:
-                with self.registry.cond:
-                    self.registry.counts[skipped.count] += 1
-            self._log.warning("%s", skipped.why)
 
     # ------------------------------------------------------------------ the lease watchdog
 
