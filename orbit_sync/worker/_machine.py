@@ -342,13 +342,12 @@ class Trigger(enum.Enum):
     RESUME_LINK_FAILED = "resume: link failed"
     RENEWED = "renewal: granted"
     RENEW_FAILED = "renewal: failed for now (transient, or nothing sent): sent again later"
-    LEASE_CANCEL_REQUESTED = "renewal: cancel requested"
+    STOP_RUNNING = "renewal: cancel requested; or time limit: a child process's handler reached it"
     LEASE_ENDED = "lease: the deadline passed unrenewed, or a renewal says it is gone"
     CANCEL_PUSHED = "task.cancel pushed"
     SHUTDOWN_CANCEL = "shutdown: cancel"
     ABANDON = "the handler does not stop: shutdown's wait, or a time limit's grace, is over"
     TIME_LIMIT = "time limit: the handler on a thread reached it"
-    TIME_LIMIT_IN_PROCESS = "time limit: the handler in a child process reached it"
 
 
 @attrs.frozen
@@ -423,13 +422,12 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     Trigger.RESUME_LINK_FAILED: _stay(_RESUMED, BreakConnection, ResumeEnded),
     Trigger.RENEWED: _stay((_R,), TrackLease, LeaseRenewed),
     Trigger.RENEW_FAILED: _stay((_R,), RenewAfter),
-    Trigger.LEASE_CANCEL_REQUESTED: _stay((_R,), *_STOP),
+    Trigger.STOP_RUNNING: _stay((_R,), *_STOP),
     Trigger.LEASE_ENDED: _stay((_R,), *_STOP, LeaseLost),
     Trigger.CANCEL_PUSHED: {**_stay((_A, _S), CancelContext), **_stay((_R,), *_STOP)},
     Trigger.SHUTDOWN_CANCEL: {**_stay((_S,), CancelContext), **_stay((_R,), *_STOP)},
     Trigger.ABANDON: {_R: Transition(_F, (UntrackLease, SlotStuck, *_FINISH))},
     Trigger.TIME_LIMIT: _stay((_R,), *_STOP, InterruptHandler),
-    Trigger.TIME_LIMIT_IN_PROCESS: _stay((_R,), *_STOP),
 }
 
 #: For each trigger, the phases that refuse it (every phase the table does not list for it).
@@ -704,7 +702,7 @@ class AttemptMachine:
             delay = retry_delay(error, self.retry_delay)
             return self._take(Trigger.RENEW_FAILED, RenewAfter(delay, error))
         if lease is not None and lease.cancel_requested:
-            return self._lease_over(Trigger.LEASE_CANCEL_REQUESTED, "cancel_requested")
+            return self._lease_over(Trigger.STOP_RUNNING, "cancel_requested")
         if lease is not None and lease.deadline is not None and grants_run(lease):
             renewed = LeaseRenewed(answer.lag)
             return self._take(Trigger.RENEWED, TrackLease(lease.deadline), renewed)
@@ -736,7 +734,7 @@ class AttemptMachine:
         if limit is None or self.timed_out or self.handler_done:
             return []
         if limit.in_process:
-            actions = self._lease_over(Trigger.TIME_LIMIT_IN_PROCESS, "time_limit")
+            actions = self._lease_over(Trigger.STOP_RUNNING, "time_limit")
         else:
             actions = self._lease_over(
                 Trigger.TIME_LIMIT, "time_limit", InterruptHandler(limit.grace)

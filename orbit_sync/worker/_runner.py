@@ -22,7 +22,7 @@ from ..clock import Clock
 from ..models import Outcome, Registration
 from ._handlers import Handlers, HandlerSettings
 from ._link import Dialer, Link, Wakeup
-from ._listeners import DrainEvent, Hooks, ShutdownReport, WorkerStats
+from ._listeners import DrainEvent, ShutdownReport, WorkerStats
 from ._options import WorkerOptions
 from ._outbox import Outbox
 from ._pool import DaemonPool
@@ -154,7 +154,6 @@ class Worker:
         self._options = opts = options
         self._client = client
         clock = opts.clock
-        self._hooks = Hooks(opts.listeners, logger=opts.logger)
         # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
         self._cond = self._reg.cond
@@ -188,9 +187,9 @@ class Worker:
             opts,
             controls=self._controls,
             threads=self._threads,
-            hooks=self._hooks,
             handlers=self._registered,
         )
+        self._hooks = self._shell.hooks
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
         self._sessions = SessionLoop(client, self._shell, fail=self._fail)
@@ -467,8 +466,7 @@ class Worker:
             return self._report
 
     def _drain_window(self, drain: bool, timeout: float | None) -> float:
-        """How long running handlers get to return: *timeout* (default ``drain_timeout``)
-        seconds when draining, none otherwise."""
+        """How long running handlers get to return (none when they do not drain)."""
         if not drain:
             return 0.0
         return self._options.drain_timeout if timeout is None else timeout

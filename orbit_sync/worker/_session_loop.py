@@ -91,11 +91,10 @@ class SessionLoop:
         self._serve_wake.set()
 
     def assignments_over(self) -> bool:
-        """True once the server will assign this process nothing more: its drain report was
-        answered and every assignment made before it is in the registry (:meth:`_drain_taken`),
-        or no session that could receive assignments is left (PROTOCOL §5.5: a new session gets
-        none before its first report, the drain one, is answered). Read under the registry's
-        condition, which is notified when it becomes true."""
+        """True once the server will assign this process nothing more (docs/architecture.md,
+        "Threads and their owners"; a new session gets none before its first report, the drain
+        one, is answered: PROTOCOL §5.5). Read under the registry's condition, which is notified
+        when it becomes true."""
         return self._drain_acked.is_set() or not self._assigning
 
     def _assignments_changed(self) -> None:

@@ -210,7 +210,6 @@ class AttemptShell(RequestPath[Attempt]):
         *,
         controls: LinkControls,
         threads: WorkerThreads,
-        hooks: Hooks,
         handlers: Handlers,
     ) -> None:
         super().__init__(controls.link, options, controls.wake.set)
@@ -218,7 +217,7 @@ class AttemptShell(RequestPath[Attempt]):
         self.controls = controls
         self.threads = threads
         self.window = CapacityWindow(options.capacity)
-        self.hooks = hooks
+        self.hooks = Hooks(options.listeners, logger=options.logger)
         #: Its ``instance_id`` (new in a forked child) goes into the outbox's records.
         self.handlers = handlers
         self._encoder = (
