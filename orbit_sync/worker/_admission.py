@@ -49,10 +49,7 @@ class Admission:
         """The session's intake (its own thread): dispatch each assignment of *conn* until it
         has ended and none is left unread (those taken after the end: the next session resumes
         them, then sends their starts)."""
-        while True:
-            assignment = pipeline_of(conn).take_assignment()
-            if assignment is None:
-                return
+        while (assignment := pipeline_of(conn).take_assignment()) is not None:
             self.dispatch(assignment)
 
     def dispatch(self, assignment: Assignment) -> None:

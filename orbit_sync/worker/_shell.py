@@ -148,8 +148,7 @@ class Registry:
         #: The error that stopped the worker, if one did.
         self.error: BaseException | None = None
         #: The shutdown's drain is over (its cancel phase began): an assignment arriving now
-        #: is started with its context already cancelled (``shutdown``), so it finishes by the
-        #: outcome rules instead of running past the shutdown's deadline.
+        #: starts with its context cancelled (docs/architecture.md, "Threads and their owners").
         self.drain_over = False
 
     def get(self, attempt_id: str) -> Attempt | None:
