@@ -415,12 +415,20 @@ def test_finished_during_renew_is_not_rescheduled(
     assert wd.stats().renewals == 0
 
 
-def test_lag_is_measured(clock: CallClock, renewer: Renewer, leases: Leases) -> None:
-    """Waking after the scheduled time shows up as lag in the stats."""
+def _woke_late(
+    clock: CallClock, renewer: Renewer, leases: Leases, late: float
+) -> tuple[LeaseWatchdog, float | None]:
+    """A watchdog whose first renewal (a 30 s lease's, due after 15 s) went out *late* seconds
+    after it was due; what its ``run_due`` then returned."""
     wd = leases.watchdog(renewer)
     wd.track("a" * 32, clock() + 30.0)
-    clock.advance(15.0 + 0.75)
-    wd.run_due()
+    clock.advance(15.0 + late)
+    return wd, wd.run_due()
+
+
+def test_lag_is_measured(clock: CallClock, renewer: Renewer, leases: Leases) -> None:
+    """Waking after the scheduled time shows up as lag in the stats."""
+    wd, _ = _woke_late(clock, renewer, leases, 0.75)
     assert wd.stats().lag_last == pytest.approx(0.75)
     assert wd.stats().lag_max == pytest.approx(0.75)
 
@@ -429,10 +437,7 @@ def test_a_late_wake_up_brings_the_next_renewals_forward(
     clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
     """A wake-up 0.75 s late schedules the next renewal twice that before half the window."""
-    wd = leases.watchdog(renewer)
-    wd.track("a" * 32, clock() + 30.0)
-    clock.advance(15.0 + 0.75)
-    nxt = wd.run_due()
+    _, nxt = _woke_late(clock, renewer, leases, 0.75)
     assert len(renewer.calls) == 1
     assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2 - LEAD_FACTOR * 0.75)
 
@@ -441,10 +446,7 @@ def test_the_lead_is_at_most_a_quarter_of_the_wait(
     clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
     """A wake-up later than a quarter of the wait brings the next renewal that quarter forward."""
-    wd = leases.watchdog(renewer)
-    wd.track("a" * 32, clock() + 30.0)
-    clock.advance(15.0 + 10.0)
-    nxt = wd.run_due()
+    _, nxt = _woke_late(clock, renewer, leases, 10.0)
     wait = (30.0 - 0.25) / 2
     assert nxt == pytest.approx(clock() + wait * (1 - GROUP_FRACTION))
 
@@ -453,10 +455,7 @@ def test_the_lead_fades_after_punctual_wake_ups(
     clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:
     """Once the recent wake-ups came on time, renewals are due at half the window again."""
-    wd = leases.watchdog(renewer)
-    wd.track("a" * 32, clock() + 30.0)
-    clock.advance(15.0 + 0.75)
-    nxt = wd.run_due()
+    wd, nxt = _woke_late(clock, renewer, leases, 0.75)
     for _ in range(LEAD_WAKES):
         assert nxt is not None and nxt < clock() + (30.0 - 0.25) / 2 - 1e-9
         clock.set(nxt)
