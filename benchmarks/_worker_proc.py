@@ -9,7 +9,7 @@ no command line shows it):
   an assignment frame leaving the transport's frame reader to the handler's first line.
 - ``lateness``: ``--tasks`` CPU-bound handlers for ``--seconds`` under a short lease; reports
   every renewal's lateness (its send time past the moment it was due: half the remaining local
-  lease, as the README promises) and a bare ``Event.wait`` thread's lateness in the same
+  lease, as the README promises; 0 for one sent before) and a bare ``Event.wait`` thread's lateness in the same
   process over the same time (the floor), with lease losses.
 - ``idle``: ``Worker(capacity=--capacity)`` idle, then (on the harness's ``go``) a burst, then
   idle again; reports RSS and thread counts.
@@ -121,8 +121,8 @@ class FrameTap:
             self._sent[frame["message_id"]] = (attempt_id, now)
             if frame["type"] == "task.renew":
                 due = self._due.pop(attempt_id, None)
-                if due is not None:
-                    self.lateness.append(now - due)
+                if due is not None:  # sent before it was due: not late
+                    self.lateness.append(max(0.0, now - due))
 
 
 def _worker(args: argparse.Namespace, capacity: int, listeners: Any = ()) -> Any:

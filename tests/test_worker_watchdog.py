@@ -464,6 +464,21 @@ def test_the_lead_fades_after_punctual_wake_ups(
     assert len(renewer.calls) == LEAD_WAKES + 1
 
 
+def test_a_cautious_start_leads_by_a_quarter_until_a_wake_up_is_measured(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
+    """The Worker's watchdog renews a quarter of the wait early until it has measured a lag."""
+    wd = leases.watchdog(renewer, cautious_start=True)
+    wd.track("a" * 32, clock() + 30.0)
+    nxt = wd.run_due()
+    assert nxt == pytest.approx(clock() + 15.0 * (1 - GROUP_FRACTION))
+    assert nxt is not None
+    clock.set(nxt)
+    nxt = wd.run_due()  # on time: a lag of 0 measured
+    assert len(renewer.calls) == 1
+    assert nxt == pytest.approx(clock() + (30.0 - 0.25) / 2)
+
+
 def test_a_resume_moves_the_deadline_later_never_sooner(
     clock: CallClock, renewer: Renewer, leases: Leases
 ) -> None:

@@ -174,6 +174,7 @@ class Worker:
             clock=clock.now,
             on_change=watchdog_wake.set,
             logger=opts.logger,
+            cautious_start=True,
         )
         # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
         timers = Timers(clock.now, watchdog_wake.set)

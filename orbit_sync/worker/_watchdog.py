@@ -63,7 +63,7 @@ RECONNECT_FRACTION = 0.25
 LAG_WARNING = 1.0
 #: A renewal is scheduled early by the worst lag of this many recent wake-ups, times
 #: :data:`LEAD_FACTOR` (see :meth:`LeaseWatchdog.track`).
-LEAD_WAKES = 8
+LEAD_WAKES = 16
 #: GIL waits have a long tail: the next wake-up is often later than the worst of the last few.
 LEAD_FACTOR = 2.0
 
@@ -108,7 +108,9 @@ _Batch = list[tuple[_Entry, str, int, float]]
 
 
 class LeaseWatchdog:
-    """Schedules renewals of running attempts and reports what became of each."""
+    """Schedules renewals of running attempts and reports what became of each (with
+    *cautious_start*, renewals are scheduled with the largest lead until a wake-up was measured).
+    """
 
     def __init__(
         self,
@@ -118,6 +120,7 @@ class LeaseWatchdog:
         on_change: Callable[[], None] | None = None,
         on_answer: OnAnswer | None = None,
         logger: logging.Logger | None = None,
+        cautious_start: bool = False,
     ) -> None:
         self.clock = clock
         self._send = send
@@ -137,6 +140,10 @@ class LeaseWatchdog:
         self._lag_max = 0.0
         #: How late the recent wake-ups came (the lead of the next renewals).
         self._recent_lags: deque[float] = deque(maxlen=LEAD_WAKES)
+        #: The lag assumed before any wake-up was measured: with *cautious_start*, the worst
+        #: the lead allows for (a worker's first renewals may come due while its handlers
+        #: already hold the GIL).
+        self._unmeasured_lag = math.inf if cautious_start else 0.0
 
     def report_to(self, on_answer: OnAnswer) -> None:
         """Report what became of each renewal to *on_answer* from now on (the attempts' shell)."""
@@ -156,7 +163,7 @@ class LeaseWatchdog:
             # one waits for the GIL), so the renewal still goes out when due: at most a quarter
             # of the wait (the slack a batch may take too), never under the minimum interval.
             lead = min(
-                LEAD_FACTOR * max(self._recent_lags, default=0.0),
+                LEAD_FACTOR * max(self._recent_lags, default=self._unmeasured_lag),
                 GROUP_FRACTION * wait,
                 max(0.0, wait - MIN_RENEW_INTERVAL),
             )
