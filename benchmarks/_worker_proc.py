@@ -9,8 +9,8 @@ no command line shows it):
   an assignment frame leaving the transport's frame reader to the handler's first line.
 - ``lateness``: ``--tasks`` CPU-bound handlers for ``--seconds`` under a short lease; reports
   every renewal's lateness (its send time past the moment it was due: half the remaining local
-  lease, as the README promises; 0 for one sent before) and a bare ``Event.wait`` thread's lateness in the same
-  process over the same time (the floor), with lease losses.
+  lease, as the README promises; 0 for one sent before) and a bare ``Event.wait`` thread's
+  lateness in the same process over the same time (the floor), with lease losses.
 - ``idle``: ``Worker(capacity=--capacity)`` idle, then (on the harness's ``go``) a burst, then
   idle again; reports RSS and thread counts.
 
