@@ -115,7 +115,7 @@ def _layer(module: str) -> int:
 
 
 def _is_assign(frame: FrameType) -> bool:
-    if frame.f_code.co_name != "decode_server_frame":
+    if frame.f_code.co_name not in ("read_server_frame", "decode_server_frame"):
         return False
     raw = frame.f_locals.get("raw")
     return isinstance(raw, bytes | str) and "task.assign" in (

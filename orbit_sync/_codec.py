@@ -281,14 +281,33 @@ ACK_BODIES: dict[str, type[Any]] = {
 }
 
 
+class Addressed(NamedTuple):
+    """An ``ack`` or ``error`` frame answering ``reply_to``, its body not yet read: which body
+    it must be depends on the request in flight under that id (see :func:`answer_of`)."""
+
+    reply_to: str
+    frame: dict[str, Any]
+
+
 def decode_server_frame(
     raw: bytes | str, ctx: SessionContext, pending: Callable[[str], str | None]
 ) -> ServerEvent:
     """Decode and check one server frame against the session's context.
 
     *pending* maps a ``message_id`` in flight to its request type (``None`` when unknown).
-    Raises WorkerProtocolError on anything a conforming server cannot send.
+    Raises WorkerProtocolError on anything a conforming server cannot send. The two steps,
+    :func:`read_server_frame` then :func:`answer_of` for an answer, for a caller that looks the
+    request up itself.
     """
+    event = read_server_frame(raw, ctx)
+    if isinstance(event, Addressed):
+        return answer_of(event, pending(event.reply_to), ctx)
+    return event
+
+
+def read_server_frame(raw: bytes | str, ctx: SessionContext) -> ServerEvent | Addressed:
+    """Decode and check one server frame against the session's context, except the body of an
+    answer (:class:`Addressed`), which :func:`answer_of` reads once its request is known."""
     frame = _parse_envelope(raw)
     kind = frame["type"]
     reply_to = frame.get("reply_to")
@@ -310,11 +329,17 @@ def decode_server_frame(
         raise _bad("worker.welcome outside the handshake")
     if reply_to is None:
         raise _bad("ack must answer a request")
-    request = pending(reply_to)
+    return Addressed(reply_to, frame)
+
+
+def answer_of(event: Addressed, request: str | None, ctx: SessionContext) -> Reply:
+    """The :class:`Reply` of an answer to *request* (the type of the request in flight under its
+    ``reply_to``; ``None`` when none is)."""
     if request is None:
         raise _bad("reply_to names no pending request")
-    if kind == "error":
-        return Reply(reply_to, error=_worker_error(frame))
+    frame = event.frame
+    if frame["type"] == "error":
+        return Reply(event.reply_to, error=_worker_error(frame))
     value = _body(frame, ACK_BODIES[request])
     if isinstance(value, Welcome):
         if value.session_id != ctx.session_id or value.epoch != ctx.epoch:
@@ -323,7 +348,7 @@ def decode_server_frame(
         "task."
     ):
         raise _bad("receipt operation does not match the request")
-    return Reply(reply_to, value=value)
+    return Reply(event.reply_to, value=value)
 
 
 def _check_assignment(a: Assignment, registration: Registration) -> None:

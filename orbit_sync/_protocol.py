@@ -283,7 +283,12 @@ class ClientProtocol:
 
     def decode(self, raw: bytes | str) -> _codec.ServerEvent:
         """Decode one server frame against the session (raises WorkerProtocolError)."""
-        return _codec.decode_server_frame(raw, self.ctx, self.request_type)
+        # The codec reads the frame, then the body its request calls for: the request is looked
+        # up here between the two, so the codec never calls back into the protocol.
+        event = _codec.read_server_frame(raw, self.ctx)
+        if isinstance(event, _codec.Addressed):
+            return _codec.answer_of(event, self.request_type(event.reply_to), self.ctx)
+        return event
 
     def answer(self, reply: _codec.Reply) -> tuple[Call, Any, WorkerError | None]:
         """Match *reply* to its call and remove the call: (call, value, error).
