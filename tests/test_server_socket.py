@@ -145,11 +145,12 @@ def test_wss(tmp_path: Path) -> None:
     cert.configure_cert(server_ctx)
     client_ctx = ssl.create_default_context()
     ca.configure_trust(client_ctx)
-    # A generous handshake deadline: this test is about TLS, not about the deadline, and a TLS
-    # handshake on a loaded CI machine can take longer than the default 3 s.
+    # Generous handshake deadlines on both sides: this test is about TLS, not about deadlines,
+    # and a TLS handshake on a loaded CI machine can take longer than the server's default 3 s
+    # or the raw client's 5 s (seen: the client's open timing out with two suites on 2 cores).
     with MockOrbitServer(ssl_context=server_ctx, clock=ManualClock(), handshake_timeout=20) as srv:
         assert srv.url.startswith("wss://127.0.0.1:")
-        client = RawClient(srv).open(ssl=client_ctx)
+        client = RawClient(srv).open(ssl=client_ctx, open_timeout=20)
         task_id = srv.enqueue("resize", {"n": 1})
         ref = client.ref(client.next_push())
         client.start(ref)
