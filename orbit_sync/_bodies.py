@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import re
+import sys
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -96,49 +97,58 @@ _time_match = re.compile(
 ).fullmatch
 
 
-@functools.lru_cache(maxsize=512)
 def parse_time_ns(value: str) -> tuple[_dt.datetime, int]:
     """A wire time as an aware UTC datetime (microseconds) and the nanoseconds below it.
 
     The caller has checked ``type(value) is str``. Raises ValueError unless the text is RFC 3339
-    in UTC with ``Z`` and at most 9 fraction digits, and a real date and time. Cached: a frame
-    repeats its times (the receipt's and the lease's ``lease_until``).
+    in UTC with ``Z`` and at most 9 fraction digits, and a real date and time.
     """
     if _time_match(value) is None:
         raise ValueError("must be RFC 3339 UTC with Z, e.g. 2026-09-17T08:00:30Z")
-    whole = _whole_second(value[:19])
-    size = len(value)
-    if size == 20:
-        return whole, 0
-    # The pattern fixed every position: the fraction is what lies between the '.' and the 'Z'.
-    if size <= _MICROSECOND_TEXT:  # at most 6 digits: microseconds only
-        return whole.replace(microsecond=int(value[20:-1]) * _FRACTION_SCALE[size - 22]), 0
-    digits = value[20:-1].ljust(9, "0")
-    return whole.replace(microsecond=int(digits[:6])), int(digits[6:])
+    if len(value) <= _MICROSECOND_TEXT:
+        return _datetime_of(value), 0
+    # The pattern fixed every position: digits 7 to 9 of the fraction lie before the 'Z'.
+    return _datetime_of(value), int(value[26:-1].ljust(3, "0"))
 
 
-# Microseconds per unit of a fraction of 1 to 6 digits; the longest text that has no more.
-_FRACTION_SCALE = (100_000, 10_000, 1_000, 100, 10, 1)
+#: The longest wire time with no digit below the microsecond.
 _MICROSECOND_TEXT = 27
 
+if sys.version_info >= (3, 11):
 
-@functools.lru_cache(maxsize=256)
-def _whole_second(text: str) -> _dt.datetime:
-    # Times of one session share their seconds (a lease's server_time and lease_until differ by
-    # the fraction from frame to frame), so the calendar is checked once per second.
-    try:
-        return _dt.datetime(
-            int(text[0:4]),
-            int(text[5:7]),
-            int(text[8:10]),
-            int(text[11:13]),
-            int(text[14:16]),
-            int(text[17:19]),
-            0,
-            _UTC,
-        )
-    except ValueError:
-        raise ValueError("is not a real date and time") from None
+    def _datetime_of(value: str) -> _dt.datetime:
+        # The pattern fixed the form. Since 3.11, fromisoformat (C) reads it as it is: 'Z' as
+        # UTC (the timezone.utc singleton), a fraction of any length cut to the microsecond.
+        try:
+            return _dt.datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError("is not a real date and time") from None
+
+else:  # 3.10's fromisoformat reads neither 'Z' nor a fraction of other than 3 or 6 digits
+
+    def _datetime_of(value: str) -> _dt.datetime:
+        whole = _whole_second(value[:19])
+        if len(value) == 20:
+            return whole
+        # The fraction lies between the '.' and the 'Z'; its first 6 digits are microseconds.
+        return whole.replace(microsecond=int(value[20:-1][:6].ljust(6, "0")))
+
+    @functools.lru_cache(maxsize=256)
+    def _whole_second(text: str) -> _dt.datetime:
+        # Times of one session share their seconds, so the calendar is checked once per second.
+        try:
+            return _dt.datetime(
+                int(text[0:4]),
+                int(text[5:7]),
+                int(text[8:10]),
+                int(text[11:13]),
+                int(text[14:16]),
+                int(text[17:19]),
+                0,
+                _UTC,
+            )
+        except ValueError:
+            raise ValueError("is not a real date and time") from None
 
 
 def parse_time(value: Any, _: Any = None) -> _dt.datetime:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from orbit_sync import _codec, _json, errors
+from orbit_sync import _bodies, _codec, _json, errors
 from orbit_sync.models import (
     Assignment,
     AttemptRef,
@@ -274,6 +274,41 @@ def test_time_nanoseconds_truncate() -> None:
     """Nine fraction digits are accepted and kept to the microsecond."""
     t = _codec.parse_time("2026-09-17T08:00:30.123456789Z")
     assert t.microsecond == 123456
+
+
+@given(
+    st.datetimes(min_value=dt.datetime(1, 1, 1), max_value=dt.datetime(9999, 12, 31, 23, 59, 59)),
+    st.text("0123456789", min_size=0, max_size=9),
+)
+def test_time_reads_every_fraction_as_the_calendar_does(whole: dt.datetime, fraction: str) -> None:
+    """A wire time with 0 to 9 fraction digits reads as its calendar moment in UTC, cut to the
+    microsecond, with the digits below it as nanoseconds (each Python reads it its own way)."""
+    text = whole.strftime("%Y-%m-%dT%H:%M:%S").rjust(19, "0") + (f".{fraction}" if fraction else "")
+    text += "Z"
+    if len(text) == 21:  # a "." with no digit after it
+        return
+    expected = whole.replace(microsecond=int(fraction[:6].ljust(6, "0")), tzinfo=dt.timezone.utc)
+    value, nanoseconds = _bodies.parse_time_ns(text)
+    assert (value, value.tzinfo) == (expected, dt.timezone.utc)
+    assert nanoseconds == int(fraction[6:].ljust(3, "0"))
+    assert _codec.parse_time(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "2026-02-29T00:00:00Z",
+        "2026-13-01T00:00:00Z",
+        "2026-01-01T24:00:00Z",
+        "2026-01-01T00:60:00Z",
+        "2026-01-01T00:00:60Z",
+        "0000-01-01T00:00:00Z",
+    ],
+)
+def test_time_that_is_no_calendar_moment_is_refused_as_such(text: str) -> None:
+    """A time of the right form but no real date and time is refused with that reason."""
+    with pytest.raises(ValueError, match="is not a real date and time"):
+        _codec.parse_time(text)
 
 
 @pytest.mark.parametrize("text", ["01", "+1", " 1", "1 ", "1.0", "\u0661", "-1", ""])
