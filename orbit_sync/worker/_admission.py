@@ -58,7 +58,7 @@ class Admission:
         actions (the start) are performed."""
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
-        with self._reg.cond:
+        with self._reg.lock:
             again = assignment.attempt_id in self._seen
             if not again:
                 self._seen[assignment.attempt_id] = None
@@ -93,7 +93,7 @@ class Admission:
             for skipped in actions:
                 assert isinstance(skipped, Skipped)
                 if skipped.count is not None:
-                    with self._reg.cond:
+                    with self._reg.lock:
                         self._reg.counts[skipped.count] += 1
                 self._log.warning("%s", skipped.why)
             return

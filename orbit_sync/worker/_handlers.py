@@ -77,7 +77,7 @@ class Handlers:
     connection's reader after it."""
 
     def __init__(
-        self, lock: threading.Condition, options: WorkerOptions, started: Callable[[], bool]
+        self, lock: threading.RLock, options: WorkerOptions, started: Callable[[], bool]
     ) -> None:
         self._lock = lock
         self._options = options

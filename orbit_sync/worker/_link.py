@@ -55,7 +55,9 @@ class Gate:
     start). Once closed, none takes a slot (:class:`GaveUp`): nothing waits past shutdown."""
 
     def __init__(self, slots: int) -> None:
-        self._cond = threading.Condition(threading.Lock())
+        # Entered as its lock (C), not as the condition, whose __enter__ is Python code.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._free = slots
         #: Jobs waiting for a slot, in arrival order (only while no slot is free).
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
@@ -64,7 +66,7 @@ class Gate:
     def acquire_or_queue(self, job: Callable[[], None]) -> bool:
         """Take a slot (True), or queue *job* for the next slot freed (False: a later
         :meth:`release` returns it). Raise :class:`GaveUp` once closed."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise GaveUp("worker stopped")
             if self._free > 0:
@@ -76,7 +78,7 @@ class Gate:
     def acquire(self) -> None:
         """Take a slot, waiting for one to be freed (each is, by its request's answer or
         failure, within a call timeout). Raise :class:`GaveUp` once closed."""
-        with self._cond:
+        with self._lock:
             while not self._closed and self._free <= 0:
                 self._cond.wait()
             if self._closed:
@@ -86,7 +88,7 @@ class Gate:
     def release(self) -> Callable[[], None] | None:
         """Give a slot back: to the first queued job (returned: the caller must run it, the
         slot is its), else to the free slots (a waiting thread takes it)."""
-        with self._cond:
+        with self._lock:
             if self._queue:
                 return self._queue.popleft()
             self._free += 1
@@ -97,7 +99,7 @@ class Gate:
         """Refuse new requests and wake the threads waiting for a slot. Queued jobs stay:
         slots still in use are released as their requests end, and each goes to a job (which
         then finds no connection)."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._cond.notify_all()
 
@@ -108,7 +110,8 @@ class Link:
 
     def __init__(self, clock: Clock | None = None, *, slots: int = 24) -> None:
         self._clock = clock or SystemClock()
-        self._cond = threading.Condition()
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
         self._conn: Connection | None = None
         self._gen = 0
         #: May every request use ``_conn`` (or only the early ones: see :meth:`open`)?
@@ -129,7 +132,7 @@ class Link:
     def open(self, conn: Connection) -> int:
         """Make *conn* the newest connection, for *early* requests only (the resumes that
         reconcile it: see :meth:`current`) until :meth:`publish`; return its generation."""
-        with self._cond:
+        with self._lock:
             self._gen += 1
             self._conn = conn
             self._published = False
@@ -139,7 +142,7 @@ class Link:
     def publish(self, conn: Connection) -> int:
         """Make *conn* current for every request (its resumes went out); return its generation
         number (the one :meth:`open` gave it, if it was opened)."""
-        with self._cond:
+        with self._lock:
             if conn is not self._conn:
                 self._gen += 1
                 self._conn = conn
@@ -149,7 +152,7 @@ class Link:
 
     def retract(self, gen: int) -> None:
         """Connection *gen* is gone."""
-        with self._cond:
+        with self._lock:
             if self._gen == gen:
                 self._conn = None
                 self._published = False
@@ -158,7 +161,7 @@ class Link:
     def close(self) -> list[Callable[[], None]]:
         """No connection will come any more: wake every waiter; return the kept requests' jobs
         (the caller runs them: each then finds the link closed and gives up)."""
-        with self._cond:
+        with self._lock:
             self._closed = True
             self._conn = None
             kept, self._kept = self._kept, []
@@ -172,7 +175,7 @@ class Link:
     def on_close(self, callback: Callable[[], None]) -> Callable[[], None]:
         """Call *callback* (quick, non-blocking: it runs on the closing thread) once the link is
         closed, at once if it already is; return what unsubscribes it."""
-        with self._cond:
+        with self._lock:
             closed = self._closed
             if not closed:
                 self._on_close.append(callback)
@@ -180,7 +183,7 @@ class Link:
             callback()
 
         def unsubscribe() -> None:
-            with self._cond:
+            with self._lock:
                 if callback in self._on_close:
                     self._on_close.remove(callback)
 
@@ -197,7 +200,7 @@ class Link:
         """Keep *job* (a request's re-send) until a connection newer than *newer_than* is
         current (*early*: or only opened) and *delay* seconds have passed; False (nothing
         kept) once the link is closed. The connection thread runs it (see :meth:`take_due`)."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return False
             not_before = self._clock.now() + delay if delay > 0 else 0.0
@@ -208,7 +211,7 @@ class Link:
         """The kept jobs whose connection and time have come (to run now, in the order they
         were kept), and when the next one is due on the clock (``inf``: none before a newer
         connection, or its publishing)."""
-        with self._cond:
+        with self._lock:
             if self._conn is None or self._closed or not self._kept:
                 return [], math.inf
             now = self._clock.now()
@@ -223,7 +226,7 @@ class Link:
     def current(self, *, early: bool = False) -> tuple[Connection, int] | None:
         """The current (published) connection, without waiting; *early*: also one only opened
         (see :meth:`open`)."""
-        with self._cond:
+        with self._lock:
             if self._conn is None or self._closed or not (self._published or early):
                 return None
             return self._conn, self._gen
@@ -231,14 +234,14 @@ class Link:
     def broken(self, gen: int) -> None:
         """A request on connection *gen* failed in a way that leaves it unusable: close it, so
         the connection thread notices at once and reconnects."""
-        with self._cond:
+        with self._lock:
             conn = self._conn if self._gen == gen else None
         if conn is not None:
             conn.close()
 
     def pause(self, seconds: float) -> None:
         """Sleep *seconds* (on the link's clock), waking early if the link is closed."""
-        with self._cond:
+        with self._lock:
             until = self._clock.now() + seconds
             while not self._closed and self._clock.now() < until:
                 self._clock.wait(self._cond, until)

@@ -64,7 +64,9 @@ class DaemonPool:
         self._name = name
         self._idle_timeout = idle_timeout
         self._clock = clock or SystemClock()
-        self._cond = threading.Condition(threading.Lock())
+        # Entered as its lock (C), not as the condition, whose __enter__ is Python code.
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         #: Jobs waiting for a thread (only while every thread is busy).
         self._jobs: collections.deque[Callable[[], None]] = collections.deque()
         # Idle threads, the most recently parked last. A job is handed straight to one of them
@@ -78,7 +80,7 @@ class DaemonPool:
 
     def submit(self, job: Callable[[], None]) -> None:
         """Run *job* on a pool thread (queued while all threads are busy). Never blocks."""
-        with self._cond:
+        with self._lock:
             if self._closed:
                 raise RuntimeError("pool is shut down")
             if self._parked:
@@ -97,12 +99,12 @@ class DaemonPool:
     def owns_current_thread(self) -> bool:
         """True when called from one of this pool's threads."""
         current = threading.current_thread()
-        with self._cond:
+        with self._lock:
             return current in self._threads
 
     def thread_count(self) -> int:
         """Threads alive in the pool right now (busy or idle)."""
-        with self._cond:
+        with self._lock:
             return len(self._threads)
 
     def shutdown(self, timeout: float, *, stuck: int = 0) -> list[str]:
@@ -111,7 +113,7 @@ class DaemonPool:
         for *timeout* real seconds (threads end on events, not on the pool's clock, which may be
         a test's clock that nobody moves). Return the names of the threads still running."""
         deadline = monotonic() + timeout
-        with self._cond:
+        with self._lock:
             self._closed = True
             for parked in self._parked:  # no job: the thread exits
                 self._clock.unpark(parked.lock)
@@ -129,7 +131,7 @@ class DaemonPool:
         while True:
             job = self._next_job(me)
             if job is None:
-                with self._cond:
+                with self._lock:
                     self._threads.discard(threading.current_thread())
                     self._cond.notify_all()  # shutdown() waits for the pool to empty
                 return
@@ -140,14 +142,14 @@ class DaemonPool:
 
     def _next_job(self, me: _Parked) -> Callable[[], None] | None:
         """The next job, or None when this thread should exit (shut down, or idle too long)."""
-        with self._cond:
+        with self._lock:
             if self._jobs:  # queued jobs still run after shutdown
                 return self._jobs.popleft()
             if self._closed:
                 return None
             self._parked.append(me)
         if not self._clock.park(me.lock, self._clock.now() + self._idle_timeout):
-            with self._cond:
+            with self._lock:
                 if me in self._parked:  # nobody picked this thread: it retires
                     self._parked.remove(me)
                     return None

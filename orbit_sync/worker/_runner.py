@@ -157,7 +157,7 @@ class Worker:
         # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
         self._cond = self._reg.cond
-        self._registered = Handlers(self._cond, opts, lambda: self._started)
+        self._registered = Handlers(self._reg.lock, opts, lambda: self._started)
         self._started = False
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
@@ -327,7 +327,7 @@ class Worker:
         """Start in the background and return at once (see :meth:`wait_ready`, :meth:`stop`)."""
         registration = self.registration
         self._registered.bind()
-        with self._cond:
+        with self._reg.lock:
             if self._started:
                 raise RuntimeError("a Worker can be started only once")
             self._started = True
@@ -348,7 +348,7 @@ class Worker:
                 # Raises OutboxError (before anything is sent) for a file we must not use.
                 outbox = Outbox.open(self._options.outbox, registration)
             except BaseException:
-                with self._cond:
+                with self._reg.lock:
                     self._started = False  # nothing ran: a later start() may try again
                 raise
             self._shell.outbox = outbox
@@ -402,7 +402,7 @@ class Worker:
         return report
 
     def _on_stop_signal(self, number: int, count: int) -> None:
-        with self._cond:
+        with self._reg.lock:
             running = len(self._reg.attempts)
         opts = self._options
         announce(opts.logger, number, count=count, running=running, drain=opts.drain_timeout)
@@ -420,7 +420,7 @@ class Worker:
         """
         if timeout is not None:
             timeout = seconds(timeout, "timeout")
-        with self._cond:
+        with self._reg.lock:
             if not self._started:
                 return
             now = self._options.clock.now()
@@ -449,7 +449,7 @@ class Worker:
         take a second: what was not delivered by then is reported ``unreported``); a dial in
         progress is cut. See the README's "Shutdown" and ``docs/architecture.md``.
         """
-        with self._cond:
+        with self._reg.lock:
             started = self._started
             if not started:
                 self._started = True  # a worker that never ran cannot start any more
@@ -462,7 +462,7 @@ class Worker:
         self.request_stop(drain=drain, timeout=timeout)
         window = self._drain_window(drain, timeout)
         report = self._shutdown.await_report(window, self._done, lambda: self._report)
-        with self._cond:
+        with self._reg.lock:
             self._report = self._report or report
             return self._report
 
@@ -487,7 +487,7 @@ class Worker:
     def stats(self) -> WorkerStats:
         """A snapshot of the worker's counters."""
         wd = self._watchdog.stats()
-        with self._cond:
+        with self._reg.lock:
             counts = self._reg.counts.copy()
             running = self._reg.running
             stuck = len(self._reg.stuck)
@@ -519,7 +519,7 @@ class Worker:
     # ------------------------------------------------------------------ shutdown
 
     def _fail(self, exc: BaseException) -> None:
-        with self._cond:
+        with self._reg.lock:
             if self._reg.error is None:
                 self._reg.error = exc
         self.request_stop(drain=False)
@@ -529,7 +529,7 @@ class Worker:
     def _stopped(self, report: ShutdownReport) -> None:
         """The shutdown thread's last step: *report* is final; tell the listeners, then wake whoever
         waits for it."""
-        with self._cond:
+        with self._reg.lock:
             self._report = self._report or report  # stop() may have given up and reported
         if self._hooks:
             self._hooks.emit("stopped", report)

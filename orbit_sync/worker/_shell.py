@@ -133,7 +133,10 @@ class Registry:
     taken after it, never before."""
 
     def __init__(self) -> None:
-        self.cond = threading.Condition()
+        #: Entered as this lock (C) where nothing waits or notifies: the condition's own
+        #: ``__enter__`` is Python code, taken several times per attempt.
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
         self.attempts: dict[str, Attempt] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         self.unreported: list[AttemptInfo] = []
@@ -152,7 +155,7 @@ class Registry:
         self.drain_over = False
 
     def get(self, attempt_id: str) -> Attempt | None:
-        with self.cond:
+        with self.lock:
             return self.attempts.get(attempt_id)
 
 
@@ -251,7 +254,7 @@ class AttemptShell(RequestPath[Attempt]):
         except Exception:
             # Twice in a row: nothing more can be sent for it; never leave it counted as live.
             worker_log(att.ctx).exception("worker error while finishing the attempt UNKNOWN")
-            with self.registry.cond:
+            with self.registry.lock:
                 self.registry.unreported.append(att.info)
             self.settle(att)
 
@@ -420,7 +423,7 @@ class AttemptShell(RequestPath[Attempt]):
 
     def execute(self, att: Attempt) -> Verdict:
         ctx = att.ctx
-        with self.registry.cond:
+        with self.registry.lock:
             self.registry.running += 1
         error: BaseException | None = None
         value: Any = None
@@ -445,7 +448,7 @@ class AttemptShell(RequestPath[Attempt]):
             duration = time.perf_counter() - began
             if timer is not None:
                 self.threads.timers.cancel(timer)
-            with self.registry.cond:
+            with self.registry.lock:
                 self.registry.running -= 1
         verdict = outcome_of(
             value=value,
@@ -495,7 +498,7 @@ class AttemptShell(RequestPath[Attempt]):
         if result is not None:
             self._outbox_write(att, lambda o: o.done(att.id))
             evidence = result.receipt.disposition is Disposition.EVIDENCE_ONLY
-            with self.registry.cond:
+            with self.registry.lock:
                 self.registry.counts[verdict.outcome.value] += 1
                 if evidence:
                     self.registry.counts["evidence_only"] += 1
@@ -510,13 +513,13 @@ class AttemptShell(RequestPath[Attempt]):
                     " (deduplicated)" if result.deduplicated else "",
                 )
         elif reported.error is not None:
-            with self.registry.cond:
+            with self.registry.lock:
                 self.registry.counts["finish_rejected"] += 1
             code = getattr(reported.error, "code", reported.error)
             worker_log(ctx).error("finish %s refused (%s)", verdict.outcome, code)
             self._outbox_write(att, lambda o: o.done(att.id))
         else:
-            with self.registry.cond:
+            with self.registry.lock:
                 self.registry.unreported.append(att.info)
             worker_log(ctx).error(
                 "finish %s not delivered: the worker stopped%s",
@@ -591,7 +594,7 @@ class AttemptShell(RequestPath[Attempt]):
         """Count *att*'s slot stuck (or free again); return how many are. The capacity reported
         leaves out the stuck slots: no task waits behind a thread that cannot be stopped (the
         connection thread sends the new report)."""
-        with self.registry.cond:
+        with self.registry.lock:
             if stuck:
                 self.registry.stuck[att.id] = att.info
             else:
@@ -625,7 +628,7 @@ class AttemptShell(RequestPath[Attempt]):
     def settle(self, att: Attempt) -> None:
         """The worker is done with *att* (its machine reached a settled phase)."""
         self.window.release(att)
-        with self.registry.cond:
+        with self.registry.lock:
             self.registry.attempts.pop(att.id, None)
             if self.registry.stop_requested:
                 self.registry.cond.notify_all()
@@ -634,7 +637,7 @@ class AttemptShell(RequestPath[Attempt]):
         # Only the shutdown thread waits on the condition for attempts to change, and only once a
         # stop was requested: waking it on every phase change of every task is wasted work.
         if self.registry.stop_requested:
-            with self.registry.cond:
+            with self.registry.lock:
                 self.registry.cond.notify_all()
 
     # ------------------------------------------------------------------ a new connection
@@ -650,7 +653,7 @@ class AttemptShell(RequestPath[Attempt]):
 
     def _lease_lost(self, att: Attempt, lost: LeaseLost) -> None:
         """The lease is gone: count it, say so, tell the listeners."""
-        with self.registry.cond:
+        with self.registry.lock:
             self.registry.counts["lease_losses"] += 1
         if lost.resume:
             worker_log(att.ctx).warning("lease did not survive the reconnect (%s)", lost.reason)
@@ -674,7 +677,7 @@ class AttemptShell(RequestPath[Attempt]):
         thread, and a lost connection is reported to the link (neither ever blocks). Renewals
         that cannot be sent are told so after the write: nothing on the way to it may release
         the GIL (a log line in a callback could)."""
-        with self.registry.cond:
+        with self.registry.lock:
             atts = [self.registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
         refused: list[tuple[RenewDone, OrbitError]] = []

@@ -57,7 +57,7 @@ class Shutdown:
     def overdue(self) -> None:
         """The phases overran their real-time bound (the worker's clock did not reach their
         deadlines in time): the phase waiting now ends, and those to come do not wait."""
-        with self._reg.cond:
+        with self._reg.lock:
             self._overdue = True
             self._reg.cond.notify_all()
 
@@ -68,7 +68,7 @@ class Shutdown:
         clock, ended early by :meth:`overdue`; with *real_time*, on a real clock and never
         ended early: the close's wait); return *done()*."""
         clock = REAL_TIME if real_time else self._time
-        with self._reg.cond:
+        with self._reg.lock:
             while not done():
                 if clock.now() >= deadline or (self._overdue and not real_time):
                     return False
@@ -81,7 +81,7 @@ class Shutdown:
         attempt held, those that arrived meanwhile included, to end; running handlers keep
         their leases renewed. True when nothing is left."""
         reg = self._reg
-        with reg.cond:
+        with reg.lock:
             while (
                 (reg.attempts or not self._assignments_over())
                 and not self._overdue
@@ -93,7 +93,7 @@ class Shutdown:
     def cancel(self, grace: float) -> list[Attempt]:
         """Cancel what is starting or running (``shutdown``); give it *grace* seconds to return.
         Return the attempts that were running."""
-        with self._reg.cond:
+        with self._reg.lock:
             # Before the attempts are listed: one admitted after the list starts cancelled.
             self._reg.drain_over = True
         cancelled: list[Attempt] = []
@@ -125,7 +125,7 @@ class Shutdown:
         return not self._reg.attempts
 
     def _live(self) -> list[Attempt]:
-        with self._reg.cond:
+        with self._reg.lock:
             return list(self._reg.attempts.values())
 
     def _any_running(self) -> bool:
@@ -156,7 +156,7 @@ class Shutdown:
         and return *report* (published, but a listener's ``stopped`` has not returned) or, when
         there is none, one made from the attempts still live, with a ``TimeoutError``."""
         if report is None:
-            with self._reg.cond:
+            with self._reg.lock:
                 left = (*self._reg.unreported, *(a.info for a in self._reg.attempts.values()))
             report = ShutdownReport(
                 drained=False,
@@ -174,7 +174,7 @@ class Shutdown:
     def run(self) -> None:
         """The thread: wait for a stop request, shut down, hand the report to *stopped* (which
         publishes it and tells the listeners)."""
-        with self._reg.cond:
+        with self._reg.lock:
             while not self._reg.stop_requested:
                 self._reg.cond.wait()
         try:
@@ -205,7 +205,7 @@ class Shutdown:
         self._stopped(report)
 
     def _shutdown(self) -> ShutdownReport:
-        with self._reg.cond:
+        with self._reg.lock:
             window = max(0.0, self._reg.drain_deadline - self._time.now())
         bound = self.bound(window)
         alarm = threading.Timer(bound, self.overdue)
@@ -231,7 +231,7 @@ class Shutdown:
         finally:
             alarm.cancel()
             alarm.join()  # at once: cancelled, or done firing
-        with self._reg.cond:
+        with self._reg.lock:
             overran, left = self._overdue, len(self._reg.attempts)
         if overran:
             self._options.logger.error(
@@ -243,7 +243,7 @@ class Shutdown:
             )
         # 5. Close.
         self._close()
-        with self._reg.cond:
+        with self._reg.lock:
             unreported, error = tuple(self._reg.unreported), self._reg.error
         return ShutdownReport(
             drained=drained,
@@ -268,7 +268,7 @@ class Shutdown:
             current[0].close()
         self.wait_until(self._settled, close_end, real_time=True)
         threads.watchdog.stop(timeout=max(0.0, close_end - REAL_TIME.now()))
-        with self._reg.cond:  # handlers finished UNKNOWN that still run: not waited for
+        with self._reg.lock:  # handlers finished UNKNOWN that still run: not waited for
             stuck = len(self._reg.stuck)
         threads.pool.shutdown(max(0.0, close_end - REAL_TIME.now()), stuck=stuck)
         if self._shell.handlers.processes is not None:
