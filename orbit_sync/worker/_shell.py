@@ -98,7 +98,7 @@ class Attempt:
         self, assignment: Assignment, ctx: TaskContext, handler: Handler, machine: AttemptMachine
     ) -> None:
         self.task = assignment.task
-        self.ref: AttemptRef = assignment.attempt
+        self.ref: AttemptRef = machine.ref  # the one the machine sends (built once)
         self.ctx = ctx
         self.handler = handler
         self.machine = machine
