@@ -199,7 +199,9 @@ def _is_id(value: Any) -> bool:
     return type(value) is str and _id_match(value) is not None
 
 
-def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
+def _parse_envelope(raw: bytes | str, session_id: str | None = None) -> dict[str, Any]:
+    """The envelope of one server frame, checked; *session_id*: the session's own, known to be
+    32 lowercase hex (a frame naming it needs no pattern match: most frames do)."""
     try:
         frame = _json.loads(raw)
     except FrameError as exc:
@@ -217,7 +219,8 @@ def _parse_envelope(raw: bytes | str) -> dict[str, Any]:
         raise _bad("message_id must be 32 lowercase hex")
     if "reply_to" in frame and not _is_id(frame["reply_to"]):
         raise _bad("reply_to must be 32 lowercase hex")
-    if "session_id" in frame and not _is_id(frame["session_id"]):
+    sid = frame.get("session_id", session_id)
+    if sid != session_id and not _is_id(sid):
         raise _bad("session_id must be 32 lowercase hex")
     if kind == "error":
         if "body" in frame:
@@ -308,7 +311,7 @@ def decode_server_frame(
 def read_server_frame(raw: bytes | str, ctx: SessionContext) -> ServerEvent | Addressed:
     """Decode and check one server frame against the session's context, except the body of an
     answer (:class:`Addressed`), which :func:`answer_of` reads once its request is known."""
-    frame = _parse_envelope(raw)
+    frame = _parse_envelope(raw, ctx.session_id)
     kind = frame["type"]
     reply_to = frame.get("reply_to")
     if frame.get("session_id") != ctx.session_id:

@@ -100,7 +100,7 @@ class Admission:
         worker_log(att.ctx).debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
-        if self._hooks:
+        if self._hooks.listeners:
             self._hooks.emit("attempt_received", attempt_event(att))
         # Decided as it was recorded (above); performed like any other event's actions.
         self._shell.step(att, lambda _: actions)

@@ -267,7 +267,9 @@ class Hooks:
     def __init__(self, listeners: Iterable[object] = (), *, logger: logging.Logger | None = None):
         self._log = logger or _LOG
         self._lock = threading.Lock()
-        self._listeners: tuple[object, ...] = ()
+        #: Every listener subscribed so far, in order (a plain attribute: ``if hooks.listeners``
+        #: is asked several times per attempt, where a property or ``__bool__`` is a call).
+        self.listeners: tuple[object, ...] = ()
         # Per event, only the listeners that override it: a no-op base method costs nothing.
         self._by_event: dict[str, tuple[Callable[[Any], None], ...]] = dict.fromkeys(EVENTS, ())
         self._wrappers: tuple[Callable[[TaskContext, Callable[[], Any]], Any], ...] = ()
@@ -275,12 +277,7 @@ class Hooks:
             self.add(listener)
 
     def __bool__(self) -> bool:
-        return bool(self._listeners)
-
-    @property
-    def listeners(self) -> tuple[object, ...]:
-        """Every listener subscribed so far, in order."""
-        return self._listeners
+        return bool(self.listeners)
 
     def add(self, listener: object) -> None:
         """Subscribe *listener* (a :class:`WorkerListener`, or any object with such methods)."""
@@ -300,7 +297,7 @@ class Hooks:
             if wrap is not None:
                 self._wrappers = (*self._wrappers, wrap)
             self._by_event = by_event
-            self._listeners = (*self._listeners, listener)
+            self.listeners = (*self.listeners, listener)
 
     @staticmethod
     def _overridden(listener: object, name: str) -> Any:

@@ -286,7 +286,7 @@ class AttemptShell(RequestPath[Attempt]):
         may all be held by handlers that ignore cancellation; for the same reason, an abandoned
         attempt's last actions (at shutdown only) run where its answer arrives."""
         offload = (
-            (self.outbox is not None or bool(self.hooks))
+            (self.outbox is not None or bool(self.hooks.listeners))
             and any(isinstance(a, RecordFinish | Reported | LeaseLost) for a in actions)
             and not self.threads.owns_current()
         )
@@ -319,7 +319,7 @@ class AttemptShell(RequestPath[Attempt]):
             elif isinstance(action, LeaseLost):
                 self._lease_lost(att, action)
             elif isinstance(action, LeaseRenewed):
-                if self.hooks:
+                if self.hooks.listeners:
                     self.hooks.emit("lease_renewed", _lease_event(att, lag=action.lag))
             elif isinstance(action, RenewAfter):
                 self.threads.watchdog.core.retry(att.id, action.delay, action.error)
@@ -427,7 +427,7 @@ class AttemptShell(RequestPath[Attempt]):
             self.registry.running += 1
         error: BaseException | None = None
         value: Any = None
-        if self.hooks:
+        if self.hooks.listeners:
             self.hooks.emit("attempt_started", attempt_event(att))
         limit = att.machine.time_limit
         timer = None
@@ -478,7 +478,7 @@ class AttemptShell(RequestPath[Attempt]):
     def _call_handler(self, att: Attempt) -> Any:
         """The handler's own call (through the listeners' hook when there are listeners)."""
         ctx = att.ctx
-        if self.hooks:
+        if self.hooks.listeners:
             return self.hooks.call_handler(att.handler, ctx)
         return att.handler(ctx, ctx.payload)
 
@@ -526,7 +526,7 @@ class AttemptShell(RequestPath[Attempt]):
                 verdict.outcome,
                 "; kept in the outbox for the next start" if self.outbox else "",
             )
-        if self.hooks:
+        if self.hooks.listeners:
             task = att.task
             finished = AttemptFinished(
                 task_id=task.task_id,
@@ -576,7 +576,7 @@ class AttemptShell(RequestPath[Attempt]):
                 stuck,
                 self.options.capacity,
             )
-        if self.hooks:
+        if self.hooks.listeners:
             self.hooks.emit("handler_stuck", self._stuck_event(att, reason, stuck))
 
     def _unstuck(self, att: Attempt) -> None:
@@ -586,7 +586,7 @@ class AttemptShell(RequestPath[Attempt]):
             "handler returned after it was finished UNKNOWN; its result is dropped and its "
             "slot is free again"
         )
-        if self.hooks:
+        if self.hooks.listeners:
             reason = "time_limit" if att.machine.timed_out else "shutdown"
             self.hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
 
@@ -660,7 +660,7 @@ class AttemptShell(RequestPath[Attempt]):
         else:
             detail = f" ({lost.detail})" if lost.detail else ""
             self._log.warning("lease of attempt %s: %s%s", att.id, lost.reason, detail)
-        if self.hooks:
+        if self.hooks.listeners:
             self.hooks.emit("lease_lost", _lease_event(att, reason=lost.reason))
 
     # ------------------------------------------------------------------ the lease watchdog
