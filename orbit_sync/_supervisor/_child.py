@@ -221,8 +221,10 @@ class ChildLink(WorkerListener):
         with self._stop_lock:
             if self._stop is False or self._stop is drain:
                 return  # asked already (stopping now is never softened into a drain)
+            # Said before the request is visible: once it is, the worker may stop and the
+            # process exit before this thread runs again, and the line would be lost.
+            _LOG.warning("%s: %s", why, "draining" if drain else "stopping now")
             self._stop = drain
-        _LOG.warning("%s: %s", why, "draining" if drain else "stopping now")
         self._apply_stop()
 
     def _apply_stop(self) -> None:

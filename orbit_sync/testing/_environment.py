@@ -22,8 +22,7 @@ import cattrs
 from ..clock import Clock, as_clock
 from ..models import Task, TaskState, new_id
 from ..worker._context import TaskContext, cancel_context
-from ..worker._encoding import DEFAULT_ENCODER, ResultEncoder
-from ..worker._outcomes import Verdict, outcome_of
+from ..worker._outcomes import DEFAULT_ENCODER, ResultEncoder, Verdict, outcome_of
 
 __all__ = ["HandlerEnvironment"]
 

@@ -11,7 +11,6 @@ from typing import Any
 
 from .._deprecated import deprecated, moved
 from ._context import TaskContext
-from ._encoding import result_converter
 from ._link import Dialer
 from ._listeners import (
     AttemptEvent,
@@ -27,7 +26,14 @@ from ._listeners import (
     WorkerStats,
 )
 from ._options import WorkerOptions
-from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, Verdict
+from ._outcomes import (
+    Fail,
+    TaskCancelled,
+    TimeLimitExceeded,
+    UnknownEffect,
+    Verdict,
+    result_converter,
+)
 from ._redial import Backoff
 from ._runner import Handler, Worker
 

@@ -20,9 +20,8 @@ from typing import Any
 
 from ..models import Task
 from ._context import TaskContext, cancel_context, set_lease_deadline
-from ._encoding import type_name
 from ._outbox_lock import hold_instance_shared
-from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
+from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, type_name
 from ._time_limits import Interruptible
 
 __all__ = ["ORPHAN_EXIT", "SECRET_ENV", "child_main"]

@@ -32,8 +32,8 @@ from ._session_loop import SessionLoop
 from ._shell import AttemptShell, Handler, LinkControls, Registry, WorkerThreads
 from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
-from ._time_limits import WORKER_DEFAULT, HandlerLimit, Timers
-from ._watchdog import LeaseWatchdog, WatchdogThread
+from ._time_limits import WORKER_DEFAULT, HandlerLimit
+from ._watchdog import LeaseWatchdog, Timers, WatchdogThread
 
 __all__ = ["Handler", "Worker"]
 

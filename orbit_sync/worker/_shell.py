@@ -23,7 +23,6 @@ from ..connection import Submission, pipeline_of
 from ..errors import OrbitError, WorkerError
 from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
-from ._encoding import DEFAULT_ENCODER, ResultEncoder
 from ._errors import NotConnected, is_link_failure
 from ._link import Connection, Link, Resumes, Wakeup
 from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
@@ -54,11 +53,19 @@ from ._machine import (
 )
 from ._options import WorkerOptions
 from ._outbox import Outbox, OutboxError
-from ._outcomes import HANDLER_ERROR, TimeLimitExceeded, Verdict, not_run, outcome_of
+from ._outcomes import (
+    DEFAULT_ENCODER,
+    HANDLER_ERROR,
+    ResultEncoder,
+    TimeLimitExceeded,
+    Verdict,
+    not_run,
+    outcome_of,
+)
 from ._pool import DaemonPool
 from ._requests import Event, RequestPath
-from ._time_limits import Interruptible, Timers
-from ._watchdog import RenewDone, WatchdogThread
+from ._time_limits import Interruptible
+from ._watchdog import RenewDone, Timers, WatchdogThread
 from ._window import CapacityWindow, SentReport
 
 if TYPE_CHECKING:  # it imports Handler from here

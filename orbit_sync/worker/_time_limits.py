@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import heapq
-import itertools
-import logging
 import threading
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar
@@ -26,11 +23,9 @@ import attrs
 
 from .._seconds import seconds
 
-__all__ = ["WORKER_DEFAULT", "Interruptible", "TimeLimit", "Timers", "check_time_limit"]
+__all__ = ["WORKER_DEFAULT", "Interruptible", "TimeLimit", "check_time_limit"]
 
 T = TypeVar("T")
-
-_LOG = logging.getLogger("orbit_sync.worker")
 
 
 class _Default(enum.Enum):
@@ -117,55 +112,3 @@ class Interruptible:
                 self._pending = exc_type
                 return True
             return _mark(self._ident, exc_type)
-
-
-class Timers:
-    """One-shot timers on the worker's clock (the handlers' time limits and their cancel grace),
-    run by the lease watchdog's thread: time limits are rare, short work, and a thread of their
-    own would be one more to start, wake and join. A callback must not block; one that raises is
-    logged and the others still run. *on_change* is called when a timer is set earlier than
-    what the thread running them sleeps until."""
-
-    def __init__(self, clock: Callable[[], float], on_change: Callable[[], None]) -> None:
-        self.clock = clock
-        self._on_change = on_change
-        self._lock = threading.Lock()
-        self._heap: list[tuple[float, int]] = []
-        self._due: dict[int, Callable[[], None]] = {}
-        self._seq = itertools.count(1)
-
-    def call_at(self, at: float, fn: Callable[[], None]) -> int:
-        """Call *fn* once, at clock time *at* (at once if past); return its handle."""
-        with self._lock:
-            handle = next(self._seq)
-            self._due[handle] = fn
-            earliest = not self._heap or at < self._heap[0][0]
-            heapq.heappush(self._heap, (at, handle))
-        if earliest:
-            self._on_change()
-        return handle
-
-    def cancel(self, handle: int) -> None:
-        """Forget the timer *handle* (nothing happens if it already ran)."""
-        with self._lock:
-            self._due.pop(handle, None)
-
-    def run_due(self) -> float | None:
-        """Call every timer due now; return when the next one is due (clock time) or ``None``."""
-        now = self.clock()
-        due: list[Callable[[], None]] = []
-        with self._lock:
-            while self._heap and self._heap[0][0] <= now:
-                _, handle = heapq.heappop(self._heap)
-                fn = self._due.pop(handle, None)
-                if fn is not None:
-                    due.append(fn)
-            while self._heap and self._heap[0][1] not in self._due:
-                heapq.heappop(self._heap)  # cancelled
-            nxt = self._heap[0][0] if self._heap else None
-        for fn in due:
-            try:
-                fn()
-            except Exception:
-                _LOG.exception("worker timer failed")
-        return nxt
