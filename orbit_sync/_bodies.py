@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import functools
+import operator
 import re
 import sys
 import typing
@@ -232,8 +233,9 @@ def _text(value: Any, _: Any) -> str:
     return value
 
 
-def _unstructure_enum(member: Any) -> Any:
-    return member.value
+#: An enum member's value on the wire: ``_value_`` (the attribute Enum documents) read in C,
+#: where ``.value`` is a Python-level property called on every frame that carries an enum.
+_unstructure_enum: Callable[[Any], Any] = operator.attrgetter("_value_")
 
 
 #: How a value of each field type travels: its structure and unstructure hooks.

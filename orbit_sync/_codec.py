@@ -26,6 +26,7 @@ from .models import (
     CommandResult,
     Finish,
     Lease,
+    Operation,
     Registration,
     TaskState,
     Welcome,
@@ -284,6 +285,14 @@ ACK_BODIES: dict[str, type[Any]] = {
 }
 
 
+#: The operation the receipt of each command's ack must record.
+_OPERATIONS = {
+    "task.start": Operation.START,
+    "task.renew": Operation.RENEW,
+    "task.finish": Operation.FINISH,
+}
+
+
 class Addressed(NamedTuple):
     """An ``ack`` or ``error`` frame answering ``reply_to``, its body not yet read: which body
     it must be depends on the request in flight under that id (see :func:`answer_of`)."""
@@ -347,9 +356,7 @@ def answer_of(event: Addressed, request: str | None, ctx: SessionContext) -> Rep
     if isinstance(value, Welcome):
         if value.session_id != ctx.session_id or value.epoch != ctx.epoch:
             raise _bad("capacity ack names another session or epoch")
-    elif isinstance(value, CommandResult) and value.receipt.operation.value != request.removeprefix(
-        "task."
-    ):
+    elif isinstance(value, CommandResult) and value.receipt.operation is not _OPERATIONS[request]:
         raise _bad("receipt operation does not match the request")
     return Reply(event.reply_to, value=value)
 

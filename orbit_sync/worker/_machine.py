@@ -82,6 +82,10 @@ MAX_RETRY_DELAY = 5.0
 
 
 class Phase(enum.Enum):
+    # Members are singletons equal only to themselves: the identity hash (C) spares every
+    # lookup in TABLE a call of Enum.__hash__, which is Python code hashing the name.
+    __hash__ = object.__hash__
+
     ASSIGNED = "assigned"
     STARTING = "starting"
     #: Replay: a stored attempt's lease is being resumed on the replay session.
@@ -312,6 +316,8 @@ class Skipped(Action):
 class Trigger(enum.Enum):
     """What happened to an attempt, as the table knows it: each event method reads its data
     into one trigger."""
+
+    __hash__ = object.__hash__  # as Phase's
 
     ADMITTED = "admitted: send the start"
     ADMITTED_STOPPING = "admitted after the drain: started with its context cancelled"
