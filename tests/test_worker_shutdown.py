@@ -271,8 +271,9 @@ def test_stop_from_a_handler_is_refused_but_request_stop_works(server: MockOrbit
 
 
 def test_request_stop_returns_while_a_capacity_report_is_unanswered() -> None:
-    """request_stop() returns at once even while a capacity report waits for its answer (fake
-    time: the server's clock, followed by the worker's, moves to the next heartbeat)."""
+    """request_stop() returns at once even while a capacity report waits for its answer, and
+    the drain report goes out behind it (fake time: the server's clock, followed by the
+    worker's, moves to the next heartbeat)."""
     probe = Probe()
     returned = threading.Event()
     manual = ManualClock()
@@ -303,11 +304,17 @@ def test_request_stop_returns_while_a_capacity_report_is_unanswered() -> None:
             assert returned.wait(1.0), "request_stop() waited for the capacity report's answer"
             probe.release.set()
             report = worker.stop()
+            stats = worker.stats()
         finally:
             probe.release.set()
             worker.stop(drain=False)
         snap = server.wait_for(task_id, DONE)
+        reports = [e.detail for e in server.events() if e.kind == "session.capacity"]
     assert report.drained and report.unreported == ()
+    # The drain report went out behind the unanswered one on the same session, not after that
+    # one's call bound.
+    assert stats.reconnects == 0
+    assert [r for r in reports if r.endswith("drain=true")], reports
     assert snap.state is TaskState.SUCCEEDED
     assert worker_threads() == []
 

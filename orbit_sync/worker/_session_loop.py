@@ -344,18 +344,31 @@ class SessionLoop:
 
     def _serve(self, conn: Connection) -> None:
         """Until the connection ends: report capacity changes (a raise, a drain) and the
-        heartbeat, re-send the kept requests when due, else sleep until the next or a wake-up."""
+        heartbeat, re-send the kept requests when due, else sleep until the next or a wake-up.
+
+        A report in flight holds back only a repeat of itself: a newer one (a drain, a raise)
+        goes out at once behind it, never after an unanswered heartbeat's call bound."""
+        sent: SentReport | None = None
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.err is not None:
                 break
+            if sent is not None and sent.event.is_set():
+                self._check_report(conn, sent)  # raises what ends the session
+                sent = None
             next_resend = self._shell.resend_due()
             with self._beat_lock:
                 next_heartbeat = self._next_heartbeat
-            if self._window.unacked() or self._clock() >= next_heartbeat:
-                self._report_capacity(conn)
+            if sent is None:
+                due = self._window.unacked() or self._clock() >= next_heartbeat
+            else:  # only a newer report than the one in flight
+                due = self._window.report().sequence > sent.report.sequence
+            if due:
+                sent = self._submit_report(conn)
                 continue
-            self._serve_wake.wait(min(next_heartbeat, next_resend) - self._clock())
+            # While a report is in flight its answer wakes this thread (the heartbeat it is).
+            until = next_resend if sent is not None else min(next_heartbeat, next_resend)
+            self._serve_wake.wait(None if until == math.inf else until - self._clock())
         err = conn.err
         if err is not None and not self._link.is_closed():
             raise err
@@ -374,35 +387,41 @@ class SessionLoop:
             pipeline_of(conn).submit_many([sent.submission])
         return sent
 
-    def _report_capacity(self, conn: Connection, sent: SentReport | None = None) -> None:
-        """Wait for *sent*'s answer (default: the report in force, sent now); after a transient
-        error answer, wait out the retry delay and send the report then in force again."""
-        if sent is None:
-            sent = self._submit_report(conn)
+    def _report_capacity(self, conn: Connection, sent: SentReport) -> None:
+        """Wait for *sent*'s answer; after a transient error answer, wait out the retry delay
+        and send the report then in force again."""
         while True:
             # Its own call timeout completes it at the latest.
             if not sent.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
                 raise CallTimeout("a capacity report was never completed")
-            error = sent.error
-            if error is None:
+            if sent.error is None:
                 return
-            if (
-                is_link_failure(error)
-                or not is_transient(error)
-                or self._link.is_closed()
-                or conn.err is not None
-            ):
-                raise error
-            self._log.info(
-                "request answered %s; retrying on the same connection",
-                getattr(error, "code", type(error).__name__),
-            )
-            self._link.pause(retry_delay(error, self._opts.renew_retry_delay))
+            self._check_report(conn, sent)
             sent = self._submit_report(conn)
+
+    def _check_report(self, conn: Connection, sent: SentReport) -> None:
+        """*sent* was answered: raise its error when it ends the session; after a transient one,
+        wait out the retry delay (the caller then sends the report in force)."""
+        error = sent.error
+        if error is None:
+            return
+        if (
+            is_link_failure(error)
+            or not is_transient(error)
+            or self._link.is_closed()
+            or conn.err is not None
+        ):
+            raise error
+        self._log.info(
+            "request answered %s; retrying on the same connection",
+            getattr(error, "code", type(error).__name__),
+        )
+        self._link.pause(retry_delay(error, self._opts.renew_retry_delay))
 
     def _report_answered(self, sent: SentReport) -> None:
         """Every report's answer, on the reader (records only): the window and the heartbeat
-        follow an acknowledged one; after an error this thread sends the report in force."""
+        follow an acknowledged one; this thread is woken to send what is due next (after an
+        error, the report in force)."""
         if sent.error is not None:
             self._serve_wake.set()
             return
@@ -416,6 +435,7 @@ class SessionLoop:
             self._next_heartbeat = max(self._next_heartbeat, sent.sent_at + heartbeat)
         if not report.drain:
             self._assigning = True
+        self._serve_wake.set()
 
     def _drain_taken(self, report: CapacityReport) -> None:
         """On the intake, behind every assignment made before the drain report was applied
