@@ -6,7 +6,8 @@ from __future__ import annotations
 import random
 
 from orbit_sync.connection import ASSIGNMENT_BUFFER
-from orbit_sync.worker._window import RAISE_BELOW, SETTLE_AT, CapacityWindow
+from orbit_sync.models import CapacityReport
+from orbit_sync.worker._window import RAISE_BELOW, SETTLE_AT, CapacityWindow, SentReport
 
 
 class _Held:
@@ -108,3 +109,20 @@ def test_stuck_slots_are_never_offered_and_come_back_once_freed() -> None:
         with window.lock:
             window.stuck = stuck
         assert window.report().capacity == capacity
+
+
+def test_a_sent_report_is_over_before_its_answer_is_recorded_and_set_after() -> None:
+    """A report's completion marks it over before the answered callback runs (a thread that
+    callback wakes finds it answered, never a lost wake-up) and sets its event only after (a
+    thread waiting on the event sees what the callback recorded)."""
+    seen: list[tuple[bool, bool]] = []
+
+    def answered(sent: SentReport) -> None:
+        seen.append((sent.over, sent.event.is_set()))
+
+    sent = SentReport(object(), CapacityReport(sequence=1, capacity=4), 0.0, None, answered)  # type: ignore[arg-type]
+    assert not sent.over and not sent.event.is_set()
+    welcome = object()
+    sent.submission.on_done(welcome, None)
+    assert seen == [(True, False)]
+    assert sent.over and sent.event.is_set() and sent.value is welcome and sent.error is None

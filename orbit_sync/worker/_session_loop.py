@@ -353,7 +353,9 @@ class SessionLoop:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.err is not None:
                 break
-            if sent is not None and sent.event.is_set():
+            if sent is not None and sent.over:
+                # Answered: the reader is recording it (never blocks), then sets the event.
+                sent.event.wait()
                 self._check_report(conn, sent)  # raises what ends the session
                 sent = None
             next_resend = self._shell.resend_due()

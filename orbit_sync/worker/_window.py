@@ -168,8 +168,12 @@ class SentReport:
         self.event = threading.Event()
         self.value: Any = None
         self.error: OrbitError | None = None
+        #: Answered (or failed): set before *answered* runs, so that a thread it wakes finds it
+        #: set; :attr:`event` is set once *answered* has recorded the answer.
+        self.over = False
 
     def _done(self, value: Any, error: OrbitError | None) -> None:
         self.value, self.error = value, error
+        self.over = True
         self._answered(self)
         self.event.set()
