@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from orbit_sync.connection import ASSIGNMENT_BUFFER
 from orbit_sync.models import CapacityReport
 from orbit_sync.worker._window import RAISE_BELOW, SETTLE_AT, CapacityWindow, SentReport
@@ -126,3 +128,16 @@ def test_a_sent_report_is_over_before_its_answer_is_recorded_and_set_after() -> 
     sent.submission.on_done(welcome, None)
     assert seen == [(True, False)]
     assert sent.over and sent.event.is_set() and sent.value is welcome and sent.error is None
+
+
+def test_a_sent_report_whose_callback_fails_still_releases_its_waiter() -> None:
+    """A failing answered callback (a bug) still sets the report's event: the connection thread
+    waiting on it is never left hanging; the error goes to the connection, which logs it."""
+
+    def answered(sent: SentReport) -> None:
+        raise RuntimeError("bug")
+
+    sent = SentReport(object(), CapacityReport(sequence=1, capacity=4), 0.0, None, answered)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):
+        sent.submission.on_done(object(), None)
+    assert sent.over and sent.event.is_set()

@@ -175,5 +175,7 @@ class SentReport:
     def _done(self, value: Any, error: OrbitError | None) -> None:
         self.value, self.error = value, error
         self.over = True
-        self._answered(self)
-        self.event.set()
+        try:
+            self._answered(self)
+        finally:  # a waiter is released even if the callback failed (a bug, logged by the caller)
+            self.event.set()
