@@ -285,12 +285,8 @@ ACK_BODIES: dict[str, type[Any]] = {
 }
 
 
-#: The operation the receipt of each command's ack must record.
-_OPERATIONS = {
-    "task.start": Operation.START,
-    "task.renew": Operation.RENEW,
-    "task.finish": Operation.FINISH,
-}
+#: The operation the receipt of each command's ack must record: ``task.<operation>``.
+_OPERATIONS = {f"task.{op.value}": op for op in Operation}
 
 
 class Addressed(NamedTuple):

@@ -4,6 +4,8 @@ connection's 8-assignment queue free beyond the attempts it holds, and changes r
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
+from typing import Any, cast
 
 import pytest
 
@@ -113,6 +115,11 @@ def test_stuck_slots_are_never_offered_and_come_back_once_freed() -> None:
         assert window.report().capacity == capacity
 
 
+def _sent(answered: Callable[[SentReport], None]) -> SentReport:
+    """A report as sent, its completion not run yet (no connection: nothing reads it here)."""
+    return SentReport(cast(Any, None), CapacityReport(sequence=1, capacity=4), 0.0, None, answered)
+
+
 def test_a_sent_report_is_over_before_its_answer_is_recorded_and_set_after() -> None:
     """A report's completion marks it over before the answered callback runs (a thread that
     callback wakes finds it answered, never a lost wake-up) and sets its event only after (a
@@ -122,7 +129,7 @@ def test_a_sent_report_is_over_before_its_answer_is_recorded_and_set_after() -> 
     def answered(sent: SentReport) -> None:
         seen.append((sent.over, sent.event.is_set()))
 
-    sent = SentReport(object(), CapacityReport(sequence=1, capacity=4), 0.0, None, answered)  # type: ignore[arg-type]
+    sent = _sent(answered)
     assert not sent.over and not sent.event.is_set()
     welcome = object()
     sent.submission.on_done(welcome, None)
@@ -137,7 +144,7 @@ def test_a_sent_report_whose_callback_fails_still_releases_its_waiter() -> None:
     def answered(sent: SentReport) -> None:
         raise RuntimeError("bug")
 
-    sent = SentReport(object(), CapacityReport(sequence=1, capacity=4), 0.0, None, answered)  # type: ignore[arg-type]
+    sent = _sent(answered)
     with pytest.raises(RuntimeError):
         sent.submission.on_done(object(), None)
     assert sent.over and sent.event.is_set()
