@@ -15,11 +15,12 @@ Sections:
   difference is per no-op task;
 - call overhead: ``conn.renew()`` against a bare websocket-client round trip of the same frame to
   the same server, 1 thread, and 32 threads (one connection) against 32 raw sockets; with 1
-  thread taking turns call by call (the target's figure: each side then finds the machine's CPU
-  idle states and thread placement as the other left them), in turns of 50 calls, and in
-  alternating halves of the run (a back-to-back loop on one thread keeps a core warm); and once
-  more in turns with the client's threads on one CPU and the server's on another ("placed",
-  Linux with 2+ CPUs), which takes the cost of waking a thread on a halted CPU out of both sides;
+  thread taking turns call by call (the target's figure, the median of three sets: each side
+  then finds the machine's CPU idle states and thread placement as the other left them), in
+  turns of 50 calls, and in alternating halves of the run (a back-to-back loop on one thread
+  keeps a core warm); and once more in turns with the client's threads on one CPU and the
+  server's on another ("placed", Linux with 2+ CPUs), which takes the cost of waking a thread on
+  a halted CPU out of both sides;
 - worker: CPU per task, tasks/s and peak RSS draining no-op tasks with ``Worker(capacity=32)``,
   against Dramatiq 2 (``-p 1 -t 32``; pure no-op, the target's figure, and one Redis INCR per
   task) and Celery 5 (``--pool threads -c 32``, ``acks_late``) in the same run; ours and
@@ -328,6 +329,12 @@ def _p50_p99_rows(
     ]
 
 
+def _sets(turns: dict[str, Any]) -> str:
+    """The p50 ratios of every set of a comparison taken in turns, for its note."""
+    ratios = turns["ratios"]
+    return f"{len(ratios)} sets ({'/'.join(f'{r:.2f}' for r in ratios)}x)"
+
+
 def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> list[dict[str, Any]]:
     server, info = servers.open(lease=60.0)
     try:
@@ -350,8 +357,8 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
             turns,
             target=1.4,
             note=(
-                f"sides taking turns per call; in turns of {roundtrip.BLOCK} calls: "
-                f"{in_blocks:.2f}x; in halves of the run: {halves:.2f}x"
+                f"sides taking turns per call, median of {_sets(turns)}; in turns of "
+                f"{roundtrip.BLOCK} calls: {in_blocks:.2f}x; in halves of the run: {halves:.2f}x"
             ),
         ),
         *(
@@ -359,7 +366,10 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
                 "1 thread vs raw, placed",
                 placed,
                 target=1.4,
-                note="client threads on one CPU, server on another; sides taking turns per call",
+                note=(
+                    "client threads on one CPU, server on another; sides taking turns per call, "
+                    f"median of {_sets(placed)}"
+                ),
             )
             if placed is not None
             else []
