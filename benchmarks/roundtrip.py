@@ -11,6 +11,7 @@ flight) and the baseline uses 32 raw sockets, one per thread.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import threading
@@ -36,7 +37,7 @@ from orbit_sync.models import (
 HANDLER = "bench"
 #: Calls per side in each turn of the 1-thread comparison taken in blocks.
 BLOCK = 50
-#: Sets of the 1-thread comparison taken in turns; the median set counts.
+#: Sets of each 1-thread comparison taken in turns; the median set counts.
 TURN_SETS = 3
 
 
@@ -201,21 +202,76 @@ def _one_thread_pair(
 def _turns(
     conn: Any, ref: AttemptRef, raw: RawSession, raw_ref: AttemptRef, rounds: int
 ) -> dict[str, Any]:
-    """The 1-thread comparison with the two sides taking turns call by call, in
-    :data:`TURN_SETS` sets of *rounds* calls per side: the set with the median p50 ratio counts
-    (the host's state drifts over seconds, so one set's ratio moves by a tenth from run to run),
-    and ``ratios`` keeps every set's."""
-    sets = []
-    for _ in range(TURN_SETS):
+    """The 1-thread comparison with the two sides taking turns call by call."""
+
+    def one_set() -> tuple[list[float], list[float]]:
         ours: list[float] = []
         base: list[float] = []
         for text in raw.renew_frames(raw_ref, rounds):
             ours += _timed(lambda: conn.renew(ref), 1)
             base += _raw_loop(raw, [text])
+        return ours, base
+
+    return _median_set(one_set)
+
+
+def _median_set(one_set: Callable[[], tuple[list[float], list[float]]]) -> dict[str, Any]:
+    """:data:`TURN_SETS` sets of a comparison taken in turns (*one_set* gives each set's samples
+    of both sides): the set with the median p50 ratio counts (the host's state drifts over
+    seconds, so one set's ratio moves by a tenth from run to run), and ``ratios`` keeps every
+    set's."""
+    sets = []
+    for _ in range(TURN_SETS):
+        ours, base = one_set()
         sets.append({"ours": _summary(ours), "base": _summary(base)})
     ratios = [s["ours"]["p50"] / s["base"]["p50"] for s in sets]
     median = sorted(range(len(sets)), key=ratios.__getitem__)[len(sets) // 2]
     return {**sets[median], "ratios": ratios}
+
+
+class HandOff:
+    """The design's hand-off and nothing else: a bare websocket-client session whose own reader
+    thread gives each answer to the waiting caller through a ``threading.Event``. No decode, no
+    call table, no deadline, no lock: what any SDK with a reader thread and blocking callers pays
+    at least, measured on the same host in the same run."""
+
+    def __init__(self, session: RawSession) -> None:
+        self._ws = session.ws
+        self._answered = threading.Event()
+        self._reader = threading.Thread(target=self._read, name="bench-hand-off", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                self._ws.recv()
+            except Exception:  # the session was closed: the benchmark is over
+                return
+            self._answered.set()
+
+    def call(self, text: str) -> None:
+        """Send one frame and wait for the reader to hand its answer over."""
+        self._ws.send(text)
+        if not self._answered.wait(10):
+            raise RuntimeError("no answer within 10 s")
+        self._answered.clear()
+
+
+def _hand_off_turns(
+    hand: HandOff, frames: Callable[[int], list[str]], other: Callable[[], list[float]], rounds: int
+) -> dict[str, Any]:
+    """The hand-off alone (``ours`` here) in turns with *other*, one call each (*other* times
+    its own call and returns the sample in a list)."""
+
+    def one_set() -> tuple[list[float], list[float]]:
+        ours: list[float] = []
+        base: list[float] = []
+        for text in frames(rounds):
+            ours += _timed(functools.partial(hand.call, text), 1)
+            base += other()
+        return ours, base
+
+    return _median_set(one_set)
 
 
 def _summary(samples: list[float], wall: float | None = None) -> dict[str, float]:
@@ -229,7 +285,9 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
     """The 1-thread comparisons (in halves, in turns per call, in blocks, and in turns with the
     threads placed on CPUs) and the 32-thread one."""
     url, token, queue_id = info["url"], info["token"], info["queue_id"]
-    server.send({"op": "enqueue", "n": 4 + threads * 2, "handler": HANDLER})
+    # One attempt for each 1-thread session (ours, the raw one and the hand-off, then ours and
+    # the raw one placed), two for each of the 32 threads (ours, then a raw socket).
+    server.send({"op": "enqueue", "n": 5 + threads * 2, "handler": HANDLER})
     results: dict[str, Any] = {}
 
     # --- 1 thread
@@ -243,6 +301,33 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
         # The same comparison with the two sides taking turns call by call: each sample of one
         # side then finds the machine (CPU idle states, thread placement) as the other left it.
         results["one_mixed"] = _turns(conn, ref, raw, raw_ref, rounds)
+        # The design's hand-off alone (a bare session with a reader thread and an Event), in
+        # turns with the raw loop and with ours: how much of the gap any reader thread costs.
+        floor = RawSession(url, token, queue_id, 1)
+        try:
+            floor_ref = floor.attempts(1)[0]
+            hand = HandOff(floor)
+            raw_frames = iter(raw.renew_frames(raw_ref, rounds * TURN_SETS))
+            results["hand_off"] = _hand_off_turns(
+                hand,
+                lambda n: floor.renew_frames(floor_ref, n),
+                lambda: _raw_loop(raw, [next(raw_frames)]),
+                rounds,
+            )
+            ours_vs = _hand_off_turns(
+                hand,
+                lambda n: floor.renew_frames(floor_ref, n),
+                lambda: _timed(lambda: conn.renew(ref), 1),
+                rounds,
+            )
+            # Stated the other way round: ours against the hand-off.
+            results["vs_hand_off"] = {
+                "ours": ours_vs["base"],
+                "base": ours_vs["ours"],
+                "ratios": [1 / r for r in ours_vs["ratios"]],
+            }
+        finally:
+            floor.close()
         # And in blocks of BLOCK calls per side: within a block each side runs back to back.
         block_ours: list[float] = []
         block_base: list[float] = []

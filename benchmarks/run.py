@@ -18,7 +18,9 @@ Sections:
   thread taking turns call by call (the target's figure, the median of three sets: each side
   then finds the machine's CPU idle states and thread placement as the other left them), in
   turns of 50 calls, and in alternating halves of the run (a back-to-back loop on one thread
-  keeps a core warm); and once more in turns with the client's threads on one CPU and the
+  keeps a core warm); the design's hand-off alone (a bare websocket-client session whose reader
+  thread hands each answer to the caller through an ``Event``, no SDK code) in turns against the
+  raw loop and against ours; and once more in turns with the client's threads on one CPU and the
   server's on another ("placed", Linux with 2+ CPUs), which takes the cost of waking a thread on
   a halted CPU out of both sides;
 - worker: CPU per task, tasks/s and peak RSS draining no-op tasks with ``Worker(capacity=32)``,
@@ -360,6 +362,22 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
                 f"sides taking turns per call, median of {_sets(turns)}; in turns of "
                 f"{roundtrip.BLOCK} calls: {in_blocks:.2f}x; in halves of the run: {halves:.2f}x"
             ),
+        ),
+        # The design's hand-off with no SDK code (a bare session's reader thread handing each
+        # answer over through an Event): the share of the gap any reader thread costs, and ours
+        # against it.
+        *_p50_p99_rows(
+            "1 thread, hand-off alone vs raw",
+            r["hand_off"],
+            note=(
+                "a bare websocket-client session whose reader thread hands each answer to the "
+                f"caller through an Event; in turns, median of {_sets(r['hand_off'])}"
+            ),
+        ),
+        *_p50_p99_rows(
+            "1 thread vs the hand-off alone",
+            r["vs_hand_off"],
+            note=f"in turns, median of {_sets(r['vs_hand_off'])}",
         ),
         *(
             _p50_p99_rows(
