@@ -233,7 +233,8 @@ class HandOff:
     """The design's hand-off and nothing else: a bare websocket-client session whose own reader
     thread gives each answer to the waiting caller through a ``threading.Event``. No decode, no
     call table, no deadline, no lock: what any SDK with a reader thread and blocking callers pays
-    at least, measured on the same host in the same run."""
+    at least, measured on the same host in the same run. It reads exactly as the raw loop does
+    (websocket-client's ``recv``), so the two differ by the hand-off alone."""
 
     def __init__(self, session: RawSession) -> None:
         self._ws = session.ws
