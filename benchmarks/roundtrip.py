@@ -199,31 +199,34 @@ def _one_thread_pair(
         raw.close()
 
 
-def _turns(
-    conn: Any, ref: AttemptRef, raw: RawSession, raw_ref: AttemptRef, rounds: int
-) -> dict[str, Any]:
-    """The 1-thread comparison with the two sides taking turns call by call."""
-
-    def one_set() -> tuple[list[float], list[float]]:
-        ours: list[float] = []
-        base: list[float] = []
-        for text in raw.renew_frames(raw_ref, rounds):
-            ours += _timed(lambda: conn.renew(ref), 1)
-            base += _raw_loop(raw, [text])
-        return ours, base
-
-    return _median_set(one_set)
+#: One side of a comparison taken in turns: one call, timed, its sample in a list.
+Side = Callable[[], list[float]]
 
 
-def _median_set(one_set: Callable[[], tuple[list[float], list[float]]]) -> dict[str, Any]:
-    """:data:`TURN_SETS` sets of a comparison taken in turns (*one_set* gives each set's samples
-    of both sides): the set with the median p50 ratio counts (the host's state drifts over
-    seconds, so one set's ratio moves by a tenth from run to run), and ``ratios`` keeps every
-    set's."""
+def _renewing(conn: Any, ref: AttemptRef) -> Side:
+    """``conn.renew(ref)``, timed."""
+    return lambda: _timed(lambda: conn.renew(ref), 1)
+
+
+def _raw_round_trips(session: RawSession, ref: AttemptRef, n: int) -> Side:
+    """One raw round trip per call, each with its own of *n* frames encoded now."""
+    frames = iter(session.renew_frames(ref, n))
+    return lambda: _raw_loop(session, [next(frames)])
+
+
+def _turns(ours: Side, base: Side, rounds: int) -> dict[str, Any]:
+    """A 1-thread comparison with the two sides taking turns call by call, in
+    :data:`TURN_SETS` sets of *rounds* calls per side: the set with the median p50 ratio counts
+    (the host's state drifts over seconds, so one set's ratio moves by a tenth from run to run),
+    and ``ratios`` keeps every set's."""
     sets = []
     for _ in range(TURN_SETS):
-        ours, base = one_set()
-        sets.append({"ours": _summary(ours), "base": _summary(base)})
+        ours_samples: list[float] = []
+        base_samples: list[float] = []
+        for _ in range(rounds):
+            ours_samples += ours()
+            base_samples += base()
+        sets.append({"ours": _summary(ours_samples), "base": _summary(base_samples)})
     ratios = [s["ours"]["p50"] / s["base"]["p50"] for s in sets]
     median = sorted(range(len(sets)), key=ratios.__getitem__)[len(sets) // 2]
     return {**sets[median], "ratios": ratios}
@@ -258,21 +261,10 @@ class HandOff:
         self._answered.clear()
 
 
-def _hand_off_turns(
-    hand: HandOff, frames: Callable[[int], list[str]], other: Callable[[], list[float]], rounds: int
-) -> dict[str, Any]:
-    """The hand-off alone (``ours`` here) in turns with *other*, one call each (*other* times
-    its own call and returns the sample in a list)."""
-
-    def one_set() -> tuple[list[float], list[float]]:
-        ours: list[float] = []
-        base: list[float] = []
-        for text in frames(rounds):
-            ours += _timed(functools.partial(hand.call, text), 1)
-            base += other()
-        return ours, base
-
-    return _median_set(one_set)
+def _handed_off(hand: HandOff, session: RawSession, ref: AttemptRef, n: int) -> Side:
+    """One call through the hand-off alone, each with its own of *n* frames encoded now."""
+    frames = iter(session.renew_frames(ref, n))
+    return lambda: _timed(functools.partial(hand.call, next(frames)), 1)
 
 
 def _summary(samples: list[float], wall: float | None = None) -> dict[str, float]:
@@ -301,32 +293,18 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
             base += _raw_loop(raw, raw.renew_frames(raw_ref, half))
         # The same comparison with the two sides taking turns call by call: each sample of one
         # side then finds the machine (CPU idle states, thread placement) as the other left it.
-        results["one_mixed"] = _turns(conn, ref, raw, raw_ref, rounds)
+        n = rounds * TURN_SETS
+        results["one_mixed"] = _turns(
+            _renewing(conn, ref), _raw_round_trips(raw, raw_ref, n), rounds
+        )
         # The design's hand-off alone (a bare session with a reader thread and an Event), in
         # turns with the raw loop and with ours: how much of the gap any reader thread costs.
         floor = RawSession(url, token, queue_id, 1)
         try:
-            floor_ref = floor.attempts(1)[0]
-            hand = HandOff(floor)
-            raw_frames = iter(raw.renew_frames(raw_ref, rounds * TURN_SETS))
-            results["hand_off"] = _hand_off_turns(
-                hand,
-                lambda n: floor.renew_frames(floor_ref, n),
-                lambda: _raw_loop(raw, [next(raw_frames)]),
-                rounds,
-            )
-            ours_vs = _hand_off_turns(
-                hand,
-                lambda n: floor.renew_frames(floor_ref, n),
-                lambda: _timed(lambda: conn.renew(ref), 1),
-                rounds,
-            )
-            # Stated the other way round: ours against the hand-off.
-            results["vs_hand_off"] = {
-                "ours": ours_vs["base"],
-                "base": ours_vs["ours"],
-                "ratios": [1 / r for r in ours_vs["ratios"]],
-            }
+            floor_ref = floor.attempts(1)[0]  # before its reader thread takes the socket
+            hand_off = _handed_off(HandOff(floor), floor, floor_ref, 2 * n)
+            results["hand_off"] = _turns(hand_off, _raw_round_trips(raw, raw_ref, n), rounds)
+            results["vs_hand_off"] = _turns(_renewing(conn, ref), hand_off, rounds)
         finally:
             floor.close()
         # And in blocks of BLOCK calls per side: within a block each side runs back to back.
@@ -345,7 +323,9 @@ def bench(server: Child, info: dict[str, Any], *, rounds: int, threads: int) -> 
     with _placed(server.proc.pid) as placed:
         if placed:  # the connection's threads start here, on the pinned CPU
             with _one_thread_pair(url, token, queue_id) as (conn, ref, raw, raw_ref):
-                results["one_placed"] = _turns(conn, ref, raw, raw_ref, rounds)
+                results["one_placed"] = _turns(
+                    _renewing(conn, ref), _raw_round_trips(raw, raw_ref, rounds * TURN_SETS), rounds
+                )
 
     # --- 32 threads: one connection vs one raw socket per thread
     assigned: list[AttemptRef] = []
