@@ -7,13 +7,16 @@ receiving them (PROTOCOL §6, §10, §11):
 * each call's deadline (default and cap :data:`CALL_TIMEOUT`) and the read-idle deadline
   (:data:`READ_IDLE_TIMEOUT`), read off an injected clock;
 * routing of every server frame: an answer to its call, a push to the caller's queue or callback;
-* the assignment-buffer rule: a ``queue.Queue`` of :data:`ASSIGNMENT_BUFFER` unread assignments;
+* the assignment-buffer rule: a ``queue.Queue`` of :data:`ASSIGNMENT_BUFFER` unread assignments
+  (one that finds it full is :class:`Full`: the reader waits up to :data:`ASSIGNMENT_WAIT` for
+  room, then the connection ends with ``WorkerBackpressure``);
 * fatal error codes (the answer is delivered, then the connection ends);
 * lease deadline math (each answered lease is anchored at the moment its request was sent).
 
 Like a sans-I/O protocol, it answers each input (a request to open, a decoded frame, the time)
 with *events* the shell acts on: :class:`Answered` (complete a call), :class:`Pushed` (run a push
-callback), :class:`Queued` (wake a thread waiting for a push) and :class:`Ended` (tear the socket
+callback), :class:`Queued` (wake a thread waiting for a push), :class:`Full` (wait for room on
+a push's queue) and :class:`Ended` (tear the socket
 down, release the calls). It is not thread-safe by itself:
 :class:`orbit_sync.connection.WorkerConnection`, the threaded shell, serializes every mutating
 call under one lock, moves bytes, wakes threads and runs callbacks outside that lock. Decoding
@@ -43,6 +46,7 @@ from .models import ID_RE, MAX_CAPACITY, CommandResult, Lease, new_message_id
 __all__ = [
     "ASSIGNMENT",
     "ASSIGNMENT_BUFFER",
+    "ASSIGNMENT_WAIT",
     "CALL_TIMEOUT",
     "CANCEL",
     "CANCEL_BUFFER",
@@ -54,6 +58,7 @@ __all__ = [
     "Done",
     "Ended",
     "Event",
+    "Full",
     "Pushed",
     "Queued",
     "Submission",
@@ -63,9 +68,14 @@ __all__ = [
 
 #: In-flight control requests per connection; one more raises WorkerBusy before encoding (§10).
 MAX_IN_FLIGHT: Final = 32
-#: Unread assignments buffered when no ``on_assignment`` callback is set; one more closes the
-#: connection with WorkerBackpressure (§10).
+#: Unread assignments buffered when no ``on_assignment`` callback is set; one more that finds
+#: no room within :data:`ASSIGNMENT_WAIT` closes the connection with WorkerBackpressure (§10).
 ASSIGNMENT_BUFFER: Final = 8
+#: How long the reader waits for room on a full push queue before it ends the connection with
+#: WorkerBackpressure. The reader decodes a burst of assignments from one TCP read faster than
+#: a waiting consumer thread is scheduled (the GIL), so a consumer that keeps up may still find
+#: the 9th of a burst ahead of it; a consumer that stopped taking loses the session within it.
+ASSIGNMENT_WAIT: Final = 1.0
 #: Unread cancel notices buffered when no ``on_cancel`` callback is set: at most one per held
 #: attempt is expected, and a process holds at most 256 attempts.
 CANCEL_BUFFER: Final = MAX_CAPACITY
@@ -156,6 +166,14 @@ class Queued(NamedTuple):
     kind: str
 
 
+class Full(NamedTuple):
+    """A push of a *kind* without a callback found its queue full: the reader waits (a bounded
+    time, outside the lock) for room to put *item* there, before it reads the next frame."""
+
+    kind: str
+    item: Any
+
+
 class Ended(NamedTuple):
     """The session ended with *error*: tear down, and release each of *calls* with the error
     bound to its own ``message_id``."""
@@ -164,7 +182,7 @@ class Ended(NamedTuple):
     calls: list[Call]
 
 
-Event = Union[Answered, Pushed, Queued, Ended]  # noqa: UP007 (a runtime alias)
+Event = Union[Answered, Pushed, Queued, Full, Ended]  # noqa: UP007 (a runtime alias)
 
 
 class ClientProtocol:
@@ -345,13 +363,17 @@ class ClientProtocol:
         try:
             unread.put_nowait(item)
         except queue.Full:
-            # The reader never blocks: a consumer that fell behind loses the session (§10).
-            return self._end(
-                WorkerBackpressure(
-                    f"more than {unread.maxsize} {kind}s left unread; the connection is closed"
-                )
-            )
+            # Waited for by the shell, which ends the session with backpressure() past the bound.
+            return [Full(kind, item)]
         return [Queued(kind)]
+
+    def backpressure(self, kind: str) -> list[Event]:
+        """A push of *kind* found no room within :data:`ASSIGNMENT_WAIT`: a consumer that fell
+        behind loses the session (§10)."""
+        maxsize = self.unread[kind].maxsize
+        return self.fail(
+            WorkerBackpressure(f"more than {maxsize} {kind}s left unread; the connection is closed")
+        )
 
     def take(self, kind: str) -> Any:
         """The oldest unread push of *kind*, or ``None`` (always once the session has ended: a

@@ -10,10 +10,11 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
 * the **reader** only reads: it decodes every server frame, sets the slot of the call it
   answers (waking a blocked caller, or running a pipelined request's completion), puts pushes on
   their bounded ``queue.Queue`` (or hands them to the ``on_assignment`` / ``on_cancel``
-  callbacks), answers pings, and never blocks (a full assignment queue closes the connection with
-  ``WorkerBackpressure``). It is the only thread that reads the socket: every call in flight
-  holds one of at most 32 slots, each a reused ``threading.Event`` the reader sets; a
-  blocking caller waits on its own slot until its deadline, so an
+  callbacks), answers pings, and blocks on nothing but a full push queue, for at most
+  ``ASSIGNMENT_WAIT`` (1 s: past it the connection closes with ``WorkerBackpressure``). It is
+  the only thread that reads the socket: every call in flight holds one of at most 32 slots,
+  each a reused ``threading.Event`` the reader sets; a blocking caller waits on its own slot
+  until its deadline, so an
   interrupted or timed-out caller abandons its slot and never leaves a frame half read. Code
   running on a reader (a completion or push callback) neither blocks nor writes: a request
   (blocking or pipelined) or a queue wait made from it raises ``RuntimeError`` at once, and
@@ -48,6 +49,7 @@ from . import _codec
 from ._protocol import (
     ASSIGNMENT,
     ASSIGNMENT_BUFFER,
+    ASSIGNMENT_WAIT,
     CALL_TIMEOUT,
     CANCEL,
     CANCEL_BUFFER,
@@ -59,6 +61,7 @@ from ._protocol import (
     Done,
     Ended,
     Event,
+    Full,
     Pushed,
     Queued,
 )
@@ -85,6 +88,7 @@ from .models import (
 
 __all__ = [
     "ASSIGNMENT_BUFFER",
+    "ASSIGNMENT_WAIT",
     "CALL_TIMEOUT",
     "CANCEL_BUFFER",
     "MAX_IN_FLIGHT",
@@ -302,9 +306,10 @@ class WorkerConnection:
         raises the built-in ``TimeoutError`` if none arrived, leaving the connection open. Once the
         connection has ended it raises the connection's error (``err``) instead; that error may be
         a ``CallTimeout``, itself a ``TimeoutError``: check ``done`` before waiting again. At most
-        8 unread assignments are kept; one more closes the connection with ``WorkerBackpressure``
-        (PROTOCOL §10): a consumer that cannot keep up with bursts of up to its capacity should
-        pass ``on_assignment`` instead.
+        8 unread assignments are kept; for one more the reader waits up to ``ASSIGNMENT_WAIT``
+        (1 s) for room, reading nothing meanwhile, then closes the connection with
+        ``WorkerBackpressure`` (PROTOCOL §10): a consumer that takes each assignment as it comes
+        keeps up with bursts of any size.
         """
         if ASSIGNMENT in self._callbacks:
             raise RuntimeError("assignments go to the on_assignment callback of this connection")
@@ -588,7 +593,37 @@ class WorkerConnection:
                 self._ended(event)
             elif type(event) is Queued:
                 log.debug("%s queued", event.kind)
+            elif type(event) is Full:
+                self._wait_for_room(event.kind, event.item)
         return self._core.err is None  # a callback may have closed the connection
+
+    def _wait_for_room(self, kind: str, item: object) -> None:
+        """The reader found *kind*'s queue full: wait (reading nothing meanwhile, so the frames'
+        order is kept) until a consumer makes room, at most ``ASSIGNMENT_WAIT`` seconds, then
+        put *item* there; past the bound the connection ends with backpressure. Should it end
+        otherwise meanwhile, *item* is put ahead of the end marker: it was received before the
+        end, and a consumer that takes what a connection left (the Worker) loses nothing."""
+        unread = self._core.unread[kind]
+        deadline = monotonic() + ASSIGNMENT_WAIT
+        log.debug("%s queue full: waiting up to %g s for room", kind, ASSIGNMENT_WAIT)
+        with unread.not_full:
+            while len(unread.queue) >= unread.maxsize and self._core.err is None:
+                left = deadline - monotonic()
+                if left <= 0:
+                    break
+                unread.not_full.wait(left)
+            if self._core.err is not None:
+                _put_before_end(unread, item)
+                return
+            if len(unread.queue) < unread.maxsize:
+                unread.queue.append(item)
+                unread.unfinished_tasks += 1
+                unread.not_empty.notify()
+                log.debug("%s queued after waiting for room", kind)
+                return
+        with self._lock:
+            events = self._core.backpressure(kind)
+        self._handle(events)
 
     def _ended(self, event: Ended) -> None:
         err = event.error
@@ -726,10 +761,21 @@ def _end_queue(unread: queue.Queue[Any]) -> None:
 
 
 def _put_over_bound(unread: queue.Queue[Any], item: object) -> None:
-    """Put *item* on *unread* past its bound, uncounted: a marker, not a push."""
+    """Put *item* on *unread* past its bound, uncounted: a marker, not a push. A reader waiting
+    for room is woken too (it then finds the connection ended)."""
     with unread.mutex:
         unread.queue.append(item)
         unread.not_empty.notify()
+        unread.not_full.notify_all()
+
+
+def _put_before_end(unread: queue.Queue[Any], item: object) -> None:
+    """Put *item* on *unread* ahead of its end marker, past its bound (the caller holds its
+    mutex): received before the connection ended, it is taken before the end."""
+    pending = unread.queue
+    at = next((i for i, queued in enumerate(pending) if queued is _ENDED), len(pending))
+    pending.insert(at, item)
+    unread.not_empty.notify()
 
 
 def _caused(err: OrbitError, cause: BaseException) -> OrbitError:

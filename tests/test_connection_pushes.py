@@ -18,7 +18,7 @@ from _scripted import (
     welcome_body,
 )
 
-from orbit_sync.connection import ASSIGNMENT_BUFFER
+from orbit_sync.connection import ASSIGNMENT_BUFFER, pipeline_of
 from orbit_sync.errors import (
     OrbitError,
     WorkerBackpressure,
@@ -73,9 +73,86 @@ def test_next_assignment_times_out_with_builtin_timeout_and_stays_open() -> None
             conn.close()
 
 
+class _Waiting(logging.Handler):
+    """Set once the reader says it waits for room on a full push queue."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.event = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "waiting up to" in record.getMessage():
+            self.event.set()
+
+
+@pytest.fixture
+def waiting() -> Any:
+    """A handler on the connection's logger that sees the reader start waiting for room."""
+    handler = _Waiting()
+    logger = logging.getLogger("orbit_sync.connection")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_a_ninth_assignment_waits_for_room_and_reads_on_once_one_is_taken(
+    waiting: _Waiting,
+) -> None:
+    """Eight unread assignments fill the queue; the reader holds the ninth, reading nothing
+    behind it (a call's answer waits), until a consumer takes one: then it is queued, the answer
+    read, and all nine come out in order on an open connection."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            ids = [f"{i + 1:032x}" for i in range(ASSIGNMENT_BUFFER + 1)]
+            for attempt_id in ids[:-1]:
+                peer.push("task.assign", assignment_body(attempt_id=attempt_id))
+            _roundtrip(conn, peer)
+            out: dict[str, Any] = {}
+            call = threading.Thread(
+                target=lambda: out.update(result=conn.capacity(CapacityReport(1, 1))),
+                daemon=True,
+            )
+            call.start()
+            request = peer.recv()
+            peer.push("task.assign", assignment_body(attempt_id=ids[-1]))
+            peer.ack(request, welcome_body())
+            assert waiting.event.wait(WAIT), "the reader waits for room for the ninth"
+            taken = [conn.next_assignment(timeout=WAIT)]
+            call.join(WAIT)
+            assert isinstance(out.get("result"), Welcome), "the answer behind it was read"
+            taken += [conn.next_assignment(timeout=WAIT) for _ in ids[1:]]
+            assert [a.attempt_id for a in taken] == ids
+            assert conn.err is None
+        finally:
+            conn.close()
+
+
+def test_an_assignment_waiting_for_room_is_kept_ahead_of_the_end_when_closed(
+    waiting: _Waiting,
+) -> None:
+    """close() while the reader holds a ninth assignment: the reader wakes at once, and the
+    Worker's intake (which takes what a connection left) still gets all nine, then the end."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        ids = [f"{i + 1:032x}" for i in range(ASSIGNMENT_BUFFER + 1)]
+        for attempt_id in ids:
+            peer.push("task.assign", assignment_body(attempt_id=attempt_id))
+        assert waiting.event.wait(WAIT)
+        conn.close()
+        assert conn.done.wait(WAIT) and isinstance(conn.err, WorkerClosed)
+        intake = pipeline_of(conn)
+        left = [intake.take_assignment() for _ in ids]
+        assert [a.attempt_id for a in left if a is not None] == ids
+        assert intake.take_assignment() is None
+
+
 def test_ninth_unread_assignment_closes_with_backpressure() -> None:
-    """Eight unread assignments are held; the ninth closes the connection (the reader never
-    blocks), and next_assignment then raises WorkerBackpressure."""
+    """Eight unread assignments are held; a ninth that finds no room within ASSIGNMENT_WAIT
+    closes the connection, and next_assignment then raises WorkerBackpressure."""
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
         try:

@@ -27,6 +27,7 @@ from orbit_sync._protocol import (
     Answered,
     ClientProtocol,
     Ended,
+    Full,
     Pushed,
     Queued,
 )
@@ -241,9 +242,10 @@ def test_routing_answers_and_fatal_errors_as_events() -> None:
     assert _route(core, frame("task.assign", body=assignment_body())) == []  # ended: nothing
 
 
-def test_pushes_are_queued_up_to_the_buffer_then_end_the_session() -> None:
+def test_pushes_are_queued_up_to_the_buffer_then_wait_for_room() -> None:
     """Without a callback, assignments are Queued up to ASSIGNMENT_BUFFER and taken in order;
-    one more is Ended with WorkerBackpressure and drops what was unread."""
+    one more is Full (the shell waits for room for it); backpressure() past the wait ends the
+    session with WorkerBackpressure and drops what was unread."""
     core = _core(Clock())
     ids = [f"{i + 1:032x}" for i in range(ASSIGNMENT_BUFFER + 1)]
     for attempt_id in ids[:-1]:
@@ -254,7 +256,10 @@ def test_pushes_are_queued_up_to_the_buffer_then_end_the_session() -> None:
     assert _route(core, frame("task.assign", body=assignment_body(attempt_id=ids[-1]))) == [
         Queued(ASSIGNMENT)
     ]
-    [ended] = _route(core, frame("task.assign", body=assignment_body(attempt_id="f" * 32)))
+    [full] = _route(core, frame("task.assign", body=assignment_body(attempt_id="f" * 32)))
+    assert isinstance(full, Full) and full.kind == ASSIGNMENT
+    assert full.item.attempt_id == "f" * 32 and core.err is None
+    [ended] = core.backpressure(ASSIGNMENT)
     assert isinstance(ended, Ended) and isinstance(ended.error, WorkerBackpressure)
     assert core.take(ASSIGNMENT) is None
 

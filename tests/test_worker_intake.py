@@ -22,15 +22,17 @@ DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 CAPACITY = 32
 
 
-def test_bursts_of_capacity_assignments_never_overflow_the_queue() -> None:
-    """Capacity 32 and no assignment rate: 32 tasks enqueued at once, three times over, all run
-    once on the first session; no report ever leaves more than 8 assignments free beyond what
-    the worker holds, so the queue of 8 never overflows."""
+@pytest.mark.parametrize("capacity", [CAPACITY, 256])
+def test_bursts_of_capacity_assignments_never_overflow_the_queue(capacity: int) -> None:
+    """No assignment rate: as many tasks as the capacity enqueued at once, three times over, all
+    run once on the first session. The worker reports its whole capacity, so each burst reaches
+    it in a few reads, far past the queue's 8: the reader waits for room while the intake takes
+    each one, and the session never ends in backpressure."""
     runs: Counter[str] = Counter()
     lock = threading.Lock()
     sessions = Sessions()
     with MockOrbitServer(assignment_rate=None) as server:
-        worker = make_worker(server, capacity=CAPACITY, listeners=[sessions])
+        worker = make_worker(server, capacity=capacity, listeners=[sessions])
 
         @worker.handler("burst")
         def burst(ctx: TaskContext, payload: Any) -> None:
@@ -39,15 +41,15 @@ def test_bursts_of_capacity_assignments_never_overflow_the_queue() -> None:
 
         with running(worker):
             for _ in range(3):
-                tasks = server.enqueue_many([{"handler": "burst", "payload": {}}] * CAPACITY)
+                tasks = server.enqueue_many([{"handler": "burst", "payload": {}}] * capacity)
                 for task_id in tasks:
-                    assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+                    assert server.wait_for(task_id, DONE, timeout=20).state is TaskState.SUCCEEDED
             stats = worker.stats()
         server.check_invariants()
-    assert len(runs) == 3 * CAPACITY and set(runs.values()) == {1}
+    assert len(runs) == 3 * capacity and set(runs.values()) == {1}
     assert stats.reconnects == 0 and sessions.established == 1, "a burst ended the session"
-    reported = [e for e in events(server, "session.capacity")]
-    assert reported, "the worker reported its capacity"
+    reported = {re.search(r"capacity=(\d+)", e.detail) for e in events(server, "session.capacity")}
+    assert {int(m.group(1)) for m in reported if m} == {capacity}, "it offers every slot it has"
 
 
 def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
@@ -88,14 +90,11 @@ def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
     assert not [w for w in writers if w[2]], "a request was made on a reader thread"
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_threads_the_reader_wakes_per_task_do_not_preempt_it() -> None:
-    """The handler threads and the intake run under SCHED_BATCH (woken by the reader, they do
-    not preempt it while it holds the GIL); the reader and the caller's threads keep theirs."""
+def _policies(batch: bool) -> tuple[set[int], dict[str, int]]:
+    """The scheduling policies a handler ran under, and every thread's while the worker ran."""
     handlers: set[int] = set()
-    mine = os.sched_getscheduler(0)
     with MockOrbitServer() as server:
-        worker = make_worker(server, capacity=4)
+        worker = make_worker(server, capacity=4, batch_scheduling=batch)
 
         @worker.handler("work")
         def work(ctx: TaskContext, payload: Any) -> None:
@@ -107,6 +106,27 @@ def test_threads_the_reader_wakes_per_task_do_not_preempt_it() -> None:
                 assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
             threads = {t.name: t.native_id for t in threading.enumerate()}
             policies = {name: os.sched_getscheduler(tid or 0) for name, tid in threads.items()}
+    return handlers, policies
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_the_worker_changes_no_scheduling_policy_by_default() -> None:
+    """By default every thread of the worker, the handler threads and the intake included,
+    keeps the policy of the thread that started it: users' code runs as they scheduled it."""
+    mine = os.sched_getscheduler(0)
+    handlers, policies = _policies(batch=False)
+    assert handlers == {mine}
+    assert policies["orbit-worker-intake"] == mine
+    assert set(policies.values()) == {mine}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_batch_scheduling_puts_the_threads_the_reader_wakes_under_sched_batch() -> None:
+    """Worker(batch_scheduling=True): the handler threads and the intake run under SCHED_BATCH
+    (woken by the reader, they do not preempt it while it holds the GIL); the reader and the
+    caller's threads keep theirs."""
+    mine = os.sched_getscheduler(0)
+    handlers, policies = _policies(batch=True)
     assert handlers == {os.SCHED_BATCH}
     assert policies["orbit-worker-intake"] == os.SCHED_BATCH
     readers = {p for name, p in policies.items() if name.startswith("orbit-sync-reader")}

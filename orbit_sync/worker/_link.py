@@ -51,13 +51,11 @@ class GaveUp(Exception):
 
 class Gate:
     """A counting semaphore for requests: one that finds no free slot is queued as a *job*
-    (:meth:`acquire_or_queue`, holding no thread) or waits on its thread (:meth:`acquire`: a
-    start). Once closed, none takes a slot (:class:`GaveUp`): nothing waits past shutdown."""
+    (:meth:`acquire_or_queue`), holding no thread. Once closed, none takes a slot
+    (:class:`GaveUp`): nothing waits past shutdown."""
 
     def __init__(self, slots: int) -> None:
-        # Entered as its lock (C), not as the condition, whose __enter__ is Python code.
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._free = slots
         #: Jobs waiting for a slot, in arrival order (only while no slot is free).
         self._queue: collections.deque[Callable[[], None]] = collections.deque()
@@ -75,33 +73,20 @@ class Gate:
             self._queue.append(job)
             return False
 
-    def acquire(self) -> None:
-        """Take a slot, waiting for one to be freed (each is, by its request's answer or
-        failure, within a call timeout). Raise :class:`GaveUp` once closed."""
-        with self._lock:
-            while not self._closed and self._free <= 0:
-                self._cond.wait()
-            if self._closed:
-                raise GaveUp("worker stopped")
-            self._free -= 1
-
     def release(self) -> Callable[[], None] | None:
         """Give a slot back: to the first queued job (returned: the caller must run it, the
-        slot is its), else to the free slots (a waiting thread takes it)."""
+        slot is its), else to the free slots."""
         with self._lock:
             if self._queue:
                 return self._queue.popleft()
             self._free += 1
-            self._cond.notify()
             return None
 
     def close(self) -> None:
-        """Refuse new requests and wake the threads waiting for a slot. Queued jobs stay:
-        slots still in use are released as their requests end, and each goes to a job (which
-        then finds no connection)."""
+        """Refuse new requests. Queued jobs stay: slots still in use are released as their
+        requests end, and each goes to a job (which then finds no connection)."""
         with self._lock:
             self._closed = True
-            self._cond.notify_all()
 
 
 class Link:

@@ -132,6 +132,9 @@ class WorkerOptions:
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
     time_limit: float | None = attrs.field(default=None, validator=_optional_seconds)
     first_connect_timeout: float | None = attrs.field(default=None, validator=_optional_seconds)
+    batch_scheduling: bool = attrs.field(
+        default=False, validator=attrs.validators.instance_of(bool)
+    )
 
     @property
     def request_timeout(self) -> float:

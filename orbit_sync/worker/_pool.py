@@ -27,7 +27,9 @@ IDLE_TIMEOUT = 30.0
 def woken_without_preempting() -> None:
     """Put the calling thread under Linux's ``SCHED_BATCH`` policy (same priority; elsewhere,
     or where it is refused, nothing changes): the threads the connection's reader wakes then
-    do not preempt it (docs/architecture.md, "Threads and their owners", says why)."""
+    do not preempt it. Only when the user asks for it (``Worker(batch_scheduling=True)``): it
+    is the user's code that runs on these threads, and on the threads they start, which inherit
+    the policy (docs/deploy.md, "Scheduling policy")."""
     policy = getattr(os, "SCHED_BATCH", None)
     if policy is not None:
         with contextlib.suppress(OSError):
@@ -55,12 +57,15 @@ class DaemonPool:
         name: str = "orbit-handler",
         idle_timeout: float = IDLE_TIMEOUT,
         clock: Clock | None = None,
+        batch: bool = False,
     ) -> None:
         if size < 1:
             raise ValueError("size must be at least 1")
         if not idle_timeout > 0:
             raise ValueError("idle_timeout must be positive")
         self._size = size
+        #: Put each thread under SCHED_BATCH (see woken_without_preempting).
+        self._batch = batch
         self._name = name
         self._idle_timeout = idle_timeout
         self._clock = clock or SystemClock()
@@ -126,7 +131,8 @@ class DaemonPool:
             return sorted(t.name for t in self._threads)
 
     def _main(self) -> None:
-        woken_without_preempting()  # submit() wakes it from the connection's reader
+        if self._batch:  # asked for: submit() wakes it from the connection's reader
+            woken_without_preempting()
         me = _Parked()
         while True:
             job = self._next_job(me)

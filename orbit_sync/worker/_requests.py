@@ -83,17 +83,15 @@ class RequestPath(Generic[S]):
         return True
 
     def _send(self, subject: S, request: Request) -> None:
-        """Send *request* within the link's request slots. A start waits for a slot on this
-        thread (the one that took its assignment, or re-sends it); any other request is queued
-        for the next free slot instead. A send decided on a reader goes to another thread."""
+        """Send *request* within the link's request slots, or queue it for the next free slot:
+        no thread waits for one (the intake, which sends the starts, must keep taking
+        assignments while the reader waits for room on their queue). A send decided on a
+        reader goes to another thread."""
         if on_reader_thread():
             self.handoff(partial(self._send, subject, request))
             return
-        gate = self._link.gate
         try:
-            if request.request_type == "task.start":
-                gate.acquire()
-            elif not gate.acquire_or_queue(partial(self._transmit, subject, request)):
+            if not self._link.gate.acquire_or_queue(partial(self._transmit, subject, request)):
                 return  # a freed slot sends it
         except GaveUp:
             self.outcome(subject, request, lambda m: m.gave_up(request))

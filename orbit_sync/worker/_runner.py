@@ -81,6 +81,9 @@ class Worker:
       which one is replaced (``docs/process-executor.md``).
     - *outbox*: a file path: a durable outbox, so a killed process loses no result (docs/outbox.md).
     - *time_limit*: the seconds a handler may run, unless registered with its own (default: none).
+    - *batch_scheduling*: on Linux, run the handler threads and the intake under ``SCHED_BATCH``
+      (off by default: the worker changes no scheduling policy of a thread that runs your code;
+      ``docs/deploy.md`` says what it saves and what it costs).
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class Worker:
         outbox: str | os.PathLike[str] | None = None,
         time_limit: float | None = None,
         first_connect_timeout: float | None = None,
+        batch_scheduling: bool = False,
     ) -> None:
         # Each keyword by name (not locals()), so mypy checks every one against WorkerOptions.
         options = WorkerOptions(
@@ -135,6 +139,7 @@ class Worker:
             outbox=outbox,
             time_limit=time_limit,
             first_connect_timeout=first_connect_timeout,
+            batch_scheduling=batch_scheduling,
         )
         self._build(client, options)
 
@@ -179,7 +184,7 @@ class Worker:
         # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
         timers = Timers(clock.now, watchdog_wake.set)
         self._threads = WorkerThreads(
-            DaemonPool(opts.capacity, clock=clock),
+            DaemonPool(opts.capacity, clock=clock, batch=opts.batch_scheduling),
             WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers),
             timers,
         )

@@ -267,7 +267,8 @@ class SessionLoop:
     def _intake(self, conn: Connection) -> None:
         """The session's intake thread: takes the connection's assignments and sends each start
         until the connection has ended and none is left unread; then wakes this thread."""
-        woken_without_preempting()  # the reader wakes it for assignments
+        if self._opts.batch_scheduling:  # asked for: the reader wakes it for assignments
+            woken_without_preempting()
         try:
             self._admission.take_all(conn)
         except Exception:  # a bug of ours: the session cannot take assignments any more

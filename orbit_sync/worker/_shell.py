@@ -17,14 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .._protocol import Done
 from ..client import DialCut
 from ..connection import Submission, pipeline_of
 from ..errors import OrbitError, WorkerError
 from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
 from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._errors import NotConnected, is_link_failure
-from ._link import Connection, Link, Resumes, Wakeup
+from ._link import Link, Resumes, Wakeup
 from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,
@@ -66,7 +65,7 @@ from ._pool import DaemonPool
 from ._requests import Event, RequestPath
 from ._time_limits import Interruptible
 from ._watchdog import RenewDone, Timers, WatchdogThread
-from ._window import CapacityWindow, SentReport
+from ._window import CapacityWindow
 
 if TYPE_CHECKING:  # it imports Handler from here
     from ._handlers import Handlers
@@ -92,7 +91,6 @@ class Attempt:
     __slots__ = (
         "ctx",
         "handler",
-        "held",
         "limit_at",
         "lock",
         "machine",
@@ -117,9 +115,6 @@ class Attempt:
         )
         #: When the handler reaches its time limit (clock time; set as it starts).
         self.limit_at = 0.0
-        #: Counted by the capacity window from its handler's start until its finish goes out
-        #: (or it settles without one).
-        self.held = False
 
     @property
     def id(self) -> str:
@@ -346,29 +341,6 @@ class AttemptShell(RequestPath[Attempt]):
             elif not self.perform_request(att, action):
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
-    def write(self, att: Attempt, request: Request, conn: Connection, on_done: Done) -> None:
-        """A finish frees the attempt's place in the capacity window; when that leaves the
-        reported capacity too high for the connection's assignment queue, a lowered report goes
-        out ahead of it in the same write (see :mod:`._window`)."""
-        if request.request_type == "task.finish":
-            window = self.window
-            with window.lock:  # held across a report's write: reports reach the wire in order
-                window.release(att)
-                report = window.lowering()
-                if report is not None:
-                    finish = Submission(
-                        "task.finish", request.body, on_done, request.message_id, self._call_timeout
-                    )
-                    ahead = SentReport(
-                        conn, report, self.options.clock.now(), self._call_timeout, window.answered
-                    )
-                    pipeline_of(conn).submit_many([ahead.submission, finish])
-                    return
-            # No report needed: the finish goes out without the lock, which handlers starting
-            # elsewhere take (CapacityWindow.take). Any report built from now on counts this
-            # attempt as released already, so the finish may reach the server before or after it.
-        super().write(att, request, conn, on_done)
-
     def outcome(self, att: Attempt, request: Request, event: Event) -> None:
         if request.early:
             self.resumes.deliver(att, event)  # stepped by the connection thread
@@ -414,8 +386,6 @@ class AttemptShell(RequestPath[Attempt]):
                 lambda o: o.launch(self.handlers.instance_id, att.ref, att.task.handler),
                 failed="outbox unavailable: handler not run",
             )
-            if launched and self.window.take(att):
-                self._wake()  # the connection thread raises the reported capacity
             verdict = self.execute(att) if launched else None
         except Exception:
             worker_log(att.ctx).exception(
@@ -634,7 +604,6 @@ class AttemptShell(RequestPath[Attempt]):
 
     def settle(self, att: Attempt) -> None:
         """The worker is done with *att* (its machine reached a settled phase)."""
-        self.window.release(att)
         with self.registry.lock:
             self.registry.attempts.pop(att.id, None)
             if self.registry.stop_requested:

@@ -1,41 +1,29 @@
-"""The capacity the worker reports, windowed so that its connection's assignment queue never
-overflows (PROTOCOL §5.6, §10; docs/architecture.md, "Why the queue never overflows", says how
-and what it costs): at most the handlers it is running plus
-:data:`~orbit_sync.connection.ASSIGNMENT_BUFFER`, never more than its capacity. A new report
-leaves :data:`SETTLE_AT` free; the next comes once fewer than :data:`RAISE_BELOW` or more than 8
-are. Every report goes out pipelined under :attr:`CapacityWindow.lock`, held across its write,
-so reports reach the wire in sequence order from whichever thread sends them.
+"""The capacity the worker reports (PROTOCOL §5.6, §5.7): every handler slot it has, less the
+slots held by handlers that could not be stopped (``stuck``), with the reports' sequence and
+drain flag. The server counts every attempt it holds against that capacity across the
+process's sessions, so it never assigns more than the handlers that are free. A burst of up to
+the whole capacity in one TCP read does not overflow the connection's queue of 8: the reader
+waits for room (``orbit_sync.connection.ASSIGNMENT_WAIT``) while the intake takes each one.
+Every report goes out pipelined under :attr:`CapacityWindow.lock`, held across its write, so
+reports reach the wire in sequence order from whichever thread sends them.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
-from ..connection import ASSIGNMENT_BUFFER, Submission
+from ..connection import Submission
 from ..errors import OrbitError
 from ..models import CapacityReport
 from ._link import Connection
 
-__all__ = ["RAISE_BELOW", "SETTLE_AT", "CapacityWindow", "Held", "SentReport"]
-
-#: Free capacity a new report leaves (after the first): room for a few takes and a few finishes
-#: before the next one.
-SETTLE_AT = 5
-#: A raise is asked for once fewer than this many are free (and the capacity allows more).
-RAISE_BELOW = 2
-
-
-class Held(Protocol):
-    """An attempt as the window counts it: ``held`` from :meth:`CapacityWindow.take` until
-    :meth:`CapacityWindow.release`."""
-
-    held: bool
+__all__ = ["CapacityWindow", "SentReport"]
 
 
 class CapacityWindow:
-    """The worker's capacity reports: sequence, drain flag, and the windowed capacity."""
+    """The worker's capacity reports: sequence, drain flag, and the capacity offered."""
 
     def __init__(self, capacity: int) -> None:
         #: Held across building a report and writing it (reentrant: a refused request's
@@ -45,9 +33,6 @@ class CapacityWindow:
         #: Slots held by handlers that could not be stopped (past their time limit): never
         #: offered (set under the lock).
         self.stuck = 0
-        #: Attempts whose handler started and whose finish has not gone out yet.
-        self._held = 0
-        self._count_lock = threading.Lock()  # guards _held and each attempt's held flag
         self._drain = False
         self._sequence = 0
         #: The report in force (the last one built), and the last one the server acknowledged.
@@ -62,32 +47,9 @@ class CapacityWindow:
 
     @property
     def offered(self) -> int:
-        """The Worker's slots, stuck ones included (whatever part of them the window reports
-        free now); 0 once it drains."""
+        """The Worker's slots, stuck ones included; 0 once it drains."""
         with self.lock:
             return 0 if self._drain else self._capacity
-
-    @property
-    def held(self) -> int:
-        """Attempts whose handler started and whose finish has not gone out."""
-        return self._held
-
-    def take(self, attempt: Held) -> bool:
-        """*attempt*'s handler starts: it counts until :meth:`release`. True when a raise is due
-        (the connection thread sends it)."""
-        with self._count_lock:
-            attempt.held = True
-            self._held += 1
-        with self.lock:
-            return self._report is None or self._wanted() != self._report.capacity
-
-    def release(self, attempt: Held) -> None:
-        """*attempt* no longer counts (once, if it did): its finish goes out now, or it ended
-        without one. Never waits for ``lock`` (it may run on a reader)."""
-        with self._count_lock:
-            if attempt.held:
-                attempt.held = False
-                self._held -= 1
 
     def request_drain(self) -> None:
         """Every report from now on carries ``drain: true``."""
@@ -96,10 +58,11 @@ class CapacityWindow:
 
     def report(self) -> CapacityReport:
         """The report in force: the last one built, or a new one (the next sequence) when the
-        capacity it reports must change or a drain was asked for since."""
+        capacity it reports must change (a slot got stuck or came free) or a drain was asked
+        for since."""
         with self.lock:
             report = self._report
-            capacity = self._wanted()
+            capacity = max(0, self._capacity - self.stuck)
             if report is None or report.capacity != capacity or report.drain != self._drain:
                 self._sequence += 1
                 report = CapacityReport(
@@ -107,14 +70,6 @@ class CapacityWindow:
                 )
                 self._report = report
             return report
-
-    def lowering(self) -> CapacityReport | None:
-        """The report that must precede a finish about to go out (call :meth:`release` for it
-        first, under :attr:`lock`), or None when the report in force already bounds the queue."""
-        with self.lock:
-            if self._report is None or self._report.capacity <= self._held + ASSIGNMENT_BUFFER:
-                return None
-            return self.report()
 
     def acked(self, report: CapacityReport) -> None:
         """The server acknowledged *report*."""
@@ -127,24 +82,6 @@ class CapacityWindow:
         report = self.report()
         with self._ack_lock:
             return self._acked is None or report.sequence > self._acked.sequence
-
-    def _wanted(self) -> int:
-        """The capacity to report now (under the lock)."""
-        held = self._held
-        report = self._report
-        capacity = max(0, self._capacity - self.stuck)
-        if report is None:
-            return min(capacity, held + ASSIGNMENT_BUFFER)
-        free = report.capacity - held
-        # More than the slots left, more free than the queue holds, or (room to grow) almost
-        # none left.
-        if (
-            report.capacity > capacity
-            or free > ASSIGNMENT_BUFFER
-            or (free < RAISE_BELOW and report.capacity < capacity)
-        ):
-            return min(capacity, held + SETTLE_AT)
-        return report.capacity
 
 
 class SentReport:
