@@ -137,6 +137,7 @@ def _worker(args: argparse.Namespace, capacity: int, listeners: Any = ()) -> Any
         cancel_grace=1.0,
         flush_timeout=5.0,
         listeners=list(listeners),
+        batch_scheduling=args.batch_scheduling,
     )
 
 
@@ -289,6 +290,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--server-pid", type=int, default=0)
     parser.add_argument("--frames", action="store_true")
+    parser.add_argument("--batch-scheduling", action="store_true")
     args = parser.parse_args()
     if args.mode == "noop":
         emit(run_noop(args))

@@ -297,8 +297,11 @@ def run_noop(
     *,
     frames: bool = False,
     capacity: int = 32,
+    batch_scheduling: bool = False,
 ) -> dict[str, Any]:
     extra = ["--tasks", str(tasks), "--capacity", str(capacity), "--timeout", str(timeout)]
+    if batch_scheduling:
+        extra.append("--batch-scheduling")
     extra += ["--server-pid", str(server.pid)]
     if frames:
         extra.append("--frames")
@@ -409,11 +412,13 @@ def bench_calls(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> lis
 WORKER_ROUNDS = 5
 
 
-def _our_noop_run(servers: Servers, tasks: int, frames: bool) -> dict[str, Any]:
+def _our_noop_run(
+    servers: Servers, tasks: int, frames: bool, batch_scheduling: bool = False
+) -> dict[str, Any]:
     server, info = servers.open()
     try:
         server.send({"op": "enqueue", "n": tasks, "handler": "noop"})
-        ours = run_noop(server, info, tasks, 600, frames=frames)
+        ours = run_noop(server, info, tasks, 600, frames=frames, batch_scheduling=batch_scheduling)
     finally:
         servers.done(server)
     return _figures(ours, tasks, "our worker")
@@ -449,12 +454,15 @@ def bench_worker(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> li
     from benchmarks.peers import driver
 
     mine: list[dict[str, Any]] = []
+    batched: list[dict[str, Any]] = []
     noops: list[dict[str, Any]] = []
     peers: dict[str, dict[str, Any]] = {}
     with driver.redis_server() as url:
         for _ in range(WORKER_ROUNDS):
             mine.append(_our_noop_run(servers, tasks, frames=False))
             noops.append(_figures(driver.dramatiq(url, tasks, "noop"), tasks, "Dramatiq no-op"))
+            # The opt-in SCHED_BATCH policy (docs/deploy.md, "Scheduling policy"), in turns.
+            batched.append(_our_noop_run(servers, tasks, frames=False, batch_scheduling=True))
         incr = driver.dramatiq(url, tasks, "incr")
         peers["Dramatiq INCR"] = _figures(incr, tasks, "Dramatiq INCR")
         peers["Dramatiq no-op"] = _median_run(noops)
@@ -482,6 +490,20 @@ def bench_worker(servers: Servers, o: dict[str, Any], out: dict[str, Any]) -> li
                 note=note,
             )
         )
+    batch = _median_run(batched)
+    rows.append(
+        row(
+            "worker CPU/task, batch_scheduling=True vs default",
+            batch["per_task"],
+            ours["per_task"],
+            "us",
+            note="median of {} rounds in turns: {} vs {} us".format(
+                WORKER_ROUNDS,
+                "/".join(f"{r['per_task'] * 1e6:.0f}" for r in batched),
+                "/".join(f"{r * 1e6:.0f}" for r in ours["rounds"]),
+            ),
+        )
+    )
     for name, p in peers.items():
         rows.append(
             row(f"tasks/s vs {name}", ours["per_s"], p["per_s"], "/s", higher_is_better=True)

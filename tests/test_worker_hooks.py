@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from _worker_helpers import make_worker, running
 
+from orbit_sync.connection import on_reader_thread
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import (
@@ -46,16 +47,16 @@ class Recorder(WorkerListener):
         with self._lock:
             return [event for k, event in self.events if k == kind]
 
-    def _add(self, kind: str, event: Any) -> None:
+    def record(self, kind: str, event: Any) -> None:
         with self._lock:
             self.events.append((kind, event))
         self.seen(kind).set()
 
     def attempt_received(self, event: AttemptEvent) -> None:
-        self._add("received", event)
+        self.record("received", event)
 
     def attempt_started(self, event: AttemptEvent) -> None:
-        self._add("started", event)
+        self.record("started", event)
 
     def around_handler(self, ctx: TaskContext, call: Callable[[], Any]) -> Any:
         self.wrapped.append(f"{ctx.handler}:before")
@@ -65,25 +66,25 @@ class Recorder(WorkerListener):
             self.wrapped.append(f"{ctx.handler}:after")
 
     def attempt_finished(self, event: AttemptFinished) -> None:
-        self._add("finished", event)
+        self.record("finished", event)
 
     def lease_renewed(self, event: LeaseEvent) -> None:
-        self._add("renewed", event)
+        self.record("renewed", event)
 
     def lease_lost(self, event: LeaseEvent) -> None:
-        self._add("lost", event)
+        self.record("lost", event)
 
     def connected(self, event: SessionEvent) -> None:
-        self._add("reconnected" if event.reconnect else "connected", event)
+        self.record("reconnected" if event.reconnect else "connected", event)
 
     def disconnected(self, event: DisconnectEvent) -> None:
-        self._add("disconnected", event)
+        self.record("disconnected", event)
 
     def draining(self, event: DrainEvent) -> None:
-        self._add("draining", event)
+        self.record("draining", event)
 
     def stopped(self, report: ShutdownReport) -> None:
-        self._add("stopped", report)
+        self.record("stopped", report)
 
 
 class Broken(WorkerListener):
@@ -279,3 +280,41 @@ def test_with_options_keeps_every_listener(server: MockOrbitServer) -> None:
         assert given.seen("finished").wait(10) and added.seen("finished").wait(10)
     assert [e.task_id for e in added.of("finished")] == [task_id]
     assert [e.task_id for e in given.of("finished")] == [task_id]
+
+
+class _Where(Recorder):
+    """Records, beside each event, the thread it ran on and whether that was a reader."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.threads: list[tuple[str, str, bool]] = []
+
+    def record(self, kind: str, event: Any) -> None:
+        where = (kind, threading.current_thread().name, on_reader_thread())
+        with self._lock:
+            self.threads.append(where)
+        Recorder.record(self, kind, event)
+
+
+def test_no_listener_runs_on_a_connections_reader(server: MockOrbitServer) -> None:
+    """The reader runs no user code: a renewal's answer arrives there, and its lease_renewed
+    runs on the lease watchdog's thread; every other event runs off the reader too."""
+    where = _Where()
+    worker = make_worker(server, listeners=[where])
+
+    @worker.handler("work")
+    def work(ctx: TaskContext, payload: Any) -> Any:
+        assert where.seen("renewed").wait(10)  # held until a renewal was acknowledged
+        return {"ok": True}
+
+    with running(worker):
+        task_id = server.enqueue("work", {})
+        assert server.wait_for(task_id, DONE).state is TaskState.SUCCEEDED
+        assert where.seen("finished").wait(10)
+    worker.stop()
+    kinds = {kind for kind, _, _ in where.threads}
+    assert {"received", "started", "renewed", "finished", "connected", "stopped"} <= kinds
+    assert not [entry for entry in where.threads if entry[2]], "a listener ran on a reader"
+    assert {name for kind, name, _ in where.threads if kind == "renewed"} == {
+        "orbit-lease-watchdog"
+    }

@@ -17,6 +17,7 @@ from orbit_sync.client import Client
 from orbit_sync.connection import Pipeline, on_reader_thread
 from orbit_sync.models import TaskState
 from orbit_sync.testing import MockOrbitServer
+from orbit_sync.worker import AttemptEvent, WorkerListener
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 CAPACITY = 32
@@ -90,8 +91,21 @@ def test_each_start_goes_out_from_the_intake_that_took_its_assignment(
     assert not [w for w in writers if w[2]], "a request was made on a reader thread"
 
 
-def _policies(batch: bool) -> tuple[set[int], dict[str, int]]:
-    """The scheduling policies a handler ran under, and every thread's while the worker ran."""
+class _ReceivedPolicy(WorkerListener):
+    """Records the scheduling policy each attempt_received listener call ran under."""
+
+    def __init__(self) -> None:
+        self.policies: set[int] = set()
+
+    def attempt_received(self, event: AttemptEvent) -> None:
+        self.policies.add(os.sched_getscheduler(0))
+
+
+def _policies(
+    batch: bool, *, late: WorkerListener | None = None
+) -> tuple[set[int], dict[str, int]]:
+    """The scheduling policies a handler ran under, and every thread's after a first round of
+    tasks (*late*: a listener subscribed then, followed by a second round)."""
     handlers: set[int] = set()
     with MockOrbitServer() as server:
         worker = make_worker(server, capacity=4, batch_scheduling=batch)
@@ -101,23 +115,42 @@ def _policies(batch: bool) -> tuple[set[int], dict[str, int]]:
             handlers.add(os.sched_getscheduler(0))
 
         with running(worker):
-            tasks = server.enqueue_many([{"handler": "work", "payload": {}}] * 6)
-            for task_id in tasks:
-                assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
-            threads = {t.name: t.native_id for t in threading.enumerate()}
-            policies = {name: os.sched_getscheduler(tid or 0) for name, tid in threads.items()}
+            for round_ in range(1 if late is None else 2):
+                if round_ == 1:
+                    assert late is not None
+                    worker.add_listener(late)
+                tasks = server.enqueue_many([{"handler": "work", "payload": {}}] * 6)
+                for task_id in tasks:
+                    assert server.wait_for(task_id, DONE, timeout=10).state is TaskState.SUCCEEDED
+                if round_ == 0:
+                    threads = {t.name: t.native_id for t in threading.enumerate()}
+                    policies = {
+                        name: os.sched_getscheduler(tid or 0) for name, tid in threads.items()
+                    }
     return handlers, policies
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
-def test_the_worker_changes_no_scheduling_policy_by_default() -> None:
-    """By default every thread of the worker, the handler threads and the intake included,
-    keeps the policy of the thread that started it: users' code runs as they scheduled it."""
+def test_no_thread_that_runs_user_code_changes_its_scheduling_policy_by_default() -> None:
+    """By default the handler threads, which run the user's code and start its threads, keep
+    the policy of the thread that started the worker, as does every other thread but the
+    intake: it runs none of the user's code while no attempt_received listener is subscribed,
+    so it waits for assignments under SCHED_BATCH (the reader's wake-ups do not preempt it)."""
     mine = os.sched_getscheduler(0)
     handlers, policies = _policies(batch=False)
     assert handlers == {mine}
-    assert policies["orbit-worker-intake"] == mine
+    assert policies.pop("orbit-worker-intake") == os.SCHED_BATCH
     assert set(policies.values()) == {mine}
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_an_attempt_received_listener_runs_under_the_policy_the_worker_started_with() -> None:
+    """A listener of attempt_received subscribed while the worker runs: the intake, where it
+    runs, is moved back to the policy it started with before the listener's first call."""
+    mine = os.sched_getscheduler(0)
+    listener = _ReceivedPolicy()
+    handlers, _ = _policies(batch=False, late=listener)
+    assert listener.policies == {mine} and handlers == {mine}
 
 
 @pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")

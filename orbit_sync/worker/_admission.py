@@ -9,12 +9,14 @@ it starts with its context cancelled and finishes by the outcome rules.
 from __future__ import annotations
 
 import collections
+from functools import partial
 
 from ..connection import pipeline_of
 from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext, worker_log
 from ._link import Connection
 from ._machine import AttemptMachine, Skipped
+from ._pool import OwnThreadPolicy
 from ._shell import Attempt, AttemptShell, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
@@ -49,7 +51,16 @@ class Admission:
         """The session's intake (its own thread): dispatch each assignment of *conn* until it
         has ended and none is left unread (those taken after the end: the next session resumes
         them, then sends their starts)."""
+        # The reader wakes this thread for nearly every assignment; under SCHED_BATCH the wake-up
+        # does not preempt it while it still holds the GIL (docs/architecture.md, "Scheduling
+        # policy"), which it may have only while it runs no listener of the user's.
+        policy = OwnThreadPolicy(
+            partial(self._hooks.has, "attempt_received"),
+            forced=self._shell.options.batch_scheduling,
+        )
+        policy.check()  # waits for the first one under it
         while (assignment := pipeline_of(conn).take_assignment()) is not None:
+            policy.check()  # a listener subscribed meanwhile runs under the thread's own policy
             self.dispatch(assignment)
 
     def dispatch(self, assignment: Assignment) -> None:

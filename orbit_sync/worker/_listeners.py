@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from ..connection import on_reader_thread
 from ..models import Outcome
 
 if TYPE_CHECKING:
@@ -273,6 +274,9 @@ class Hooks:
         # Per event, only the listeners that override it: a no-op base method costs nothing.
         self._by_event: dict[str, tuple[Callable[[Any], None], ...]] = dict.fromkeys(EVENTS, ())
         self._wrappers: tuple[Callable[[TaskContext, Callable[[], Any]], Any], ...] = ()
+        #: Runs an event decided on a connection's reader on a thread of the worker's own (the
+        #: lease watchdog's): the reader runs no user code. Unset (a Hooks used alone): in place.
+        self.elsewhere: Callable[[Callable[[], None]], None] | None = None
         for listener in listeners:
             self.add(listener)
 
@@ -308,8 +312,19 @@ class Hooks:
             return None  # the base class's no-op
         return method
 
+    def has(self, name: str) -> bool:
+        """Is a listener of event *name* subscribed?"""
+        return bool(self._by_event[name])
+
     def emit(self, name: str, event: object) -> None:
-        """Call every listener of event *name*; log and skip one that raises."""
+        """Call every listener of event *name*; log and skip one that raises. On a connection's
+        reader, the calls are handed to :attr:`elsewhere` (a renewal's answer arrives there)."""
+        if self.elsewhere is not None and on_reader_thread():
+            self.elsewhere(partial(self._emit, name, event))
+            return
+        self._emit(name, event)
+
+    def _emit(self, name: str, event: object) -> None:
         for method in self._by_event[name]:
             try:
                 method(event)

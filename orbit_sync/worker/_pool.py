@@ -15,7 +15,7 @@ from collections.abc import Callable
 from .._realtime import monotonic
 from ..clock import Clock, SystemClock
 
-__all__ = ["DaemonPool", "woken_without_preempting"]
+__all__ = ["DaemonPool", "OwnThreadPolicy", "woken_without_preempting"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 _names = itertools.count(1)
@@ -34,6 +34,36 @@ def woken_without_preempting() -> None:
     if policy is not None:
         with contextlib.suppress(OSError):
             os.sched_setscheduler(0, policy, os.sched_param(0))
+
+
+class OwnThreadPolicy:
+    """``SCHED_BATCH`` for a thread of the worker's own (the intake) for as long as it runs none
+    of the user's code: while no listener of *event* is subscribed (its listeners would run on
+    it), or always when the user asked for batch scheduling (*forced*). Checked before each
+    piece of work (:meth:`check`): a listener subscribed later gets the thread back under the
+    policy it started with. Only a thread of the normal policy is ever moved (a real-time one
+    is left as it is), and only on Linux."""
+
+    def __init__(self, has_listener: Callable[[], bool], *, forced: bool) -> None:
+        self._has_listener = has_listener
+        self._forced = forced
+        batch: int | None = getattr(os, "SCHED_BATCH", None)
+        normal: int | None = getattr(os, "SCHED_OTHER", None)
+        #: The two policies it moves between (normal, batch), or None where it moves nothing.
+        self._policies: tuple[int, int] | None = None
+        if batch is not None and normal is not None and os.sched_getscheduler(0) == normal:
+            self._policies = (normal, batch)
+        self._batched = False
+
+    def check(self) -> None:
+        """Move the calling thread to the policy it should have now (a syscall only on a change)."""
+        if self._policies is None:
+            return
+        want = self._forced or not self._has_listener()
+        if want is not self._batched:
+            with contextlib.suppress(OSError):
+                os.sched_setscheduler(0, self._policies[want], os.sched_param(0))
+                self._batched = want
 
 
 class _Parked:

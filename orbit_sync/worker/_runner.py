@@ -196,6 +196,9 @@ class Worker:
             handlers=self._registered,
         )
         self._hooks = self._shell.hooks
+        # Listeners never run on a connection's reader: what is decided there (a renewal's
+        # answer) is told on the watchdog's thread.
+        self._hooks.elsewhere = self._threads.watchdog.run_soon
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
         self._sessions = SessionLoop(client, self._shell, fail=self._fail)

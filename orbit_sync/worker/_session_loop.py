@@ -32,7 +32,6 @@ from ._errors import (
 from ._link import Connection, Dialer
 from ._listeners import DisconnectEvent, SessionEvent
 from ._machine import retry_delay
-from ._pool import woken_without_preempting
 from ._redial import Redial
 from ._shell import AttemptShell
 from ._shutdown import CLOSE_ALLOWANCE
@@ -267,8 +266,6 @@ class SessionLoop:
     def _intake(self, conn: Connection) -> None:
         """The session's intake thread: takes the connection's assignments and sends each start
         until the connection has ended and none is left unread; then wakes this thread."""
-        if self._opts.batch_scheduling:  # asked for: the reader wakes it for assignments
-            woken_without_preempting()
         try:
             self._admission.take_all(conn)
         except Exception:  # a bug of ours: the session cannot take assignments any more

@@ -477,6 +477,9 @@ class WatchdogThread:
         # The worker passes one that waits on its own clock (fake time in tests).
         self._wake: Wakeup | threading.Event = wake or threading.Event()
         self._stopping = False
+        #: Jobs handed to this thread from a connection's reader (listeners: see Hooks.emit),
+        #: run in order at its next turn, before anything falls due.
+        self._handed: deque[Callable[[], None]] = deque()
         self._thread = threading.Thread(target=self._main, name="orbit-lease-watchdog", daemon=True)
 
     def start(self) -> None:
@@ -485,6 +488,19 @@ class WatchdogThread:
     def wake(self) -> None:
         """Re-read the schedule now (something was tracked, refreshed or reconnected)."""
         self._wake.set()
+
+    def run_soon(self, job: Callable[[], None]) -> None:
+        """Run *job* on this thread at its next turn (from any thread; never blocks)."""
+        self._handed.append(job)
+        self._wake.set()
+
+    def _run_handed(self) -> None:
+        while self._handed:
+            job = self._handed.popleft()
+            try:
+                job()
+            except Exception:  # one faulty job must not stop the renewals
+                _LOG.exception("lease watchdog job failed")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop the thread and wait up to *timeout* for it (a renew in flight is bounded)."""
@@ -495,6 +511,7 @@ class WatchdogThread:
 
     def _main(self) -> None:
         while not self._stopping:
+            self._run_handed()
             try:
                 next_due = self.core.run_due()
             except Exception:  # the watchdog must outlive any bug in a callback
@@ -505,5 +522,7 @@ class WatchdogThread:
                 if timer is not None and (next_due is None or timer < next_due):
                     next_due = timer
             timeout = None if next_due is None else max(0.0, next_due - self.core.clock())
-            self._wake.wait(timeout)
+            if not self._handed:  # one handed over since its turn: run it now
+                self._wake.wait(timeout)
             self._wake.clear()
+        self._run_handed()
