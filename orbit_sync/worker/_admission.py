@@ -114,4 +114,4 @@ class Admission:
         if self._hooks.listeners:
             self._hooks.emit("attempt_received", attempt_event(att))
         # Decided as it was recorded (above); performed like any other event's actions.
-        self._shell.step(att, lambda _: actions)
+        self._shell.admitted(att, actions)

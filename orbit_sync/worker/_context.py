@@ -12,6 +12,7 @@ from ..models import Task
 from ._outcomes import CANCEL_REASONS, TaskCancelled
 
 __all__ = [
+    "Handler",
     "TaskContext",
     "add_watcher",
     "cancel_context",
@@ -211,3 +212,7 @@ def remove_watcher(ctx: TaskContext, watcher: Callable[[], None]) -> None:
     """Stop calling *watcher* (added by :func:`add_watcher`)."""
     with ctx._lock:
         ctx._watchers = tuple(w for w in ctx._watchers if w is not watcher)
+
+
+#: ``handler(ctx, payload) -> result``
+Handler = Callable[[TaskContext, Any], Any]

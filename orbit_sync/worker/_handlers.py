@@ -12,11 +12,10 @@ from collections.abc import Callable
 import attrs
 
 from ..models import Capability, Registration, new_id, new_secret
-from ._context import task_logger
+from ._context import Handler, task_logger
 from ._options import WorkerOptions
 from ._process import ProcessHandler, ProcessPool, check_process_handler
 from ._process_limits import ChildLimits, MemoryLimited
-from ._shell import Handler
 from ._time_limits import WORKER_DEFAULT, HandlerLimit, TimeLimit, check_time_limit
 
 __all__ = ["HandlerSettings", "Handlers", "check_handler_signature"]

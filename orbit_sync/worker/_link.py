@@ -13,14 +13,12 @@ import itertools
 import math
 import threading
 from collections.abc import Callable, Hashable
-from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeAlias, TypeVar
+from typing import Any, Generic, Protocol, TypeAlias, TypeVar
 
 from ..clock import Clock, SystemClock
 from ..connection import WorkerConnection
 from ..models import CancelNotice, Registration
-
-if TYPE_CHECKING:  # it imports this module
-    from ._requests import Event
+from ._machine import Event
 
 __all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link", "Resumes", "Wakeup"]
 

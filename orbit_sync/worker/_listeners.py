@@ -10,15 +10,13 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
 from ..connection import on_reader_thread
 from ..models import Outcome
-
-if TYPE_CHECKING:
-    from ._context import TaskContext
+from ._context import TaskContext
 
 __all__ = [
     "AttemptEvent",

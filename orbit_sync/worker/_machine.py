@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 import attrs
 
@@ -47,6 +49,7 @@ __all__ = [
     "BreakConnection",
     "CancelContext",
     "Ended",
+    "Event",
     "InterruptHandler",
     "Keep",
     "LeaseLost",
@@ -71,6 +74,8 @@ __all__ = [
     "Transition",
     "Trigger",
     "UntrackLease",
+    "answered",
+    "failed",
     "retry_delay",
 ]
 
@@ -834,6 +839,26 @@ class AttemptMachine:
 
     def _retry(self, request: Request, error: OrbitError) -> Keep:
         return Keep(request, delay=retry_delay(error, self.retry_delay), error=error)
+
+
+#: Something that happened to an attempt, as a call of its machine returning the actions (an
+#: event method of :class:`AttemptMachine` with its data bound).
+Event = Callable[[AttemptMachine], list[Action]]
+
+
+def answered(request: Request, value: Any) -> Event:
+    """The event of *request*'s answer *value*, for a finish or the replay's resume (a start's
+    and a live resume's need what the shell knows of the attempt: it binds those itself)."""
+    if request.request_type == "task.finish":
+        return partial(AttemptMachine.finish_answered, request=request, result=value)
+    if request.request_type == "worker.resume":
+        return partial(AttemptMachine.resume_answered, request=request, lease=value)
+    raise AssertionError(f"no answer event for {request.request_type}")
+
+
+def failed(request: Request, error: OrbitError, gen: int, view: LeaseView | None = None) -> Event:
+    """The event of *request*'s failure with *error* on connection *gen* (0: none)."""
+    return partial(AttemptMachine.failed, request=request, error=error, gen=gen, view=view)
 
 
 def retry_delay(error: BaseException, delay: float) -> float:

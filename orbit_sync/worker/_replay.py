@@ -14,11 +14,11 @@ from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
 from ._errors import is_fatal_dial_error
 from ._link import Connection, Dialer, Link, Wakeup
-from ._machine import Action, AttemptMachine, Ended, Phase, RecordFinish, Release, Reported
+from ._machine import Action, AttemptMachine, Ended, Event, Phase, RecordFinish, Release, Reported
 from ._options import WorkerOptions
 from ._outbox import Outbox, Pending
 from ._outcomes import WORKER_LOST
-from ._requests import Event, RequestPath
+from ._requests import RequestPath
 from ._shutdown import CLOSE_ALLOWANCE
 
 __all__ = ["TRY_LIMIT", "WORKER_LOST", "ReplayShell", "replay", "replay_until_done"]

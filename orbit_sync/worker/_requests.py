@@ -15,13 +15,20 @@ from ..connection import on_reader_thread, pipeline_of
 from ..errors import OrbitError
 from ._errors import NotConnected
 from ._link import Connection, GaveUp, Link
-from ._machine import Action, AttemptMachine, BreakConnection, Keep, Request, Send
+from ._machine import (
+    Action,
+    AttemptMachine,
+    BreakConnection,
+    Event,
+    Keep,
+    Request,
+    Send,
+    answered,
+    failed,
+)
 from ._options import WorkerOptions
 
 __all__ = ["Event", "RequestPath"]
-
-#: Something that happened to an attempt, as a call of its machine returning the actions.
-Event = Callable[[AttemptMachine], list[Action]]
 
 
 class _Subject(Protocol):
@@ -36,8 +43,17 @@ class RequestPath(Generic[S]):
     """Sends the requests of the machines of *S* (one attempt each) on *link*, with the worker's
     *options* (its call timeout and logger)."""
 
-    def __init__(self, link: Link, options: WorkerOptions, wake: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        link: Link,
+        options: WorkerOptions,
+        wake: Callable[[], None],
+        early_sent: Callable[[Request], None] = lambda request: None,
+    ) -> None:
         self._link = link
+        #: Told that a live resume went out, or was refused before the wire (the connection
+        #: thread publishes a new connection once every one did).
+        self._early_sent = early_sent
         self.options = options
         self._call_timeout = options.request_timeout
         self._log = options.logger
@@ -53,21 +69,14 @@ class RequestPath(Generic[S]):
         machine; a driver may hand some to another thread."""
         self.step(subject, event)
 
-    def sent(self, subject: S, request: Request) -> None:
-        """*request* went out (or was refused before the wire): a driver may count it."""
-
     def failure(self, subject: S, request: Request, error: OrbitError, gen: int) -> Event:
         """The event *request*'s failure on connection *gen* (0: none) is to its machine."""
-        return lambda m: m.failed(request, error, gen=gen)
+        return failed(request, error, gen)
 
     def answer(self, subject: S, request: Request, value: Any) -> Event:
         """The event *request*'s answer *value* is to its machine (a start's needs the
         attempt's context: the live shell says how)."""
-        if request.request_type == "task.finish":
-            return lambda m: m.finish_answered(request, value)
-        if request.request_type == "worker.resume":
-            return lambda m: m.resume_answered(request, value)
-        raise AssertionError(f"no answer event for {request.request_type}")
+        return answered(request, value)
 
     def perform_request(self, subject: S, action: Action) -> bool:
         """Perform *action* if it is about a request (send, keep, break); False if not."""
@@ -94,7 +103,7 @@ class RequestPath(Generic[S]):
             if not self._link.gate.acquire_or_queue(partial(self._transmit, subject, request)):
                 return  # a freed slot sends it
         except GaveUp:
-            self.outcome(subject, request, lambda m: m.gave_up(request))
+            self.outcome(subject, request, partial(AttemptMachine.gave_up, request=request))
             return
         self._transmit(subject, request)
 
@@ -118,13 +127,15 @@ class RequestPath(Generic[S]):
             self.write(subject, request, conn, partial(self._answered, subject, request, gen))
         except OrbitError as exc:  # nothing was sent: no connection, it ended, or it is busy
             self._free_slot()  # a request queued for the slot goes now
-            self.sent(subject, request)
+            if request.early:
+                self._early_sent(request)
             self.outcome(subject, request, self.failure(subject, request, exc, gen))
             return
         except BaseException:
             self._free_slot()
             raise
-        self.sent(subject, request)
+        if request.early:
+            self._early_sent(request)
 
     def write(self, subject: S, request: Request, conn: Connection, on_done: Done) -> None:
         """Write *request* on *conn*, pipelined (raise if nothing was sent); a driver may send
@@ -154,11 +165,11 @@ class RequestPath(Generic[S]):
             self._log.info(
                 "request answered %s; retrying", getattr(error, "code", type(error).__name__)
             )
-        job = partial(self.step, subject, lambda m: m.resend(request))
+        job = partial(self.step, subject, partial(AttemptMachine.resend, request=request))
         if self._link.keep(job, newer_than=kept.newer_than, delay=kept.delay, early=request.early):
             self._wake()
         else:
-            self.outcome(subject, request, lambda m: m.gave_up(request))
+            self.outcome(subject, request, partial(AttemptMachine.gave_up, request=request))
 
     def handoff(self, job: Callable[[], None]) -> None:
         """Run *job*, a send decided on a connection's reader, on the thread that drives the

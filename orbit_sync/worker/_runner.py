@@ -20,6 +20,7 @@ from .._seconds import seconds
 from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
 from ..models import Outcome, Registration
+from ._context import Handler
 from ._handlers import Handlers, HandlerSettings
 from ._link import Dialer, Link, Wakeup
 from ._listeners import DrainEvent, ShutdownReport, WorkerStats
@@ -29,7 +30,7 @@ from ._pool import DaemonPool
 from ._redial import Backoff
 from ._replay import replay_until_done
 from ._session_loop import SessionLoop
-from ._shell import AttemptShell, Handler, LinkControls, Registry, WorkerThreads
+from ._shell import AttemptShell, LinkControls, Registry, WorkerThreads
 from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
 from ._time_limits import WORKER_DEFAULT, HandlerLimit

@@ -31,7 +31,7 @@ from ._errors import (
 )
 from ._link import Connection, Dialer
 from ._listeners import DisconnectEvent, SessionEvent
-from ._machine import retry_delay
+from ._machine import AttemptMachine, retry_delay
 from ._redial import Redial
 from ._shell import AttemptShell
 from ._shutdown import CLOSE_ALLOWANCE
@@ -287,7 +287,7 @@ class SessionLoop:
         for att in held:
             # Its machine decides: a transient answer is re-sent on this connection after the
             # retry delay; a link failure ends the session, and the next one resumes again.
-            self._shell.step(att, lambda m: m.reconnected())
+            self._shell.step(att, AttemptMachine.reconnected)
         self._drive_resumes(conn, resumes.all_sent)
         self._link.publish(conn)
         self._shell.resend_due()  # the kept starts and finishes, behind their resumes

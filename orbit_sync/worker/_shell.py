@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
@@ -21,14 +21,16 @@ from ..client import DialCut
 from ..connection import Submission, pipeline_of
 from ..errors import OrbitError, WorkerError
 from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
-from ._context import TaskContext, cancel_context, set_lease_deadline, worker_log
+from ._context import Handler, TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._errors import NotConnected, is_link_failure
+from ._handlers import Handlers
 from ._link import Link, Resumes, Wakeup
 from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,
     AttemptMachine,
     CancelContext,
+    Event,
     InterruptHandler,
     LeaseLost,
     LeaseRenewed,
@@ -49,6 +51,8 @@ from ._machine import (
     SlotStuck,
     TrackLease,
     UntrackLease,
+    answered,
+    failed,
 )
 from ._options import WorkerOptions
 from ._outbox import Outbox, OutboxError
@@ -62,26 +66,19 @@ from ._outcomes import (
     outcome_of,
 )
 from ._pool import DaemonPool
-from ._requests import Event, RequestPath
+from ._requests import RequestPath
 from ._time_limits import Interruptible
 from ._watchdog import RenewDone, Timers, WatchdogThread
 from ._window import CapacityWindow
 
-if TYPE_CHECKING:  # it imports Handler from here
-    from ._handlers import Handlers
-
 __all__ = [
     "Attempt",
     "AttemptShell",
-    "Handler",
     "LinkControls",
     "Registry",
     "WorkerThreads",
     "attempt_event",
 ]
-
-#: ``handler(ctx, payload) -> result``
-Handler = Callable[[TaskContext, Any], Any]
 
 
 class Attempt:
@@ -193,6 +190,11 @@ class WorkerThreads:
         return threading.current_thread() in self.started or self.pool.owns_current_thread()
 
 
+def _decided(actions: list[Action], machine: AttemptMachine) -> list[Action]:
+    """The event of actions its machine already returned (see AttemptShell.admitted)."""
+    return actions
+
+
 def attempt_event(att: Attempt) -> AttemptEvent:
     task = att.task
     return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
@@ -216,7 +218,9 @@ class AttemptShell(RequestPath[Attempt]):
         threads: WorkerThreads,
         handlers: Handlers,
     ) -> None:
-        super().__init__(controls.link, options, controls.wake.set)
+        #: The resumes of the newest connection (the connection thread waits for them).
+        self.resumes: Resumes[Attempt] = Resumes(controls.wake.set)
+        super().__init__(controls.link, options, controls.wake.set, self.resumes.sent)
         self.registry = registry
         self.controls = controls
         self.threads = threads
@@ -231,8 +235,6 @@ class AttemptShell(RequestPath[Attempt]):
         )
         #: The durable outbox, once start() opened it (the shutdown closes it last).
         self.outbox: Outbox | None = None
-        #: The resumes of the newest connection (the connection thread waits for them).
-        self.resumes: Resumes[Attempt] = Resumes(self._wake)
 
     def step(self, att: Attempt, event: Event) -> None:
         """Feed *event* to the attempt's machine and perform the actions it returns. An
@@ -247,6 +249,11 @@ class AttemptShell(RequestPath[Attempt]):
             )
             self.crashed(att)
         self.notify()
+
+    def admitted(self, att: Attempt, actions: list[Action]) -> None:
+        """Perform *actions*, which the machine of *att* returned as admission recorded it
+        (under the registry's lock), as :meth:`step` performs an event's."""
+        self.step(att, partial(_decided, actions))
 
     def crashed(self, att: Attempt) -> None:
         try:
@@ -347,20 +354,17 @@ class AttemptShell(RequestPath[Attempt]):
         else:
             self.step(att, event)
 
-    def sent(self, att: Attempt, request: Request) -> None:
-        if request.early:
-            self.resumes.sent(request)
-
     def failure(self, att: Attempt, request: Request, error: OrbitError, gen: int) -> Event:
         if not request.early:
-            return super().failure(att, request, error, gen)
+            return failed(request, error, gen)
+        # A live resume's refusal is judged on the lease as it is when it is stepped.
         return lambda m: m.failed(request, error, gen=gen, view=self._lease_view(att))
 
     def answer(self, att: Attempt, request: Request, value: Any) -> Event:
         if request.early:
             return lambda m: m.resume_answered(request, value, self._lease_view(att))
         if request.request_type != "task.start":
-            return super().answer(att, request, value)
+            return answered(request, value)
         ctx = att.ctx
         return lambda m: m.start_answered(
             request,
