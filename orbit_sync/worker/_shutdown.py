@@ -9,10 +9,11 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from functools import partial
 
 from ..clock import Clock, SystemClock
 from ._listeners import AttemptInfo, ShutdownReport
-from ._machine import Phase
+from ._machine import Action, AttemptMachine, Phase, UntrackLease
 from ._shell import Attempt, AttemptShell
 
 __all__ = ["CLOSE_ALLOWANCE", "Shutdown"]
@@ -98,10 +99,10 @@ class Shutdown:
             self._reg.drain_over = True
         cancelled: list[Attempt] = []
         for att in self._live():
-            with att.lock:
-                running = att.machine.phase is Phase.RUNNING
-                self._shell.lease_actions(att, att.machine.shutdown_cancel())
-            if running:
+            stepped: list[list[Action]] = []
+            # Stepped as every other event is (a starting attempt is cancelled too).
+            self._shell.step(att, partial(_noted, AttemptMachine.shutdown_cancel, stepped))
+            if stepped and UntrackLease in map(type, stepped[0]):  # it was running
                 cancelled.append(att)
         self.wait_until(lambda: not self._any_running(), self._time.now() + grace)
         return cancelled
@@ -112,12 +113,10 @@ class Shutdown:
         the pool's shutdown does not wait for it."""
         gave_up: list[Attempt] = []
         for att in self._live():
-            with att.lock:
-                actions = self._shell.lease_actions(att, att.machine.abandon())
-            if not actions:
-                continue
-            gave_up.append(att)
-            self._shell.perform(att, actions)
+            stepped: list[list[Action]] = []
+            self._shell.step(att, partial(_noted, AttemptMachine.abandon, stepped))
+            if stepped and stepped[0]:
+                gave_up.append(att)
         return gave_up
 
     def _settled(self) -> bool:
@@ -283,3 +282,14 @@ class Shutdown:
 def _named(infos: Iterable[AttemptInfo]) -> str:
     """Attempts for a log line, by task and attempt id."""
     return ", ".join(f"task {a.task_id} (attempt {a.attempt_id})" for a in infos) or "nothing"
+
+
+def _noted(
+    event: Callable[[AttemptMachine], list[Action]],
+    into: list[list[Action]],
+    machine: AttemptMachine,
+) -> list[Action]:
+    """*event*'s actions, also noted in *into*: the shutdown learns what its step did."""
+    actions = event(machine)
+    into.append(actions)
+    return actions
