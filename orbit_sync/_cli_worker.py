@@ -282,12 +282,15 @@ def serve(worker: Worker, label: str, link: Any = None) -> int:
         try:
             link.attach(worker)
         except ValueError as exc:  # a recycling limit this process cannot meet
-            report_error(f"error: {exc}")
+            # The supervisor's own option: it says so once, for all its processes.
+            _last_error[:] = [f"error: {exc}"]
             return EXIT_USAGE
         if link.stop_requested:
             report_error("asked to stop before the worker started: not starting")
             return EXIT_OK
     _banner(worker, label, link)
+    said = _SaidAtStop(worker.client)
+    worker.options.logger.addFilter(said)
     try:
         report = worker.run()
     except Exception as exc:
@@ -299,6 +302,8 @@ def serve(worker: Worker, label: str, link: Any = None) -> int:
         if status == EXIT_FAILED:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         return status
+    finally:
+        worker.options.logger.removeFilter(said)
     forced = bool(not report.drained or report.abandoned or report.unreported)
     status = EXIT_FORCED if forced else EXIT_OK
     report_error(
@@ -306,6 +311,22 @@ def serve(worker: Worker, label: str, link: Any = None) -> int:
         f" abandoned={len(report.abandoned)}, unreported={len(report.unreported)}; exit {status})"
     )
     return status
+
+
+class _SaidAtStop(logging.Filter):
+    """Drops the worker's own log line about a refusal of the credentials: the line the command
+    prints as the worker stops says the same, and what the refusal means (one line, not two)."""
+
+    def __init__(self, client: object) -> None:
+        super().__init__()
+        self._client = client
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(
+            isinstance(arg, BaseException) and refused_credentials(arg, self._client)
+            for arg in args
+        )
 
 
 def exit_status_for(exc: BaseException) -> int:

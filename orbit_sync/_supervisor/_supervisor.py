@@ -167,7 +167,7 @@ class Supervisor:
                 server.close()
         status = self._fatal if self._fatal is not None else worst(self._statuses)
         self._say(
-            f"supervisor stopped ({self.started} processes started, {self.recycled} recycled,"
+            f"supervisor stopped ({_processes(self.started)} started, {self.recycled} recycled,"
             f" {self.restarted} restarted; exit {status})"
         )
         return status
@@ -358,7 +358,7 @@ class Supervisor:
         name = signal.Signals(number).name
         if self._signals == 1:
             self._say(
-                f"{name} received: draining {len(self._children)} worker processes, {name}"
+                f"{name} received: draining {_processes(len(self._children), 'worker ')}, {name}"
                 " again to stop them now"
             )
             self._stop_all()
@@ -417,10 +417,15 @@ class Supervisor:
         )
         recycle = f", recycled after {' or '.join(limits)}" if limits else ""
         self._say(
-            f"supervisor (pid {os.getpid()}) running {o.processes} worker processes of"
+            f"supervisor (pid {os.getpid()}) running {_processes(o.processes, 'worker ')} of"
             f" {o.label}{recycle}; SIGTERM or Ctrl-C drains them all, a second signal stops"
             " them at once"
         )
+
+
+def _processes(count: int, kind: str = "") -> str:
+    """``1 worker process``, ``2 worker processes``."""
+    return f"{count} {kind}process{'' if count == 1 else 'es'}"
 
 
 def _signal_name(number: int) -> str:
