@@ -597,7 +597,19 @@ def _supervised(link: Any) -> str:
 
 
 def _banner(worker: Worker, target: str, link: Any = None) -> None:
-    """What is about to run, on stderr (stdout stays the application's). Never the token."""
+    """What is about to run, on stderr (stdout stays the application's). Never the token.
+    A process replacing another in its supervisor's slot says so in one line: the banner of
+    the first one is above it, and is the same."""
+    replaces = link.settings.replaces if link is not None else None
+    if replaces is not None:
+        who = f" {_speaker[0]}" if _speaker else ""
+        print(
+            f"orbit-sync{who}: worker {target} started again, replacing worker process"
+            f" {replaces} (with the settings of the first one's banner)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     options = worker.options
     registration = worker.registration
     client = worker.client

@@ -385,6 +385,10 @@ def test_recycling_burns_no_attempt(
     assert sorted(runs) == sorted(s.attempts[0].attempt_id for s in snaps)
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
     assert "recycled" in proc.stderr
+    # The first child prints the banner; each replacement one line.
+    assert proc.stderr.count("SIGTERM or Ctrl-C drains; a second signal stops at once.") == 1
+    replaced = re.findall(r"started again, replacing worker process (\d+)", proc.stderr)
+    assert replaced and len(replaced) == len(set(replaced)), proc.stderr
 
 
 @pytest.mark.orbit_server(assignment_rate=None)

@@ -116,6 +116,7 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, _Child] = {}  # by pid
         self._current: dict[int, _Child] = {}  # slot -> its child (not a retiring one)
+        self._last_pid: dict[int, int] = {}  # slot -> the pid of the child started last in it
         self._restarts = {slot: Restarts() for slot in range(options.processes)}
         self._restart_at: dict[int, float] = {}  # slot -> when to start its next child
         self._statuses: list[int] = []
@@ -229,6 +230,7 @@ class Supervisor:
             max_memory_mb=self.options.max_memory_per_child,
             max_stuck=self.options.max_stuck_per_child,
             metrics=self._metrics is not None,
+            replaces=self._last_pid.get(slot),
         )
         env = {**os.environ, ENV: settings.to_env()}
         if self._metrics is not None:
@@ -253,6 +255,7 @@ class Supervisor:
         child = _Child(slot, popen, status_r, control_w)
         self._children[child.pid] = child
         self._current[slot] = child
+        self._last_pid[slot] = child.pid
         self._selector.register(status_r, selectors.EVENT_READ, child)
         self.health.child_started(slot, child.pid)
         self.started += 1
