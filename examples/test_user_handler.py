@@ -169,8 +169,9 @@ def test_expired_lease_is_retried_and_the_late_result_kept_as_evidence(
     )
     running(orbit_server, task_id)
     assert gateway.held.wait(5.0)
-    # Server time stands still while the handler is stuck (renewals keep the lease at its first
-    # expiry). Jump to that expiry: the attempt is lost and the task waits for its backoff.
+    # Server time, and the worker's (orbit_worker builds it on the server's clock), stands still
+    # while the handler is stuck. Jump to the lease's expiry: the attempt is lost and the task
+    # waits for its backoff.
     orbit_server.advance(orbit_server.lease_duration)
     lost = orbit_server.task(task_id)
     assert lost.state.value == "WAITING" and lost.attempts[0].state.value == "UNKNOWN"

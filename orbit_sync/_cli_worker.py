@@ -6,7 +6,8 @@ Exit statuses, for process supervisors (systemd ``RestartPreventExitStatus=``, K
 0     clean stop: a signal, and every handler returned within the drain
 1     the worker could not be loaded or failed unexpectedly (a bug: see the log)
 2     usage or configuration error: bad option, malformed target or ``--url``, unreadable token
-      file, a missing, malformed or misspelled ``ORBIT_*`` setting
+      file, a missing, malformed or misspelled ``ORBIT_*`` setting, a value the module gives
+      orbit-sync refused at import (a handler's ``time_limit=0``, a handler registered twice)
 3     forced stop: handlers were cancelled or abandoned (a second signal, or the drain timed
       out), or a finish could not be delivered; the server retries or reviews those tasks
 4     the server refused the credentials (HTTP 401/403, ``UNAUTHENTICATED``,
@@ -27,6 +28,7 @@ import logging
 import os
 import platform
 import sys
+import sysconfig
 import traceback
 from typing import TYPE_CHECKING, Any
 
@@ -92,7 +94,8 @@ exit status:
   0  clean stop: every handler returned within the drain
   1  the worker could not be loaded, or failed unexpectedly
   2  usage or configuration error (bad option, malformed target or URL, unreadable token
-     file, ORBIT_* setting missing, malformed or misspelled)
+     file, ORBIT_* setting missing, malformed or misspelled, a handler's time_limit or
+     another value of the module refused at import)
   3  forced stop: handlers cancelled or abandoned, or a result not delivered
   4  the server refused the credentials (401/403, UNAUTHENTICATED, PERMISSION_DENIED)
   5  the server broke the protocol or refused the registration
@@ -256,7 +259,7 @@ def _run(
     module_name, _, attribute = target.partition(":")
     try:
         worker = _load(target, module_name, attribute)
-    except SettingError as exc:  # raised by Client.from_env() in the module or its factory
+    except (SettingError, _Misuse) as exc:  # the module's configuration: not a bug to trace
         report_error(f"cannot load {target}: {exc}")
         return EXIT_USAGE
     if worker is None:
@@ -279,12 +282,15 @@ def serve(worker: Worker, label: str, link: Any = None) -> int:
         try:
             link.attach(worker)
         except ValueError as exc:  # a recycling limit this process cannot meet
-            report_error(f"error: {exc}")
+            # The supervisor's own option: it says so once, for all its processes.
+            _last_error[:] = [f"error: {exc}"]
             return EXIT_USAGE
         if link.stop_requested:
             report_error("asked to stop before the worker started: not starting")
             return EXIT_OK
     _banner(worker, label, link)
+    said = _SaidAtStop(worker.client)
+    worker.options.logger.addFilter(said)
     try:
         report = worker.run()
     except Exception as exc:
@@ -296,6 +302,8 @@ def serve(worker: Worker, label: str, link: Any = None) -> int:
         if status == EXIT_FAILED:
             traceback.print_exception(type(exc), exc, exc.__traceback__, file=sys.stderr)
         return status
+    finally:
+        worker.options.logger.removeFilter(said)
     forced = bool(not report.drained or report.abandoned or report.unreported)
     status = EXIT_FORCED if forced else EXIT_OK
     report_error(
@@ -303,6 +311,22 @@ def serve(worker: Worker, label: str, link: Any = None) -> int:
         f" abandoned={len(report.abandoned)}, unreported={len(report.unreported)}; exit {status})"
     )
     return status
+
+
+class _SaidAtStop(logging.Filter):
+    """Drops the worker's own log line about a refusal of the credentials: the line the command
+    prints as the worker stops says the same, and what the refusal means (one line, not two)."""
+
+    def __init__(self, client: object) -> None:
+        super().__init__()
+        self._client = client
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(
+            isinstance(arg, BaseException) and refused_credentials(arg, self._client)
+            for arg in args
+        )
 
 
 def exit_status_for(exc: BaseException) -> int:
@@ -354,7 +378,8 @@ def _export(args: argparse.Namespace) -> None:
 
 
 def _load(target: str, module_name: str, attribute: str) -> Any:
-    """The Worker *target* names (calling a factory), or None after printing why not."""
+    """The Worker *target* names (calling a factory), or None after printing why not. Raises
+    :class:`SettingError` or :class:`_Misuse` for a mistake in the module's configuration."""
     from .worker import Worker
 
     # Like `python -m`, let the current directory's modules be found.
@@ -362,14 +387,15 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         obj: Any = importlib.import_module(module_name)
+    except Exception as exc:
+        _failed(target, exc, module_name, f"cannot load {target}: ")
+        return None
+    try:
         for part in attribute.split("."):
             obj = getattr(obj, part)
-    except (ImportError, AttributeError) as exc:
+    except AttributeError as exc:
         report_error(f"cannot load {target}: {exc}")
         return None
-    except KeyError as exc:
-        _raise_unset_variable(exc)
-        raise
     if isinstance(obj, Worker):
         return obj
     if not callable(obj):
@@ -384,13 +410,8 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         return None
     try:
         made = obj()
-    except SettingError:
-        raise
     except Exception as exc:
-        if isinstance(exc, KeyError):
-            _raise_unset_variable(exc)
-        report_error(f"{target}() raised an exception:")
-        traceback.print_exc(file=sys.stderr)
+        _failed(target, exc, module_name, f"cannot load {target}: {attribute}() raised ")
         return None
     if not isinstance(made, Worker):
         report_error(
@@ -398,6 +419,88 @@ def _load(target: str, module_name: str, attribute: str) -> Any:
         )
         return None
     return made
+
+
+class _Misuse(ValueError):
+    """orbit-sync refused what the worker module asked of it (a handler's ``time_limit=0``, a
+    handler registered twice, ``capacity=0``): configuration, reported in one line, exit 2."""
+
+
+#: The package's own directory: an error raised in there at import is the API refusing a value.
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def misuse(exc: BaseException) -> bool:
+    """Whether *exc* is orbit-sync refusing a value it was given (a ``ValueError`` or
+    ``TypeError`` raised inside the package), not a bug of the code that called it."""
+    if not isinstance(exc, ValueError | TypeError):
+        return False
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE)
+
+
+def _failed(target: str, exc: Exception, module_name: str, prefix: str) -> None:
+    """Report why importing the module (or calling its factory) failed: raise a mistake in its
+    configuration, else print one line naming where (the traceback at DEBUG)."""
+    if isinstance(exc, SettingError):
+        raise exc
+    if isinstance(exc, KeyError):
+        _raise_unset_variable(exc)
+    if misuse(exc):
+        raise _Misuse(str(exc)) from exc
+    if isinstance(exc, ModuleNotFoundError) and _names_the_target(exc, module_name):
+        report_error(f"{prefix}{exc}")  # a typo in the target: nothing of the module ran
+        return
+    where = "" if isinstance(exc, SyntaxError) else _where(exc, module_name)
+    hint = "" if _LOG.isEnabledFor(logging.DEBUG) else "; --log-level DEBUG shows the traceback"
+    report_error(f"{prefix}{type(exc).__name__}: {exc}{where}{hint}")
+    _LOG.debug("the traceback of %s:", target, exc_info=exc)
+
+
+def _names_the_target(exc: ModuleNotFoundError, module_name: str) -> bool:
+    """The module not found is the target or one of its packages."""
+    return bool(exc.name) and f"{module_name}.".startswith(f"{exc.name}.")
+
+
+#: Where the interpreter's and the installed packages' files are: not the application's.
+_LIBRARIES = tuple(
+    {
+        os.path.abspath(sysconfig.get_paths()[key]) + os.sep
+        for key in ("stdlib", "platstdlib", "purelib", "platlib")
+    }
+)
+
+
+def _where(exc: BaseException, module_name: str) -> str:
+    """`` (FILE, line N, in FUNCTION)`` for the innermost frame of *exc* in the application's
+    code (the module's package, or a file outside the interpreter's and the installed packages'),
+    else for the innermost one; empty when the failure never reached a file of its own (a
+    module not found)."""
+    top = module_name.split(".")[0]
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        if not path.startswith("<") and not os.path.abspath(path).startswith(_PACKAGE):
+            frames.append(tb)
+        tb = tb.tb_next
+
+    def own(tb: Any) -> bool:
+        name = tb.tb_frame.f_globals.get("__name__", "")
+        path = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        return name == top or name.startswith(f"{top}.") or not path.startswith(_LIBRARIES)
+
+    # The import machinery's own frame (importlib.import_module) is never where it failed.
+    frames = [tb for tb in frames if tb.tb_frame.f_globals.get("__name__") != "importlib"]
+    if not frames:
+        return ""
+    chosen = next((tb for tb in reversed(frames) if own(tb)), frames[-1])
+    path = chosen.tb_frame.f_code.co_filename
+    relative = os.path.relpath(path)
+    shown = path if relative.startswith(os.pardir) else relative
+    function = chosen.tb_frame.f_code.co_name
+    inside = "" if function == "<module>" else f", in {function}"
+    return f" ({shown}, line {chosen.tb_lineno}{inside})"
 
 
 def _raise_unset_variable(exc: KeyError) -> None:
@@ -494,7 +597,19 @@ def _supervised(link: Any) -> str:
 
 
 def _banner(worker: Worker, target: str, link: Any = None) -> None:
-    """What is about to run, on stderr (stdout stays the application's). Never the token."""
+    """What is about to run, on stderr (stdout stays the application's). Never the token.
+    A process replacing another in its supervisor's slot says so in one line: the banner of
+    the first one is above it, and is the same."""
+    replaces = link.settings.replaces if link is not None else None
+    if replaces is not None:
+        who = f" {_speaker[0]}" if _speaker else ""
+        print(
+            f"orbit-sync{who}: worker {target} started again, replacing worker process"
+            f" {replaces} (with the settings of the first one's banner)",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
     options = worker.options
     registration = worker.registration
     client = worker.client

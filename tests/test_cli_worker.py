@@ -215,11 +215,14 @@ def test_client_from_env_sees_the_command_line(
 
 
 def test_rejected_token_exits_4(orbit_server: MockOrbitServer, project: Path) -> None:
-    """A worker the server refuses (401) stops with exit 4, and the token is not printed."""
+    """A worker the server refuses (401) stops with exit 4 and one line about the refusal (not
+    the worker's log line as well), and the token is not printed."""
     token = "not-a-valid-token-0123456789"
     done = run_cli("worker", "userworker:make", env=env_for(orbit_server, token), cwd=project)
     assert done.returncode == 4
     assert "worker stopped on HTTPError" in done.stderr and "(exit 4)" in done.stderr
+    about = [line for line in done.stderr.splitlines() if "401" in line]
+    assert len(about) == 1 and about[0].startswith("orbit-sync: worker stopped on"), about
     assert token not in done.stderr and token not in done.stdout
 
 

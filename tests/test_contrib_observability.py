@@ -280,3 +280,18 @@ def test_missing_extras_name_the_extra() -> None:
     )
     assert "pip install 'orbit-sync[otel]'" in proc.stdout
     assert "pip install 'orbit-sync[prometheus]'" in proc.stdout
+
+
+def test_an_unreadable_heartbeat_is_named_with_its_path_and_reason(tmp_path: Path) -> None:
+    """The exec probe names the heartbeat file it could not read and why (missing, not JSON)."""
+    missing = tmp_path / "missing.json"
+    cmd = [sys.executable, "-m", "orbit_sync.contrib.health", str(missing), "--max-age", "30"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 1
+    assert done.stdout + done.stderr == (
+        f"cannot read heartbeat {missing}: No such file or directory\n"
+    )
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    ok, why = check_heartbeat(broken)
+    assert not ok and why.startswith(f"cannot read heartbeat {broken}: not JSON (")

@@ -240,3 +240,49 @@ def test_time_limit_comes_from_the_argument_then_settings_then_the_handler(
         finally:  # the project's own declarations only, as the app declares them
             registry.clear()
             importlib.reload(importlib.import_module("billing.orbit_tasks"))
+
+
+@pytest.mark.parametrize(
+    ("declaration", "message"),
+    [
+        ('@handler("bad.limit", time_limit=0)', "handler 'bad.limit': time_limit must be > 0"),
+        (
+            '@handler("bad.limit", time_limit="5")',
+            "handler 'bad.limit': time_limit must be a number of seconds",
+        ),
+    ],
+)
+def test_manage_py_reports_a_bad_handler_time_limit_as_a_command_error(
+    django_project: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    declaration: str,
+    message: str,
+) -> None:
+    """A handler declared with time_limit=0 or "5": ``manage.py orbit_worker`` stops with a
+    CommandError naming the handler (exit status 2), not a traceback."""
+    import importlib
+
+    from django.conf import settings
+    from django.core.management import CommandError, call_command
+
+    from orbit_sync.contrib.django import registry
+
+    module = f"bad_limits_{len(message)}"
+    (tmp_path / f"{module}.py").write_text(
+        "from orbit_sync.contrib.django import handler\n\n"
+        f"{declaration}\ndef bad(ctx, payload):\n    return {{}}\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(settings, "ORBIT_SYNC", {"TASK_MODULES": [module]})
+    monkeypatch.setenv("ORBIT_URL", "ws://127.0.0.1:9")
+    monkeypatch.setenv("ORBIT_TOKEN", "t0ken-for-a-server-never-dialled")
+    monkeypatch.setenv("ORBIT_QUEUE_ID", "0" * 32)
+    try:
+        with pytest.raises(CommandError) as info:
+            call_command("orbit_worker")
+        assert str(info.value) == message
+        assert info.value.returncode == 2
+    finally:  # the project's own declarations only, as the app declares them
+        registry.clear()
+        importlib.reload(importlib.import_module("billing.orbit_tasks"))

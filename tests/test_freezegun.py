@@ -25,13 +25,28 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "mock-server.md"
 _BLOCK = re.compile(r"^<!-- doc-test: pytest -->\n```python\n(?P<code>.*?)^```$", re.M | re.S)
 
 
-def test_the_documented_freezegun_example_passes(pytester: pytest.Pytester) -> None:
-    """docs/mock-server.md's freezegun example runs as a test file and its tests pass."""
-    blocks = [m.group("code") for m in _BLOCK.finditer(DOC.read_text(encoding="utf-8"))]
-    assert len(blocks) == 1, "the page has one freezegun example marked <!-- doc-test: pytest -->"
-    pytester.makepyfile(test_freezegun_example=blocks[0])
+def _doc_blocks() -> list[str]:
+    return [m.group("code") for m in _BLOCK.finditer(DOC.read_text(encoding="utf-8"))]
+
+
+def test_the_page_has_a_freezegun_example_by_hand_and_one_with_the_fixtures() -> None:
+    """docs/mock-server.md shows freezegun with a MockOrbitServer built by hand, then with the
+    pytest fixtures (an orbit_clock that follows frozen time, and orbit_worker on it)."""
+    blocks = _doc_blocks()
+    assert len(blocks) == 2, "the page has two freezegun examples marked <!-- doc-test: pytest -->"
+    by_hand, fixtures = blocks
+    assert "MockOrbitServer(clock=clock" in by_hand
+    # The fixture's worker is given no clock: it takes the server's.
+    assert "def orbit_clock(frozen)" in fixtures and "orbit_worker(listeners=[" in fixtures
+
+
+@pytest.mark.parametrize("index", [0, 1], ids=["by-hand", "fixtures"])
+def test_the_documented_freezegun_example_passes(index: int, pytester: pytest.Pytester) -> None:
+    """Each of docs/mock-server.md's freezegun examples runs as a test file and its tests pass."""
+    code = _doc_blocks()[index]
+    pytester.makepyfile(test_freezegun_example=code)
     result = pytester.runpytest_inprocess("-q", "-p", "no:randomly")
-    result.assert_outcomes(passed=blocks[0].count("\ndef test_"))
+    result.assert_outcomes(passed=code.count("\ndef test_"))
 
 
 def test_a_tick_of_frozen_time_ends_a_timed_wait_on_the_following_clock() -> None:

@@ -177,6 +177,73 @@ def test_client_and_worker_fixtures_run_a_handler(pytester: pytest.Pytester) -> 
     assert not [t.name for t in leftovers if t.is_alive()]
 
 
+def test_worker_fixture_runs_on_the_servers_clock(pytester: pytest.Pytester) -> None:
+    """orbit_worker() takes the server's clock (orbit_clock, or orbit_server_options' clock):
+    moving server time renews a running handler's lease; an explicit clock= still wins."""
+    pytester.makeconftest(
+        """
+        import pytest
+        from orbit_sync.testing import ManualClock
+
+        @pytest.fixture
+        def orbit_server_options(request):
+            if "options_clock" in request.node.name:
+                return {"clock": ManualClock(), "assignment_rate": None}
+            return {"assignment_rate": None}
+        """
+    )
+    pytester.makepyfile(
+        """
+        import threading
+        from orbit_sync import SystemClock
+        from orbit_sync.testing import ManualClock
+        from orbit_sync.worker import WorkerListener
+
+        def renewed_after_a_move(orbit_server, worker):
+            renewed, started, release = threading.Event(), threading.Event(), threading.Event()
+
+            class Renewals(WorkerListener):
+                def lease_renewed(self, event):
+                    renewed.set()
+
+            worker.add_listener(Renewals())
+
+            @worker.handler("slow")
+            def slow(ctx, payload):
+                started.set()
+                release.wait(10)
+                return {}
+
+            worker.start()
+            task_id = orbit_server.enqueue("slow", {})
+            assert started.wait(10)
+            orbit_server.advance(orbit_server.lease_duration / 2)
+            try:
+                assert renewed.wait(5), "no renewal after server time moved"
+            finally:
+                release.set()
+            assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).result == {}
+
+        def test_orbit_clock(orbit_server, orbit_clock, orbit_worker):
+            worker = orbit_worker()
+            assert worker.options.clock is orbit_clock
+            renewed_after_a_move(orbit_server, worker)
+
+        def test_options_clock(orbit_server, orbit_worker):
+            assert isinstance(orbit_server.clock, ManualClock)
+            worker = orbit_worker()
+            assert worker.options.clock is orbit_server.clock
+            renewed_after_a_move(orbit_server, worker)
+
+        def test_explicit_clock_wins(orbit_server, orbit_clock, orbit_worker):
+            other = ManualClock()
+            assert orbit_worker(clock=other).options.clock is other
+            assert isinstance(orbit_worker(clock=None).options.clock, SystemClock)
+        """
+    )
+    pytester.runpytest().assert_outcomes(passed=3)
+
+
 def test_admin_fixture(pytester: pytest.Pytester) -> None:
     """orbit_admin talks to the server's admin API; a replaced admin_handler is an error."""
     pytester.makepyfile(

@@ -215,10 +215,13 @@ def test_a_memory_limit_below_the_idle_process_is_refused_with_its_rss(
     project: Path,
     procs: list[Proc],
 ) -> None:
-    """--max-memory-per-child 1 (every Python process holds more): the child exits 2 naming its
-    own RSS before it connects, and the supervisor stops with 2 instead of recycling forever."""
-    proc = start(procs, orbit_server, project, "--processes", "1", "--max-memory-per-child", "1")
+    """--max-memory-per-child 1 (every Python process holds more): the children exit 2 naming
+    their own RSS before they connect, the supervisor says so once (not once per process as
+    well) and stops with 2 instead of recycling forever."""
+    proc = start(procs, orbit_server, project, "--processes", "2", "--max-memory-per-child", "1")
     assert proc.wait(30) == 2
+    assert proc.stderr.count("--max-memory-per-child 1 is at or below") == 1, proc.stderr
+    assert "running 2 worker processes" in proc.stderr
     assert re.search(
         r"worker process \d+ exited with status 2 before it was ready: error:"
         r" --max-memory-per-child 1 is at or below this worker process's own RSS after start"
@@ -239,6 +242,7 @@ def test_a_child_that_cannot_load_the_app_is_retried_then_given_up(
     assert proc.wait(30) == 1
     assert proc.stderr.count("exited with status 1 before it was ready: cannot load app:make") == 3
     assert proc.stderr.count("; restarting it in") == 2
+    assert "running 1 worker process of app:make," in proc.stderr  # not "1 worker processes"
     assert "not restarting it: stopping" in proc.stderr
 
 
@@ -381,6 +385,10 @@ def test_recycling_burns_no_attempt(
     assert sorted(runs) == sorted(s.attempts[0].attempt_id for s in snaps)
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
     assert "recycled" in proc.stderr
+    # The first child prints the banner; each replacement one line.
+    assert proc.stderr.count("SIGTERM or Ctrl-C drains; a second signal stops at once.") == 1
+    replaced = re.findall(r"started again, replacing worker process (\d+)", proc.stderr)
+    assert replaced and len(replaced) == len(set(replaced)), proc.stderr
 
 
 @pytest.mark.orbit_server(assignment_rate=None)

@@ -116,6 +116,7 @@ class Supervisor:
         self._selector = selectors.DefaultSelector()
         self._children: dict[int, _Child] = {}  # by pid
         self._current: dict[int, _Child] = {}  # slot -> its child (not a retiring one)
+        self._last_pid: dict[int, int] = {}  # slot -> the pid of the child started last in it
         self._restarts = {slot: Restarts() for slot in range(options.processes)}
         self._restart_at: dict[int, float] = {}  # slot -> when to start its next child
         self._statuses: list[int] = []
@@ -167,7 +168,7 @@ class Supervisor:
                 server.close()
         status = self._fatal if self._fatal is not None else worst(self._statuses)
         self._say(
-            f"supervisor stopped ({self.started} processes started, {self.recycled} recycled,"
+            f"supervisor stopped ({_processes(self.started)} started, {self.recycled} recycled,"
             f" {self.restarted} restarted; exit {status})"
         )
         return status
@@ -229,6 +230,7 @@ class Supervisor:
             max_memory_mb=self.options.max_memory_per_child,
             max_stuck=self.options.max_stuck_per_child,
             metrics=self._metrics is not None,
+            replaces=self._last_pid.get(slot),
         )
         env = {**os.environ, ENV: settings.to_env()}
         if self._metrics is not None:
@@ -253,6 +255,7 @@ class Supervisor:
         child = _Child(slot, popen, status_r, control_w)
         self._children[child.pid] = child
         self._current[slot] = child
+        self._last_pid[slot] = child.pid
         self._selector.register(status_r, selectors.EVENT_READ, child)
         self.health.child_started(slot, child.pid)
         self.started += 1
@@ -358,7 +361,7 @@ class Supervisor:
         name = signal.Signals(number).name
         if self._signals == 1:
             self._say(
-                f"{name} received: draining {len(self._children)} worker processes, {name}"
+                f"{name} received: draining {_processes(len(self._children), 'worker ')}, {name}"
                 " again to stop them now"
             )
             self._stop_all()
@@ -417,10 +420,15 @@ class Supervisor:
         )
         recycle = f", recycled after {' or '.join(limits)}" if limits else ""
         self._say(
-            f"supervisor (pid {os.getpid()}) running {o.processes} worker processes of"
+            f"supervisor (pid {os.getpid()}) running {_processes(o.processes, 'worker ')} of"
             f" {o.label}{recycle}; SIGTERM or Ctrl-C drains them all, a second signal stops"
             " them at once"
         )
+
+
+def _processes(count: int, kind: str = "") -> str:
+    """``1 worker process``, ``2 worker processes``."""
+    return f"{count} {kind}process{'' if count == 1 else 'es'}"
 
 
 def _signal_name(number: int) -> str:

@@ -54,6 +54,8 @@ class ChildSettings:
     max_memory_mb: int | None = None
     max_stuck: int | None = None
     metrics: bool = False
+    #: The pid of the process this one replaces in its slot (recycled or restarted), if any.
+    replaces: int | None = None
 
     def to_env(self) -> str:
         """The value of :data:`ENV`."""

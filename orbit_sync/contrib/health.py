@@ -331,7 +331,11 @@ def check_heartbeat(path: str | os.PathLike[str], max_age: float = 30.0) -> tupl
         with open(path) as src:
             state = json.load(src)
     except (OSError, ValueError) as exc:
-        return False, f"cannot read heartbeat: {type(exc).__name__}"
+        # The path and the reason (the OS's words, or where the JSON broke), never the content.
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        if isinstance(exc, json.JSONDecodeError):
+            why = f"not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        return False, f"cannot read heartbeat {os.fspath(path)}: {why}"
     if age > max_age:
         return False, f"heartbeat is {age:.0f}s old (over {max_age:g}s)"
     if not state.get("live"):

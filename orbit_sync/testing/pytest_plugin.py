@@ -14,8 +14,11 @@ test):
     due on the way, before returning.
 ``orbit_worker``
     A factory: ``orbit_worker(capacity=2, **worker_kwargs)`` returns an unstarted
-    :class:`~orbit_sync.worker.Worker` for the server's default queue; register handlers, then
-    ``start()`` it. It is stopped (without draining) after the test.
+    :class:`~orbit_sync.worker.Worker` for the server's default queue, on the server's clock
+    (``orbit_server.clock``: the ``orbit_clock`` when the test requests it, or the ``clock`` of
+    ``orbit_server_options`` or the marker), so that moving server time moves the worker's
+    renewals, heartbeats and timed waits too; ``clock=...`` gives it another. Register
+    handlers, then ``start()`` it. It is stopped (without draining) after the test.
 ``orbit_admin``
     An :class:`~orbit_sync.testing.AdminClient` for the server's JSON admin API, for a worker
     under test that runs in another process or language.
@@ -128,13 +131,21 @@ def orbit_client(orbit_server: MockOrbitServer) -> Client:
 def orbit_worker(
     orbit_server: MockOrbitServer, orbit_client: Client
 ) -> Iterator[Callable[..., Worker]]:
-    """A factory of unstarted Workers for the default queue, each stopped after the test."""
+    """A factory of unstarted Workers for the default queue, on the server's clock (unless
+    ``clock=`` says otherwise), each stopped after the test."""
     from orbit_sync.worker import Worker
 
     made: list[Worker] = []
 
     def make(**kwargs: Any) -> Worker:
-        options = {**_WORKER_DEFAULTS, "queue_id": orbit_server.queue_id, **kwargs}
+        # The server's clock: a worker on real time beside a server on a manual clock would
+        # never renew when the test moves time, and would lose its lease at the next move.
+        options = {
+            **_WORKER_DEFAULTS,
+            "queue_id": orbit_server.queue_id,
+            "clock": orbit_server.clock,
+            **kwargs,
+        }
         worker = Worker(orbit_client, **options)
         made.append(worker)
         return worker

@@ -105,7 +105,7 @@ class Handlers:
         seconds = (
             self._options.time_limit
             if time_limit is WORKER_DEFAULT
-            else check_time_limit(time_limit)
+            else check_time_limit(time_limit, f"handler {name!r}: time_limit")
         )
         if type(settings.time_limit_retryable) is not bool:
             raise TypeError("time_limit_retryable must be a bool")

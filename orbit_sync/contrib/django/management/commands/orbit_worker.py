@@ -63,8 +63,13 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
                 drain_timeout=options["drain_timeout"],
                 time_limit=options["time_limit"],
             )
-        except (ImproperlyConfigured, ValueError) as exc:
-            # Configuration, not a bug: the message, not a traceback (and never the token).
+        except Exception as exc:
+            # Configuration, not a bug: the message, not a traceback (and never the token). A
+            # TypeError counts when orbit-sync raised it: a handler's time_limit="5", say.
+            if not isinstance(exc, ImproperlyConfigured | ValueError) and not _cli_worker.misuse(
+                exc
+            ):
+                raise
             raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
         if options["token_file"] is not None and isinstance(worker.client, Client):
             set_token_source(worker.client, f"--token-file {options['token_file']}")
