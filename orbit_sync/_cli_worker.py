@@ -615,11 +615,18 @@ def _banner(worker: Worker, target: str, link: Any = None) -> None:
     client = worker.client
     server = getattr(client, "base_url", None) or type(client).__name__
     in_process = {key for key, executor in worker.executors.items() if executor == "process"}
-    handlers = ", ".join(
-        f"{c.handler} ({c.handler_version}/{c.payload_version}"
-        f"{', process' if (c.handler, c.handler_version, c.payload_version) in in_process else ''})"
-        for c in registration.capabilities
-    )
+    limits = worker.time_limits
+
+    def described(c: Any) -> str:
+        key = (c.handler, c.handler_version, c.payload_version)
+        limit = limits.get(key)
+        return (
+            f"{c.handler} ({c.handler_version}/{c.payload_version}"
+            f"{', process' if key in in_process else ''}"
+            f"{'' if limit is None else f', time limit {limit:g} s'})"
+        )
+
+    handlers = ", ".join(described(c) for c in registration.capabilities)
     outbox = options.outbox
     # The supervisor's own listeners are described on their own line, not by class name.
     own = link.attached if link is not None else ()

@@ -49,7 +49,7 @@ USER_MODULE = textwrap.dedent(
             print("started", payload["n"], flush=True)
             return {"line": sys.stdin.readline().strip()}
 
-        @worker.handler("slow")
+        @worker.handler("slow", time_limit=120)
         def slow(ctx, payload):
             print("started", payload["n"], flush=True)
             ctx.sleep(60)  # returns early (TaskCancelled) only when cancelled
@@ -121,7 +121,7 @@ def test_worker_command_runs_handlers_until_sigterm(
     assert f"server:    {orbit_server.url}" in banner
     assert f"queue:     {orbit_server.queue_id}" in banner
     assert "capacity:  1, drain timeout 5 s" in banner
-    assert "echo (1/1), gate (1/1), slow (1/1)" in banner
+    assert "echo (1/1), gate (1/1), slow (1/1, time limit 120 s)" in banner
     assert proc.stop(signal.SIGTERM) == 0
     # The echo attempt may still count while its finish's answer is on its way.
     assert re.search(

@@ -89,3 +89,18 @@ def test_usable_signatures_are_accepted(fn: Any) -> None:
     worker = _worker()
     worker.register("resize", fn)
     assert [c.handler for c in worker.registration.capabilities] == ["resize"]
+
+
+def test_time_limits_shows_each_handlers_limit_its_own_or_the_workers() -> None:
+    """Worker.time_limits: a handler's own limit, else the worker's time_limit, else None."""
+    worker = Worker(
+        Client("ws://127.0.0.1:9/", "t" * 32), queue_id=QUEUE, handle_signals=False, time_limit=30
+    )
+    worker.register("own", lambda ctx, payload: None, time_limit=5)
+    worker.register("default", lambda ctx, payload: None)
+    worker.register("none", lambda ctx, payload: None, time_limit=None)
+    assert worker.time_limits == {
+        ("own", "1", "1"): 5,
+        ("default", "1", "1"): 30,
+        ("none", "1", "1"): None,
+    }

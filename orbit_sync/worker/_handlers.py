@@ -155,6 +155,14 @@ class Handlers:
         with self._lock:
             return self._found.get(key)
 
+    def time_limits(self) -> dict[Key, float | None]:
+        """Each registered handler's time limit in seconds (None: no limit)."""
+        with self._lock:
+            return {
+                key: None if limit is None else limit.seconds
+                for key, (_, _, limit) in self._found.items()
+            }
+
     def specs(self) -> list[tuple[Key, Handler, HandlerSettings]]:
         """Each registration as given (the function unwrapped), so another Worker can register
         it anew (a process handler is bound to this worker's pool)."""

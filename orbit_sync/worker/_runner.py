@@ -308,6 +308,12 @@ class Worker:
         version, payload version) as registered (a copy)."""
         return {key: settings.executor for key, _, settings in self._registered.specs()}
 
+    @property
+    def time_limits(self) -> dict[tuple[str, str, str], float | None]:
+        """Each registered handler's time limit in seconds (its own, or the worker's
+        ``time_limit``; ``None``: none), by (name, handler version, payload version) (a copy)."""
+        return self._registered.time_limits()
+
     def with_options(self, **changes: Any) -> Worker:
         """A new, unstarted Worker with this one's handlers and options, except *changes* (e.g.
         ``capacity=4``, ``client=Client(...)``), applied with ``attrs.evolve``; used by
