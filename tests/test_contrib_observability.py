@@ -167,6 +167,29 @@ def test_prometheus_listener_follows_slots_offered_busy_and_waited_for() -> None
     assert value("orbit_slots") == 0
 
 
+def test_prometheus_busy_slots_count_only_while_slots_are_offered() -> None:
+    """A handler running on through a disconnect or a drain holds no offered slot:
+    orbit_slots_busy reads 0 with orbit_slots then (orbit_attempts_in_flight still counts it),
+    and counts it again once the slots are offered."""
+    registry = CollectorRegistry()
+    metrics = PrometheusListener(registry=registry)
+    value = registry.get_sample_value
+    metrics.connected(SessionEvent("s" * 32, reconnect=False, capacity=4))
+    metrics.attempt_started(AttemptEvent("t" * 32, "a" * 32, "resize", 1, 3))
+    assert value("orbit_slots") == 4 and value("orbit_slots_busy") == 1
+    metrics.disconnected(DisconnectEvent("WorkerDisconnected"))
+    assert value("orbit_slots") == 0 and value("orbit_slots_busy") == 0
+    assert value("orbit_attempts_in_flight", {"handler": "resize"}) == 1
+    metrics.connected(SessionEvent("s" * 32, reconnect=True, capacity=4))
+    assert value("orbit_slots_busy") == 1
+    metrics.draining(DrainEvent(True, 30.0, 1))
+    assert value("orbit_slots") == 0 and value("orbit_slots_busy") == 0
+    metrics.handler_stuck(StuckEvent("t" * 32, "b" * 32, "resize", "shutdown", 1, 4))
+    metrics.connected(SessionEvent("s" * 32, reconnect=True, capacity=0))  # drained: 0 offered
+    assert value("orbit_slots") == 0 and value("orbit_slots_busy") == 0
+    assert value("orbit_attempts_in_flight", {"handler": "resize"}) == 1
+
+
 def test_prometheus_example_runs() -> None:
     """examples/prometheus_metrics.py runs tasks and prints the scrape and the readiness probe."""
     proc = subprocess.run(

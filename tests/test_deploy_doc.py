@@ -158,28 +158,37 @@ def test_probe_paths_are_served() -> None:
         server.close()
 
 
-def test_the_keda_query_reads_the_saturation_of_a_real_worker() -> None:
-    """The ScaledObject's query, over a worker's own metrics: 2 of its 4 slots busy read 0.5,
-    and a draining worker offers no slot (the query then reads its busy slots over 1)."""
+def test_the_keda_query_reads_the_saturation_of_a_pool_with_a_draining_pod() -> None:
+    """The ScaledObject's query, summed over two real workers' metrics (two pods): 4 + 2 of
+    4 + 4 slots busy read 0.75; once the first pod drains (its 4 handlers running on) its slots
+    and its busy ones leave the sum: 2 of 4, 0.5, under the threshold, not (4 + 2) / 4."""
     query = find(r"query: (.+)\n").group(1)
     match = re.fullmatch(
         r"sum\((\w+)\{[^}]*\}\) / clamp_min\(sum\((\w+)\{[^}]*\}\), 1\)", query.strip()
     )
     assert match, query
     busy_name, slots_name = match.groups()
-    assert find(r'metricType: Value\n\s+metadata:(?:\n.*)*?threshold: "(0\.\d+)"')
-    registry = CollectorRegistry()
+    threshold = float(
+        find(r'metricType: Value\n\s+metadata:(?:\n.*)*?threshold: "(0\.\d+)"').group(1)
+    )
     release = threading.Event()
     started = threading.Semaphore(0)
-    connected = threading.Event()
+    pods: dict[Worker, threading.Event] = {}
 
-    class Connected(WorkerListener):
+    class Offered(WorkerListener):
+        def __init__(self) -> None:
+            self.event = threading.Event()
+
         def connected(self, event: SessionEvent) -> None:
-            connected.set()  # after the metrics' own listener, which comes first
+            self.event.set()  # after the metrics' own listener, which comes first
 
-    with MockOrbitServer(assignment_rate=None) as server:
-        metrics = PrometheusListener(registry=registry)
-        worker = make_worker(server, capacity=4, listeners=[metrics, Connected()])
+    def pod(server: MockOrbitServer) -> tuple[Worker, CollectorRegistry]:
+        registry = CollectorRegistry()
+        offered = Offered()
+        worker = make_worker(
+            server, capacity=4, listeners=[PrometheusListener(registry=registry), offered]
+        )
+        pods[worker] = offered.event
 
         @worker.handler("hold")
         def hold(ctx: TaskContext, payload: Any) -> Any:
@@ -187,19 +196,38 @@ def test_the_keda_query_reads_the_saturation_of_a_real_worker() -> None:
             release.wait(10)
             return {}
 
-        def saturation() -> float:
-            busy = registry.get_sample_value(busy_name) or 0.0
-            return busy / max(registry.get_sample_value(slots_name) or 0.0, 1.0)
+        return worker, registry
 
-        with running(worker):
-            assert connected.wait(10)
-            ids = [server.enqueue("hold", {}) for _ in range(2)]
-            for _ in ids:
-                assert started.acquire(timeout=10)
-            assert saturation() == 0.5
-            assert registry.get_sample_value("orbit_slot_wait_seconds_count") == 2
-            worker.request_stop()
-            assert registry.get_sample_value(slots_name) == 0
-            release.set()
-            for task_id in ids:
-                server.wait_for(task_id, {"SUCCEEDED"})
+    def saturation(*registries: CollectorRegistry) -> float:
+        def total(name: str) -> float:
+            return sum(r.get_sample_value(name) or 0.0 for r in registries)
+
+        return total(busy_name) / max(total(slots_name), 1.0)
+
+    def hold(server: MockOrbitServer, n: int) -> list[str]:
+        ids = [server.enqueue("hold", {}) for _ in range(n)]
+        for _ in ids:
+            assert started.acquire(timeout=10)
+        return ids
+
+    with MockOrbitServer(assignment_rate=None) as server:
+        try:
+            (first, one), (second, two) = pod(server), pod(server)
+            with running(first):
+                assert pods[first].wait(10)
+                ids = hold(server, 4)  # the first pod is full
+                assert saturation(one) == 1.0
+                with running(second):
+                    assert pods[second].wait(10)
+                    ids += hold(server, 2)  # only the second has free slots
+                    assert saturation(one, two) == 0.75
+                    assert two.get_sample_value("orbit_slot_wait_seconds_count") == 2
+                    first.request_stop()  # scaled in, or rolled: it drains
+                    server.wait_until(lambda s: any(x.draining for x in s.sessions()), 10)
+                    assert one.get_sample_value(slots_name) == 0
+                    assert saturation(one, two) == 0.5 < threshold
+                    release.set()
+                    for task_id in ids:
+                        server.wait_for(task_id, {"SUCCEEDED"})
+        finally:
+            release.set()  # a failed check must not leave handlers waiting

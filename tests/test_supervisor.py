@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 import threading
 import time
@@ -15,11 +16,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _cli_process import Proc, clean_env, command
 from _supervisor_chaos import children_of, wait_gone
 
+from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.testing import MockOrbitServer
 
 APP = Path(__file__).with_name("_supervised_app.py")
@@ -189,6 +192,77 @@ def test_a_killed_child_is_restarted_and_work_goes_on(
         assert orbit_server.wait_for(task_id, {"SUCCEEDED"}, timeout=15)
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
     assert "1 restarted; exit 0" in proc.stderr
+
+
+def probe_until(url: str, done: Callable[[dict[str, Any]], bool], timeout: float = 15.0) -> Any:
+    """GET *url* every 0.1 s until its JSON body satisfies *done* (any status); that body."""
+    stop = threading.Event()
+    deadline = time.monotonic() + timeout
+    while True:
+        _, body = get(url)
+        if done(body):
+            return body
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{url} still answers {body}")
+        stop.wait(0.1)
+
+
+#: Every key a single worker's HealthProbe serves, and the host's list of its processes.
+HOST_KEYS = set(HealthProbe().state()) | {"processes"}
+
+
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_host_health_has_the_single_worker_keys_ready_then_draining(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],
+) -> None:
+    """--health-port's JSON has every HealthProbe key at its top level, combined over the
+    processes: ready and reached once both serve, then draining while a handler runs on."""
+    argv = ("--processes", "2", "--health-port", "0", "--drain-timeout", "60")
+    proc = start(procs, orbit_server, project, *argv)
+    url = f"http://127.0.0.1:{port_line(proc, 'health')}/readyz"
+    state = probe(url, 200)
+    assert set(state) == HOST_KEYS, state
+    assert state["status"] == "ready" and state["reached"] is True and state["connected"] is True
+    assert state["unreached_s"] is None and state["dial_failures"] == 0
+    assert isinstance(state["session_age_s"], float) and state["session_age_s"] >= 0
+    orbit_server.enqueue("slow", {"n": 1}, max_attempts=1)
+    assert proc.line().startswith("started ")
+    proc.popen.send_signal(signal.SIGTERM)
+    # The process running the handler reports its drain at once (the idle one may exit first).
+    state = probe_until(
+        url, lambda s: any(c.get("draining") and c.get("in_flight") for c in s["processes"])
+    )
+    assert state["status"] == "draining"
+    assert state["ready"] is False and state["draining"] is True and state["in_flight"] == 1
+    proc.popen.send_signal(signal.SIGTERM)  # the second: the handler is cancelled
+    assert proc.wait(30) == 3, proc.stderr
+
+
+def test_host_health_says_unreached_for_a_url_nothing_listens_on(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],
+) -> None:
+    """Both processes fail every dial: the host's own status is unreached, reached false, with
+    unreached_s and the dial failures of both processes; SIGTERM still exits 0."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))  # bound, never listening: every connection is refused
+        nowhere = f"ws://127.0.0.1:{held.getsockname()[1]}"
+        argv = ("--processes", "2", "--health-port", "0")
+        proc = start(procs, orbit_server, project, *argv, ORBIT_URL=nowhere)
+        url = f"http://127.0.0.1:{port_line(proc, 'health')}/readyz"
+        state = probe_until(
+            url, lambda s: all(c.get("dial_failures") for c in s.get("processes", ()))
+        )
+        assert set(state) == HOST_KEYS, state
+        assert state["status"] == "unreached" and state["reached"] is False, state
+        assert state["unreached_s"] > 0 and state["dial_failures"] >= 2
+        assert state["ready"] is False and state["live"] is True and state["connected"] is False
+        assert get(url)[0] == 503
+        assert proc.stop(signal.SIGTERM, timeout=30) == 0, proc.stderr
+    assert orbit_server.sessions() == ()
 
 
 def test_a_refused_token_stops_the_supervisor_with_status_4(

@@ -27,9 +27,18 @@ from orbit_sync._supervisor._observe import STALE_REPORT, HostHealth, MetricsTar
 from orbit_sync._supervisor._policy import START_FAILURES, Restarts, status_of, worst
 from orbit_sync._supervisor._supervisor import Supervisor, SupervisorOptions
 from orbit_sync._supervisor._wire import DRAIN, STOP_NOW, ChildSettings, LineReader, encode
+from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.models import Outcome
 from orbit_sync.testing import ManualClock
-from orbit_sync.worker import AttemptEvent, AttemptFinished, StuckEvent, WorkerOptions
+from orbit_sync.worker import (
+    AttemptEvent,
+    AttemptFinished,
+    DisconnectEvent,
+    LeaseEvent,
+    SessionEvent,
+    StuckEvent,
+    WorkerOptions,
+)
 
 
 def test_worst_status_prefers_the_ones_restarting_cannot_fix() -> None:
@@ -138,6 +147,62 @@ def test_a_silent_or_unlive_child_makes_the_host_unlive() -> None:
     assert health.state()["live"] is False
     health.child_reported(0, 10, READY)
     assert health.state()["live"] is True
+
+
+def test_host_state_has_every_key_of_a_single_worker_combined_over_its_processes() -> None:
+    """Top-level status, reached, unreached_s, ages and counts from the children's own probes:
+    worst status first, unreached only until any process reached, the youngest ages (plus the
+    report's age), counts kept across a recycle."""
+    clock = ManualClock(100.0)
+    health = HostHealth(2, clock=clock)
+    assert set(health.state()) == set(HealthProbe().state()) | {"processes"}
+    probes = {10: HealthProbe(clock=clock), 11: HealthProbe(clock=clock)}
+
+    def report(slot: int, pid: int) -> None:
+        health.child_reported(slot, pid, probes[pid].state())
+
+    health.child_started(0, 10)
+    health.child_started(1, 11)
+    assert health.state()["status"] == "starting" and health.state()["unreached_s"] is None
+    probes[10].dial_failed(DisconnectEvent("ConnectionRefusedError"))
+    clock.advance(2.0)
+    probes[10].dial_failed(DisconnectEvent("ConnectionRefusedError"))
+    probes[11].dial_failed(DisconnectEvent("ConnectionRefusedError"))
+    report(0, 10)
+    report(1, 11)
+    clock.advance(0.5)  # the reports are half a second old
+    state = health.state()
+    assert state["status"] == "unreached" and state["reached"] is False
+    assert state["unreached_s"] == 2.5 and state["dial_failures"] == 3
+    probes[11].connected(SessionEvent("s" * 32, reconnect=False, capacity=2))
+    clock.advance(1.0)
+    report(1, 11)
+    state = health.state()
+    # Slot 0 still fails its dials, but the host has reached the server: reconnecting.
+    assert state["status"] == "reconnecting" and state["reached"] is True
+    assert state["unreached_s"] is None and state["session_age_s"] == 1.0
+    probes[10].connected(SessionEvent("t" * 32, reconnect=False, capacity=2))
+    probes[11].lease_renewed(LeaseEvent("b" * 32, "a" * 32, "h"))
+    probes[11].disconnected(DisconnectEvent("ConnectionClosedError"))
+    probes[11].connected(SessionEvent("u" * 32, reconnect=True, capacity=2))
+    clock.advance(0.25)
+    report(0, 10)
+    report(1, 11)
+    clock.advance(0.25)
+    state = health.state()
+    assert state["status"] == "ready" and state["ready"] and state["connected"]
+    assert state["session_age_s"] == 0.5 and state["last_renewal_age_s"] == 0.5
+    assert state["reconnects"] == 1 and state["dial_failures"] == 3
+    health.child_gone(1, 11)  # recycled: its replacement starts, its counts stay
+    health.child_started(1, 12)
+    state = health.state()
+    assert state["status"] == "starting" and state["reached"] is True
+    assert state["reconnects"] == 1 and state["dial_failures"] == 3
+    assert state["session_age_s"] == 0.5 and state["last_renewal_age_s"] is None
+    health.stopping()
+    assert health.state()["status"] == "draining"
+    health.stopped()
+    assert health.state()["status"] == "stopped"
 
 
 def finished() -> AttemptFinished:

@@ -20,8 +20,9 @@ metric (default namespace ``orbit``)           type       labels
 ``orbit_slots``                                gauge      - (slots offered to the server: the
                                                           capacity; 0 while draining or
                                                           disconnected)
-``orbit_slots_busy``                           gauge      - (slots in use: handlers running, and
-                                                          stuck ones)
+``orbit_slots_busy``                           gauge      - (offered slots in use: handlers
+                                                          running, and stuck ones; 0 while
+                                                          draining or disconnected)
 ``orbit_slot_wait_seconds``                    histogram  - (from an assignment's arrival to its
                                                           handler's start)
 ``orbit_finishes_undelivered_total``           counter    ``handler``
@@ -38,7 +39,10 @@ the metrics out of prometheus_client's global registry (one registry per worker,
 
 Saturation, for an autoscaler: ``sum(orbit_slots_busy) / sum(orbit_slots)`` is the share of the
 offered slots in use (the gauges add up over the processes of ``orbit-sync worker --processes
-N``); near 1 the server has work waiting for slots. ``orbit_slot_wait_seconds`` is how long an
+N``); near 1 the server has work waiting for slots. Both gauges count only a process that offers
+its slots: a draining or disconnected one reads 0 in both, so its handlers running on do not
+count as demand for more pods while it goes away (``orbit_attempts_in_flight`` and
+``orbit_slots_stuck`` still count them). ``orbit_slot_wait_seconds`` is how long an
 assignment waited before its handler started: the start's round trip and the hand-off to a
 handler thread (see ``docs/deploy.md``).
 """
@@ -157,7 +161,8 @@ class PrometheusListener(WorkerListener):
         )
         self.slots_busy = Gauge(
             "slots_busy",
-            "Slots in use: handlers running, and stuck ones.",
+            "Offered slots in use: handlers running, and stuck ones (0 while draining or"
+            " disconnected).",
             namespace=ns,
             registry=reg,
             multiprocess_mode="livesum",
@@ -174,6 +179,9 @@ class PrometheusListener(WorkerListener):
         self._lock = threading.Lock()
         self._running = 0
         self._stuck = 0
+        #: The slots are offered (a session is up and the worker is not draining): busy ones
+        #: count only then, as orbit_slots does.
+        self._offering = False
         self._arrived: dict[str, float] = {}
         self.connected_gauge = Gauge(
             "connected",
@@ -239,24 +247,37 @@ class PrometheusListener(WorkerListener):
             self._busy()
 
     def _busy(self) -> None:
-        # Under the lock: the gauge is set from one sum, whatever the order of the events.
-        self.slots_busy.set(self._running + self._stuck)
+        # Under the lock: the gauge is set from one sum, whatever the order of the events. A
+        # draining process's handlers are no demand for slots: counted, they would read as a
+        # saturated pool (busy over nothing offered) and scale it out while it scales in.
+        self.slots_busy.set(self._running + self._stuck if self._offering else 0)
+
+    def _offer(self, capacity: int) -> None:
+        # Busy is cleared before the slots and set after them: a scrape in between reads less
+        # than the saturation, never more.
+        with self._lock:
+            self._offering = capacity > 0
+            if not self._offering:
+                self._busy()
+            self.slots.set(capacity)
+            if self._offering:
+                self._busy()
 
     def connected(self, event: SessionEvent) -> None:
-        """A session is up: its slots are offered."""
+        """A session is up: its slots are offered (none once the worker drains)."""
         self.connected_gauge.set(1)
-        self.slots.set(event.capacity)
+        self._offer(event.capacity)
         if event.reconnect:
             self.reconnects.inc()
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """The session is down; the worker reconnects."""
         self.connected_gauge.set(0)
-        self.slots.set(0)
+        self._offer(0)
 
     def draining(self, event: DrainEvent) -> None:
         """The worker takes no new work: it offers no slot."""
-        self.slots.set(0)
+        self._offer(0)
 
     def dial_failed(self, event: DisconnectEvent) -> None:
         """Count the failed connection attempt."""
@@ -265,4 +286,4 @@ class PrometheusListener(WorkerListener):
     def stopped(self, report: ShutdownReport) -> None:
         """The worker is gone."""
         self.connected_gauge.set(0)
-        self.slots.set(0)
+        self._offer(0)
