@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry
 from orbit_sync.contrib import health
 from orbit_sync.contrib.health import HealthProbe, check_heartbeat
 from orbit_sync.contrib.otel import OpenTelemetryListener
-from orbit_sync.contrib.prometheus import PrometheusListener
+from orbit_sync.contrib.prometheus import LEASE_LOSS_REASONS, PrometheusListener
 from orbit_sync.models import Outcome
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import (
@@ -188,6 +188,21 @@ def test_prometheus_busy_slots_count_only_while_slots_are_offered() -> None:
     metrics.connected(SessionEvent("s" * 32, reconnect=True, capacity=0))  # drained: 0 offered
     assert value("orbit_slots") == 0 and value("orbit_slots_busy") == 0
     assert value("orbit_attempts_in_flight", {"handler": "resize"}) == 1
+
+
+def test_prometheus_loss_and_undelivered_counters_read_zero_before_the_first() -> None:
+    """Every lease-loss reason a worker reports, and each declared handler's undelivered
+    finishes, read 0 before anything happened (an alert reads 0, not "no data")."""
+    registry = CollectorRegistry()
+    metrics = PrometheusListener(registry=registry)
+    value = registry.get_sample_value
+    for reason in LEASE_LOSS_REASONS:
+        assert f"``{reason}``" in (LeaseEvent.__doc__ or "")  # the reasons a worker reports
+        assert value("orbit_lease_losses_total", {"reason": reason}) == 0
+    assert value("orbit_finishes_undelivered_total", {"handler": "resize"}) is None
+    metrics.declare_handlers(["resize", "send"])
+    for handler in ("resize", "send"):
+        assert value("orbit_finishes_undelivered_total", {"handler": handler}) == 0
 
 
 def test_prometheus_example_runs() -> None:

@@ -516,6 +516,47 @@ def test_metrics_of_every_child_are_summed_on_one_port(
     assert proc.stop(signal.SIGTERM, timeout=30) == 0
 
 
+@pytest.mark.orbit_server(assignment_rate=None)
+def test_summed_metrics_start_at_zero_and_a_draining_process_has_no_busy_slot(
+    orbit_server: MockOrbitServer,
+    project: Path,
+    procs: list[Proc],
+) -> None:
+    """--metrics-port: lease losses and undelivered finishes read 0 from the start; after
+    SIGTERM the draining process's running handler leaves orbit_slots_busy with orbit_slots (the
+    KEDA saturation does not read it as demand) and stays in orbit_attempts_in_flight."""
+    argv = ("--processes", "1", "--metrics-port", "0", "--drain-timeout", "60")
+    proc = start(procs, orbit_server, project, *argv)
+    port = port_line(proc, "metrics")
+
+    def scrape_until(pattern: str) -> str:
+        stop = threading.Event()
+        for _ in range(100):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+                text = resp.read().decode()
+            if re.search(pattern, text, re.M):
+                return text
+            stop.wait(0.1)
+        raise AssertionError(text)
+
+    text = scrape_until(r"^orbit_connected 1\.0$")
+    for reason in ("lease_expired", "lease_lost", "session_replaced"):
+        assert re.search(rf'^orbit_lease_losses_total\{{reason="{reason}"\}} 0\.0$', text, re.M)
+    for handler in ("echo", "slow"):
+        assert re.search(
+            rf'^orbit_finishes_undelivered_total\{{handler="{handler}"\}} 0\.0$', text, re.M
+        ), text
+    orbit_server.enqueue("slow", {"n": 1}, max_attempts=1)
+    assert proc.line().startswith("started ")
+    assert re.search(r"^orbit_slots 2\.0$", scrape_until(r"^orbit_slots_busy 1\.0$"), re.M)
+    proc.popen.send_signal(signal.SIGTERM)
+    text = scrape_until(r"^orbit_slots 0\.0$")
+    assert re.search(r"^orbit_slots_busy 0\.0$", text, re.M), text
+    assert re.search(r'^orbit_attempts_in_flight\{handler="slow"\} 1\.0$', text, re.M), text
+    proc.popen.send_signal(signal.SIGTERM)  # the second: the handler is cancelled
+    assert proc.wait(30) == 3, proc.stderr
+
+
 def test_supervisor_options_are_checked_before_anything_starts(project: Path) -> None:
     """A bad --processes or --max-memory-per-child is a usage error (2)."""
     for bad in (["--processes", "0"], ["--max-memory-per-child", "x"], ["--health-port", "-1"]):

@@ -315,9 +315,15 @@ def _add_metrics(worker: Any) -> object | None:
     on the default registry (returned), unless the application registered one there already."""
     from ..contrib.prometheus import PrometheusListener
 
+    # Their undelivered finishes read 0 from the start in the summed metrics, not "no data".
+    handlers = sorted({c.handler for c in worker.registration.capabilities})
     try:
         listener = PrometheusListener()
     except ValueError:  # "Duplicated timeseries": the application's own
+        for own in worker.listeners:
+            if isinstance(own, PrometheusListener):
+                own.declare_handlers(handlers)
         return None
+    listener.declare_handlers(handlers)
     worker.add_listener(listener)
     return listener

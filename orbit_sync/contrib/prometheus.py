@@ -37,6 +37,11 @@ metric (default namespace ``orbit``)           type       labels
 ``outcome`` is ``SUCCEEDED``, ``FAILED``, ``CANCELLED`` or ``UNKNOWN``. Pass *registry* to keep
 the metrics out of prometheus_client's global registry (one registry per worker, or tests).
 
+``orbit_lease_losses_total`` is 0 from the start for each reason a lease is lost with
+(:data:`LEASE_LOSS_REASONS`), and ``orbit_finishes_undelivered_total`` for each handler passed to
+:meth:`PrometheusListener.declare_handlers` (``orbit-sync worker --metrics-port`` passes the
+registered ones): an alert on their rate reads 0, not "no data", until the first one happens.
+
 Saturation, for an autoscaler: ``sum(orbit_slots_busy) / sum(orbit_slots)`` is the share of the
 offered slots in use (the gauges add up over the processes of ``orbit-sync worker --processes
 N``); near 1 the server has work waiting for slots. Both gauges count only a process that offers
@@ -51,6 +56,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 
 from ..worker import (
     AttemptEvent,
@@ -72,7 +78,10 @@ except ImportError as exc:  # pragma: no cover - exercised in a subprocess test
         "pip install 'orbit-sync[prometheus]'"
     ) from exc
 
-__all__ = ["PrometheusListener"]
+__all__ = ["LEASE_LOSS_REASONS", "PrometheusListener"]
+
+#: The ``reason`` of every lease loss a worker reports (``LeaseEvent.reason``).
+LEASE_LOSS_REASONS = ("lease_expired", "lease_lost", "session_replaced")
 
 #: Renewal lag is normally a few milliseconds; past a second the lease margin is at risk.
 LAG_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -135,6 +144,8 @@ class PrometheusListener(WorkerListener):
         self.losses = Counter(
             "lease_losses", "Leases lost while running.", ["reason"], namespace=ns, registry=reg
         )
+        for reason in LEASE_LOSS_REASONS:
+            self.losses.labels(reason)  # 0 until the first loss, not absent
         self.reconnects = Counter(
             "reconnects",
             "Sessions established after the first one.",
@@ -190,6 +201,13 @@ class PrometheusListener(WorkerListener):
             registry=reg,
             multiprocess_mode="livesum",
         )
+
+    def declare_handlers(self, names: Iterable[str]) -> None:
+        """Show ``orbit_finishes_undelivered_total`` at 0 for each handler in *names* (the
+        worker's registered ones), so an alert on it reads 0 before the first undelivered
+        finish; a handler's series otherwise appears with its first one."""
+        for name in names:
+            self.undelivered.labels(name)
 
     def attempt_received(self, event: AttemptEvent) -> None:
         """Count the assignment."""
