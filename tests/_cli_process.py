@@ -62,6 +62,15 @@ def clean_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_cli(
+    *args: str, env: dict[str, str], cwd: Path, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """Run ``orbit-sync`` with *args* to completion, its output captured as text."""
+    return subprocess.run(
+        command(*args), capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd
+    )
+
+
 class Proc:
     """A child process whose stdout and stderr are drained by threads into line queues."""
 

@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _cli_process import clean_env, command
+from _cli_process import clean_env, run_cli
 
 HEAD = """\
 from orbit_sync import Client, Worker
@@ -22,14 +22,7 @@ def _run(
     tmp_path: Path, source: str, target: str = "bad_app:worker", *options: str
 ) -> subprocess.CompletedProcess[str]:
     (tmp_path / "bad_app.py").write_text(source)
-    return subprocess.run(
-        command(*options, "worker", target),
-        env=clean_env(**ENV),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_cli(*options, "worker", target, env=clean_env(**ENV), cwd=tmp_path, timeout=60)
 
 
 @pytest.mark.parametrize(

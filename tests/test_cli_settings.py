@@ -7,7 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from _cli_process import clean_env, command
+from _cli_process import clean_env, run_cli
 
 #: A module that leaves a trace when imported, and builds its client from the environment.
 APP = """
@@ -27,14 +27,7 @@ def echo(ctx, payload):
 
 def _run(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     (tmp_path / "settings_app.py").write_text(APP)
-    return subprocess.run(
-        command("worker", *args),
-        env=clean_env(**env),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    return run_cli("worker", *args, env=clean_env(**env), cwd=tmp_path, timeout=60)
 
 
 @pytest.mark.parametrize(
@@ -114,13 +107,7 @@ def test_a_missing_queue_is_one_line_and_exit_2(tmp_path: Path, source: str, mes
     app = APP.replace('worker = Worker(Client.from_env(), queue_id="0" * 32)', source)
     assert app != APP
     (tmp_path / "queue_app.py").write_text(app)
-    proc = subprocess.run(
-        command("worker", "queue_app:worker"),
-        env=clean_env(ORBIT_URL="ws://127.0.0.1:9", ORBIT_TOKEN="t0ken"),
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    env = clean_env(ORBIT_URL="ws://127.0.0.1:9", ORBIT_TOKEN="t0ken")
+    proc = run_cli("worker", "queue_app:worker", env=env, cwd=tmp_path, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.splitlines() == [f"orbit-sync: cannot load queue_app:worker: {message}"]

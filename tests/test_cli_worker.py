@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from _cli_process import Proc, clean_env, command
+from _cli_process import Proc, clean_env, command, run_cli
 
 from orbit_sync import __version__
 from orbit_sync.testing import MockOrbitServer
@@ -95,13 +95,6 @@ def env_for(server: MockOrbitServer, token: str | None = None) -> dict[str, str]
         ORBIT_URL=server.url,
         ORBIT_TOKEN=server.token if token is None else token,
         ORBIT_QUEUE_ID=server.queue_id,
-    )
-
-
-def run_cli(*args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    """Run ``orbit-sync`` to completion."""
-    return subprocess.run(
-        command(*args), capture_output=True, text=True, timeout=30, env=env, cwd=cwd
     )
 
 
