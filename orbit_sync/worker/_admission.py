@@ -16,7 +16,7 @@ from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext, worker_log
 from ._link import Connection
 from ._machine import AttemptMachine, Skipped
-from ._pool import OwnThreadPolicy
+from ._pool import BatchPolicy
 from ._shell import Attempt, AttemptShell, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
@@ -54,7 +54,7 @@ class Admission:
         # The reader wakes this thread for nearly every assignment; under SCHED_BATCH the wake-up
         # does not preempt it while it still holds the GIL (docs/architecture.md, "Scheduling
         # policy"), which it may have only while it runs no listener of the user's.
-        policy = OwnThreadPolicy(
+        policy = BatchPolicy(
             partial(self._hooks.has, "attempt_received"),
             forced=self._shell.options.batch_scheduling,
         )

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from .._realtime import monotonic
 from ..clock import Clock, SystemClock
 
-__all__ = ["DaemonPool", "OwnThreadPolicy", "woken_without_preempting"]
+__all__ = ["BatchPolicy", "DaemonPool"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 _names = itertools.count(1)
@@ -24,27 +24,18 @@ _names = itertools.count(1)
 IDLE_TIMEOUT = 30.0
 
 
-def woken_without_preempting() -> None:
-    """Put the calling thread under Linux's ``SCHED_BATCH`` policy (same priority; elsewhere,
-    or where it is refused, nothing changes): the threads the connection's reader wakes then
-    do not preempt it. Only when the user asks for it (``Worker(batch_scheduling=True)``): it
-    is the user's code that runs on these threads, and on the threads they start, which inherit
-    the policy (docs/deploy.md, "Scheduling policy")."""
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is not None:
-        with contextlib.suppress(OSError):
-            os.sched_setscheduler(0, policy, os.sched_param(0))
+class BatchPolicy:
+    """Linux's ``SCHED_BATCH`` (same priority) for a thread the connection's reader wakes, so
+    that the wake-up does not preempt the reader while it still holds the GIL
+    (docs/architecture.md, "Scheduling policy"). Always when the user asked for it (*forced*:
+    ``Worker(batch_scheduling=True)``, the handler threads and the intake); otherwise only for
+    the worker's own intake, and only while it runs none of the user's code (*has_listener*: an
+    ``attempt_received`` listener, which runs there, is subscribed). Checked before each piece
+    of work (:meth:`check`): a listener subscribed later gets the thread back under the policy
+    it started with. Only a thread of the normal policy is ever moved (a real-time one is left
+    as it is), and only on Linux; a refusal changes nothing."""
 
-
-class OwnThreadPolicy:
-    """``SCHED_BATCH`` for a thread of the worker's own (the intake) for as long as it runs none
-    of the user's code: while no listener of *event* is subscribed (its listeners would run on
-    it), or always when the user asked for batch scheduling (*forced*). Checked before each
-    piece of work (:meth:`check`): a listener subscribed later gets the thread back under the
-    policy it started with. Only a thread of the normal policy is ever moved (a real-time one
-    is left as it is), and only on Linux."""
-
-    def __init__(self, has_listener: Callable[[], bool], *, forced: bool) -> None:
+    def __init__(self, has_listener: Callable[[], bool] = lambda: True, *, forced: bool) -> None:
         self._has_listener = has_listener
         self._forced = forced
         batch: int | None = getattr(os, "SCHED_BATCH", None)
@@ -94,7 +85,7 @@ class DaemonPool:
         if not idle_timeout > 0:
             raise ValueError("idle_timeout must be positive")
         self._size = size
-        #: Put each thread under SCHED_BATCH (see woken_without_preempting).
+        #: Put each thread under SCHED_BATCH (see BatchPolicy).
         self._batch = batch
         self._name = name
         self._idle_timeout = idle_timeout
@@ -162,7 +153,7 @@ class DaemonPool:
 
     def _main(self) -> None:
         if self._batch:  # asked for: submit() wakes it from the connection's reader
-            woken_without_preempting()
+            BatchPolicy(forced=True).check()
         me = _Parked()
         while True:
             job = self._next_job(me)
