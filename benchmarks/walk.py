@@ -37,7 +37,7 @@ from orbit_sync import Client, Worker
 from orbit_sync.testing import MockOrbitServer
 
 #: The worker's threads whose calls make the walk (by name prefix).
-WORKER_THREADS = ("orbit-sync-reader", "orbit-worker-intake", "orbit-handler", "orbit-lease")
+WORKER_THREADS = ("orbit-sync-reader", "orbit-handler", "orbit-lease")
 #: The layers of docs/architecture.md, from the socket up (the worker is the top one).
 LAYERS = {
     "_transport": 0,

@@ -208,6 +208,8 @@ class ClientProtocol:
         self.err: OrbitError | None = None
         #: Unread pushes of each kind that has no callback (*callbacks* names those that do):
         #: a bounded ``queue.Queue`` each, which the reader fills without ever blocking.
+        #: Pushes received so far, per kind (queued, held for room, or handed to a callback).
+        self.received: dict[str, int] = dict.fromkeys(_BUFFERS, 0)
         self.unread: dict[str, queue.Queue[Any]] = {
             kind: queue.Queue(_BUFFERS[kind]) for kind in _BUFFERS if kind not in callbacks
         }
@@ -357,6 +359,7 @@ class ClientProtocol:
         return self._end(event.error)  # the server ended the session
 
     def _push(self, kind: str, item: Any) -> list[Event]:
+        self.received[kind] += 1
         unread = self.unread.get(kind)
         if unread is None:
             return [Pushed(kind, item)]

@@ -8,7 +8,7 @@ around the protocol's state and wakes whoever waits.
 Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`:
 
 * the **reader** only reads: it decodes every server frame, sets the slot of the call it
-  answers (waking a blocked caller, or running a pipelined request's completion), puts pushes on
+  answers (waking the caller that waits on it), puts pushes on
   their bounded ``queue.Queue`` (or hands them to the ``on_assignment`` / ``on_cancel``
   callbacks), answers pings, and blocks on nothing but a full push queue, for at most
   ``ASSIGNMENT_WAIT`` (1 s: past it the connection closes with ``WorkerBackpressure``). It is
@@ -16,9 +16,9 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
   each a reused ``threading.Event`` the reader sets; a blocking caller waits on its own slot
   until its deadline, so an
   interrupted or timed-out caller abandons its slot and never leaves a frame half read. Code
-  running on a reader (a completion or push callback) neither blocks nor writes: a request
-  (blocking or pipelined) or a queue wait made from it raises ``RuntimeError`` at once, and
-  ``close()`` from it does not wait for the reader;
+  running on a reader (a push callback) neither blocks nor writes: a request or a queue wait
+  made from it raises ``RuntimeError`` at once, and ``close()`` from it does not wait for the
+  reader;
 * the **deadline thread** enforces the read-idle bound (60 s) and every call's bound (10 s, write
   queueing included) and tears the socket down when one passes. It exists because neither bound may
   rely on socket timeouts (over TLS they break concurrent read + send), and a caller
@@ -27,13 +27,12 @@ Two daemon threads per connection, both joined by :meth:`WorkerConnection.close`
 On any failure the connection records one error (``err``), releases every call in flight at once
 with that error bound to the call's own ``message_id``, and sets ``done`` once the reader exited.
 
-The Worker's pipelined path (requests completed by callback, and the intake of assignments) is a
-:class:`Pipeline` that each connection makes for itself and :func:`pipeline_of` returns: it is
-not user API, so it is not a method of :class:`WorkerConnection`.
+Several requests may go out in one write (:meth:`WorkerConnection.send_many`): each still has
+its own slot, and the caller waits on each (:class:`PendingCall`).
 
-Why one module of about 750 lines: the public request methods, the pipelined path, the one lock,
-the two threads and the send path must be read together to check that no wait can outlive its
-deadline and no callback runs under the lock; a fifth of it is the methods' docstrings.
+Why one module of about 830 lines: the public request methods, the one lock, the two threads
+and the send path must be read together to check that no wait can outlive its deadline and no
+callback runs under the lock; a fifth of it is the methods' docstrings.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from . import _codec
 from ._protocol import (
@@ -64,8 +63,8 @@ from ._protocol import (
     Full,
     Pushed,
     Queued,
+    Submission,
 )
-from ._protocol import Submission as Submission  # the Worker's batches
 from ._realtime import monotonic
 from ._seconds import wait_seconds
 from .errors import (
@@ -93,7 +92,10 @@ __all__ = [
     "CANCEL_BUFFER",
     "MAX_IN_FLIGHT",
     "READ_IDLE_TIMEOUT",
+    "BatchCall",
     "FrameTransport",
+    "PendingCall",
+    "Settable",
     "WorkerConnection",
 ]
 
@@ -132,48 +134,106 @@ class FrameTransport(Protocol):
         """Release the socket once the reader is done with it."""
 
 
+class Settable(Protocol):
+    """What :meth:`WorkerConnection.send_many` may also set as each answer arrives: a
+    ``threading.Event``, or anything whose ``set()`` only records and wakes (it runs on the
+    reader thread)."""
+
+    def set(self) -> None: ...
+
+
+class BatchCall(NamedTuple):
+    """One request of :meth:`WorkerConnection.send_many`: its type (``"task.renew"``, ...), its
+    body (the model the matching method takes), and optionally its ``message_id`` and timeout."""
+
+    request_type: str
+    body: Any
+    message_id: str | None = None
+    timeout: float | None = None
+
+
 class _Slot:
-    """One call in flight: a reused ``threading.Event``, the answer it carries, and the
-    completion of a pipelined request.
+    """One call in flight: a reused ``threading.Event`` and the answer it carries.
 
     Every call holds a slot from its send until its answer or failure (so at most
     :data:`MAX_IN_FLIGHT` are in use); the reader (or whichever thread ends the call) stores the
-    answer and sets the event. A blocking caller waits on the event with its deadline; a
-    pipelined request's completion runs as its slot is set.
+    answer and sets the event, and the caller waits on it with its deadline.
     """
 
-    __slots__ = ("error", "event", "free", "on_done", "value")
+    __slots__ = ("error", "event", "free", "value", "wake")
 
     def __init__(self, free: list[_Slot]) -> None:
         self.event = threading.Event()
         self.value: Any = None
         self.error: OrbitError | None = None
-        self.on_done: Done | None = None
+        #: Also set as the answer arrives (a batch's shared wake-up), or None.
+        self.wake: Settable | None = None
         #: The connection's idle slots, where this one goes back once its call is over.
         self.free = free
 
     def complete(self, value: Any, error: OrbitError | None) -> None:
-        """The call's answer (or failure) arrived: set the slot. A pipelined call's completion
-        runs in place of the wake-up (nobody waits on its event, which stays clear), and its slot
-        is free again; a blocking caller is woken and frees its own."""
-        on_done = self.on_done
-        if on_done is None:
-            self.value = value
-            self.error = error
-            self.event.set()
-            return
-        try:
-            on_done(value, error)
-        finally:
-            self.on_done = None
-            self.free.append(self)
+        """The call's answer (or failure) arrived: record it and set the slot."""
+        # Read first: once the event is set, the caller may release the slot for another call.
+        wake = self.wake
+        self.value = value
+        self.error = error
+        self.event.set()
+        if wake is not None:
+            wake.set()
 
     def release(self) -> None:
-        """A blocking caller's slot back to the idle ones, cleared (list.append is atomic: no
-        lock needed)."""
+        """A caller's slot back to the idle ones, cleared (list.append is atomic: no lock
+        needed)."""
         self.value = self.error = None
+        self.wake = None
         self.event.clear()
         self.free.append(self)
+
+
+class PendingCall:
+    """A request :meth:`WorkerConnection.send_many` sent, and its answer: the caller waits on
+    its slot with :meth:`result` (read each one: its slot is reused only then)."""
+
+    __slots__ = ("_call", "_conn", "_error", "_slot", "message_id", "request_type")
+
+    def __init__(
+        self,
+        conn: WorkerConnection,
+        request_type: str,
+        message_id: str | None,
+        call: Any = None,
+        slot: Any = None,
+        error: OrbitError | None = None,
+    ) -> None:
+        # Made by send_many (call and slot: the connection's own, for one sent request).
+        self._conn = conn
+        self.request_type = request_type
+        #: ``None`` for a request that was refused before the wire.
+        self.message_id = message_id
+        self._call = call
+        self._slot = slot
+        self._error = error
+
+    def done(self) -> bool:
+        """Has its answer (or failure) arrived? Never blocks."""
+        slot = self._slot
+        return slot is None or slot.event.is_set()
+
+    def result(self) -> Any:
+        """Wait for the answer on the call's slot, at most until its deadline, and return it;
+        raise the server's error, the connection's, or why it was not sent. Once only."""
+        slot, call = self._slot, self._call
+        if slot is None or call is None:
+            error, self._error = self._error, None
+            if error is None:
+                raise RuntimeError("this call's result was already read")
+            raise error
+        self._slot = None
+        return self._conn._wait(call, slot)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"<PendingCall {self.request_type} message_id={self.message_id} {state}>"
 
 
 class WorkerConnection:
@@ -225,7 +285,8 @@ class WorkerConnection:
         self._timer = threading.Condition(self._lock)
         self._wake_at = math.inf
         self._done = threading.Event()
-        self._pipeline = Pipeline(self)
+        #: Set once the connection has ended (see wake_on_end).
+        self._on_end: list[Settable] = []
         tag = welcome.session_id[:8]
         self._deadlines = threading.Thread(
             target=self._watch, name=f"orbit-sync-deadlines-{tag}", daemon=True
@@ -263,6 +324,16 @@ class WorkerConnection:
         """Set once the connection has ended and its reader thread has exited."""
         return self._done
 
+    def wake_on_end(self, wake: Settable) -> None:
+        """Set *wake* as the connection ends (at once if it has ended): a thread waiting for
+        something else as well learns of the end without polling ``done``."""
+        with self._lock:
+            ended = self._core.err is not None
+            if not ended:
+                self._on_end.append(wake)
+        if ended:
+            wake.set()
+
     def close(self) -> None:
         """Close the transport at once and wait for the reader to exit. Idempotent, any thread.
 
@@ -298,7 +369,9 @@ class WorkerConnection:
 
     # ------------------------------------------------------------------ pushes
 
-    def next_assignment(self, timeout: float | None = None) -> Assignment:
+    def next_assignment(
+        self, timeout: float | None = None, *, after_end: bool = False
+    ) -> Assignment:
         """The next ``task.assign``, when no ``on_assignment`` callback was given: a reservation.
         Only ``start`` grants the right to run.
 
@@ -310,12 +383,23 @@ class WorkerConnection:
         (1 s) for room, reading nothing meanwhile, then closes the connection with
         ``WorkerBackpressure`` (PROTOCOL §10): a consumer that takes each assignment as it comes
         keeps up with bursts of any size.
+
+        *after_end*: also return the assignments received before the connection ended, in order,
+        before raising its error. Such a reservation can no longer be started on this session:
+        ``resume`` it on the next one first (the Worker does), or leave it to the server, which
+        reclaims it when its lease ends.
         """
         if ASSIGNMENT in self._callbacks:
             raise RuntimeError("assignments go to the on_assignment callback of this connection")
-        item = self._take(ASSIGNMENT, wait_seconds(timeout))
+        item = self._take(ASSIGNMENT, wait_seconds(timeout), after_end=after_end)
         assert isinstance(item, Assignment)
         return item
+
+    @property
+    def assignments_received(self) -> int:
+        """How many ``task.assign`` pushes this connection has received so far (taken or not):
+        after an answer, every assignment the server made before it is counted."""
+        return self._core.received[ASSIGNMENT]
 
     def next_cancel(self, timeout: float | None = None) -> CancelNotice:
         """The next ``task.cancel`` push, when no ``on_cancel`` callback was given.
@@ -333,19 +417,21 @@ class WorkerConnection:
         assert isinstance(item, CancelNotice)
         return item
 
-    def _take(self, kind: str, timeout: float | None) -> object:
-        """The next unread push of *kind*, waiting at most *timeout* seconds (None: no bound)."""
+    def _take(self, kind: str, timeout: float | None, *, after_end: bool = False) -> object:
+        """The next unread push of *kind*, waiting at most *timeout* seconds (None: no bound);
+        *after_end*: also one received before the connection ended."""
         if timeout != 0:
             self._refuse_on_reader("waiting for the next %s", kind)
         unread = self._core.unread[kind]
-        if self._core.err is None:
+        # Once ended, the end marker is on the queue: a get never blocks past what is left.
+        if after_end or self._core.err is None:
             try:
                 item = unread.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"no {kind} within {timeout:g} s") from None
             if item is _ENDED:
                 _end_queue(unread)  # for the next taker
-            elif self._core.err is None:
+            elif after_end or self._core.err is None:
                 return item
         # A reservation on a dead session grants nothing; the server reclaims it.
         err = self._core.err
@@ -421,7 +507,11 @@ class WorkerConnection:
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
     ) -> Any:
         self._refuse_on_reader("a %s request", request_type)
-        call, slot = self._send(request_type, body, message_id, timeout, None)
+        call, slot = self._send(request_type, body, message_id, timeout)
+        return self._wait(call, slot)
+
+    def _wait(self, call: Call, slot: _Slot) -> Any:
+        """Wait on *slot* for *call*'s answer, at most until its deadline; return it or raise."""
         # The slot is freed only after a completed wait: after an exception (Ctrl-C while the
         # call may be in flight) it is left to the late answer, and never reused.
         if not slot.event.wait(max(0.0, call.deadline - monotonic())):
@@ -436,6 +526,54 @@ class WorkerConnection:
             raise error
         return value
 
+    def send_many(
+        self, calls: Sequence[BatchCall], *, wake: Settable | None = None
+    ) -> list[PendingCall]:
+        """Send several requests in one socket write, each in its own slot, without waiting;
+        wait for each answer with :meth:`PendingCall.result` (the lease watchdog of a Worker
+        renews every lease due at once this way).
+
+        Wrong arguments (an unknown type, a wrong body, a bad or repeated ``message_id`` or
+        timeout) raise before anything is sent, for the whole batch. A request the connection
+        cannot take (it has ended, or :data:`MAX_IN_FLIGHT` are in flight) is not sent: its
+        ``result()`` raises why, its ``message_id`` is ``None`` and *wake* is not set for it.
+        *wake*, if given, is also set as each answer arrives (on the
+        reader thread: it must only record and wake), so one thread can wait for the first
+        answer of many, or for something else beside them.
+        """
+        self._refuse_on_reader("a batch of requests")
+        for c in calls:
+            if not isinstance(c, BatchCall):
+                raise TypeError("calls must be BatchCall tuples")
+            self._check_request(c.request_type, c.body)
+        submissions = [
+            Submission(c.request_type, c.body, _unset, c.message_id, c.timeout) for c in calls
+        ]
+        pending: list[PendingCall] = []
+        with self._lock:
+            texts, ids, refused = self._core.open_batch(submissions)
+            errors = {id(r): err for r, err in refused}
+            table = self._core.calls
+            earliest = math.inf
+            for c, sub, mid in zip(calls, submissions, ids, strict=True):
+                if mid is None:
+                    pending.append(PendingCall(self, c.request_type, None, error=errors[id(sub)]))
+                    continue
+                call = table[mid]
+                slot = self._take_slot()
+                slot.wake = wake
+                call.on_done = slot.complete
+                earliest = min(earliest, call.deadline)
+                pending.append(PendingCall(self, c.request_type, mid, call, slot))
+            # Only a deadline before the deadline thread's wake-up needs it woken (see _send):
+            # waking it for every batch made it contend for the GIL and this lock each time.
+            if earliest < self._wake_at:
+                self._timer.notify()
+        # A failure completes every call of the batch with its error.
+        if texts and self._write(self._transport.send_texts, texts):
+            log.debug("sent %d requests in one write", len(texts))
+        return pending
+
     def _refuse_on_reader(self, what: str, *args: str) -> None:
         """Fail at once on a connection's reader thread: it only reads (a wait there could only
         be ended by itself, and it writes no request). *what* % *args* names the refused call,
@@ -443,21 +581,16 @@ class WorkerConnection:
         if on_reader_thread():
             raise RuntimeError(
                 f"{what % args} cannot be made on a connection's reader thread (a callback of a "
-                "connection: on_assignment, on_cancel or a completion); make it from another thread"
+                "connection: on_assignment or on_cancel); make it from another thread"
             )
 
     def _send(
-        self,
-        request_type: str,
-        body: Any,
-        message_id: str | None,
-        timeout: float | None,
-        on_done: Done | None,
+        self, request_type: str, body: Any, message_id: str | None, timeout: float | None
     ) -> tuple[Call, _Slot]:
         with self._lock:
             call, text = self._core.open(request_type, body, message_id, timeout, _unset)
             # A slot only for a call that goes out: a refused one never makes a new slot.
-            slot = self._take_slot(on_done)
+            slot = self._take_slot()
             call.on_done = slot.complete
             if call.deadline < self._wake_at:  # before what the deadline thread sleeps until
                 self._timer.notify()
@@ -465,11 +598,9 @@ class WorkerConnection:
             log.debug("sent %s message_id=%s", request_type, call.message_id)
         return call, slot
 
-    def _take_slot(self, on_done: Done | None) -> _Slot:
-        """An idle slot (a new one while fewer than the calls in flight exist), for *on_done*."""
-        slot = self._slots.pop() if self._slots else _Slot(self._slots)
-        slot.on_done = on_done
-        return slot
+    def _take_slot(self) -> _Slot:
+        """An idle slot (a new one while fewer than the calls in flight exist)."""
+        return self._slots.pop() if self._slots else _Slot(self._slots)
 
     def _write(self, send: Callable[[T], None], data: T) -> bool:
         """``send(data)``; False once a failed write ended the connection."""
@@ -629,115 +760,17 @@ class WorkerConnection:
         err = event.error
         with self._lock:
             self._timer.notify()
+            on_end, self._on_end = self._on_end, []
         for unread in self._core.unread.values():
             _end_queue(unread)  # wakes every thread waiting for a push
         self._teardown(err)
         for call in event.calls:
             _run_done(call.on_done, None, err.with_message_id(call.message_id), call.request_type)
-
-
-class Pipeline:
-    """The Worker's pipelined path on one :class:`WorkerConnection` (internal, not user API:
-    :func:`pipeline_of` reaches it).
-
-    Requests sent without a waiting thread, each completed by a callback, and the intake of
-    assignments that outlives the connection's end: what the Worker needs to serve many attempts
-    from few threads, and what a user of the connection, who calls and waits, never does. Made
-    once per connection, so reaching it costs no allocation.
-    """
-
-    __slots__ = ("_conn",)
-
-    def __init__(self, conn: WorkerConnection) -> None:
-        self._conn = conn
-
-    def submit(
-        self,
-        request_type: str,
-        body: Any,
-        on_done: Done,
-        *,
-        message_id: str | None = None,
-        timeout: float | None = None,
-    ) -> str:
-        """Send one request without waiting for it.
-
-        Returns its ``message_id``. ``on_done(value, error)`` is then called exactly once: with
-        the answer (a lease in it carries its local ``deadline``), with the server's error, or
-        with the connection's error once it ends (a timeout included). It runs on the reader
-        thread, the deadline thread or the thread that ended the connection, never under the
-        connection's lock: it must not block, it makes no request (one made on a reader raises
-        ``RuntimeError`` at once: the reader only reads), and it must not take a lock held by a
-        thread that calls ``submit``. Errors raised here mean nothing was sent and ``on_done``
-        is not called.
-        """
-        conn = self._conn
-        conn._refuse_on_reader("a %s request", request_type)
-        conn._check_request(request_type, body)
-        call, _ = conn._send(request_type, body, message_id, timeout, on_done)
-        return call.message_id
-
-    def submit_many(self, requests: Sequence[Submission]) -> list[str | None]:
-        """Send several requests without waiting for them, with one socket write (the lease
-        watchdog renews every attempt that is due at once).
-
-        Each request is pipelined as by :meth:`submit` and its ``on_done`` is called exactly once,
-        under the same rules. Wrong arguments (an unknown type, a wrong body, a bad or repeated
-        ``message_id`` or timeout) raise before anything is sent, for the whole batch. A request
-        the connection refuses (it has ended, or too many are in flight) is not sent: its
-        ``on_done`` gets that error once the others are written, and its place in the returned
-        list is ``None`` instead of its ``message_id``.
-        """
-        conn = self._conn
-        conn._refuse_on_reader("a batch of requests")
-        for request in requests:
-            if not isinstance(request, Submission):
-                raise TypeError("requests must be Submission tuples")
-            conn._check_request(request.request_type, request.body)
-        with conn._lock:
-            texts, ids, refused = conn._core.open_batch(requests)
-            calls = conn._core.calls
-            earliest = math.inf
-            for request, mid in zip(requests, ids, strict=True):
-                if mid is not None:  # sent: its completion runs as its slot is set
-                    call = calls[mid]
-                    call.on_done = conn._take_slot(request.on_done).complete
-                    earliest = min(earliest, call.deadline)
-            # Only a deadline before the deadline thread's wake-up needs it woken (see _send):
-            # waking it for every batch made it contend for the GIL and this lock each time.
-            if earliest < conn._wake_at:
-                conn._timer.notify()
-        # A failure completes every call of the batch with its error.
-        if texts and conn._write(conn._transport.send_texts, texts):
-            log.debug("sent %d requests in one write", len(texts))
-        for request, err in refused:  # never sent: each is told why
-            _run_done(request.on_done, None, err, request.request_type)
-        return ids
-
-    def take_assignment(self) -> Assignment | None:
-        """The next assignment, waiting until one arrives (the Worker's intake, which passes no
-        ``on_assignment``). Unlike :meth:`WorkerConnection.next_assignment`, it still returns
-        those received before the connection ended (the Worker resumes them on its next
-        session); ``None`` once none is left after the end."""
-        unread = self._conn._core.unread[ASSIGNMENT]
-        while True:
-            item = unread.get()
-            if item is _ENDED:
-                _end_queue(unread)  # for the next taker
-                return None
-            if isinstance(item, Assignment):
-                return item
-            item()  # a function put behind the assignments by after_assignments
-
-    def after_assignments(self, fn: Callable[[], None]) -> None:
-        """Have :meth:`take_assignment` run *fn* once every assignment received before now has
-        been taken (called on the reader, the order is the frames' order)."""
-        _put_over_bound(self._conn._core.unread[ASSIGNMENT], fn)
-
-
-def pipeline_of(conn: WorkerConnection) -> Pipeline:
-    """*conn*'s pipelined path (internal: the Worker's, see :class:`Pipeline`)."""
-    return conn._pipeline
+        for wake in on_end:
+            try:
+                wake.set()
+            except Exception:  # one faulty wake-up must not keep the others from theirs
+                log.exception("a wake_on_end wake-up raised")
 
 
 #: Marks the reader threads of every connection (a thread-local flag, set as a reader starts).
@@ -796,8 +829,8 @@ def _unset(value: Any, error: OrbitError | None) -> None:
 def _run_done(on_done: Done, value: Any, error: OrbitError | None, request_type: str) -> None:
     try:
         on_done(value, error)
-    except Exception:  # one faulty callback must not keep the others from their answers
-        log.exception("completion callback of %s raised", request_type)
+    except Exception:  # one faulty wake-up must not keep the others from their answers
+        log.exception("a wake-up of a %s call raised", request_type)
 
 
 #: The body model of each request type a session sends (the handshake's hello is not one).

@@ -169,9 +169,7 @@ def _defined_names(tree: ast.Module) -> set[str]:
         if isinstance(node, ast.Assign) and any(
             isinstance(t, ast.Name) and t.id == "__slots__" for t in node.targets
         ):
-            names.update(
-                str(c.value) for c in ast.walk(node.value) if isinstance(c, ast.Constant)
-            )
+            names.update(str(c.value) for c in ast.walk(node.value) if isinstance(c, ast.Constant))
     return names
 
 

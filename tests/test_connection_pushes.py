@@ -18,7 +18,7 @@ from _scripted import (
     welcome_body,
 )
 
-from orbit_sync.connection import ASSIGNMENT_BUFFER, pipeline_of
+from orbit_sync.connection import ASSIGNMENT_BUFFER
 from orbit_sync.errors import (
     OrbitError,
     WorkerBackpressure,
@@ -134,8 +134,9 @@ def test_a_ninth_assignment_waits_for_room_and_reads_on_once_one_is_taken(
 def test_an_assignment_waiting_for_room_is_kept_ahead_of_the_end_when_closed(
     waiting: _Waiting,
 ) -> None:
-    """close() while the reader holds a ninth assignment: the reader wakes at once, and the
-    Worker's intake (which takes what a connection left) still gets all nine, then the end."""
+    """close() while the reader holds a ninth assignment: the reader wakes at once; plain
+    next_assignment raises WorkerClosed, and with after_end=True it still returns all nine in
+    order, then raises WorkerClosed."""
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
         ids = [f"{i + 1:032x}" for i in range(ASSIGNMENT_BUFFER + 1)]
@@ -144,10 +145,67 @@ def test_an_assignment_waiting_for_room_is_kept_ahead_of_the_end_when_closed(
         assert waiting.event.wait(WAIT)
         conn.close()
         assert conn.done.wait(WAIT) and isinstance(conn.err, WorkerClosed)
-        intake = pipeline_of(conn)
-        left = [intake.take_assignment() for _ in ids]
-        assert [a.attempt_id for a in left if a is not None] == ids
-        assert intake.take_assignment() is None
+        with pytest.raises(WorkerClosed):
+            conn.next_assignment(timeout=0)  # without after_end: a dead session grants nothing
+        left = [conn.next_assignment(timeout=WAIT, after_end=True) for _ in ids]
+        assert [a.attempt_id for a in left] == ids
+        for _ in range(2):  # the end stays for every later taker
+            with pytest.raises(WorkerClosed):
+                conn.next_assignment(timeout=WAIT, after_end=True)
+
+
+def test_after_end_returns_what_was_left_unread_then_the_error() -> None:
+    """Assignments left unread when the server drops the connection come out of
+    next_assignment(after_end=True) in order, then it raises the connection's error."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            ids = [f"{i:032x}" for i in range(1, 4)]
+            for attempt_id in ids:
+                peer.push("task.assign", assignment_body(attempt_id=attempt_id))
+            _roundtrip(conn, peer)
+            first = conn.next_assignment(timeout=WAIT, after_end=True)  # the connection lives
+            peer.close()
+            assert conn.done.wait(WAIT) and conn.err is not None
+            rest = [conn.next_assignment(timeout=WAIT, after_end=True) for _ in ids[1:]]
+            assert [a.attempt_id for a in [first, *rest]] == ids
+            with pytest.raises(type(conn.err)):
+                conn.next_assignment(timeout=WAIT, after_end=True)
+        finally:
+            conn.close()
+
+
+def test_assignments_received_counts_every_assign_push() -> None:
+    """assignments_received counts each task.assign the connection read, taken or not, and
+    keeps its count after the end."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        assert conn.assignments_received == 0
+        for i in range(3):
+            peer.push("task.assign", assignment_body(attempt_id=f"{i + 1:032x}"))
+        _roundtrip(conn, peer)  # every push before the answer has been read
+        assert conn.assignments_received == 3
+        conn.next_assignment(timeout=WAIT)
+        assert conn.assignments_received == 3  # taking one does not change the count
+        peer.push("task.assign", assignment_body(attempt_id="f" * 32))
+        _roundtrip(conn, peer)
+        assert conn.assignments_received == 4
+        conn.close()
+        assert conn.assignments_received == 4
+
+
+def test_assignments_received_counts_those_given_to_on_assignment() -> None:
+    """With an on_assignment callback, assignments_received counts the pushes it was handed."""
+    seen: queue.Queue[Assignment] = queue.Queue()
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server, on_assignment=seen.put)
+        try:
+            for i in range(2):
+                peer.push("task.assign", assignment_body(attempt_id=f"{i + 1:032x}"))
+            _roundtrip(conn, peer)
+            assert seen.qsize() == 2 and conn.assignments_received == 2
+        finally:
+            conn.close()
 
 
 def test_ninth_unread_assignment_closes_with_backpressure() -> None:

@@ -28,13 +28,14 @@ from _scripted import (
     open_pair,
     orbit_threads,
     raw_frame,
+    registration,
 )
 
 from orbit_sync.connection import (
     ASSIGNMENT_BUFFER,
     MAX_IN_FLIGHT,
+    BatchCall,
     WorkerConnection,
-    pipeline_of,
 )
 from orbit_sync.errors import (
     CallTimeout,
@@ -170,50 +171,56 @@ def test_a_push_sharing_a_segment_with_an_answer_is_handled_without_another_call
                 conn.close()
 
 
-def test_a_completion_that_closes_the_connection_ends_it_without_a_deadlock(
-    pair: tuple[WorkerConnection, Peer],
-) -> None:
-    """A pipelined request's completion that calls close() (on the reader) ends the
-    connection: a caller blocked meanwhile gets WorkerClosed and no thread hangs."""
-    conn, peer = pair
+def test_a_push_callback_that_closes_the_connection_ends_it_without_a_deadlock() -> None:
+    """An on_assignment callback that calls close() (on the reader) while a batched and a
+    blocking request wait ends the connection: each gets WorkerClosed with its own message_id
+    and no thread hangs."""
+    holder: dict[str, WorkerConnection] = {}
     closed = threading.Event()
 
-    def on_done(value: Any, error: OrbitError | None) -> None:
-        conn.close()
+    def on_assignment(assignment: Any) -> None:
+        holder["conn"].close()
         closed.set()
 
-    _idle(conn, peer, 0.05)
-    pipeline_of(conn).submit("task.renew", REF, on_done)
-    pipelined = peer.recv()
-    thread, out = _run(lambda: conn.renew(REF))
-    blocked = peer.recv()
-    peer.send_raw(_ack(pipelined))
-    assert closed.wait(WAIT), "close() from the completion did not return"
-    thread.join(WAIT)
-    assert not thread.is_alive()
-    assert isinstance(out.get("error"), WorkerClosed)
-    assert out["error"].message_id == blocked["message_id"]
-    assert conn.done.wait(WAIT)
-    conn.close()  # from the test thread: joins the reader, which has exited
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server, on_assignment=on_assignment)
+        holder["conn"] = conn
+        [batched] = conn.send_many([BatchCall("task.renew", REF)])
+        assert peer.recv()["message_id"] == batched.message_id
+        thread, out = _run(lambda: conn.renew(REF))
+        blocked = peer.recv()
+        peer.send_raw(_text(frame("task.assign", body=assignment_body())))
+        assert closed.wait(WAIT), "close() from the callback did not return"
+        thread.join(WAIT)
+        assert not thread.is_alive()
+        assert isinstance(out.get("error"), WorkerClosed)
+        assert out["error"].message_id == blocked["message_id"]
+        with pytest.raises(WorkerClosed) as caught:
+            batched.result()
+        assert caught.value.message_id == batched.message_id
+        assert conn.done.wait(WAIT)
+        conn.close()  # from the test thread: joins the reader, which has exited
     assert orbit_threads() == []
 
 
-def test_a_blocking_call_from_a_completion_fails_at_once(
-    pair: tuple[WorkerConnection, Peer],
-) -> None:
-    """A request made from a completion (the reader thread) raises RuntimeError at once,
-    blocking or pipelined (the reader only reads), instead of waiting out its bound or writing;
-    the connection stays open."""
-    conn, peer = pair
+@pytest.mark.parametrize("callback", ["on_cancel", "on_assignment"])
+def test_a_request_from_a_push_callback_fails_at_once(callback: str) -> None:
+    """A request made from a push callback (the reader thread) raises RuntimeError at once,
+    blocking or batched (the reader only reads), instead of waiting out its bound or writing;
+    a request in flight meanwhile is answered and the connection stays open."""
     seen: dict[str, BaseException] = {}
     ran = threading.Event()
+    holder: dict[str, WorkerConnection] = {}
 
-    def on_done(value: Any, error: OrbitError | None) -> None:
+    def on_push(item: Any) -> None:
+        conn = holder["conn"]
+        # The queue wait is the one this callback does not take over.
+        wait = conn.next_cancel if callback == "on_assignment" else conn.next_assignment
         for name, call in (
             ("renew", lambda: conn.renew(REF, timeout=CALL_BOUND)),
-            ("next_assignment", lambda: conn.next_assignment(timeout=CALL_BOUND)),
-            ("submit", lambda: pipeline_of(conn).submit("task.renew", REF, lambda v, e: None)),
-            ("submit_many", lambda: pipeline_of(conn).submit_many([])),
+            ("queue wait", lambda: wait(timeout=CALL_BOUND)),
+            ("send_many", lambda: conn.send_many([BatchCall("task.renew", REF)])),
+            ("empty send_many", lambda: conn.send_many([])),
         ):
             try:
                 call()
@@ -221,17 +228,37 @@ def test_a_blocking_call_from_a_completion_fails_at_once(
                 seen[name] = exc
         ran.set()
 
-    pipeline_of(conn).submit("task.renew", REF, on_done)
-    thread, out = _run(lambda: conn.renew(REF))
-    first, second = peer.recv(), peer.recv()
-    peer.send_raw(_ack(first) + _ack(second))
-    assert ran.wait(WAIT)
-    thread.join(WAIT)
-    for name in ("renew", "next_assignment", "submit", "submit_many"):
-        assert isinstance(seen[name], RuntimeError), seen
-        assert "reader thread" in str(seen[name])
-    assert isinstance(out.get("result"), CommandResult), out
-    assert conn.err is None
+    callbacks: dict[str, Any] = {callback: on_push}
+    with ScriptedServer() as server:
+        conn, peer = open_pair(
+            server,
+            registration(cancellation_notifications=True),
+            max_call_timeout=CALL_BOUND,
+            **callbacks,
+        )
+        holder["conn"] = conn
+        try:
+            thread, out = _run(lambda: conn.renew(REF))
+            in_flight = peer.recv()
+            if callback == "on_cancel":
+                peer.send_raw(_text(frame("task.cancel", body=cancel_body())))
+            else:
+                peer.send_raw(_text(frame("task.assign", body=assignment_body())))
+            assert ran.wait(WAIT)
+            peer.send_raw(_ack(in_flight))
+            thread.join(WAIT)
+            for name in ("renew", "queue wait", "send_many", "empty send_many"):
+                assert isinstance(seen.get(name), RuntimeError), seen
+                assert "reader thread" in str(seen[name])
+            assert isinstance(out.get("result"), CommandResult), out
+            [probe] = conn.send_many([BatchCall("task.renew", REF)])
+            request = peer.recv()
+            assert request["message_id"] == probe.message_id  # the callback sent nothing
+            peer.send_raw(_ack(request))
+            assert isinstance(probe.result(), CommandResult)
+            assert conn.err is None
+        finally:
+            conn.close()
 
 
 def _half(data: bytes) -> tuple[bytes, bytes]:
@@ -317,34 +344,28 @@ def test_ctrl_c_in_a_waiting_request_abandons_only_its_slot(
 def test_calls_hold_reused_event_slots_capped_at_the_in_flight_limit(
     pair: tuple[WorkerConnection, Peer],
 ) -> None:
-    """Sequential calls reuse one Event slot; 32 pipelined calls hold 32, the 33rd is refused,
-    and every slot is idle again once answered."""
+    """Sequential calls reuse one Event slot; a batch of 32 holds 32, a 33rd request is refused
+    without one, and every slot is idle again once its result is read."""
     conn, peer = pair
+    idle = conn._slots  # the connection's idle slots (one list, kept for its life)
     for _ in range(3):
         thread, out = _run(lambda: conn.renew(REF))
         peer.send_raw(_ack(peer.recv()))
         thread.join(WAIT)
         assert isinstance(out.get("result"), CommandResult), out
-    assert len(conn._slots) == 1
-    assert isinstance(conn._slots[0].event, threading.Event)
-    answered: list[OrbitError | None] = []
-    all_answered = threading.Event()
-
-    def on_done(value: Any, error: OrbitError | None) -> None:
-        answered.append(error)
-        if len(answered) == MAX_IN_FLIGHT:
-            all_answered.set()
-
-    for _ in range(MAX_IN_FLIGHT):
-        pipeline_of(conn).submit("task.renew", REF, on_done)
-    assert conn._slots == []
+    assert len(idle) == 1
+    assert isinstance(idle[0].event, threading.Event)
+    calls = conn.send_many([BatchCall("task.renew", REF) for _ in range(MAX_IN_FLIGHT)])
+    assert idle == []
+    [refused] = conn.send_many([BatchCall("task.renew", REF)])
+    assert refused.message_id is None
     with pytest.raises(WorkerBusy):
-        pipeline_of(conn).submit("task.renew", REF, on_done)
+        refused.result()
+    assert idle == [], "a refused request took a slot"
     requests = [peer.recv() for _ in range(MAX_IN_FLIGHT)]
     peer.send_raw(b"".join(_ack(request) for request in requests))
-    assert all_answered.wait(WAIT)
-    assert answered == [None] * MAX_IN_FLIGHT
-    assert len({id(slot) for slot in conn._slots}) == MAX_IN_FLIGHT
+    assert all(isinstance(call.result(), CommandResult) for call in calls)
+    assert len({id(slot) for slot in idle}) == MAX_IN_FLIGHT
 
 
 def test_ctrl_c_as_the_write_holds_it_sends_nothing_and_leaves_ctrl_c_working(

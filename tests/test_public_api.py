@@ -97,12 +97,22 @@ def test_outbox_error_is_exported_once() -> None:
     assert exporters == ["orbit_sync"]
 
 
-def test_pipelined_requests_are_not_public() -> None:
-    """The Worker's pipelined path is internal: no public submit or submit_many, and the
-    connection module does not export its Pipeline."""
-    assert not hasattr(orbit_sync.WorkerConnection, "submit")
-    assert not hasattr(orbit_sync.WorkerConnection, "submit_many")
-    assert not {"Pipeline", "pipeline_of"} & set(orbit_sync.connection.__all__)
+def test_send_many_is_the_public_batch_api() -> None:
+    """Batches go through the public send_many, PendingCall and BatchCall (exported by the
+    connection module); the old internal Pipeline and pipeline_of are gone."""
+    import orbit_sync.connection as connection
+
+    assert callable(orbit_sync.WorkerConnection.send_many)
+    assert callable(orbit_sync.WorkerConnection.wake_on_end)
+    assert isinstance(vars(orbit_sync.WorkerConnection)["assignments_received"], property)
+    assert {"BatchCall", "PendingCall", "Settable"} <= set(connection.__all__)
+    assert connection.BatchCall._fields == ("request_type", "body", "message_id", "timeout")
+    assert callable(connection.PendingCall.result) and callable(connection.PendingCall.done)
+    for gone in ("Pipeline", "pipeline_of"):
+        assert not hasattr(connection, gone), gone
+        assert gone not in connection.__all__
+    for gone in ("submit", "submit_many", "take_assignment", "after_assignments"):
+        assert not hasattr(orbit_sync.WorkerConnection, gone), gone
 
 
 def test_every_clock_speaks_the_one_clock_protocol() -> None:

@@ -10,7 +10,7 @@ import pytest
 from _worker_helpers import make_worker, running
 
 from orbit_sync.client import Client
-from orbit_sync.connection import Pipeline
+from orbit_sync.connection import WorkerConnection
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Backoff, Worker
@@ -65,15 +65,15 @@ def test_a_session_bug_that_repeats_stops_the_worker(
 ) -> None:
     """A bug in the session loop is logged with its traceback and retried once; when it happens
     again the worker stops and run() raises it (the CLI exits 1) instead of looping."""
-    submit_many = Pipeline.submit_many
+    send_many = WorkerConnection.send_many
 
-    def buggy(self: Pipeline, requests: Any) -> Any:
+    def buggy(self: WorkerConnection, calls: Any, **kw: Any) -> Any:
         # Every capacity report of every session hits a bug of ours (a plain RuntimeError).
-        if any(r.request_type == "worker.capacity" for r in requests):
+        if any(c.request_type == "worker.capacity" for c in calls):
             raise RuntimeError("session bug")
-        return submit_many(self, requests)
+        return send_many(self, calls, **kw)
 
-    monkeypatch.setattr(Pipeline, "submit_many", buggy)
+    monkeypatch.setattr(WorkerConnection, "send_many", buggy)
     dialer = _CountingDialer(Client(server.url, server.token))
     worker = Worker(
         dialer,

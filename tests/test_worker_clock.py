@@ -14,7 +14,6 @@ from orbit_sync.models import TaskState
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import TaskContext
 from orbit_sync.worker._link import Wakeup
-from orbit_sync.worker._pool import IDLE_TIMEOUT, DaemonPool
 
 
 def _pool_threads(prefix: str) -> list[threading.Thread]:
@@ -75,41 +74,10 @@ def test_manual_clock_rejects_bad_steps_and_starts() -> None:
         clock.advance("1")  # type: ignore[arg-type]
 
 
-def test_idle_pool_threads_retire_after_the_idle_period() -> None:
-    """After a burst, pool threads exit once idle for IDLE_TIMEOUT (fake) seconds, not before."""
-    clock = ManualClock(0.0)
-    pool = DaemonPool(8, name="test-idle-pool", clock=clock)
-    release = threading.Event()
-    started = threading.Semaphore(0)
-
-    def job() -> None:
-        started.release()
-        release.wait(WAIT)
-
-    for _ in range(8):
-        pool.submit(job)
-    for _ in range(8):
-        assert started.acquire(timeout=WAIT)
-    threads = _pool_threads("test-idle-pool")
-    assert len(threads) == 8
-    release.set()
-    assert clock.wait_for_sleepers(8, "test-idle-pool")
-    clock.advance(IDLE_TIMEOUT / 2)
-    assert pool.thread_count() == 8, "half the idle period keeps every thread"
-    clock.advance(IDLE_TIMEOUT / 2)
-    for thread in threads:
-        thread.join(WAIT)
-        assert not thread.is_alive()
-    assert pool.thread_count() == 0
-    # The pool still works: a new job starts a new thread.
-    ran = threading.Event()
-    pool.submit(ran.set)
-    assert ran.wait(WAIT)
-    assert pool.shutdown(1.0) == []
-
-
-def test_worker_handler_threads_retire_after_a_burst() -> None:
-    """A Worker(capacity=16) drops its handler threads once they have been idle long enough."""
+def test_worker_handler_threads_grow_to_a_burst_and_no_further() -> None:
+    """A Worker(capacity=16) on a clock nobody moves runs sixteen handlers at once, on no more
+    than sixteen handler threads, and takes work after the burst (how idle threads retire: the
+    handler threads' own tests)."""
     with MockOrbitServer(assignment_rate=None) as server:
         clock = ManualClock(0.0)
         together = threading.Barrier(16, timeout=WAIT)
@@ -130,13 +98,7 @@ def test_worker_handler_threads_retire_after_a_burst() -> None:
                 assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
                     TaskState.SUCCEEDED
                 )
-            handlers = _pool_threads("orbit-handler")
-            assert len(handlers) >= 16
-            assert clock.wait_for_sleepers(len(handlers), "orbit-handler")
-            clock.advance(IDLE_TIMEOUT + 1)
-            for thread in handlers:
-                thread.join(WAIT)
-            assert _pool_threads("orbit-handler") == []
+            assert len(_pool_threads("orbit-handler")) == 16
             # And the worker still takes work.
             task_id = server.enqueue("one", {})
             assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
@@ -227,8 +189,8 @@ def test_one_manual_clock_drives_the_server_a_dial_and_a_worker() -> None:
             assert server.wait_for(task_id, {"SUCCEEDED"}, timeout=10).state is (
                 TaskState.SUCCEEDED
             )
-            # The idle handler thread parks on the same clock, to retire when it moves on.
-            assert manual.wait_for_sleepers(1, "orbit-handler")
+            # The connection thread waits for its next heartbeat on the same clock.
+            assert manual.wait_for_sleepers(1, "orbit-worker-connection")
 
 
 def test_handler_environment_takes_the_same_clock() -> None:

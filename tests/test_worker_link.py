@@ -12,6 +12,8 @@ import pytest
 from orbit_sync.testing import ManualClock
 from orbit_sync.worker._link import Gate, GaveUp, Link
 
+WAIT = 5.0
+
 
 class _Conn:
     """A stand-in for a published connection (the link only stores and closes it)."""
@@ -148,44 +150,69 @@ def test_on_close_runs_once_at_close_or_at_once_when_already_closed() -> None:
     assert ran == ["a", "late"]
 
 
-def test_gate_hands_freed_slots_to_queued_jobs_in_arrival_order() -> None:
-    """A job queued for a slot holds no thread: each release hands the slot to the first
-    queued job (returned to run), in arrival order; closing keeps queued jobs, which still get
-    the slots released after it, and refuses new ones."""
+def test_gate_waits_for_a_freed_slot_and_close_releases_every_waiter() -> None:
+    """A caller past the gate's slots waits until one is released and then takes it; closing
+    wakes every waiter with GaveUp, and a closed gate lends no slot, even a free one."""
     gate = Gate(1)
-    ran: list[str] = []
-    assert gate.acquire_or_queue(lambda: ran.append("never"))  # a free slot: taken, not queued
-    assert not gate.acquire_or_queue(lambda: ran.append("a"))
-    assert not gate.acquire_or_queue(lambda: ran.append("b"))
-    job = gate.release()
-    assert job is not None
-    job()
+    assert gate.acquire() == 1
+    took = threading.Event()
+    gave_up: list[BaseException] = []
+
+    def take() -> None:
+        try:
+            gate.acquire()
+            took.set()
+        except GaveUp as exc:
+            gave_up.append(exc)
+
+    waiter = threading.Thread(target=take)
+    waiter.start()
+    assert not took.wait(0.05), "no slot is free: it waits"
+    gate.release()
+    assert took.wait(WAIT), "the released slot went to the waiter"
+    waiter.join(WAIT)
+    blocked = [threading.Thread(target=take) for _ in range(2)]
+    for t in blocked:
+        t.start()
     gate.close()
-    with pytest.raises(GaveUp):
-        gate.acquire_or_queue(lambda: ran.append("late"))
-    job = gate.release()
-    assert job is not None
-    job()
-    assert gate.release() is None
-    assert ran == ["a", "b"]
+    for t in blocked:
+        t.join(WAIT)
+        assert not t.is_alive()
+    assert len(gave_up) == 2
+    gate.release()
     with pytest.raises(GaveUp):  # the slot is free, yet a closed gate lends it to no one
-        gate.acquire_or_queue(lambda: ran.append("closed"))
+        gate.acquire()
 
 
-def test_gate_takes_a_free_slot_once_nothing_is_queued_and_never_lends_more() -> None:
-    """The request gate: past its slots a request is queued, holding no thread, and a freed
-    slot goes to it first (its job is returned to the freeing thread); with nothing queued the
-    freed slot is free again, taken by the next request, and only one."""
-    gate = Gate(1)
-    ran: list[str] = []
-    assert gate.acquire_or_queue(lambda: ran.append("never"))
-    assert not gate.acquire_or_queue(lambda: ran.append("queued"))
-    assert ran == []
-    job = gate.release()
-    assert job is not None and ran == [], "the queued request took it"
-    job()
-    assert ran == ["queued"]
-    assert gate.release() is None  # nothing queued: the slot is free
-    assert gate.acquire_or_queue(lambda: ran.append("never either"))
-    assert not gate.acquire_or_queue(lambda: ran.append("behind")), "none is free"
-    assert ran == ["queued"]
+def test_gate_lends_at_most_its_free_slots_to_a_batch() -> None:
+    """A batch takes as many slots as are free, up to what it asks (at least one when it
+    waits); without waiting it may take none; released slots are free again."""
+    gate = Gate(3)
+    assert gate.acquire(2) == 2
+    assert gate.acquire(5, wait=False) == 1
+    assert gate.acquire(5, wait=False) == 0
+    gate.release(3)
+    assert gate.acquire(10) == 3
+
+
+def test_wait_for_returns_once_a_newer_connection_is_published_or_the_link_closes() -> None:
+    """A thread holding a failed request waits for a connection newer than the failed one and
+    published (an opened one is not enough: its resumes have not gone out), then re-sends; a
+    closed link ends the wait with False."""
+    link = Link(ManualClock())
+    conn: Any = object()
+    gen = link.publish(conn)
+    results: list[bool] = []
+    waiter = threading.Thread(target=lambda: results.append(link.wait_for(newer_than=gen)))
+    waiter.start()
+    link.open(object())  # type: ignore[arg-type]
+    waiter.join(0.05)
+    assert waiter.is_alive(), "opened, not published: its resumes are not out yet"
+    link.publish(conn)
+    waiter.join(WAIT)
+    assert results == [True]
+    closing = threading.Thread(target=lambda: results.append(link.wait_for(newer_than=99)))
+    closing.start()
+    link.close()
+    closing.join(WAIT)
+    assert results == [True, False]

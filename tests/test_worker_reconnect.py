@@ -40,18 +40,14 @@ def _sent_again(
 ) -> tuple[Peer, dict[str, Any]]:
     """Cut *peer* before *sent* is answered and welcome the next connection (after *backoff*);
     answer its report and its resume; return the new connection and *sent* sent again on it,
-    same message_id. A start or finish goes out right behind the resume, then the report; a
-    renew right behind the resume too, beside the report (the watchdog's thread sends it), all
-    before any answer."""
+    same message_id. A start, finish or renew goes out right behind the resume (from its own
+    thread: the handler's, or the watchdog's), beside the report, all before any answer."""
     peer.close()
     backoff()
     peer, resume = _reconnected(server, "2")
     first, second = peer.recv(), peer.recv()  # nothing was answered on this connection yet
-    if sent["type"] == "task.renew":
-        again, report = (first, second) if first["type"] == "task.renew" else (second, first)
-    else:
-        again, report = first, second
-    assert report["type"] == "worker.capacity", "the report follows the re-send"
+    again, report = (first, second) if first["type"] == sent["type"] else (second, first)
+    assert report["type"] == "worker.capacity", "the report goes out beside the re-send"
     peer.ack(resume, lease_body())
     peer.ack(report, welcome_body(epoch="2"))
     assert again["type"] == sent["type"]
@@ -130,7 +126,8 @@ def test_a_start_answered_before_its_resume_keeps_the_handler_running() -> None:
         assert start["type"] == "task.start"
         peer.close()
         peer, resume = _reconnected(server, "2")
-        again, report = peer.recv(), peer.recv()
+        two = [peer.recv(), peer.recv()]  # the start (its thread) and the report, either order
+        again, report = sorted(two, key=lambda f: f["type"] != "task.start")
         assert again["message_id"] == start["message_id"]
         peer.ack(again, command_body("start"))
         assert handlers.started.get(timeout=WAIT) == ATTEMPT_ID
@@ -164,9 +161,9 @@ def test_a_renew_left_unanswered_is_sent_again_right_behind_the_resume() -> None
 
 def test_two_held_attempts_resend_their_finish_and_renew_behind_the_resumes() -> None:
     """Two held attempts, one running with a renew left unanswered, one finishing: the kept
-    finish (same message_id) goes out right behind the two resumes, then the report; the
-    renew (same message_id, on a worker clock that never reaches a retry delay) behind the
-    resumes too, beside the report; all before any answer."""
+    finish (same message_id, from its handler's thread) and the renew (same message_id, from
+    the watchdog's, on a worker clock that never reaches a retry delay) go out right behind the
+    two resumes, beside the report; all before any answer."""
     with _on_still_time() as (server, _worker, handlers, clock, backoff):
         peer = _first_session(server, handlers)
         peer.push("task.assign", assignment_body(task_id=OTHER_TASK, attempt_id=OTHER_ATTEMPT))
@@ -180,15 +177,15 @@ def test_two_held_attempts_resend_their_finish_and_renew_behind_the_resumes() ->
         peer = server.accept()
         peer.handshake(epoch="2")
         frames = [peer.recv() for _ in range(5)]
-        assert [f["type"] for f in frames[:3]] == ["worker.resume", "worker.resume", "task.finish"]
-        assert frames[2]["message_id"] == finish["message_id"]
-        again, report = sorted(frames[3:], key=lambda f: str(f["type"]))
+        assert [f["type"] for f in frames[:2]] == ["worker.resume", "worker.resume"]
+        kept, again, report = sorted(frames[2:], key=lambda f: str(f["type"]))
+        assert kept["type"] == "task.finish" and kept["message_id"] == finish["message_id"]
         assert report["type"] == "worker.capacity" and again["type"] == "task.renew"
         assert again["message_id"] == renew["message_id"]
         resumes = {f["body"]["attempt_id"]: f for f in frames[:2]}
         peer.ack(resumes[ATTEMPT_ID], lease_body())
         done = command_body("finish", task_state="SUCCEEDED", attempt_state="SUCCEEDED")
-        peer.ack(frames[2], done)
+        peer.ack(kept, done)
         peer.ack(report, welcome_body(epoch="2"))
         peer.ack(resumes[OTHER_ATTEMPT], lease_body())
         peer.ack(again, command_body("renew"))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import pickle
 import random
-import threading
 
 import pytest
 from _worker_helpers import leased_task
@@ -22,7 +21,6 @@ from orbit_sync.worker import (
 )
 from orbit_sync.worker._context import cancel_context, worker_log
 from orbit_sync.worker._outcomes import abandoned, not_run, outcome_of
-from orbit_sync.worker._pool import DaemonPool
 
 
 def _task() -> Task:
@@ -210,66 +208,6 @@ def test_backoff_is_exponential_bounded_and_jittered() -> None:
 
 
 # ----------------------------------------------------------------------------- pool
-
-
-def test_pool_threads_are_daemons_and_bounded() -> None:
-    """The pool runs at most size jobs at once, on daemon threads."""
-    pool = DaemonPool(2)
-    release = threading.Event()
-    started = threading.Semaphore(0)
-    seen: list[bool] = []
-
-    def job() -> None:
-        seen.append(threading.current_thread().daemon)
-        started.release()
-        release.wait(10)
-
-    for _ in range(3):
-        pool.submit(job)
-    assert started.acquire(timeout=5) and started.acquire(timeout=5)
-    assert not started.acquire(timeout=0.2), "a third job must wait for a free thread"
-    release.set()
-    assert started.acquire(timeout=5)
-    assert pool.shutdown(5) == []
-    assert seen == [True, True, True]
-
-
-def test_pool_runs_every_job_while_idle_threads_retire() -> None:
-    """Jobs submitted from several threads while idle threads keep retiring and new ones start
-    all run, on at most size threads."""
-    pool = DaemonPool(3, idle_timeout=0.0005)  # threads retire between bursts, over and over
-    peak: list[int] = []
-    names: set[str] = set()
-
-    def submitter() -> None:
-        done = threading.Semaphore(0)
-        ran: list[threading.Thread] = []
-
-        def job() -> None:
-            peak.append(pool.thread_count())
-            names.add(threading.current_thread().name)
-            ran.append(threading.current_thread())
-            done.release()
-
-        for _ in range(40):  # bursts of 7, while the other submitters' bursts come and go
-            for _ in range(7):
-                pool.submit(job)
-            assert all(done.acquire(timeout=5) for _ in range(7)), "a submitted job never ran"
-            # Until a thread of this burst has retired (its end is the event waited for): the
-            # next burst then needs a new thread, started while others may be retiring.
-            ran[-1].join(5)
-            assert not ran[-1].is_alive(), "an idle pool thread never retired"
-
-    threads = [threading.Thread(target=submitter) for _ in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
-        assert not thread.is_alive()
-    assert len(peak) == 4 * 40 * 7
-    assert max(peak) <= 3
-    assert len(names) > 3, "no thread retired and was replaced: the test exercised nothing"
-    assert pool.shutdown(5) == []
 
 
 # ----------------------------------------------------------------------------- worker API

@@ -3,11 +3,12 @@ the stuck ones, and a new report (the next sequence) only when that or the drain
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, cast
+import threading
 
 import pytest
+from _scripted import WAIT, ScriptedServer, open_pair, welcome_body
 
+from orbit_sync.errors import WorkerClosed
 from orbit_sync.models import CapacityReport
 from orbit_sync.worker._window import CapacityWindow, SentReport
 
@@ -54,36 +55,35 @@ def test_stuck_slots_are_never_offered_and_come_back_once_freed() -> None:
     assert window.offered == 0 and window.report().capacity == 4
 
 
-def _sent(answered: Callable[[SentReport], None]) -> SentReport:
-    """A report as sent, its completion not run yet (no connection: nothing reads it here)."""
-    return SentReport(cast(Any, None), CapacityReport(sequence=1, capacity=4), 0.0, None, answered)
+def test_a_sent_report_is_over_once_answered_and_wakes_its_thread() -> None:
+    """A report goes out in its own slot: not over before its answer; the answer sets the
+    wake-up the connection thread sleeps on, and wait() records the server's welcome."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            wake = threading.Event()
+            sent = SentReport(conn, CapacityReport(sequence=1, capacity=4), 0.0, None, wake)
+            frame = peer.recv()
+            assert frame["type"] == "worker.capacity" and frame["body"]["capacity"] == 4
+            assert not sent.over and not wake.is_set()
+            peer.ack(frame, welcome_body())
+            assert wake.wait(WAIT) and sent.over
+            sent.wait()
+            assert sent.error is None and sent.value.session_id == conn.session_id
+        finally:
+            conn.close()
 
 
-def test_a_sent_report_is_over_before_its_answer_is_recorded_and_set_after() -> None:
-    """A report's completion marks it over before the answered callback runs (a thread that
-    callback wakes finds it answered, never a lost wake-up) and sets its event only after (a
-    thread waiting on the event sees what the callback recorded)."""
-    seen: list[tuple[bool, bool]] = []
-
-    def answered(sent: SentReport) -> None:
-        seen.append((sent.over, sent.event.is_set()))
-
-    sent = _sent(answered)
-    assert not sent.over and not sent.event.is_set()
-    welcome = object()
-    sent.submission.on_done(welcome, None)
-    assert seen == [(True, False)]
-    assert sent.over and sent.event.is_set() and sent.value is welcome and sent.error is None
-
-
-def test_a_sent_report_whose_callback_fails_still_releases_its_waiter() -> None:
-    """A failing answered callback (a bug) still sets the report's event: the connection thread
-    waiting on it is never left hanging; the error goes to the connection, which logs it."""
-
-    def answered(sent: SentReport) -> None:
-        raise RuntimeError("bug")
-
-    sent = _sent(answered)
-    with pytest.raises(RuntimeError):
-        sent.submission.on_done(object(), None)
-    assert sent.over and sent.event.is_set()
+def test_a_sent_report_whose_connection_ends_is_over_with_that_error() -> None:
+    """A connection that ends before the report's answer ends the report too: its waiter is
+    woken and wait() records the connection's error, bound to the report's message_id."""
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        wake = threading.Event()
+        sent = SentReport(conn, CapacityReport(sequence=1, capacity=4), 0.0, None, wake)
+        frame = peer.recv()
+        conn.close()
+        assert wake.wait(WAIT) and sent.over
+        sent.wait()
+        assert isinstance(sent.error, WorkerClosed)
+        assert sent.error.message_id == frame["message_id"]

@@ -1,7 +1,8 @@
-"""Admission: the server's pushes fed to the attempts' machines. :meth:`Admission.take_all`
-takes each ``task.assign`` on the session's intake thread (its machine starts it, or refuses a
-repeat or one no handler here runs; PROTOCOL §6.1); :meth:`Admission.on_cancel` takes each
-``task.cancel`` on the reader. A stopping worker starts what reaches it too: the protocol cannot
+"""Admission: the server's pushes fed to the attempts' machines. :meth:`Admission.dispatch`
+takes each ``task.assign`` on the handler thread that took it from the connection's queue (its
+machine starts it, or refuses a repeat or one no handler here runs; PROTOCOL §6.1), which then
+runs the attempt to its end; :meth:`Admission.on_cancel` takes each ``task.cancel`` on the
+reader. A stopping worker starts what reaches it too: the protocol cannot
 hand an assignment back (§5.7) and its claim spent one of the task's attempts, so past the drain
 it starts with its context cancelled and finishes by the outcome rules.
 """
@@ -9,14 +10,11 @@ it starts with its context cancelled and finishes by the outcome rules.
 from __future__ import annotations
 
 import collections
-from functools import partial
+from collections.abc import Callable
 
-from ..connection import pipeline_of
 from ..models import Assignment, CancelNotice, new_message_id
 from ._context import TaskContext, worker_log
-from ._link import Connection
 from ._machine import AttemptMachine, Skipped
-from ._pool import BatchPolicy
 from ._shell import Attempt, AttemptShell, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
@@ -47,26 +45,11 @@ class Admission:
         worker_log(att.ctx).info("cancel requested by the server")
         self._shell.step(att, AttemptMachine.cancel_pushed)
 
-    def take_all(self, conn: Connection) -> None:
-        """The session's intake (its own thread): dispatch each assignment of *conn* until it
-        has ended and none is left unread (those taken after the end: the next session resumes
-        them, then sends their starts)."""
-        # The reader wakes this thread for nearly every assignment; under SCHED_BATCH the wake-up
-        # does not preempt it while it still holds the GIL (docs/architecture.md, "Scheduling
-        # policy"), which it may have only while it runs no listener of the user's.
-        policy = BatchPolicy(
-            partial(self._hooks.has, "attempt_received"),
-            forced=self._shell.options.batch_scheduling,
-        )
-        policy.check()  # waits for the first one under it
-        while (assignment := pipeline_of(conn).take_assignment()) is not None:
-            policy.check()  # a listener subscribed meanwhile runs under the thread's own policy
-            self.dispatch(assignment)
-
-    def dispatch(self, assignment: Assignment) -> None:
-        """A ``task.assign`` push: its machine decides (a repeat or an attempt no handler here
-        can run is refused) under the registry's lock, where the attempt is recorded; then its
-        actions (the start) are performed."""
+    def dispatch(self, assignment: Assignment, recorded: Callable[[], None]) -> None:
+        """A ``task.assign`` push, on the handler thread that took it: its machine decides (a
+        repeat or an attempt no handler here can run is refused) under the registry's lock,
+        where the attempt is recorded (then *recorded* is told); then its actions are performed
+        on this thread: the start, the handler, the finish."""
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
         with self._reg.lock:
@@ -100,6 +83,9 @@ class Admission:
                 )
                 att = Attempt(assignment, ctx, handler, machine)
                 self._reg.attempts[att.id] = att
+            recorded()
+            if self._reg.stop_requested:  # the drain waits for what was assigned before it
+                self._reg.cond.notify_all()
         if att is None:
             for skipped in actions:
                 assert isinstance(skipped, Skipped)

@@ -1,33 +1,29 @@
 """The worker's current connection, shared by its threads: *opened* for the resumes only, then
 *published* for every request once they went out (:class:`Resumes`), *retracted* when it breaks.
-A failed request is *kept* (:meth:`Link.keep`) until a newer connection or its retry delay, and
-the connection thread re-sends it with its ``message_id`` (PROTOCOL §7); closing the link hands
-every kept request back to its closer, which gives them up (how shutdown bounds a finish
-waiting for a connection that never comes back).
+A failed start or finish waits, in the thread that sent it, for a newer connection or its retry
+delay (:meth:`Link.wait_for`) and is re-sent there with its ``message_id`` (PROTOCOL §7); a
+resume answered with a transient error is *kept* (:meth:`Link.keep`) for the connection thread.
+Closing the link ends every such wait (how shutdown bounds a finish waiting for a connection that
+never comes back). :class:`Intake` is the connection whose assignments the handler threads take.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import math
 import threading
 from collections.abc import Callable, Hashable
-from typing import Any, Generic, Protocol, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias
 
+from .._realtime import monotonic
 from ..clock import Clock, SystemClock
 from ..connection import WorkerConnection
 from ..models import CancelNotice, Registration
-from ._machine import Event
 
-__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Link", "Resumes", "Wakeup"]
-
-T = TypeVar("T")
-
+__all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Intake", "Link", "Resumes", "Wakeup"]
 
 #: The worker's connection: the package's own :class:`~orbit_sync.connection.WorkerConnection`
-#: (what :meth:`Dialer.dial_worker` returns). The worker's requests and its intake use its
-#: pipelined path, which is not user API: :func:`orbit_sync.connection.pipeline_of`.
+#: (what :meth:`Dialer.dial_worker` returns).
 Connection: TypeAlias = WorkerConnection
 
 
@@ -48,43 +44,96 @@ class GaveUp(Exception):
 
 
 class Gate:
-    """A counting semaphore for requests: one that finds no free slot is queued as a *job*
-    (:meth:`acquire_or_queue`), holding no thread. Once closed, none takes a slot
-    (:class:`GaveUp`): nothing waits past shutdown."""
+    """A counting semaphore for the attempts' requests (starts, finishes, resumes), so that
+    renewals and capacity reports always find a request slot of the connection free. A caller
+    waits for a slot; once closed, none is taken (:class:`GaveUp`): nothing waits past
+    shutdown."""
 
     def __init__(self, slots: int) -> None:
-        self._lock = threading.Lock()
+        self._cond = threading.Condition(threading.Lock())
         self._free = slots
-        #: Jobs waiting for a slot, in arrival order (only while no slot is free).
-        self._queue: collections.deque[Callable[[], None]] = collections.deque()
         self._closed = False
 
-    def acquire_or_queue(self, job: Callable[[], None]) -> bool:
-        """Take a slot (True), or queue *job* for the next slot freed (False: a later
-        :meth:`release` returns it). Raise :class:`GaveUp` once closed."""
-        with self._lock:
+    def acquire(self, most: int = 1, *, wait: bool = True) -> int:
+        """Take between one and *most* slots, waiting for the first (*wait*; else take what is
+        free now, maybe none); return how many. Raise :class:`GaveUp` once closed."""
+        with self._cond:
+            while wait and not self._closed and self._free <= 0:
+                self._cond.wait()
             if self._closed:
                 raise GaveUp("worker stopped")
-            if self._free > 0:
-                self._free -= 1
-                return True
-            self._queue.append(job)
-            return False
+            taken = max(0, min(most, self._free))
+            self._free -= taken
+            return taken
 
-    def release(self) -> Callable[[], None] | None:
-        """Give a slot back: to the first queued job (returned: the caller must run it, the
-        slot is its), else to the free slots."""
-        with self._lock:
-            if self._queue:
-                return self._queue.popleft()
-            self._free += 1
-            return None
+    def release(self, count: int = 1) -> None:
+        """Give *count* slots back."""
+        with self._cond:
+            self._free += count
+            self._cond.notify(count)
 
     def close(self) -> None:
-        """Refuse new requests. Queued jobs stay: slots still in use are released as their
-        requests end, and each goes to a job (which then finds no connection)."""
-        with self._lock:
+        """Refuse new requests and wake every waiter (calls in flight end by their deadline)."""
+        with self._cond:
             self._closed = True
+            self._cond.notify_all()
+
+
+class Intake:
+    """The connection whose assignments the handler threads take (the newest one), and how many
+    of them the threads have recorded: the connection thread waits until every assignment
+    received before a drain's answer (or before the connection ended) is recorded. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._conn: Connection | None = None
+        self._recorded = 0
+        self._closed = False
+
+    def offer(self, conn: Connection) -> None:
+        """From now on the threads take *conn*'s assignments (the connection thread)."""
+        with self._cond:
+            self._conn, self._recorded = conn, 0
+            self._cond.notify_all()
+
+    def next(self, after: Connection | None) -> Connection | None:
+        """The connection to take from: the newest, once it is not *after* (whose assignments
+        the caller took to the end); ``None`` once closed."""
+        with self._cond:
+            while not self._closed and (self._conn is None or self._conn is after):
+                self._cond.wait()
+            return None if self._closed else self._conn
+
+    def recorded(self, conn: Connection) -> None:
+        """A handler thread recorded one of *conn*'s assignments as an attempt (or refused it)."""
+        with self._cond:
+            if conn is self._conn:
+                self._recorded += 1
+                self._cond.notify_all()
+
+    def all_recorded(self, conn: Connection) -> bool:
+        """Has every assignment *conn* received so far been recorded?"""
+        with self._cond:
+            return conn is self._conn and self._recorded >= conn.assignments_received
+
+    def wait_recorded(self, conn: Connection, timeout: float) -> bool:
+        """Wait (real time) until :meth:`all_recorded`, at most *timeout* seconds."""
+        deadline = monotonic() + timeout
+        with self._cond:
+            while not self._closed and conn is self._conn:
+                if self._recorded >= conn.assignments_received:
+                    return True
+                left = deadline - monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return False
+
+    def close(self) -> None:
+        """No more assignments are taken: every thread waiting for a connection is released."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
 
 class Link:
@@ -190,6 +239,20 @@ class Link:
             self._kept.append((not_before, next(self._order), newer_than, early, job))
             return True
 
+    def wait_for(self, *, newer_than: int = 0, delay: float = 0.0) -> bool:
+        """Wait until a published connection newer than *newer_than* is current and *delay*
+        seconds (on the link's clock) have passed: True, the caller re-sends its request; False
+        once the link is closed."""
+        with self._lock:
+            until = self._clock.now() + delay if delay > 0 else 0.0
+            while not self._closed:
+                ready = self._conn is not None and self._published and self._gen > newer_than
+                now = self._clock.now()
+                if ready and now >= until:
+                    return True
+                self._clock.wait(self._cond, until if ready else None)
+            return False
+
     def take_due(self) -> tuple[list[Callable[[], None]], float]:
         """The kept jobs whose connection and time have come (to run now, in the order they
         were kept), and when the next one is due on the clock (``inf``: none before a newer
@@ -230,20 +293,18 @@ class Link:
                 self._clock.wait(self._cond, until)
 
 
-class Resumes(Generic[T]):
+class Resumes:
     """The resumes of the newest connection: whether every one went out (publish it) and is over
-    (the session is established, unless one was *cut*: its connection failed before its answer);
-    their outcomes, queued for the connection thread to step (:meth:`take`) so that a lost
-    lease's listeners and log lines never run on the reader. Thread-safe."""
+    (the session is established, unless one was *cut*: its connection failed before its answer).
+    Thread-safe."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._lock = threading.Lock()
-        #: Wakes the connection thread (an outcome is queued, or the last resume went out).
+        #: Wakes the connection thread (the last resume went out).
         self._wake = wake
         self._unsent: set[Hashable] = set()
         self._open: set[Hashable] = set()
         self._cut = False
-        self._events: collections.deque[tuple[T, Event]] = collections.deque()
 
     def begin(self) -> None:
         """A new connection: forget the older one's resumes (a late outcome of one of them is
@@ -287,18 +348,6 @@ class Resumes(Generic[T]):
     def cut(self) -> bool:
         with self._lock:
             return self._cut
-
-    def deliver(self, subject: T, event: Event) -> None:
-        """Queue *event*, a resume's outcome for *subject*, for the connection thread."""
-        self._events.append((subject, event))
-        self._wake()
-
-    def take(self) -> list[tuple[T, Event]]:
-        """The queued outcomes, in arrival order."""
-        taken: list[tuple[T, Event]] = []
-        while self._events:
-            taken.append(self._events.popleft())
-        return taken
 
 
 class Wakeup:

@@ -1,10 +1,10 @@
-"""A bounded pool of daemon threads that grows on demand and retires its threads when idle (why
-not ``concurrent.futures.ThreadPoolExecutor``: docs/architecture.md, the design card's table).
+"""The handler threads: daemon threads that take the connection's assignments and run each
+attempt on themselves, started on demand and retired when idle (why not
+``concurrent.futures.ThreadPoolExecutor``: docs/architecture.md, the design card's table).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import itertools
 import logging
@@ -13,14 +13,17 @@ import threading
 from collections.abc import Callable
 
 from .._realtime import monotonic
-from ..clock import Clock, SystemClock
+from ..errors import OrbitError
+from ..models import Assignment
+from ._link import Connection, Intake
+from ._requests import waiting_thread
 
-__all__ = ["BatchPolicy", "DaemonPool"]
+__all__ = ["BatchPolicy", "HandlerThreads"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 _names = itertools.count(1)
 
-#: How long a pool thread waits for work before it exits.
+#: How long an idle handler thread (not the last) waits for an assignment before it exits.
 IDLE_TIMEOUT = 30.0
 
 
@@ -57,27 +60,22 @@ class BatchPolicy:
                 self._batched = want
 
 
-class _Parked:
-    """An idle thread's parking place: the lock it sleeps on and the job handed to it."""
-
-    __slots__ = ("job", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()  # held while parked; a release hands over self.job
-        self.job: Callable[[], None] | None = None
-
-
-class DaemonPool:
-    """Runs submitted callables on at most *size* daemon threads, started on demand."""
+class HandlerThreads:
+    """The handler threads: each takes the next assignment from the connection's queue
+    (*intake*: the newest connection) and runs its attempt to the end on itself with *run*
+    (record it, send its start and wait, run the handler, send its finish and wait). Started on
+    demand up to *size*: one more as the last idle one takes an assignment, so one is always
+    waiting on the queue while fewer than *size* run; an idle one beyond that retires after
+    *idle_timeout* real seconds."""
 
     def __init__(
         self,
         size: int,
+        intake: Intake,
+        run: Callable[[Connection, Assignment], None],
         *,
         name: str = "orbit-handler",
         idle_timeout: float = IDLE_TIMEOUT,
-        clock: Clock | None = None,
         batch: bool = False,
     ) -> None:
         if size < 1:
@@ -85,65 +83,53 @@ class DaemonPool:
         if not idle_timeout > 0:
             raise ValueError("idle_timeout must be positive")
         self._size = size
-        #: Put each thread under SCHED_BATCH (see BatchPolicy).
-        self._batch = batch
+        self._intake = intake
+        self._run = run
         self._name = name
         self._idle_timeout = idle_timeout
-        self._clock = clock or SystemClock()
-        # Entered as its lock (C), not as the condition, whose __enter__ is Python code.
+        #: Put each thread under SCHED_BATCH (see BatchPolicy).
+        self._batch = batch
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        #: Jobs waiting for a thread (only while every thread is busy).
-        self._jobs: collections.deque[Callable[[], None]] = collections.deque()
-        # Idle threads, the most recently parked last. A job is handed straight to one of them
-        # by releasing its own lock: a C-level wake-up, not a notify under the pool's lock that
-        # the woken thread must then take (that hand-off was over a third of the reader
-        # thread's time at full load). Taking the newest keeps the same few threads busy, so
-        # the others reach the idle timeout and retire.
-        self._parked: list[_Parked] = []
         self._threads: set[threading.Thread] = set()
+        self._idle = 0
         self._closed = False
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run *job* on a pool thread (queued while all threads are busy). Never blocks."""
+    def start(self) -> None:
+        """Start the first thread (it waits for the first connection)."""
         with self._lock:
-            if self._closed:
-                raise RuntimeError("pool is shut down")
-            if self._parked:
-                parked = self._parked.pop()
-                parked.job = job
-                self._clock.unpark(parked.lock)
-                return
-            self._jobs.append(job)
-            if len(self._threads) < self._size:
-                thread = threading.Thread(
-                    target=self._main, name=f"{self._name}-{next(_names)}", daemon=True
-                )
-                self._threads.add(thread)
-                thread.start()
+            if not self._threads and not self._closed:
+                self._spawn()
+
+    def _spawn(self) -> None:
+        # (lock held)
+        thread = threading.Thread(
+            target=self._main, name=f"{self._name}-{next(_names)}", daemon=True
+        )
+        self._threads.add(thread)
+        self._idle += 1
+        thread.start()
 
     def owns_current_thread(self) -> bool:
-        """True when called from one of this pool's threads."""
+        """True when called from one of the handler threads."""
         current = threading.current_thread()
         with self._lock:
             return current in self._threads
 
     def thread_count(self) -> int:
-        """Threads alive in the pool right now (busy or idle)."""
+        """Handler threads alive right now (busy or idle)."""
         with self._lock:
             return len(self._threads)
 
     def shutdown(self, timeout: float, *, stuck: int = 0) -> list[str]:
-        """Refuse new jobs and let every thread exit once its job is done; wait until at most
-        *stuck* threads are left (handlers known to ignore cancellation, never waited for) or
-        for *timeout* real seconds (threads end on events, not on the pool's clock, which may be
-        a test's clock that nobody moves). Return the names of the threads still running."""
+        """Take no more assignments and let every thread exit once its attempt is done; wait
+        until at most *stuck* threads are left (handlers known to ignore cancellation, never
+        waited for) or for *timeout* real seconds. Return the names of the threads still
+        running."""
         deadline = monotonic() + timeout
+        self._intake.close()
         with self._lock:
             self._closed = True
-            for parked in self._parked:  # no job: the thread exits
-                self._clock.unpark(parked.lock)
-            self._parked.clear()
             while len(self._threads) > stuck:
                 remaining = deadline - monotonic()
                 if remaining <= 0:
@@ -152,36 +138,44 @@ class DaemonPool:
             return sorted(t.name for t in self._threads)
 
     def _main(self) -> None:
-        if self._batch:  # asked for: submit() wakes it from the connection's reader
+        waiting_thread()  # it makes its attempts' calls and waits for their answers
+        if self._batch:  # asked for: the reader wakes it for each assignment
             BatchPolicy(forced=True).check()
-        me = _Parked()
-        while True:
-            job = self._next_job(me)
-            if job is None:
-                with self._lock:
-                    self._threads.discard(threading.current_thread())
-                    self._cond.notify_all()  # shutdown() waits for the pool to empty
-                return
-            try:
-                job()
-            except BaseException:  # a job's bug must not shrink the pool
-                _LOG.exception("worker pool job failed")
-
-    def _next_job(self, me: _Parked) -> Callable[[], None] | None:
-        """The next job, or None when this thread should exit (shut down, or idle too long)."""
-        with self._lock:
-            if self._jobs:  # queued jobs still run after shutdown
-                return self._jobs.popleft()
-            if self._closed:
-                return None
-            self._parked.append(me)
-        if not self._clock.park(me.lock, self._clock.now() + self._idle_timeout):
+        try:
+            self._take_and_run()
+        finally:
             with self._lock:
-                if me in self._parked:  # nobody picked this thread: it retires
-                    self._parked.remove(me)
-                    return None
-            # Picked just as the wait ended: the release happened under the pool's lock,
-            # before this thread could take it, so this acquire returns at once.
-            me.lock.acquire()
-        job, me.job = me.job, None
-        return job
+                self._threads.discard(threading.current_thread())
+                self._idle -= 1
+                self._cond.notify_all()  # shutdown() waits for the threads to end
+
+    def _take_and_run(self) -> None:
+        exhausted: Connection | None = None
+        while True:
+            conn = self._intake.next(after=exhausted)
+            if conn is None:
+                return  # shut down
+            try:
+                assignment = conn.next_assignment(self._idle_timeout, after_end=True)
+            except OrbitError:  # ended, and nothing it received is left
+                exhausted = conn
+                continue
+            except TimeoutError:
+                if conn.done.is_set():
+                    exhausted = conn
+                    continue
+                with self._lock:
+                    if self._idle > 1 or self._closed:  # another one is waiting: retire
+                        return
+                continue
+            with self._lock:
+                self._idle -= 1
+                if self._idle == 0 and len(self._threads) < self._size and not self._closed:
+                    self._spawn()  # the next assignment finds a thread waiting
+            try:
+                self._run(conn, assignment)
+            except BaseException:  # a bug of ours must not shrink the pool
+                _LOG.exception("worker error in a handler thread")
+            finally:
+                with self._lock:
+                    self._idle += 1

@@ -14,11 +14,25 @@ from ..errors import HTTPError, OrbitError, WorkerError
 from ..models import Finish, Registration, new_message_id
 from ._errors import is_fatal_dial_error
 from ._link import Connection, Dialer, Link, Wakeup
-from ._machine import Action, AttemptMachine, Ended, Event, Phase, RecordFinish, Release, Reported
+from ._machine import (
+    Action,
+    AttemptMachine,
+    BreakConnection,
+    Ended,
+    Event,
+    Keep,
+    Phase,
+    RecordFinish,
+    Release,
+    Reported,
+    Send,
+    answered,
+    failed,
+)
 from ._options import WorkerOptions
 from ._outbox import Outbox, Pending
 from ._outcomes import WORKER_LOST
-from ._requests import RequestPath
+from ._requests import Caller, waiting_thread
 from ._shutdown import CLOSE_ALLOWANCE
 
 __all__ = ["TRY_LIMIT", "WORKER_LOST", "ReplayShell", "replay", "replay_until_done"]
@@ -39,6 +53,7 @@ def replay_until_done(
     """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per the
     worker's ``reconnect_backoff`` between tries; ends early when *link* (the worker's) is
     closed: shutdown also ends a try in progress."""
+    waiting_thread()  # it makes the replay's calls and waits for their answers
     failures = 0
     while not link.is_closed():
         try:
@@ -144,11 +159,10 @@ class _Stored:
         self.machine = AttemptMachine(item.ref, new_id=new_message_id, retry_delay=retry_delay)
 
 
-class ReplayShell(RequestPath[_Stored]):
+class ReplayShell:
     """One try at delivering what one dead instance left, on one connection (see the module's
-    docstring). Events reach the machines through a queue that only :meth:`run`'s thread
-    drains, so a machine is never stepped by two threads and outbox writes never run on the
-    connection's reader."""
+    docstring). Only :meth:`run`'s thread steps the machines, through a queue it drains, and it
+    makes every call and waits for each answer on its slot, one request at a time."""
 
     def __init__(
         self,
@@ -159,7 +173,9 @@ class ReplayShell(RequestPath[_Stored]):
     ) -> None:
         self._clock = clock = options.clock
         self._wakeup = Wakeup(clock)
-        super().__init__(Link(clock), options, self._wakeup.set)
+        self._link = Link(clock)
+        self._log = options.logger
+        self._caller = Caller(self._link, options)
         self._outbox = outbox
         self._instance = registration.instance_id
         self._stored = [_Stored(item, options.renew_retry_delay) for item in pending]
@@ -169,19 +185,46 @@ class ReplayShell(RequestPath[_Stored]):
         self._open = len(self._stored)
         self._kept = 0
         self._stopping = False
+        #: The try's connection, once run() has it (a shutdown closes it).
+        self._conn: Connection | None = None
 
     def step(self, subject: _Stored, event: Event) -> None:
-        # Any thread (the connection's reader for answers): queued for run()'s thread.
+        # On run()'s thread (an answer, a re-send): queued for its loop.
         self._events.append((subject, event))
         self._wakeup.set()
 
+    def _send(self, s: _Stored, action: Send) -> None:
+        """Make the call and wait for it; what became of it is the machine's next event."""
+        request = action.request
+        outcome = self._caller.call(request)
+        if outcome.gave_up:
+            self.step(s, partial(AttemptMachine.gave_up, request=request))
+        elif outcome.error is not None:
+            self.step(s, failed(request, outcome.error, outcome.gen))
+        else:
+            self.step(s, answered(request, outcome.value))
+
+    def _keep(self, s: _Stored, kept: Keep) -> None:
+        request = kept.request
+        # A failed connection: this try has no newer one, and the record stays stored. A retry
+        # delay is waited for here.
+        if not kept.newer_than and self._caller.wait_to_resend(kept):
+            self.step(s, partial(AttemptMachine.resend, request=request))
+        else:
+            self.step(s, partial(AttemptMachine.gave_up, request=request))
+
     def _stop(self) -> None:
         self._stopping = True
+        self._link.close()  # ends a retry delay being waited for
+        conn = self._conn
+        if conn is not None:
+            conn.close()  # ends the call being waited for: its record stays for the next try
         self._wakeup.set()
 
     def run(self, conn: Connection, stop: Link | None = None) -> bool:
         """Deliver on *conn* (then closed); True when every stored attempt is settled for good,
         False when some wait for a later try."""
+        self._conn = conn
         unsubscribe = stop.on_close(self._stop) if stop is not None else None
         try:
             self._link.publish(conn)
@@ -202,8 +245,7 @@ class ReplayShell(RequestPath[_Stored]):
                         "outbox: delivery not done within %.0f s; will retry", TRY_LIMIT
                     )
                     break
-                next_at = self.resend_due()
-                self._wakeup.wait(min(next_at, deadline) - self._clock.now())
+                self._wakeup.wait(deadline - self._clock.now())
         finally:
             if unsubscribe is not None:
                 unsubscribe()
@@ -216,9 +258,8 @@ class ReplayShell(RequestPath[_Stored]):
     def _close(self, conn: Connection) -> None:
         """End the try: every kept or queued request gives up, every request in flight fails
         with the connection (its record stays for the next try)."""
-        for job in self._link.close():
-            job()
-        conn.close()  # completes what is in flight (on this thread)
+        self._link.close()
+        conn.close()
         end = self._clock.now() + CLOSE_ALLOWANCE
         while True:
             self._wakeup.clear()
@@ -234,7 +275,13 @@ class ReplayShell(RequestPath[_Stored]):
                 self._perform(s, action)
 
     def _perform(self, s: _Stored, action: Action) -> None:
-        if not self.perform_request(s, action):
+        if isinstance(action, Send):
+            self._send(s, action)
+        elif isinstance(action, Keep):
+            self._keep(s, action)
+        elif isinstance(action, BreakConnection):
+            self._link.broken(action.gen)
+        else:
             if isinstance(action, RecordFinish):
                 finish = action.request.body
                 assert isinstance(finish, Finish)

@@ -22,11 +22,11 @@ from ..clock import Clock
 from ..models import Outcome, Registration
 from ._context import Handler
 from ._handlers import Handlers, HandlerSettings
-from ._link import Dialer, Link, Wakeup
+from ._link import Dialer, Intake, Link, Wakeup
 from ._listeners import DrainEvent, ShutdownReport, WorkerStats
 from ._options import WorkerOptions
 from ._outbox import Outbox
-from ._pool import DaemonPool
+from ._pool import HandlerThreads
 from ._redial import Backoff
 from ._replay import replay_until_done
 from ._session_loop import SessionLoop
@@ -184,8 +184,15 @@ class Worker:
         )
         # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
         timers = Timers(clock.now, watchdog_wake.set)
+        # The connection whose queue of assignments the handler threads take from.
+        intake = Intake()
         self._threads = WorkerThreads(
-            DaemonPool(opts.capacity, clock=clock, batch=opts.batch_scheduling),
+            HandlerThreads(
+                opts.capacity,
+                intake,
+                lambda conn, assignment: self._sessions.take(conn, assignment),
+                batch=opts.batch_scheduling,
+            ),
             WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers),
             timers,
         )
@@ -202,7 +209,7 @@ class Worker:
         self._hooks.elsewhere = self._threads.watchdog.run_soon
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
-        self._sessions = SessionLoop(client, self._shell, fail=self._fail)
+        self._sessions = SessionLoop(client, self._shell, intake, fail=self._fail)
         self._shutdown = Shutdown(
             self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped
         )
@@ -379,6 +386,7 @@ class Worker:
             )
             targets.append((replay, "orbit-worker-outbox"))
         self._threads.watchdog.start()
+        self._threads.pool.start()
         for target, name in targets:
             thread = threading.Thread(target=target, name=name, daemon=True)
             self._threads.started.append(thread)

@@ -18,9 +18,8 @@ from functools import partial
 from typing import Any
 
 from ..client import Client
-from ..connection import pipeline_of
 from ..errors import CallTimeout, OrbitError, WorkerProtocolError
-from ..models import CapacityReport
+from ..models import Assignment
 from ._admission import Admission
 from ._errors import (
     FirstContact,
@@ -29,7 +28,7 @@ from ._errors import (
     is_link_failure,
     is_transient,
 )
-from ._link import Connection, Dialer
+from ._link import Connection, Dialer, Intake
 from ._listeners import DisconnectEvent, SessionEvent
 from ._machine import AttemptMachine, retry_delay
 from ._redial import Redial
@@ -48,15 +47,22 @@ class SessionLoop:
     """The connection thread's work for one Worker (see the module's docstring)."""
 
     def __init__(
-        self, client: Dialer, shell: AttemptShell, *, fail: Callable[[BaseException], None]
+        self,
+        client: Dialer,
+        shell: AttemptShell,
+        intake: Intake,
+        *,
+        fail: Callable[[BaseException], None],
     ) -> None:
         self._client = client
         #: The server's URL for log lines (a Client's base_url carries no credentials).
         url = getattr(client, "base_url", None)
         self._server = url if isinstance(url, str) else "the Orbit server"
         #: Takes each connection's pushes: cancel notices on its reader, assignments on the
-        #: session's intake.
+        #: handler thread that takes each (:meth:`take`).
         self._admission = Admission(shell)
+        #: The connection whose assignments the handler threads take.
+        self._intake = intake
         self._opts = opts = shell.options
         self._clock = opts.clock.now
         self._log = opts.logger
@@ -73,10 +79,12 @@ class SessionLoop:
         self.ready = threading.Event()
         #: Sessions in a row ended by an unexpected error (this thread only).
         self._session_bugs = 0
-        # Capacity reports: built by the window, under whose lock each one is written (a
-        # finish may send a lowering one ahead of it); every answer comes to _report_answered.
+        # Capacity reports: built by the window, under whose lock each one is written; every
+        # answer is read by this thread (_report_answered).
         self._window = shell.window
-        shell.window.answered = self._report_answered
+        #: Once the drain report was answered: its connection, whose assignments received by
+        #: then must all be recorded before the drain may end.
+        self._drain_on: Connection | None = None
         self._drain_acked = threading.Event()
         #: A session's capacity report without drain was answered and its connection has not
         #: ended yet: the server may be assigning to this process (see assignments_over).
@@ -89,12 +97,20 @@ class SessionLoop:
         self._window.request_drain()
         self._serve_wake.set()
 
+    def take(self, conn: Connection, assignment: Assignment) -> None:
+        """A handler thread took *assignment* from *conn*'s queue: record it and run its
+        attempt to the end on this thread."""
+        self._admission.dispatch(assignment, partial(self._intake.recorded, conn))
+
     def assignments_over(self) -> bool:
-        """True once the server will assign this process nothing more (docs/architecture.md,
-        "Threads and their owners"; a new session gets none before its first report, the drain
-        one, is answered: PROTOCOL §5.5). Read under the registry's condition, which is notified
-        when it becomes true."""
-        return self._drain_acked.is_set() or not self._assigning
+        """True once the server will assign this process nothing more and every assignment it
+        made is recorded (docs/architecture.md, "Threads and their owners"; a new session gets
+        none before its first report, the drain one, is answered: PROTOCOL §5.5). Read under the
+        registry's condition, which is notified when it may have become true."""
+        drained = self._drain_on
+        if drained is not None and self._intake.all_recorded(drained):
+            return True
+        return not self._assigning
 
     def _assignments_changed(self) -> None:
         with self._reg.cond:
@@ -203,15 +219,15 @@ class SessionLoop:
         """Reconcile, publish and serve one connection until it ends."""
         gen: int | None = None
         reason = "closed"
-        intake = threading.Thread(
-            target=self._intake, args=(conn,), name="orbit-worker-intake", daemon=True
-        )
-        intake.start()
         try:
             if self._link.is_closed():
                 return
             gen = self._link.open(conn)
-            first, again = self._reconcile(conn)
+            conn.wake_on_end(self._serve_wake)
+            # Nothing is assigned before the first report's answer (PROTOCOL §5.5): the handler
+            # threads may wait on its queue from now on.
+            self._intake.offer(conn)
+            first, again = self._reconcile(conn, gen)
             self._report_capacity(conn, first)
             self.ready.set()
             self._log.info("session %s established", conn.session_id)
@@ -248,38 +264,26 @@ class SessionLoop:
         finally:
             if gen is not None:
                 self._link.retract(gen)
-            conn.close()  # completes what is still in flight on it
-            self._step_resumes()  # resumes it failed end now, not on a later connection
-            # The intake has dispatched what the connection left unread (before the next
-            # session's resumes, which then include those attempts). Quick: each start finds
-            # the connection gone and is kept, or the link closed and gives up.
-            intake.join(self._call_timeout + CLOSE_ALLOWANCE)
-            if intake.is_alive():
-                self._log.error("the intake of session %s did not end", conn.session_id)
-            # Its reader has exited and its intake has taken what it left: nothing more is
-            # assigned through this connection.
+            conn.close()  # fails what is still in flight on it
+            self._shell.take_resumed()  # resumes it failed end now, not on a later connection
+            # The handler threads record what the connection left unread before the next
+            # session's resumes, which then include those attempts. Quick: each is taken by an
+            # idle thread (the server assigns no more than the threads there are).
+            recorded = self._intake.wait_recorded(conn, self._call_timeout + CLOSE_ALLOWANCE)
+            if not recorded and not self._link.is_closed():
+                self._log.error("assignments of session %s left unrecorded", conn.session_id)
+            # Nothing more is assigned through this connection.
             self._assigning = False
             self._assignments_changed()
         if not self._link.is_closed() and self._hooks:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
 
-    def _intake(self, conn: Connection) -> None:
-        """The session's intake thread: takes the connection's assignments and sends each start
-        until the connection has ended and none is left unread; then wakes this thread."""
-        try:
-            self._admission.take_all(conn)
-        except Exception:  # a bug of ours: the session cannot take assignments any more
-            self._log.exception("worker error in the intake; closing the connection")
-            conn.close()
-        finally:
-            self._serve_wake.set()
-
-    def _reconcile(self, conn: Connection) -> tuple[SentReport, bool]:
-        """Resume every held attempt on *conn*; once every resume went out, publish *conn*,
-        re-send what was kept for it, renew what is due and send the first capacity report, in
-        one burst without waiting (PROTOCOL §5.5; why one burst: docs/architecture.md, "One
-        attempt"); return once every resume is over, with that report and whether this session
-        is a reconnect."""
+    def _reconcile(self, conn: Connection, gen: int) -> tuple[SentReport, bool]:
+        """Resume every held attempt on *conn*, in one write; once every resume went out,
+        publish *conn* (each kept start or finish then goes out from its own thread, behind
+        them), have the renewals due sent and send the first capacity report, without waiting
+        (PROTOCOL §5.5; why one burst: docs/architecture.md, "One attempt"); return once every
+        resume is over, with that report and whether this session is a reconnect."""
         with self._reg.cond:
             held = list(self._reg.attempts.values())
         resumes = self._shell.resumes
@@ -288,12 +292,11 @@ class SessionLoop:
             # Its machine decides: a transient answer is re-sent on this connection after the
             # retry delay; a link failure ends the session, and the next one resumes again.
             self._shell.step(att, AttemptMachine.reconnected)
-        self._drive_resumes(conn, resumes.all_sent)
+        self._drive_resumes(conn, gen, resumes.all_sent)
         self._link.publish(conn)
-        self._shell.resend_due()  # the kept starts and finishes, behind their resumes
         self._watchdog.connected()  # the renewals due, sent from the watchdog's thread
         first = self._submit_report(conn)
-        self._drive_resumes(conn, resumes.all_over)
+        self._drive_resumes(conn, gen, resumes.all_over)
         with self._reg.cond:
             # A reconnect is a session established (its resumes over) after an earlier one,
             # not a dial. Counted before ready is set, so whoever waited for it reads the count.
@@ -302,23 +305,27 @@ class SessionLoop:
             self._reg.counts["reconnects"] += again
         return first, again
 
-    def _drive_resumes(self, conn: Connection, done: Callable[[], bool]) -> None:
-        """Step the resumes' outcomes and re-send those due (a transient answer's retry) until
-        *done*; raise if the connection ends first, or if nothing moves for a call timeout plus
-        the close allowance (each resume completes by its own call timeout).
+    def _drive_resumes(self, conn: Connection, gen: int, done: Callable[[], bool]) -> None:
+        """Send the resumes (as many at once as the request slots take), step their outcomes
+        and re-send those due (a transient answer's retry) until *done*; raise if the connection
+        ends first, or if nothing moves for a call timeout plus the close allowance (each resume
+        completes by its own call timeout).
 
         A connection that ended after the server answered every resume is established all the
-        same (its finishes may already be acknowledged): the reader hands over each answer
+        same (its finishes may already be acknowledged): the reader sets each answer's slot
         before it reads the next frame, so the outcomes taken after the end was seen hold every
         answer that came before it."""
-        resumes = self._shell.resumes
+        shell = self._shell
+        resumes = shell.resumes
         limit = self._call_timeout + CLOSE_ALLOWANCE
         quiet_until = self._clock() + limit
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             ended = conn.err is not None  # before the outcomes are taken (see above)
-            moved = self._step_resumes()
-            next_resend = self._shell.resend_due()
+            moved = shell.take_resumed()
+            next_resend = shell.resend_due()
+            # None of ours in flight: wait for a request slot (held by others only briefly).
+            shell.flush_resumes(conn, gen, wait=not shell.resumes_in_flight())
             # A resume whose connection failed is over too (and broke the connection): cut.
             if self._link.is_closed() or resumes.cut() or (ended and not resumes.all_over()):
                 raise conn.err or NotConnected("the connection ended during its resumes")
@@ -333,16 +340,9 @@ class SessionLoop:
                 raise CallTimeout("a resume of the connection thread was never completed")
             self._serve_wake.wait(min(next_resend, quiet_until) - now)
 
-    def _step_resumes(self) -> bool:
-        """Step the resumes' queued outcomes; True if there were any."""
-        taken = self._shell.resumes.take()
-        for att, event in taken:
-            self._shell.step(att, event)
-        return bool(taken)
-
     def _serve(self, conn: Connection) -> None:
         """Until the connection ends: report capacity changes (a raise, a drain) and the
-        heartbeat, re-send the kept requests when due, else sleep until the next or a wake-up.
+        heartbeat, else sleep until the next or a wake-up.
 
         A report in flight holds back only a repeat of itself: a newer one (a drain, a raise)
         goes out at once behind it, never after an unanswered heartbeat's call bound."""
@@ -351,12 +351,13 @@ class SessionLoop:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.err is not None:
                 break
+            if self._shell.take_resumed():  # a late answer of an older connection's resume
+                continue
             if sent is not None and sent.over:
-                # Answered: the reader is recording it (never blocks), then sets the event.
-                sent.event.wait()
+                sent.wait()
+                self._report_answered(sent)
                 self._check_report(conn, sent)  # raises what ends the session
                 sent = None
-            next_resend = self._shell.resend_due()
             with self._beat_lock:
                 next_heartbeat = self._next_heartbeat
             if sent is None:
@@ -364,10 +365,14 @@ class SessionLoop:
             else:  # only a newer report than the one in flight
                 due = self._window.report().sequence > sent.report.sequence
             if due:
-                sent = self._submit_report(conn)
+                newer = self._submit_report(conn)
+                if sent is not None:  # superseded: its answer is read now, in order
+                    sent.wait()
+                    self._report_answered(sent)
+                sent = newer
                 continue
             # While a report is in flight its answer wakes this thread (the heartbeat it is).
-            until = next_resend if sent is not None else min(next_heartbeat, next_resend)
+            until = math.inf if sent is not None else next_heartbeat
             self._serve_wake.wait(None if until == math.inf else until - self._clock())
         err = conn.err
         if err is not None and not self._link.is_closed():
@@ -376,24 +381,22 @@ class SessionLoop:
     # ------------------------------------------------------------------ capacity reports
 
     def _submit_report(self, conn: Connection) -> SentReport:
-        """Send the report in force, pipelined, without waiting (under the window's lock, so
-        reports reach the wire in sequence order). A report the connection refuses is answered
-        with that error."""
+        """Send the report in force without waiting (under the window's lock, so reports reach
+        the wire in sequence order); its answer wakes this thread. A report the connection
+        refuses is answered with that error."""
         window = self._window
         with window.lock:
-            sent = SentReport(
-                conn, window.report(), self._clock(), self._call_timeout, window.answered
+            return SentReport(
+                conn, window.report(), self._clock(), self._call_timeout, self._serve_wake
             )
-            pipeline_of(conn).submit_many([sent.submission])
-        return sent
 
     def _report_capacity(self, conn: Connection, sent: SentReport) -> None:
-        """Wait for *sent*'s answer; after a transient error answer, wait out the retry delay
-        and send the report then in force again."""
+        """Wait for *sent*'s answer (its own call timeout ends the wait at the latest); after a
+        transient error answer, wait out the retry delay and send the report then in force
+        again."""
         while True:
-            # Its own call timeout completes it at the latest.
-            if not sent.event.wait(self._call_timeout + CLOSE_ALLOWANCE):
-                raise CallTimeout("a capacity report was never completed")
+            sent.wait()
+            self._report_answered(sent)
             if sent.error is None:
                 return
             self._check_report(conn, sent)
@@ -419,15 +422,11 @@ class SessionLoop:
         self._link.pause(retry_delay(error, self._opts.renew_retry_delay))
 
     def _report_answered(self, sent: SentReport) -> None:
-        """Every report's answer, on the reader (records only): the window and the heartbeat
-        follow an acknowledged one; this thread is woken to send what is due next (after an
-        error, the report in force)."""
+        """Every report's answer: the window and the heartbeat follow an acknowledged one; a
+        drain's answer means every assignment made before it is on the connection's queue."""
         if sent.error is not None:
-            self._serve_wake.set()
             return
         report = sent.report
-        if report.drain:
-            pipeline_of(sent.conn).after_assignments(partial(self._drain_taken, report))
         self._window.acked(report)
         with self._beat_lock:
             # PROTOCOL §5.6: repeat the report at least every third of the session window.
@@ -435,13 +434,8 @@ class SessionLoop:
             self._next_heartbeat = max(self._next_heartbeat, sent.sent_at + heartbeat)
         if not report.drain:
             self._assigning = True
-        self._serve_wake.set()
-
-    def _drain_taken(self, report: CapacityReport) -> None:
-        """On the intake, behind every assignment made before the drain report was applied
-        (they are on the connection's queue ahead of its answer): each of them is in the
-        registry now, and the server assigns nothing more."""
-        if not self._drain_acked.is_set():
+        elif not self._drain_acked.is_set():
             self._drain_acked.set()
+            self._drain_on = sent.conn
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
             self._assignments_changed()

@@ -1,13 +1,16 @@
 """The attempts' threaded shell: performs what each attempt's state machine (:mod:`._machine`)
 decides, on whichever thread the event arrives (docs/architecture.md follows one attempt across
 them; :meth:`AttemptShell.lease_actions` and :meth:`AttemptShell.perform` say what runs where).
-Requests take the one request path (:mod:`._requests`); no thread waits for an answer.
+Starts and finishes take the one request path (:mod:`._requests`): the attempt's handler thread
+sends each and waits on its slot. The connection thread sends a new connection's resumes in one
+batch and steps their answers (:meth:`AttemptShell.flush_resumes`,
+:meth:`AttemptShell.take_resumed`); the watchdog's thread sends its renewals in one batch and
+waits on each.
 """
 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import time
@@ -18,20 +21,22 @@ from typing import Any
 import attrs
 
 from ..client import DialCut
-from ..connection import Submission, pipeline_of
+from ..connection import BatchCall, PendingCall
 from ..errors import OrbitError, WorkerError
 from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
 from ._context import Handler, TaskContext, cancel_context, set_lease_deadline, worker_log
 from ._errors import NotConnected, is_link_failure
 from ._handlers import Handlers
-from ._link import Link, Resumes, Wakeup
+from ._link import Connection, GaveUp, Link, Resumes, Wakeup
 from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
 from ._machine import (
     Action,
     AttemptMachine,
+    BreakConnection,
     CancelContext,
     Event,
     InterruptHandler,
+    Keep,
     LeaseLost,
     LeaseRenewed,
     LeaseView,
@@ -62,14 +67,16 @@ from ._outcomes import (
     ResultEncoder,
     TimeLimitExceeded,
     Verdict,
-    not_run,
     outcome_of,
 )
-from ._pool import DaemonPool
-from ._requests import RequestPath
+from ._pool import HandlerThreads
+from ._requests import Caller, CallOutcome, may_wait
 from ._time_limits import Interruptible
 from ._watchdog import RenewDone, Timers, WatchdogThread
 from ._window import CapacityWindow
+
+#: Per thread: the events stepped while one of its steps is being performed (see step).
+_STEPS = threading.local()
 
 __all__ = [
     "Attempt",
@@ -176,11 +183,11 @@ class LinkControls:
 
 @attrs.frozen
 class WorkerThreads:
-    """The worker's own threads: the handler *pool*; the lease *watchdog*'s thread, which also
-    fires the handlers' time limits (*timers*); and those ``Worker.start`` starts (*started*:
-    connection, shutdown, outbox replay)."""
+    """The worker's own threads: the handler threads (*pool*); the lease *watchdog*'s thread,
+    which also fires the handlers' time limits (*timers*); and those ``Worker.start`` starts
+    (*started*: connection, shutdown, outbox replay)."""
 
-    pool: DaemonPool
+    pool: HandlerThreads
     watchdog: WatchdogThread
     timers: Timers
     started: list[threading.Thread] = attrs.field(factory=list)
@@ -204,8 +211,8 @@ def _lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -
     return LeaseEvent(att.task.task_id, att.id, att.task.handler, lag, reason)
 
 
-class AttemptShell(RequestPath[Attempt]):
-    """Performs the attempts' actions: sends and re-sends (:class:`~._requests.RequestPath`),
+class AttemptShell:
+    """Performs the attempts' actions: sends and re-sends (:class:`~._requests.Caller`),
     runs handlers, writes the outbox, counts, logs and tells the listeners. The worker's parts it
     holds are the ones admission, the session loop and the shutdown work with."""
 
@@ -219,8 +226,17 @@ class AttemptShell(RequestPath[Attempt]):
         handlers: Handlers,
     ) -> None:
         #: The resumes of the newest connection (the connection thread waits for them).
-        self.resumes: Resumes[Attempt] = Resumes(controls.wake.set)
-        super().__init__(controls.link, options, controls.wake.set, self.resumes.sent)
+        self.resumes = Resumes(controls.wake.set)
+        self._link = controls.link
+        self.options = options
+        self._call_timeout = options.request_timeout
+        self._log = options.logger
+        #: Makes the starts' and finishes' calls, each waiting on its slot.
+        self.caller = Caller(controls.link, options)
+        #: Resumes decided and not sent yet; those sent and not stepped yet, with the
+        #: generation of their connection (the connection thread's alone).
+        self._unsent: list[tuple[Attempt, Request]] = []
+        self._resuming: list[tuple[Attempt, Request, PendingCall, int]] = []
         self.registry = registry
         self.controls = controls
         self.threads = threads
@@ -237,6 +253,23 @@ class AttemptShell(RequestPath[Attempt]):
         self.outbox: Outbox | None = None
 
     def step(self, att: Attempt, event: Event) -> None:
+        """Feed *event* to the attempt's machine and perform the actions it returns. On a thread
+        already performing a step (a call's answer, the handler's return), the event is stepped
+        once that step is done, in order: an attempt's whole life runs as a loop on its thread,
+        never as a recursion as deep as its retries."""
+        pending: collections.deque[tuple[Attempt, Event]] | None = getattr(_STEPS, "pending", None)
+        if pending is not None:
+            pending.append((att, event))
+            return
+        pending = _STEPS.pending = collections.deque([(att, event)])
+        try:
+            while pending:
+                item, next_event = pending.popleft()
+                self._step_now(item, next_event)
+        finally:
+            _STEPS.pending = None
+
+    def _step_now(self, att: Attempt, event: Event) -> None:
         """Feed *event* to the attempt's machine and perform the actions it returns. An
         unexpected error (a bug of ours) finishes the attempt UNKNOWN instead of dropping it."""
         try:
@@ -288,36 +321,22 @@ class AttemptShell(RequestPath[Attempt]):
         return rest
 
     def perform(self, att: Attempt, actions: list[Action]) -> None:
-        """Perform *actions* in order on this thread, except what must not run on a connection's
-        thread (its reader, or one ending it): the handler (a pool job), outbox writes and
-        listeners (the rest goes to a pool thread when there are any). The worker's own threads
-        perform everything themselves: the shutdown thread must not wait for a pool whose threads
-        may all be held by handlers that ignore cancellation; for the same reason, an abandoned
-        attempt's last actions (at shutdown only) run where its answer arrives."""
-        offload = (
-            (self.outbox is not None or bool(self.hooks.listeners))
-            and any(isinstance(a, RecordFinish | Reported | LeaseLost) for a in actions)
-            and not self.threads.owns_current()
-        )
-        if offload:
-            with att.lock:
-                offload = not att.machine.abandoned
-        # A pool shut down raises: a late answer at the very end of shutdown, when the link is
-        # closed and nothing is written any more, is performed here.
-        if offload:
-            with contextlib.suppress(RuntimeError):
-                self.threads.pool.submit(partial(self._perform_now, att, actions))
-                return
+        """Perform *actions* in order on this thread. A thread that must not wait for a
+        request (a connection's reader, the watchdog's, the shutdown's) hands a list that sends,
+        keeps a request for a re-send or runs the handler to a sender thread; the connection
+        thread sends the resumes it decides itself, batched."""
+        if not may_wait() and any(_waits(a) for a in actions):
+            self.caller.elsewhere(partial(self._perform_now, att, actions))
+            return
         self._perform_now(att, actions)
 
     def _perform_now(self, att: Attempt, actions: list[Action]) -> None:
         for action in actions:
-            if isinstance(action, Send):
-                if action.request.early:
-                    self.resumes.add(action.request)
-                self._send(att, action.request)
+            if isinstance(action, Send) and action.request.early:
+                self.resumes.add(action.request)
+                self._unsent.append((att, action.request))  # flush_resumes sends them
             elif isinstance(action, RunHandler):
-                self._run_handler_on_pool(att)
+                self._run_handler(att)
             elif isinstance(action, RecordFinish):
                 self._record_finish(att, action.request)
             elif isinstance(action, Reported):
@@ -345,14 +364,107 @@ class AttemptShell(RequestPath[Attempt]):
                 self._stuck(att, action.reason)
             elif isinstance(action, SlotFreed):
                 self._unstuck(att)
-            elif not self.perform_request(att, action):
+            elif isinstance(action, Send):
+                self._send(att, action.request)
+            elif isinstance(action, Keep):
+                self._keep(att, action)
+            elif isinstance(action, BreakConnection):
+                if action.gen:  # 0: nothing was sent, there is no connection to break
+                    self._link.broken(action.gen)
+            else:
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
-    def outcome(self, att: Attempt, request: Request, event: Event) -> None:
+    def _send(self, att: Attempt, request: Request) -> None:
+        """Send *request* (a start or finish) and step what became of it, on this thread if it
+        may wait, else on a sender thread."""
+        if not may_wait():
+            self.caller.elsewhere(partial(self._send, att, request))
+            return
+        self.step(att, self._event(att, request, self.caller.call(request)))
+
+    def _event(self, att: Attempt, request: Request, outcome: CallOutcome) -> Event:
+        """The machine's event for what became of *request*."""
+        if outcome.gave_up:
+            return partial(AttemptMachine.gave_up, request=request)
+        if outcome.error is not None:
+            return self.failure(att, request, outcome.error, outcome.gen)
+        return self.answer(att, request, outcome.value)
+
+    def _keep(self, att: Attempt, kept: Keep) -> None:
+        """The machine keeps *kept*'s request for a re-send (same ``message_id``)."""
+        request = kept.request
         if request.early:
-            self.resumes.deliver(att, event)  # stepped by the connection thread
+            # A resume answered with a transient error: the connection thread re-sends it.
+            job = partial(self.step, att, partial(AttemptMachine.resend, request=request))
+            if self._link.keep(job, newer_than=kept.newer_than, delay=kept.delay, early=True):
+                self.controls.wake.set()
+            else:
+                self.step(att, partial(AttemptMachine.gave_up, request=request))
+        elif not may_wait():
+            self.caller.elsewhere(partial(self._keep, att, kept))
+        elif self.caller.wait_to_resend(kept):
+            self.step(att, partial(AttemptMachine.resend, request=request))
         else:
+            self.step(att, partial(AttemptMachine.gave_up, request=request))
+
+    def resend_due(self) -> float:
+        """Re-send the resumes kept for a retry whose time has come (the connection thread);
+        return when the next one is due."""
+        jobs, next_at = self._link.take_due()
+        for job in jobs:
+            job()
+        return next_at
+
+    def flush_resumes(self, conn: Connection, gen: int, *, wait: bool = False) -> None:
+        """Send the resumes decided since the last flush on *conn* (connection *gen*) in one
+        write, as many as the link's request slots take now (*wait*: at least one, waiting for
+        it); the rest go at the next flush. Each one's answer is stepped by
+        :meth:`take_resumed`."""
+        while self._unsent:
+            try:
+                taken = self._link.gate.acquire(len(self._unsent), wait=wait)
+            except GaveUp:
+                unsent, self._unsent = self._unsent, []
+                for att, request in unsent:
+                    self.resumes.sent(request)
+                    self.step(att, partial(AttemptMachine.gave_up, request=request))
+                return
+            if not taken:
+                return
+            wait = False
+            batch, self._unsent = self._unsent[:taken], self._unsent[taken:]
+            calls = [
+                BatchCall("worker.resume", r.body, r.message_id, self._call_timeout)
+                for _, r in batch
+            ]
+            pending = conn.send_many(calls, wake=self.controls.wake)
+            for (att, request), call in zip(batch, pending, strict=True):
+                self._resuming.append((att, request, call, gen))
+                self.resumes.sent(request)
+
+    def resumes_unsent(self) -> bool:
+        """Are resumes waiting for a request slot (:meth:`flush_resumes`)?"""
+        return bool(self._unsent)
+
+    def resumes_in_flight(self) -> bool:
+        return bool(self._resuming)
+
+    def take_resumed(self) -> bool:
+        """Step the outcome of every resume answered (or failed) since (the connection thread);
+        True if there was one."""
+        done = [item for item in self._resuming if item[2].done()]
+        if not done:
+            return False
+        self._resuming = [item for item in self._resuming if item not in done]
+        for att, request, call, gen in done:
+            try:
+                event = self.answer(att, request, call.result())
+            except OrbitError as exc:
+                event = self.failure(att, request, exc, gen)
+            finally:
+                self._link.gate.release()
             self.step(att, event)
+        return True
 
     def failure(self, att: Attempt, request: Request, error: OrbitError, gen: int) -> Event:
         if not request.early:
@@ -374,15 +486,9 @@ class AttemptShell(RequestPath[Attempt]):
             cancel_requested=ctx.cancel_requested,
         )
 
-    def _run_handler_on_pool(self, att: Attempt) -> None:
-        try:
-            self.threads.pool.submit(partial(self._run_handler, att))
-        except RuntimeError:  # the pool shut down under a late start answer: do not run it
-            stop = not_run(cancel_requested=False, reason="shutdown")
-            self.step(att, lambda m: m.handler_returned(stop))
-
     def _run_handler(self, att: Attempt) -> None:
-        """The attempt's one pool job: record the launch, run the handler, send its finish."""
+        """On the attempt's handler thread: record the launch, run the handler, then its finish
+        is decided (and sent by this thread)."""
         try:
             # Without the launch record a kill would leave no trace of the run: do not run.
             launched = self._outbox_write(
@@ -583,7 +689,7 @@ class AttemptShell(RequestPath[Attempt]):
             count = len(self.registry.stuck)
         with self.window.lock:
             self.window.stuck = count
-        self._wake()
+        self.controls.wake.set()
         return count
 
     def _stuck_event(self, att: Attempt, reason: str, stuck: int) -> StuckEvent:
@@ -652,16 +758,17 @@ class AttemptShell(RequestPath[Attempt]):
             self.step(att, lambda m: m.renew_answered(answer))
 
     def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch send: every renew in one write on the current connection; each
-        answer (or failure) comes back through its own *on_done*, on the connection's reader
-        thread, and a lost connection is reported to the link (neither ever blocks). Renewals
-        that cannot be sent are told so after the write: nothing on the way to it may release
-        the GIL (a log line in a callback could)."""
+        """The watchdog's batch: every renew in one write on the current connection, then each
+        answer (or failure) waited for on its own slot and told to its *on_done*, on the
+        watchdog's thread; a lost connection is reported to the link. Renewals that cannot be
+        sent are told so after the write: nothing on the way to it may release the GIL (a log
+        line could)."""
         with self.registry.lock:
             atts = [self.registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
         refused: list[tuple[RenewDone, OrbitError]] = []
-        requests: list[Submission] = []
+        calls: list[BatchCall] = []
+        dones: list[RenewDone] = []
         for (_, message_id, on_done), att in zip(renewals, atts, strict=True):
             if att is None:
                 refused.append((on_done, NotConnected("attempt is no longer tracked")))
@@ -670,25 +777,32 @@ class AttemptShell(RequestPath[Attempt]):
             else:
                 # A slow answer closes its connection before the lease runs out (and is re-sent).
                 timeout = min(self.options.request_timeout, max(1.0, att.ctx.remaining() / 2))
-                done = partial(self._renew_done, on_done, current[1])
-                requests.append(Submission("task.renew", att.ref, done, message_id, timeout))
-        if requests:
+                calls.append(BatchCall("task.renew", att.ref, message_id, timeout))
+                dones.append(on_done)
+        if calls:
             assert current is not None
+            conn, gen = current
             try:
-                pipeline_of(current[0]).submit_many(requests)
+                pending = conn.send_many(calls)
             except OrbitError as exc:  # nothing was sent
-                for request in requests:
-                    request.on_done(None, exc)
-        for on_done, error in refused:
-            on_done(None, error)
+                refused.extend((on_done, exc) for on_done in dones)
+                pending = []
+            for on_done, call in zip(dones, pending, strict=False):  # none: nothing was sent
+                try:
+                    result = call.result()
+                except OrbitError as exc:
+                    if is_link_failure(exc) and not isinstance(exc, WorkerError):
+                        # (A fatal error answer ends the connection by itself, with that error.)
+                        self._link.broken(gen)
+                    on_done(None, exc)
+                else:
+                    on_done(result.lease, None)
+        for on_done, reason in refused:
+            on_done(None, reason)
 
-    def _renew_done(
-        self, on_done: RenewDone, gen: int, result: Any, error: OrbitError | None
-    ) -> None:
-        if error is None:
-            on_done(result.lease, None)
-            return
-        if is_link_failure(error) and not isinstance(error, WorkerError):
-            # (A fatal error answer ends the connection by itself, with that error.)
-            self._link.broken(gen)
-        on_done(None, error)
+
+def _waits(action: Action) -> bool:
+    """Does performing *action* wait for a request (or run the handler)?"""
+    if isinstance(action, Send | Keep):
+        return not action.request.early
+    return isinstance(action, RunHandler)

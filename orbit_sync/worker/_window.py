@@ -3,18 +3,17 @@ slots held by handlers that could not be stopped (``stuck``), with the reports' 
 drain flag. The server counts every attempt it holds against that capacity across the
 process's sessions, so it never assigns more than the handlers that are free. A burst of up to
 the whole capacity in one TCP read does not overflow the connection's queue of 8: the reader
-waits for room (``orbit_sync.connection.ASSIGNMENT_WAIT``) while the intake takes each one.
-Every report goes out pipelined under :attr:`CapacityWindow.lock`, held across its write, so
-reports reach the wire in sequence order from whichever thread sends them.
+waits for room (``orbit_sync.connection.ASSIGNMENT_WAIT``) while the handler threads take each
+one. Every report goes out under :attr:`CapacityWindow.lock`, held across its write, so reports
+reach the wire in sequence order.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
-from ..connection import Submission
+from ..connection import BatchCall, Settable
 from ..errors import OrbitError
 from ..models import CapacityReport
 from ._link import Connection
@@ -38,12 +37,8 @@ class CapacityWindow:
         #: The report in force (the last one built), and the last one the server acknowledged.
         self._report: CapacityReport | None = None
         self._acked: CapacityReport | None = None
-        #: Guards ``_acked`` alone: answers arrive on a connection's reader, which must never
-        #: wait for a thread holding ``lock`` across a write.
+        #: Guards ``_acked`` alone.
         self._ack_lock = threading.Lock()
-        #: Where every report's answer goes, on the reader (the connection thread's handling,
-        #: which sets it; nobody listens to a window used alone).
-        self.answered: Callable[[SentReport], None] = lambda sent: None
 
     @property
     def offered(self) -> int:
@@ -85,9 +80,9 @@ class CapacityWindow:
 
 
 class SentReport:
-    """A capacity report sent pipelined on *conn*, and its answer: the completion records it,
-    hands it to *answered* (on the reader: it must not block), then sets :attr:`event` for a
-    thread that waits for it."""
+    """A capacity report sent on *conn* (its own slot), and its answer: the connection thread
+    reads it once it is :attr:`over` (*wake* is set as it arrives) or waits for it
+    (:meth:`wait`)."""
 
     def __init__(
         self,
@@ -95,24 +90,30 @@ class SentReport:
         report: CapacityReport,
         sent_at: float,
         timeout: float | None,
-        answered: Callable[[SentReport], None],
+        wake: Settable,
     ) -> None:
         self.conn = conn
         self.report = report
         self.sent_at = sent_at
-        self.submission = Submission("worker.capacity", report, self._done, None, timeout)
-        self._answered = answered
-        self.event = threading.Event()
+        [self._call] = conn.send_many(
+            [BatchCall("worker.capacity", report, None, timeout)], wake=wake
+        )
         self.value: Any = None
         self.error: OrbitError | None = None
-        #: Answered (or failed): set before *answered* runs, so that a thread it wakes finds it
-        #: set; :attr:`event` is set once *answered* has recorded the answer.
-        self.over = False
+        self._read = False
 
-    def _done(self, value: Any, error: OrbitError | None) -> None:
-        self.value, self.error = value, error
-        self.over = True
+    @property
+    def over(self) -> bool:
+        """Answered (or failed)?"""
+        return self._call.done()
+
+    def wait(self) -> None:
+        """Wait for the answer (at most the call's bound) and record it in :attr:`value` or
+        :attr:`error`."""
+        if self._read:
+            return
+        self._read = True
         try:
-            self._answered(self)
-        finally:  # a waiter is released even if the callback failed (a bug, logged by the caller)
-            self.event.set()
+            self.value = self._call.result()
+        except OrbitError as exc:
+            self.error = exc
