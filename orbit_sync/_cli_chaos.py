@@ -120,8 +120,6 @@ def _rates(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[A
 
 def _replay(args: argparse.Namespace, knobs: dict[str, Any]) -> str:
     words = [
-        "orbit-sync",
-        "chaos",
         args.target,
         "--seed",
         str(args.seed),
@@ -134,7 +132,7 @@ def _replay(args: argparse.Namespace, knobs: dict[str, Any]) -> str:
         words += ["--handler", args.handler]
     for name, value in knobs.items():
         words += [f"--{name.replace('_', '-')}", "none" if value is None else f"{value:g}"]
-    return shlex.join(words)
+    return f"orbit-sync chaos {shlex.join(words)}"
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

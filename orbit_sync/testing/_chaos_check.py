@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import collections
 import datetime as _dt
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -103,9 +103,12 @@ def check(
     *,
     started_wall: float,
     end: float,
+    at_end: Mapping[str, str] | None = None,
 ) -> tuple[list[Violation], list[DuplicateEffect]]:
     """The violations and duplicate effects of a run that started at *started_wall* (wall
-    clock) and ended *end* s later. *effects* are ``(task, attempt, key, number, at)``."""
+    clock) and ended *end* s later. *effects* are ``(task, attempt, key, number, at)``;
+    *at_end* is each task's state when the run stopped waiting (default: as stored at the end:
+    stopping the workers may end a task the run gave up on)."""
     out: list[Violation] = []
     calls = list(invocations)
     by_attempt: dict[str, list[Invocation]] = collections.defaultdict(list)
@@ -116,7 +119,8 @@ def check(
 
     for task_id in ids:
         snap = tasks[task_id]
-        if snap.state.value not in TERMINAL:
+        state = snap.state.value if at_end is None else at_end.get(task_id, snap.state.value)
+        if state not in TERMINAL:
             last = snap.attempts[-1] if snap.attempts else None
             at = end if last is None else (_since(last.assigned_at, started_wall) or end)
             out.append(
@@ -125,7 +129,7 @@ def check(
                     task_id,
                     None if last is None else last.attempt_id,
                     None if last is None else last.number,
-                    f"still {snap.state.value} when the run ended",
+                    f"still {state} when the run's time limit passed",
                     faults_before(fired, at),
                 )
             )

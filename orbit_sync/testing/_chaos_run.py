@@ -413,8 +413,10 @@ def _run(
             fleet.start()
             driver = threading.Thread(target=drive, name="orbit-chaos-driver", daemon=True)
             driver.start()
-            _wait_terminal(server, ids, started + time_limit, progress, fired, recorder)
+            done = _wait_terminal(server, ids, started + time_limit, progress, fired, recorder)
             seconds = monotonic() - started
+            # The states as the run gave up (stopping the workers may still end some tasks).
+            at_end = None if done else {t.task_id: t.state.value for t in server.tasks()}
             stop.set()
             driver.join(60.0)
             if calm_timer is not None:
@@ -440,6 +442,7 @@ def _run(
         fired,
         started_wall=started_wall,
         end=seconds,
+        at_end=at_end,
     )
     if invariant is not None:
         violations.append(Violation("server invariant", "-", None, None, invariant, ()))
