@@ -258,7 +258,7 @@ def _run(
 
     module_name, _, attribute = target.partition(":")
     try:
-        worker = _load(target, module_name, attribute)
+        worker = load(target, module_name, attribute)
     except (SettingError, _Misuse) as exc:  # the module's configuration: not a bug to trace
         report_error(f"cannot load {target}: {exc}")
         return EXIT_USAGE
@@ -377,7 +377,7 @@ def _export(args: argparse.Namespace) -> None:
         os.environ["ORBIT_TOKEN_FILE"] = os.path.abspath(args.token_file)
 
 
-def _load(target: str, module_name: str, attribute: str) -> Any:
+def load(target: str, module_name: str, attribute: str) -> Any:
     """The Worker *target* names (calling a factory), or None after printing why not. Raises
     :class:`SettingError` or :class:`_Misuse` for a mistake in the module's configuration."""
     from .worker import Worker

@@ -5,6 +5,7 @@
     orbit-sync --version
     orbit-sync mock-server --port 8765          # also: python -m orbit_sync.testing
     orbit-sync worker myapp.tasks:worker        # runs an orbit_sync.worker.Worker
+    orbit-sync chaos myapp.tasks:worker --seed 7  # a seeded fault run of it, then its checks
 
 ``mock-server`` exits 0 after SIGTERM/SIGINT, 1 when it cannot start, 2 for a usage error. The
 worker's exit statuses are in ``orbit-sync worker --help`` (and docs/cli.md).
@@ -23,7 +24,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from . import _cli_worker
+from . import _cli_chaos, _cli_worker
 from ._rules import MAX_LEASE_WINDOW, MAX_SESSION_WINDOW
 from ._seconds import parse_seconds
 from ._version import __version__
@@ -122,6 +123,15 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     _cli_worker.add_arguments(worker)
     # Its own usage errors print its own usage, not the top-level one.
     worker.set_defaults(subparser=worker)
+
+    chaos = sub.add_parser(
+        "chaos",
+        help="a seeded fault run of a Worker against a mock server, then its checks",
+        description=_cli_chaos.DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _cli_chaos.add_arguments(chaos)
+    chaos.set_defaults(subparser=chaos)
     return parser
 
 
@@ -259,6 +269,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str | None = None) -> int:
     )
     if args.command == "mock-server":
         return _run_mock_server(args, parser)
+    if args.command == "chaos":
+        return _cli_chaos.run(args, args.subparser)
     return _cli_worker.run(args, args.subparser)
 
 

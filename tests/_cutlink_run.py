@@ -1,6 +1,7 @@
 """A Worker through a CuttingLink: tasks over a slow link that keeps cutting, then the same run
-without cuts, compared. Used by ``tests/test_worker_cutlink.py`` (a small fixed seed) and, as a
-script, by ``make chaos`` (long runs, the Worker's default settings)::
+without cuts, compared; each run is a chaos run (``orbit_sync.testing.chaos``, the one chaos
+engine) whose link cuts on its own seeded clock. Used by ``tests/test_worker_cutlink.py`` (a
+small fixed seed) and, as a script, by ``make chaos`` (long runs, the Worker's default settings)::
 
     python tests/_cutlink_run.py --tasks 1000 --rtt 0.09 --mean-cut 0.3 --seeds 1,2,3 \
         --capacity 16 --lease 3 --task-max 1.5 --defaults --cut-for 230 \
@@ -41,7 +42,7 @@ if __name__ == "__main__":  # run from a checkout: make the package importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from orbit_sync.client import Client
-from orbit_sync.testing import CuttingLink, MockOrbitServer, RetrySafety, TaskSnapshot
+from orbit_sync.testing import TaskSnapshot, chaos
 from orbit_sync.worker import (
     AttemptFinished,
     Backoff,
@@ -54,6 +55,8 @@ from orbit_sync.worker import (
 )
 
 TERMINAL = frozenset({"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"})
+#: The queue the chaos run's server serves (it takes the worker's).
+QUEUE = "c" * 32
 
 
 @dataclasses.dataclass
@@ -92,6 +95,8 @@ class RunResult:
     gap_closer: list[tuple[str, float, float | None]] = dataclasses.field(default_factory=list)
     #: From the end of the cuts to the last task terminal (s); 0 when all ended during cuts.
     settle_seconds: float = 0.0
+    #: The chaos run's own findings (every promise it checks; must be empty).
+    broken: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def throughput(self) -> float:
@@ -109,7 +114,7 @@ class RunResult:
             out.append(f"{len(self.repeated)} attempts ran twice")
         if self.wrong_results:
             out.append(f"{len(self.wrong_results)} results differ from what the handler returned")
-        return out
+        return out + self.broken
 
 
 class Timeline(WorkerListener):
@@ -167,7 +172,9 @@ def run(
     cut_for: float | None = None,
     timeline: Timeline | None = None,
 ) -> RunResult:
-    """Run *tasks* tasks through a link with *rtt* and cuts every *mean_cut* s on average.
+    """Run *tasks* tasks through a link with *rtt* and cuts every *mean_cut* s on average: a
+    chaos run (``orbit_sync.testing.chaos``) with no scheduled fault, the link cutting on its
+    own clock.
 
     Handlers take a seeded 0-*task_max* s; *defaults* keeps the Worker's default backoff and
     timeouts; the cuts stop after *cut_for* s when given; *timeline* records the run.
@@ -175,6 +182,7 @@ def run(
     runs: collections.Counter[str] = collections.Counter()
     lock = threading.Lock()
     durations = random.Random(seed)
+    pauses = [round(durations.uniform(0, task_max), 3) for _ in range(tasks)]
     tuned: dict[str, Any] = {}
     if not defaults:
         tuned = {
@@ -182,69 +190,42 @@ def run(
             "dial_timeout": 2.0,
             "call_timeout": 2.0,
         }
-    with MockOrbitServer(
-        assignment_rate=None, lease_duration=lease, session_window=3 * lease
-    ) as server:
-        with CuttingLink(server.url, rtt=rtt, mean_cut=mean_cut, seed=seed) as link:
-            worker = Worker(
-                Client(link.url, server.token),
-                queue_id=server.queue_id,
-                capacity=capacity,
-                handle_signals=False,
-                drain_timeout=0,
-                cancel_grace=0,
-                flush_timeout=1.0,
-                listeners=[] if timeline is None else [timeline],
-                **tuned,
-            )
+    worker = Worker(
+        Client("ws://127.0.0.1:9", "unused"),  # the chaos run points it at its own link
+        queue_id=QUEUE,
+        capacity=capacity,
+        drain_timeout=0,
+        cancel_grace=0,
+        flush_timeout=1.0,
+        **tuned,
+    )
 
-            @worker.handler("noop")
-            def noop(ctx: TaskContext, payload: Any) -> Any:
-                with lock:
-                    runs[ctx.attempt_id] += 1
-                if payload["s"]:
-                    ctx.sleep(payload["s"])
-                return {"i": payload["i"]}
+    @worker.handler("noop")
+    def noop(ctx: TaskContext, payload: Any) -> Any:
+        with lock:
+            runs[ctx.attempt_id] += 1
+        if payload["s"]:
+            ctx.sleep(payload["s"])
+        return {"i": payload["i"]}
 
-            ids = [
-                server.enqueue(
-                    "noop",
-                    {"i": i, "s": round(durations.uniform(0, task_max), 3)},
-                    max_attempts=100,
-                    backoff_initial=0.05,
-                    backoff_max=0.5,
-                    retry_safety=RetrySafety.IDEMPOTENT,
-                )
-                for i in range(tasks)
-            ]
-            started = time.monotonic()
-            started_wall = time.time()
-            if timeline is not None:
-                timeline.begin(started)
-            calm_at: float | None = None
-            if mean_cut is not None and cut_for is not None:
-                timer = threading.Timer(cut_for, link.calm)
-                timer.daemon = True
-                timer.start()
-                calm_at = cut_for
-            worker.start()
-            deadline = started + time_limit
-            for task_id in ids:
-                try:
-                    server.wait_for(
-                        task_id, TERMINAL, timeout=max(0.0, deadline - time.monotonic())
-                    )
-                except TimeoutError:
-                    break
-            seconds = time.monotonic() - started
-            if calm_at is not None:
-                timer.cancel()
-            link.calm()
-            report = worker.stop(drain=False)
-            stats = worker.stats()
-            cuts, connections = link.cuts, link.connections
-        snaps = {t.task_id: t for t in server.tasks()}
-        server.check_invariants()
+    if timeline is not None:
+        timeline.begin(time.monotonic())
+    report = chaos.run(
+        worker,
+        seed=seed,
+        tasks=tasks,
+        rates=chaos.FaultRates(rtt=rtt, lease=lease),
+        payload=lambda i: {"i": i, "s": pauses[i]},
+        enqueue={"max_attempts": 100},
+        time_limit=time_limit,
+        link_cuts=None if mean_cut is None else (mean_cut, cut_for),
+        listeners=() if timeline is None else (timeline,),
+        replay=f"python tests/_cutlink_run.py --tasks {tasks} --rtt {rtt} --seeds {seed} ...",
+    )
+    seconds, started_wall = report.seconds, report.started_wall
+    snaps = {t.task_id: t for t in report.snapshots}
+    ids = [t.task_id for t in report.snapshots]
+    calm_at = cut_for if mean_cut is not None and cut_for is not None else None
     states = collections.Counter(snaps[t].state.value for t in ids)
     if timeline is not None:
         timeline.attempts = [
@@ -287,12 +268,12 @@ def run(
         seconds=seconds,
         states=dict(states),
         not_terminal=sum(n for s, n in states.items() if s not in TERMINAL),
-        cuts=cuts,
-        connections=connections,
-        reconnects=stats.reconnects,
+        cuts=report.cuts,
+        connections=report.connections,
+        reconnects=report.reconnects,
         repeated=sorted(a for a, n in runs.items() if n > 1),
         wrong_results=wrong,
-        unreported=len(report.unreported),
+        unreported=report.unreported,
         attempts=len(attempts),
         expired=sum(1 for a in attempts if a.state.value == "EXPIRED"),
         cut_seconds=cut_end,
@@ -311,6 +292,7 @@ def run(
             for a in snaps[closer].attempts
         ],
         settle_seconds=settle,
+        broken=[str(v) for v in report.violations],
     )
 
 

@@ -9,9 +9,10 @@ A test tool for the worker on a bad network::
 Every byte is delivered ``rtt / 2`` seconds after it was read, in order, in each direction (so a
 request/answer exchange takes ``rtt`` more). Cut times follow a Poisson process with mean gap
 *mean_cut* drawn from ``random.Random(seed)``; at each one every open connection is reset at
-once, both ends, with whatever was still in flight lost. :meth:`calm` stops the cuts (let a run
-finish), :meth:`storm` starts them again. The schedule is reproducible; what each cut hits
-depends on thread timing.
+once, both ends, with whatever was still in flight lost. :meth:`hold` stalls the link (nothing
+delivered for a while, nothing lost), :meth:`release` ends a stall. :meth:`calm` stops the cuts
+(let a run finish), :meth:`storm` starts them again. The schedule is reproducible; what each cut
+hits depends on thread timing.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class _Direction:
                         return
                     if self._queue:
                         due, data = self._queue[0]
-                        wait = due - monotonic()
+                        wait = max(due, self._pair.held_until()) - monotonic()
                         if wait <= 0:
                             self._queue.popleft()
                             break
@@ -117,6 +118,9 @@ class _Pair:
             )
         ]
 
+    def held_until(self) -> float:
+        return self._link._held_until
+
     def start(self) -> None:
         for thread in self.threads:
             thread.start()
@@ -135,6 +139,10 @@ class _Pair:
         for direction in self._dirs:
             direction.wake()
         self._link._forget(self)
+
+    def wake(self) -> None:
+        for direction in self._dirs:
+            direction.wake()
 
     def join(self, timeout: float) -> None:
         deadline = monotonic() + timeout
@@ -175,6 +183,8 @@ class CuttingLink:
         self._stopped = False
         self.cuts = 0
         self.connections = 0
+        #: Until this monotonic moment nothing is delivered, either way (see :meth:`hold`).
+        self._held_until = 0.0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port: int = self._listener.getsockname()[1]
         self._threads = [
@@ -206,6 +216,22 @@ class CuttingLink:
         with self._cond:
             self._cutting = True
             self._cond.notify_all()
+
+    def hold(self, seconds: float) -> None:
+        """Deliver nothing, either way, for *seconds* from now (a stall: nothing is lost, the
+        bytes read meanwhile follow in order once it ends); holds that overlap extend it."""
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds >= 0:
+            raise ValueError("seconds must be a number >= 0")
+        with self._cond:
+            self._held_until = max(self._held_until, monotonic() + seconds)
+
+    def release(self) -> None:
+        """End a :meth:`hold` now."""
+        with self._cond:
+            self._held_until = 0.0
+            pairs = list(self._pairs)
+        for pair in pairs:
+            pair.wake()
 
     def cut_now(self) -> int:
         """Reset every open connection now; return how many."""

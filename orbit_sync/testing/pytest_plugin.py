@@ -22,6 +22,13 @@ test):
 ``orbit_admin``
     An :class:`~orbit_sync.testing.AdminClient` for the server's JSON admin API, for a worker
     under test that runs in another process or language.
+``orbit_chaos``
+    A chaos run of your own Worker: ``orbit_chaos(worker, tasks=200, profile="flaky-wifi")``
+    runs it against its own mock server through a faulty link (``orbit_sync.testing.chaos``,
+    docs/mock-server.md "Chaos runs"), fails the test with the summary, the seed and the command
+    that replays it when a promise broke or a handler's ``chaos.effect(ctx)`` happened twice for
+    a task (``check=False``: return the report instead), and returns the report. The seed is
+    ``seed=`` if given, else ``$ORBIT_CHAOS_SEED``, else 0.
 ``orbit_server_options``
     The default constructor keywords of ``orbit_server`` (empty). Override it in a
     ``conftest.py``, module or class to configure every server of a suite.
@@ -37,6 +44,8 @@ Besides the constructor's keywords (``lease_duration``, ``session_window``, ``as
 
 from __future__ import annotations
 
+import os
+import shlex
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -46,7 +55,11 @@ if TYPE_CHECKING:
     from orbit_sync.client import Client
     from orbit_sync.testing import ManualClock, MockOrbitServer
     from orbit_sync.testing._admin import AdminAPI, AdminClient
+    from orbit_sync.testing.chaos import ChaosReport
     from orbit_sync.worker import Worker
+
+#: The environment variable that gives ``orbit_chaos`` its seed when the test names none.
+CHAOS_SEED_ENV = "ORBIT_CHAOS_SEED"
 
 _ADMIN_KEY: pytest.StashKey[AdminAPI] = pytest.StashKey()
 
@@ -165,3 +178,29 @@ def orbit_admin(request: pytest.FixtureRequest, orbit_server: MockOrbitServer) -
     if api is None:
         raise pytest.UsageError("orbit_admin: the orbit_server marker replaced admin_handler")
     return AdminClient(orbit_server.url, api.token)
+
+
+@pytest.fixture
+def orbit_chaos(request: pytest.FixtureRequest) -> Callable[..., ChaosReport]:
+    """Run a chaos run of a Worker (``orbit_sync.testing.chaos.run``'s keywords); fail the
+    test on a finding unless ``check=False``; return the report."""
+    from orbit_sync.testing import chaos
+
+    text = os.environ.get(CHAOS_SEED_ENV)
+    if text is not None and not text.lstrip("-").isdigit():
+        raise pytest.UsageError(f"${CHAOS_SEED_ENV} must be a whole number, not {text!r}")
+    default_seed = 0 if text is None else int(text)
+
+    def run(
+        worker: Any, *, seed: int | None = None, check: bool = True, **kwargs: Any
+    ) -> ChaosReport:
+        chosen = default_seed if seed is None else seed
+        if "replay" not in kwargs:
+            # This test again, the seed where it came from: the one command that replays it.
+            prefix = "" if seed is not None else f"{CHAOS_SEED_ENV}={chosen} "
+            kwargs["replay"] = f"{prefix}python -m pytest {shlex.quote(request.node.nodeid)}"
+        report = chaos.run(worker, seed=chosen, **kwargs)
+        print(report.summary())
+        return report.check() if check else report
+
+    return run
