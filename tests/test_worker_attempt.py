@@ -30,6 +30,7 @@ from orbit_sync.worker._machine import (
     Keep,
     LeaseLost,
     LeaseView,
+    MachineError,
     NotStarted,
     Phase,
     RecordFinish,
@@ -98,12 +99,16 @@ def _finishing(m: AttemptMachine) -> None:
 
 
 def test_an_admitted_assignment_sends_the_start_once() -> None:
-    """An accepted assignment sends one start; admitting it again does nothing."""
+    """An accepted assignment sends one start; admitting the same machine again is a bug of the
+    worker's, raised (MachineError) with nothing sent and the phase kept."""
     m = _machine()
     actions = _begin(m)
     assert actions == [Send(m.request)] and m.phase is Phase.STARTING
     assert m.request is not None and m.request.request_type == "task.start"
-    assert _begin(m) == []
+    request = m.request
+    with pytest.raises(MachineError):
+        _begin(m)
+    assert m.phase is Phase.STARTING and m.request is request
 
 
 def test_start_answered_with_a_running_lease_runs_the_handler() -> None:

@@ -35,6 +35,7 @@ from orbit_sync.worker._machine import (
     BreakConnection,
     Ended,
     Keep,
+    MachineError,
     Phase,
     RecordFinish,
     Release,
@@ -60,16 +61,19 @@ def _resuming(m: AttemptMachine, finish: Finish | None = None, mid: str | None =
 
 def test_replay_resumes_first_and_only_once() -> None:
     """A stored attempt enters by resuming its lease (a fresh message_id); entering twice, or
-    after a start, does nothing."""
+    after a start, is a bug of the worker's, raised (MachineError) with nothing sent."""
     m = _machine()
     actions = m.replay(None, None)
     assert m.phase is Phase.RESUMING and actions == [Send(m.request)]
     assert m.request is not None and m.request.request_type == "worker.resume"
     assert m.request.body is m.ref
-    assert m.replay(None, None) == []
+    with pytest.raises(MachineError):
+        m.replay(None, None)
     live = _machine()
     _begin(live)
-    assert live.replay(None, None) == [] and live.phase is Phase.STARTING
+    with pytest.raises(MachineError):
+        live.replay(None, None)
+    assert live.phase is Phase.STARTING
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,9 @@ from ._outcomes import stored as stored_verdict
 from ._time_limits import TimeLimit
 
 __all__ = [
+    "ANY_PHASE",
     "BUSY_DELAY",
+    "IMPOSSIBLE",
     "REFUSED",
     "SETTLED",
     "TABLE",
@@ -55,6 +57,7 @@ __all__ = [
     "LeaseLost",
     "LeaseRenewed",
     "LeaseView",
+    "MachineError",
     "NotStarted",
     "Phase",
     "RecordFinish",
@@ -441,10 +444,43 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     Trigger.TIME_LIMIT: _stay((_R,), *_STOP, InterruptHandler),
 }
 
-#: For each trigger, the phases that refuse it (every phase the table does not list for it).
+#: The triggers that may arrive in any phase, racing whatever moved the attempt on: a cancel
+#: push, a shutdown step, the watchdog's report of a renewal, a time limit's timer, a reconnect
+#: (it steps every attempt held), a bug's recovery. In a phase the table does not list for them
+#: they do nothing. Every other trigger arrives only in a phase the table lists (its method
+#: checks that the request or handler it speaks of is still the attempt's first): anywhere else it
+#: is a bug of ours, and :meth:`AttemptMachine.fire` raises :class:`MachineError`, as h11 does.
+ANY_PHASE = frozenset(
+    {
+        Trigger.CANCEL_PUSHED,
+        Trigger.SHUTDOWN_CANCEL,
+        Trigger.ABANDON,
+        Trigger.RENEWED,
+        Trigger.RENEW_FAILED,
+        Trigger.STOP_RUNNING,
+        Trigger.LEASE_ENDED,
+        Trigger.TIME_LIMIT,
+        Trigger.RECONNECTED,
+        Trigger.CRASHED,
+    }
+)
+
+#: For each trigger, the phases that refuse it: no move, no action (the phases the table does
+#: not list for it, when it is one of :data:`ANY_PHASE`).
 REFUSED: dict[Trigger, frozenset[Phase]] = {
-    trigger: frozenset(Phase) - moves.keys() for trigger, moves in TABLE.items()
+    trigger: frozenset(Phase) - moves.keys() if trigger in ANY_PHASE else frozenset()
+    for trigger, moves in TABLE.items()
 }
+
+#: For each trigger, the phases it can never arrive in: firing it there raises MachineError.
+IMPOSSIBLE: dict[Trigger, frozenset[Phase]] = {
+    trigger: frozenset(Phase) - moves.keys() - REFUSED[trigger] for trigger, moves in TABLE.items()
+}
+
+
+class MachineError(AssertionError):
+    """An event arrived in a phase the table does not list for it: a bug of the worker's (the
+    shell finishes the attempt UNKNOWN, logged with the traceback)."""
 
 
 @attrs.define(eq=False)
@@ -485,11 +521,14 @@ class AttemptMachine:
         return self.phase in SETTLED
 
     def fire(self, trigger: Trigger) -> bool:
-        """Move by :data:`TABLE`: False if the phase refuses *trigger*. A move to another phase
-        ends the request on its way (the method sets the next, if any)."""
+        """Move by :data:`TABLE`: False if the phase refuses *trigger* (:data:`REFUSED`); raise
+        :class:`MachineError` for a pair the table does not list. A move to another phase ends
+        the request on its way (the method sets the next, if any)."""
         move = TABLE[trigger].get(self.phase)
         if move is None:
-            return False
+            if self.phase in REFUSED[trigger]:
+                return False
+            raise MachineError(f"{trigger.name} cannot arrive in phase {self.phase.name}")
         if move.to is not self.phase:
             self.request = None
         self.phase = move.to
