@@ -28,7 +28,7 @@ from orbit_sync.models import (
     new_id,
     new_secret,
 )
-from orbit_sync.worker import Verdict
+from orbit_sync.worker import Fail, Verdict
 from orbit_sync.worker._machine import (
     ANY_PHASE,
     BUSY_DELAY,
@@ -38,6 +38,7 @@ from orbit_sync.worker._machine import (
     TABLE,
     AttemptMachine,
     CancelContext,
+    HandlerOutcome,
     LeaseLost,
     LeaseRenewed,
     LeaseView,
@@ -140,6 +141,8 @@ DRIVERS: dict[str, Driver] = {
     "replay resume: active": lambda m: m.resume_answered(_req(m), _lease()),
     "replay resume: gone": lambda m: m.resume_answered(_req(m), _lease(active=False)),
     "handler returned": lambda m: m.handler_returned(Verdict(Outcome.SUCCEEDED, 1)),
+    "handler ended": lambda m: m.handler_ended(value={"n": 1}, duration=0.1),
+    "handler raised": lambda m: m.handler_ended(error=RuntimeError("boom"), duration=0.1),
     "launch refused": lambda m: m.launch_refused(),
     "crashed": lambda m: m.crashed(),
     "reconnected": lambda m: m.reconnected(),
@@ -440,3 +443,27 @@ def test_a_replayed_finish_is_never_dropped(names: list[str]) -> None:
         Phase.REFUSED,
         Phase.UNREPORTED,
     )
+
+
+def test_the_outcome_rules_are_the_machines_how_a_handler_ended_decides_its_finish() -> None:
+    """The handler's ending is an event: the machine applies the outcome rules (a return is
+    SUCCEEDED with the encoded result, a raise FAILED HANDLER_ERROR with the exception kept for
+    the log, a Fail its own code) and finishes with that verdict."""
+    cases = [
+        ({"value": {"n": 1}}, Outcome.SUCCEEDED, None),
+        ({"error": RuntimeError("boom")}, Outcome.FAILED, "HANDLER_ERROR"),
+        ({"error": Fail("QUOTA", "later", retryable=True)}, Outcome.FAILED, "QUOTA"),
+    ]
+    for ending, outcome, code in cases:
+        m = _build("running")
+        actions = m.handler_ended(duration=0.5, **ending)
+        told = actions[0]
+        assert isinstance(told, HandlerOutcome) and told.error is ending.get("error")
+        assert (told.verdict.outcome, told.verdict.error_code) == (outcome, code)
+        assert m.verdict is told.verdict and m.phase is Phase.FINISHING
+        assert [type(a) for a in actions] == list(
+            TABLE[Trigger.HANDLER_ENDED][Phase.RUNNING].actions
+        )
+    m = _build("running")
+    m.handler_ended(value=1)
+    assert m.handler_ended(value=2) == [], "a handler ends once"

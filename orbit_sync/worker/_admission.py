@@ -66,6 +66,7 @@ class Admission:
                 new_id=new_message_id,
                 retry_delay=self._retry_delay,
                 time_limit=None if found is None else found[2],
+                encoder=self._shell.encoder,
             )
             actions = machine.assigned(
                 again=again, runnable=found is not None, stopping=self._reg.drain_over

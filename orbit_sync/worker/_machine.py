@@ -28,10 +28,13 @@ from ..models import (
 )
 from ._errors import is_link_failure, is_transient
 from ._outcomes import (
+    DEFAULT_ENCODER,
+    ResultEncoder,
     Verdict,
     abandoned,
     not_run,
     outbox_unavailable,
+    outcome_of,
     timed_out,
     worker_error,
     worker_lost,
@@ -52,6 +55,7 @@ __all__ = [
     "CancelContext",
     "Ended",
     "Event",
+    "HandlerOutcome",
     "InterruptHandler",
     "Keep",
     "LeaseLost",
@@ -260,6 +264,15 @@ class RunHandler(Action):
 
 
 @attrs.frozen
+class HandlerOutcome(Action):
+    """Say how the handler ended: the *verdict* the outcome rules gave it, and the exception it
+    raised (*error*), whose traceback stays in the worker's log."""
+
+    verdict: Verdict
+    error: BaseException | None = None
+
+
+@attrs.frozen
 class RecordFinish(Action):
     """Commit the finish to the outbox before it is sent."""
 
@@ -346,6 +359,7 @@ class Trigger(enum.Enum):
     REPLAY_LEASE_ACTIVE = "replay: resumed, nothing stored, lease active: UNKNOWN WORKER_LOST"
     REPLAY_LEASE_GONE = "replay: resumed, nothing stored, lease gone: drop the record"
     HANDLER_RETURNED = "handler returned"
+    HANDLER_ENDED = "handler ended: the outcome rules give its verdict"
     STUCK_HANDLER_RETURNED = "an abandoned attempt's handler returned at last"
     CRASHED = "a step of the attempt raised (a bug of ours)"
     RECONNECTED = "reconnected: resume the lease there first (PROTOCOL §5.5)"
@@ -421,6 +435,7 @@ TABLE: dict[Trigger, dict[Phase, Transition]] = {
     Trigger.REPLAY_LEASE_ACTIVE: {_RS: Transition(_F, _FINISH)},
     Trigger.REPLAY_LEASE_GONE: {_RS: Transition(Phase.ENDED, (Ended, Release))},
     Trigger.HANDLER_RETURNED: {_R: Transition(_F, _STARTS_FINISH)},
+    Trigger.HANDLER_ENDED: {_R: Transition(_F, (HandlerOutcome, *_STARTS_FINISH))},
     Trigger.STUCK_HANDLER_RETURNED: _stay((_F, *_FINISHED), SlotFreed),
     Trigger.CRASHED: {
         _A: Transition(Phase.NOT_RUN, (NotStarted, Release)),
@@ -493,6 +508,8 @@ class AttemptMachine:
     retry_delay: float = attrs.field(kw_only=True)
     #: The handler's time limit, if it has one.
     time_limit: TimeLimit | None = attrs.field(default=None, kw_only=True)
+    #: Encodes a returned result as the JSON the server records (the worker's result_converter).
+    encoder: ResultEncoder = attrs.field(default=DEFAULT_ENCODER, kw_only=True)
     phase: Phase = attrs.field(default=Phase.ASSIGNED, init=False)
     #: The handler ran past its time limit and was interrupted.
     timed_out: bool = attrs.field(default=False, init=False)
@@ -709,6 +726,37 @@ class AttemptMachine:
             # Finished UNKNOWN already: this result is dropped.
             return self._take(Trigger.STUCK_HANDLER_RETURNED, SlotFreed())
         return self._finishing(Trigger.HANDLER_RETURNED, verdict, UntrackLease())
+
+    def handler_ended(
+        self,
+        *,
+        value: Any = None,
+        error: BaseException | None = None,
+        cancel_requested: bool = False,
+        cancel_reason: str | None = None,
+        duration: float | None = None,
+    ) -> list[Action]:
+        """The handler returned *value* or raised *error* after *duration* seconds, its context
+        cancelled (*cancel_reason*) or not, and the server asked to cancel it or not: the outcome
+        rules give the verdict, which is finished, unless it was abandoned already."""
+        if self.handler_done:
+            return []
+        limit = self.time_limit
+        verdict = outcome_of(
+            value=value,
+            error=error,
+            cancel_requested=cancel_requested,
+            cancel_reason=cancel_reason,
+            encoder=self.encoder,
+            duration=duration,
+            timeout_retryable=limit is not None and limit.retryable,
+        )
+        if self.abandoned:
+            return self.handler_returned(verdict)  # its result is dropped
+        self.handler_done = True
+        return self._finishing(
+            Trigger.HANDLER_ENDED, verdict, HandlerOutcome(verdict, error), UntrackLease()
+        )
 
     def launch_refused(self) -> list[Action]:
         """The outbox could not record the launch: the handler must not run."""

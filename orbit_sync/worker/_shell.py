@@ -22,10 +22,10 @@ import attrs
 
 from ..client import DialCut
 from ..connection import BatchCall, PendingCall
-from ..errors import OrbitError, WorkerError
+from ..errors import OrbitError
 from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
 from ._context import Handler, TaskContext, cancel_context, set_lease_deadline, worker_log
-from ._errors import NotConnected, is_link_failure
+from ._errors import NotConnected
 from ._handlers import Handlers
 from ._link import Connection, GaveUp, Link, Resumes, Wakeup
 from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
@@ -35,6 +35,7 @@ from ._machine import (
     BreakConnection,
     CancelContext,
     Event,
+    HandlerOutcome,
     InterruptHandler,
     Keep,
     LeaseLost,
@@ -66,8 +67,6 @@ from ._outcomes import (
     HANDLER_ERROR,
     ResultEncoder,
     TimeLimitExceeded,
-    Verdict,
-    outcome_of,
 )
 from ._pool import HandlerThreads
 from ._requests import Caller, CallOutcome, may_wait
@@ -244,7 +243,9 @@ class AttemptShell:
         self.hooks = Hooks(options.listeners, logger=options.logger)
         #: Its ``instance_id`` (new in a forked child) goes into the outbox's records.
         self.handlers = handlers
-        self._encoder = (
+        #: How a returned result becomes the JSON the server records (each attempt's machine
+        #: applies it through the outcome rules).
+        self.encoder = (
             DEFAULT_ENCODER
             if options.result_converter is None
             else ResultEncoder(options.result_converter)
@@ -339,6 +340,8 @@ class AttemptShell:
                 self._run_handler(att)
             elif isinstance(action, RecordFinish):
                 self._record_finish(att, action.request)
+            elif isinstance(action, HandlerOutcome):
+                self._handler_outcome(att, action)
             elif isinstance(action, Reported):
                 self._reported(att, action)
             elif isinstance(action, NotStarted):
@@ -496,7 +499,7 @@ class AttemptShell:
                 lambda o: o.launch(self.handlers.instance_id, att.ref, att.task.handler),
                 failed="outbox unavailable: handler not run",
             )
-            verdict = self.execute(att) if launched else None
+            ended = self.execute(att) if launched else None
         except Exception:
             worker_log(att.ctx).exception(
                 "worker error while running the attempt; finishing UNKNOWN"
@@ -504,11 +507,10 @@ class AttemptShell:
             self.crashed(att)
             self.notify()
             return
-        self.step(
-            att, lambda m: m.launch_refused() if verdict is None else m.handler_returned(verdict)
-        )
+        self.step(att, AttemptMachine.launch_refused if ended is None else ended)
 
-    def execute(self, att: Attempt) -> Verdict:
+    def execute(self, att: Attempt) -> Event:
+        """Run the handler; return the event of how it ended, for its machine."""
         ctx = att.ctx
         with self.registry.lock:
             self.registry.running += 1
@@ -537,15 +539,18 @@ class AttemptShell:
                 self.threads.timers.cancel(timer)
             with self.registry.lock:
                 self.registry.running -= 1
-        verdict = outcome_of(
+        return partial(
+            AttemptMachine.handler_ended,
             value=value,
             error=error,
             cancel_requested=ctx.cancel_requested,
             cancel_reason=ctx.cancel_reason,
-            encoder=self._encoder,
             duration=duration,
-            timeout_retryable=limit is not None and limit.retryable,
         )
+
+    def _handler_outcome(self, att: Attempt, told: HandlerOutcome) -> None:
+        """Say how the handler ended, as its machine judged it."""
+        verdict, error, ctx = told.verdict, told.error, att.ctx
         if verdict.error_code == HANDLER_ERROR and error is not None:
             # The traceback stays local: only the exception's type goes to the server.
             worker_log(ctx).error("handler raised %s", type(error).__name__, exc_info=error)
@@ -560,7 +565,6 @@ class AttemptShell:
             )
         elif verdict.outcome is not Outcome.SUCCEEDED:
             worker_log(ctx).info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
-        return verdict
 
     def _call_handler(self, att: Attempt) -> Any:
         """The handler's own call (through the listeners' hook when there are listeners)."""
@@ -760,7 +764,7 @@ class AttemptShell:
     def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
         """The watchdog's batch: every renew in one write on the current connection, then each
         answer (or failure) waited for on its own slot and told to its *on_done*, on the
-        watchdog's thread; a lost connection is reported to the link. Renewals that cannot be
+        watchdog's thread (the attempt's machine decides what each means). Renewals that cannot be
         sent are told so after the write: nothing on the way to it may release the GIL (a log
         line could)."""
         with self.registry.lock:
@@ -781,7 +785,7 @@ class AttemptShell:
                 dones.append(on_done)
         if calls:
             assert current is not None
-            conn, gen = current
+            conn = current[0]
             try:
                 pending = conn.send_many(calls)
             except OrbitError as exc:  # nothing was sent
@@ -790,10 +794,7 @@ class AttemptShell:
             for on_done, call in zip(dones, pending, strict=False):  # none: nothing was sent
                 try:
                     result = call.result()
-                except OrbitError as exc:
-                    if is_link_failure(exc) and not isinstance(exc, WorkerError):
-                        # (A fatal error answer ends the connection by itself, with that error.)
-                        self._link.broken(gen)
+                except OrbitError as exc:  # a link failure has ended the connection already
                     on_done(None, exc)
                 else:
                     on_done(result.lease, None)
