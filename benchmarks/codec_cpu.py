@@ -20,7 +20,7 @@ from typing import Any
 
 from orbit_sync import _codec
 from orbit_sync.models import AttemptRef, Capability, Finish, Outcome, Registration, new_secret
-from orbit_sync.worker._outcomes import outcome_of
+from orbit_sync.worker.core._outcomes import outcome_of
 
 VECTORS = json.loads(
     (Path(__file__).resolve().parent.parent / "tests" / "vectors" / "frames.json").read_text()

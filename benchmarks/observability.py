@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from orbit_sync.testing import HandlerEnvironment
 from orbit_sync.worker import AttemptEvent, TaskContext, WorkerListener
 from orbit_sync.worker._listeners import Hooks
-from orbit_sync.worker._outcomes import ResultEncoder
+from orbit_sync.worker.core._outcomes import ResultEncoder
 
 
 @dataclasses.dataclass

@@ -55,7 +55,7 @@ from .worker import (
     WorkerOptions,
     WorkerStats,
 )
-from .worker._outbox import OutboxError
+from .worker.outbox._outbox import OutboxError
 
 __all__ = [
     "Assignment",

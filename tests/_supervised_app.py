@@ -11,7 +11,7 @@ import time
 
 from orbit_sync.client import Client
 from orbit_sync.worker import Worker
-from orbit_sync.worker._process_limits import rss_bytes
+from orbit_sync.worker.process._process_limits import rss_bytes
 
 LEAK: list[bytes] = []
 

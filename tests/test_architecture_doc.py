@@ -165,7 +165,7 @@ def test_the_scan_finds_the_threads_it_must() -> None:
     assert {"orbit-worker-connection", "orbit-sync-reader", "orbit-handler"} <= started
     assert "orbit-sync" not in started  # the program's name
     assert {"orbit-worker-connection", "orbit-handler"} <= _documented_names()
-    assert "orbit_sync.worker._machine" in _named_modules()
+    assert "orbit_sync.worker.core._machine" in _named_modules()
 
 
 def test_readme_layout_names_every_top_level_module_and_package() -> None:

@@ -20,7 +20,8 @@ from orbit_sync._supervisor import _cli as supervisor_cli
 from orbit_sync._supervisor import _observe, _policy, _supervisor, _wire
 from orbit_sync.contrib.prometheus import PrometheusListener
 from orbit_sync.testing import MockOrbitServer
-from orbit_sync.worker import SessionEvent, TaskContext, Worker, WorkerListener, _shutdown
+from orbit_sync.worker import SessionEvent, TaskContext, Worker, WorkerListener
+from orbit_sync.worker.runtime import _shutdown
 
 PAGE = (Path(__file__).resolve().parent.parent / "docs" / "deploy.md").read_text()
 DEFAULTS = {

@@ -17,7 +17,7 @@ from freezegun import freeze_time
 from orbit_sync import CapacityReport, Client
 from orbit_sync.contrib.health import HealthProbe, check_heartbeat
 from orbit_sync.testing import ManualClock, MockOrbitServer
-from orbit_sync.worker._link import Wakeup
+from orbit_sync.worker.runtime._link import Wakeup
 
 pytest_plugins = ["pytester"]
 

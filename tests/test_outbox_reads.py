@@ -24,7 +24,7 @@ from orbit_sync.models import (
     new_message_id,
     new_secret,
 )
-from orbit_sync.worker._outbox import Outbox
+from orbit_sync.worker.outbox._outbox import Outbox
 
 #: Each read the replay makes, by name.
 READS: dict[str, Callable[[Outbox, Registration], object]] = {

@@ -66,7 +66,7 @@ def test_the_script_counts_each_kind_of_reach_from_the_tests(
         {
             "tests/test_x.py": (
                 "import os\n"
-                "from orbit_sync.worker._machine import A, B\n"
+                "from orbit_sync.worker.core._machine import A, B\n"
                 "import orbit_sync._codec\n"
                 "from orbit_sync.worker import Worker\n"
                 "from tests._helpers import thing\n"
@@ -83,7 +83,7 @@ def test_the_script_counts_each_kind_of_reach_from_the_tests(
     assert sorted((h.kind, h.what) for h in hits) == [
         ("attribute", "_handlers"),
         ("import", "orbit_sync._codec"),
-        ("import", "orbit_sync.worker._machine.A, orbit_sync.worker._machine.B"),
+        ("import", "orbit_sync.worker.core._machine.A, orbit_sync.worker.core._machine.B"),
         ("string", "_clock"),
         ("string", "orbit_sync._json.MAX"),
     ]

@@ -21,8 +21,8 @@ from orbit_sync.models import (
     new_id,
     new_secret,
 )
-from orbit_sync.worker._errors import NotConnected
-from orbit_sync.worker._machine import (
+from orbit_sync.worker.core._errors import NotConnected
+from orbit_sync.worker.core._machine import (
     BUSY_DELAY,
     AttemptMachine,
     BreakConnection,
@@ -45,7 +45,7 @@ from orbit_sync.worker._machine import (
     TrackLease,
     UntrackLease,
 )
-from orbit_sync.worker._outcomes import outcome_of
+from orbit_sync.worker.core._outcomes import outcome_of
 
 _T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 NOW = 100.0

@@ -13,7 +13,7 @@ from orbit_sync import SystemClock
 from orbit_sync.models import TaskState
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import TaskContext
-from orbit_sync.worker._link import Wakeup
+from orbit_sync.worker.runtime._link import Wakeup
 
 
 def _pool_threads(prefix: str) -> list[threading.Thread]:

@@ -14,7 +14,7 @@ from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
 from orbit_sync.errors import HTTPError
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import Backoff, Worker
-from orbit_sync.worker._errors import FirstContact
+from orbit_sync.worker.core._errors import FirstContact
 
 URL = "ws://127.0.0.1:1"
 

@@ -23,7 +23,7 @@ from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.errors import WorkerDisconnected
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import Backoff, DisconnectEvent, SessionEvent, Worker, WorkerListener
-from orbit_sync.worker._errors import FirstContact
+from orbit_sync.worker.core._errors import FirstContact
 
 QUEUE = "0123456789abcdef0123456789abcdef"
 

@@ -11,8 +11,8 @@ from _scripted import LEASE_SECRET, WAIT, ScriptedServer, assignment_body, comma
 
 from orbit_sync.connection import BatchCall
 from orbit_sync.models import Assignment, AttemptRef, new_id
-from orbit_sync.worker._link import Intake
-from orbit_sync.worker._pool import HandlerThreads
+from orbit_sync.worker.runtime._link import Intake
+from orbit_sync.worker.runtime._pool import HandlerThreads
 
 REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
 

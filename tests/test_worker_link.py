@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from orbit_sync.testing import ManualClock
-from orbit_sync.worker._link import Gate, GaveUp, Link
+from orbit_sync.worker.runtime._link import Gate, GaveUp, Link
 
 WAIT = 5.0
 

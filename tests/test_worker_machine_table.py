@@ -29,7 +29,7 @@ from orbit_sync.models import (
     new_secret,
 )
 from orbit_sync.worker import Fail, Verdict
-from orbit_sync.worker._machine import (
+from orbit_sync.worker.core._machine import (
     ANY_PHASE,
     BUSY_DELAY,
     IMPOSSIBLE,

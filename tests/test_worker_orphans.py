@@ -25,10 +25,10 @@ from orbit_sync.client import Client
 from orbit_sync.models import AttemptState, Outcome, Task, TaskState, new_id
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import WorkerOptions
-from orbit_sync.worker._outbox import Outbox
-from orbit_sync.worker._process import _Process
-from orbit_sync.worker._process_child import ORPHAN_EXIT
-from orbit_sync.worker._replay import replay
+from orbit_sync.worker.outbox._outbox import Outbox
+from orbit_sync.worker.process._process import _Process
+from orbit_sync.worker.process._process_child import ORPHAN_EXIT
+from orbit_sync.worker.session._replay import replay
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfd (Linux)")
 
@@ -134,7 +134,7 @@ def _hold_lock(lock_path: str, instance_id: str) -> subprocess.Popen[str]:
     closes."""
     code = (
         "import sys\n"
-        "from orbit_sync.worker._outbox_lock import hold_instance_shared\n"
+        "from orbit_sync.worker.outbox._outbox_lock import hold_instance_shared\n"
         "hold_instance_shared(sys.argv[1], sys.argv[2])\n"
         "print('held', flush=True)\n"
         "sys.stdin.read()\n"

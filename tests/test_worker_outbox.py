@@ -24,8 +24,8 @@ from orbit_sync.client import Client
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import AttemptFinished, TaskContext, WorkerListener, WorkerOptions
-from orbit_sync.worker._outbox import Outbox
-from orbit_sync.worker._replay import replay
+from orbit_sync.worker.outbox._outbox import Outbox
+from orbit_sync.worker.session._replay import replay
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 CHILD = Path(__file__).with_name("_outbox_child.py")
@@ -42,7 +42,7 @@ def server() -> Iterator[MockOrbitServer]:
 _OPEN_IN_ANOTHER_PROCESS = """
 import sys
 from orbit_sync.worker import OutboxError
-from orbit_sync.worker._outbox import Outbox
+from orbit_sync.worker.outbox._outbox import Outbox
 try:
     Outbox(sys.argv[1])
 except OutboxError as exc:
@@ -307,7 +307,8 @@ def test_path_that_is_no_file_is_refused_clearly(tmp_path: Path, kind: str) -> N
 
 _FAILING_START = """
 import os, resource, signal, sqlite3, sys
-from orbit_sync.worker import OutboxError, Worker, _outbox
+from orbit_sync.worker import OutboxError, Worker
+from orbit_sync.worker.outbox import _outbox
 from orbit_sync.client import Client
 
 url, path, how = sys.argv[1:4]

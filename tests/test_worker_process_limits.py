@@ -12,7 +12,7 @@ from _worker_helpers import make_worker, running
 from orbit_sync.models import Outcome, TaskState
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Worker
-from orbit_sync.worker._process_limits import HANDLER_MEMORY_LIMIT, ChildLimits
+from orbit_sync.worker.process._process_limits import HANDLER_MEMORY_LIMIT, ChildLimits
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 

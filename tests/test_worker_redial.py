@@ -14,7 +14,7 @@ from orbit_sync.client import Client
 from orbit_sync.errors import CallTimeout, HTTPError, WorkerDisconnected, WorkerError
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import Backoff
-from orbit_sync.worker._redial import CUT, REFUSED, RESET, RESET_GRACE, Redial, dial_failure
+from orbit_sync.worker.core._redial import CUT, REFUSED, RESET, RESET_GRACE, Redial, dial_failure
 
 
 def _lost(stage: str | None) -> WorkerDisconnected:

@@ -29,8 +29,7 @@ from orbit_sync.models import (
 )
 from orbit_sync.testing import MockOrbitServer
 from orbit_sync.worker import WorkerOptions
-from orbit_sync.worker._link import Link
-from orbit_sync.worker._machine import (
+from orbit_sync.worker.core._machine import (
     AttemptMachine,
     BreakConnection,
     Ended,
@@ -42,8 +41,9 @@ from orbit_sync.worker._machine import (
     Reported,
     Send,
 )
-from orbit_sync.worker._outbox import Outbox
-from orbit_sync.worker._replay import WORKER_LOST, replay
+from orbit_sync.worker.outbox._outbox import Outbox
+from orbit_sync.worker.runtime._link import Link
+from orbit_sync.worker.session._replay import WORKER_LOST, replay
 
 LOG = logging.getLogger("tests.replay")
 

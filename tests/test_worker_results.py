@@ -19,7 +19,7 @@ from orbit_sync import _codec, _json
 from orbit_sync.models import AttemptRef, Outcome, TaskState, new_secret
 from orbit_sync.testing import HandlerEnvironment, MockOrbitServer
 from orbit_sync.worker import Fail, TaskContext, Verdict, result_converter
-from orbit_sync.worker._outcomes import ResultEncoder, ResultProblem
+from orbit_sync.worker.core._outcomes import ResultEncoder, ResultProblem
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 UTC = dt.timezone.utc

@@ -13,9 +13,8 @@ from test_worker_attempt import NOW, _begin, _finishing, _kinds, _lease, _machin
 from orbit_sync.errors import OrbitError, WorkerBusy, WorkerDisconnected, WorkerError
 from orbit_sync.models import AttemptState, Finish, Outcome
 from orbit_sync.testing import ManualClock
-from orbit_sync.worker._errors import NotConnected
-from orbit_sync.worker._link import Link, Resumes
-from orbit_sync.worker._machine import (
+from orbit_sync.worker.core._errors import NotConnected
+from orbit_sync.worker.core._machine import (
     BUSY_DELAY,
     AttemptMachine,
     BreakConnection,
@@ -35,7 +34,8 @@ from orbit_sync.worker._machine import (
     TrackLease,
     UntrackLease,
 )
-from orbit_sync.worker._outcomes import outcome_of
+from orbit_sync.worker.core._outcomes import outcome_of
+from orbit_sync.worker.runtime._link import Link, Resumes
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.timezone.utc)
 

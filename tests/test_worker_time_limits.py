@@ -22,7 +22,7 @@ from orbit_sync.worker import (
     Worker,
     WorkerListener,
 )
-from orbit_sync.worker._machine import (
+from orbit_sync.worker.core._machine import (
     AttemptMachine,
     CancelContext,
     InterruptHandler,
@@ -33,8 +33,8 @@ from orbit_sync.worker._machine import (
     SlotStuck,
     UntrackLease,
 )
-from orbit_sync.worker._outcomes import outcome_of
-from orbit_sync.worker._time_limits import Interruptible, TimeLimit
+from orbit_sync.worker.core._outcomes import outcome_of
+from orbit_sync.worker.core._time_limits import Interruptible, TimeLimit
 
 DONE = {"SUCCEEDED", "FAILED", "CANCELLED", "NEEDS_REVIEW"}
 LIMIT = 5.0

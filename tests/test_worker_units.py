@@ -20,7 +20,7 @@ from orbit_sync.worker import (
     Worker,
 )
 from orbit_sync.worker._context import cancel_context, worker_log
-from orbit_sync.worker._outcomes import abandoned, not_run, outcome_of
+from orbit_sync.worker.core._outcomes import abandoned, not_run, outcome_of
 
 
 def _task() -> Task:

@@ -30,7 +30,7 @@ from orbit_sync.models import (
 )
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import LeaseEvent, TaskContext, WorkerListener, WorkerOptions
-from orbit_sync.worker._machine import (
+from orbit_sync.worker.core._machine import (
     AttemptMachine,
     CancelContext,
     LeaseLost,
@@ -41,7 +41,7 @@ from orbit_sync.worker._machine import (
     UntrackLease,
     retry_delay,
 )
-from orbit_sync.worker._watchdog import (
+from orbit_sync.worker.runtime._watchdog import (
     GROUP_FRACTION,
     LEAD_FACTOR,
     LEAD_WAKES,

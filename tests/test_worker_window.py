@@ -10,7 +10,7 @@ from _scripted import WAIT, ScriptedServer, open_pair, welcome_body
 
 from orbit_sync.errors import WorkerClosed
 from orbit_sync.models import CapacityReport
-from orbit_sync.worker._window import CapacityWindow, SentReport
+from orbit_sync.worker.runtime._window import CapacityWindow, SentReport
 
 
 @pytest.mark.parametrize("capacity", [1, 8, 32, 256])

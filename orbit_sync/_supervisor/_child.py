@@ -42,7 +42,7 @@ from ..worker import (
     StuckEvent,
     WorkerListener,
 )
-from ..worker._process_limits import rss_bytes
+from ..worker.process._process_limits import rss_bytes
 from ._speaker import name_this_process
 from ._wire import DRAIN, ENV, STATE_INTERVAL, STOP_NOW, ChildSettings, encode
 

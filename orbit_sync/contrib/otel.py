@@ -38,7 +38,7 @@ from typing import Any
 from .._version import __version__
 from ..models import Outcome
 from ..worker import AttemptFinished, TaskContext, WorkerListener
-from ..worker._outcomes import type_name
+from ..worker.core._outcomes import type_name
 
 try:
     from opentelemetry import trace

@@ -22,7 +22,7 @@ import cattrs
 from ..clock import Clock, as_clock
 from ..models import Task, TaskState, new_id
 from ..worker._context import TaskContext, cancel_context
-from ..worker._outcomes import DEFAULT_ENCODER, ResultEncoder, Verdict, outcome_of
+from ..worker.core._outcomes import DEFAULT_ENCODER, ResultEncoder, Verdict, outcome_of
 
 __all__ = ["HandlerEnvironment"]
 

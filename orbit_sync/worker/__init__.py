@@ -11,7 +11,6 @@ from typing import Any
 
 from .._deprecated import deprecated, moved
 from ._context import TaskContext
-from ._link import Dialer
 from ._listeners import (
     AttemptEvent,
     AttemptFinished,
@@ -26,7 +25,8 @@ from ._listeners import (
     WorkerStats,
 )
 from ._options import WorkerOptions
-from ._outcomes import (
+from ._runner import Handler, Worker
+from .core._outcomes import (
     Fail,
     TaskCancelled,
     TimeLimitExceeded,
@@ -34,8 +34,8 @@ from ._outcomes import (
     Verdict,
     result_converter,
 )
-from ._redial import Backoff
-from ._runner import Handler, Worker
+from .core._redial import Backoff
+from .runtime._link import Dialer
 
 __all__ = [
     "AttemptEvent",

@@ -9,7 +9,7 @@ from typing import Any
 
 from ..clock import Clock, now_reader
 from ..models import Task
-from ._outcomes import CANCEL_REASONS, TaskCancelled
+from .core._outcomes import CANCEL_REASONS, TaskCancelled
 
 __all__ = [
     "Handler",

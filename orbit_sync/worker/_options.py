@@ -16,8 +16,8 @@ from .._protocol import MAX_IN_FLIGHT, call_timeout
 from .._seconds import seconds
 from ..clock import Clock, SystemClock
 from ..models import ID_RE, MAX_CAPACITY
-from ._machine import MAX_RETRY_DELAY, MIN_RETRY_DELAY
-from ._redial import Backoff
+from .core._machine import MAX_RETRY_DELAY, MIN_RETRY_DELAY
+from .core._redial import Backoff
 
 __all__ = ["RESERVED_SLOTS", "WorkerOptions"]
 

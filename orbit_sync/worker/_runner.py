@@ -21,20 +21,20 @@ from ..client import DialCut, queue_id_from_env
 from ..clock import Clock
 from ..models import Outcome, Registration
 from ._context import Handler
-from ._handlers import Handlers, HandlerSettings
-from ._link import Dialer, Intake, Link, Wakeup
 from ._listeners import DrainEvent, ShutdownReport, WorkerStats
 from ._options import WorkerOptions
-from ._outbox import Outbox
-from ._pool import HandlerThreads
-from ._redial import Backoff
-from ._replay import replay_until_done
-from ._session_loop import SessionLoop
-from ._shell import AttemptShell, LinkControls, Registry, WorkerThreads
-from ._shutdown import Shutdown
 from ._signals import StopSignals, announce
-from ._time_limits import WORKER_DEFAULT, HandlerLimit
-from ._watchdog import LeaseWatchdog, Timers, WatchdogThread
+from .core._redial import Backoff
+from .core._time_limits import WORKER_DEFAULT, HandlerLimit
+from .outbox._outbox import Outbox
+from .runtime._handlers import Handlers, HandlerSettings
+from .runtime._link import Dialer, Intake, Link, Wakeup
+from .runtime._pool import HandlerThreads
+from .runtime._shell import AttemptShell, LinkControls, Registry, WorkerThreads
+from .runtime._shutdown import Shutdown
+from .runtime._watchdog import LeaseWatchdog, Timers, WatchdogThread
+from .session._replay import replay_until_done
+from .session._session_loop import SessionLoop
 
 __all__ = ["Handler", "Worker"]
 

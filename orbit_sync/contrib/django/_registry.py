@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 from ...models import Capability
 from ...worker import TaskContext, Worker
-from ...worker._time_limits import WORKER_DEFAULT, HandlerLimit
+from ...worker.core._time_limits import WORKER_DEFAULT, HandlerLimit
 
 __all__ = ["HandlerRegistry", "handler", "registry"]
 

@@ -18,11 +18,11 @@ import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from ..errors import OrbitError
-from ._errors import NotConnected
+from ...errors import OrbitError
+from .._options import WorkerOptions
+from ..core._errors import NotConnected
+from ..core._machine import Keep, Request
 from ._link import GaveUp, Link
-from ._machine import Keep, Request
-from ._options import WorkerOptions
 
 __all__ = ["CallOutcome", "Caller", "may_wait", "waiting_thread"]
 

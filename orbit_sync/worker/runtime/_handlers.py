@@ -11,12 +11,12 @@ from collections.abc import Callable
 
 import attrs
 
-from ..models import Capability, Registration, new_id, new_secret
-from ._context import Handler, task_logger
-from ._options import WorkerOptions
-from ._process import ProcessHandler, ProcessPool, check_process_handler
-from ._process_limits import ChildLimits, MemoryLimited
-from ._time_limits import WORKER_DEFAULT, HandlerLimit, TimeLimit, check_time_limit
+from ...models import Capability, Registration, new_id, new_secret
+from .._context import Handler, task_logger
+from .._options import WorkerOptions
+from ..core._time_limits import WORKER_DEFAULT, HandlerLimit, TimeLimit, check_time_limit
+from ..process._process import ProcessHandler, ProcessPool, check_process_handler
+from ..process._process_limits import ChildLimits, MemoryLimited
 
 __all__ = ["HandlerSettings", "Handlers", "check_handler_signature"]
 

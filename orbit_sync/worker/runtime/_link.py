@@ -15,10 +15,10 @@ import threading
 from collections.abc import Callable, Hashable
 from typing import Any, Protocol, TypeAlias
 
-from .._realtime import monotonic
-from ..clock import Clock, SystemClock
-from ..connection import WorkerConnection
-from ..models import CancelNotice, Registration
+from ..._realtime import monotonic
+from ...clock import Clock, SystemClock
+from ...connection import WorkerConnection
+from ...models import CancelNotice, Registration
 
 __all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Intake", "Link", "Resumes", "Wakeup"]
 

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from .._realtime import monotonic
-from ..client import HANDLER_PROCESS_ENV
-from ._context import TaskContext, add_watcher, lease_deadline, remove_watcher, worker_log
-from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
+from ..._realtime import monotonic
+from ...client import HANDLER_PROCESS_ENV
+from .._context import TaskContext, add_watcher, lease_deadline, remove_watcher, worker_log
+from ..core._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect
 from ._process_child import SECRET_ENV, child_main
 from ._process_limits import ChildLimits
 

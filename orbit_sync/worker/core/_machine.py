@@ -15,8 +15,8 @@ from typing import Any
 
 import attrs
 
-from ..errors import OrbitError, WorkerBusy, WorkerError
-from ..models import (
+from ...errors import OrbitError, WorkerBusy, WorkerError
+from ...models import (
     AttemptRef,
     AttemptState,
     CommandResult,

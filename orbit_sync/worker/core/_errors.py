@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..errors import (
+from ...errors import (
     AUTH_CODES,
     TRANSIENT_CODES,
     CallTimeout,

@@ -17,24 +17,24 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from ..client import Client
-from ..errors import CallTimeout, OrbitError, WorkerProtocolError
-from ..models import Assignment
-from ._admission import Admission
-from ._errors import (
+from ...client import Client
+from ...errors import CallTimeout, OrbitError, WorkerProtocolError
+from ...models import Assignment
+from .._listeners import DisconnectEvent, SessionEvent
+from ..core._errors import (
     FirstContact,
     NotConnected,
     is_fatal_dial_error,
     is_link_failure,
     is_transient,
 )
-from ._link import Connection, Dialer, Intake
-from ._listeners import DisconnectEvent, SessionEvent
-from ._machine import AttemptMachine, retry_delay
-from ._redial import Redial
-from ._shell import AttemptShell
-from ._shutdown import CLOSE_ALLOWANCE
-from ._window import SentReport
+from ..core._machine import AttemptMachine, retry_delay
+from ..core._redial import Redial
+from ..runtime._link import Connection, Dialer, Intake
+from ..runtime._shell import AttemptShell
+from ..runtime._shutdown import CLOSE_ALLOWANCE
+from ..runtime._window import SentReport
+from ._admission import Admission
 
 __all__ = ["SESSION_BUG_LIMIT", "SessionLoop"]
 

@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from .._realtime import monotonic
-from ..errors import OrbitError
-from ..models import Lease, new_message_id
-from ._errors import is_transient
+from ..._realtime import monotonic
+from ...errors import OrbitError
+from ...models import Lease, new_message_id
+from ..core._errors import is_transient
+from ..core._machine import MIN_RETRY_DELAY, RenewAnswer
 from ._link import Wakeup
-from ._machine import MIN_RETRY_DELAY, RenewAnswer
 
 __all__ = [
     "LeaseWatchdog",

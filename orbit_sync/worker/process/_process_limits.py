@@ -13,8 +13,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ._context import TaskContext
-from ._outcomes import Fail
+from .._context import TaskContext
+from ..core._outcomes import Fail
 
 __all__ = [
     "HANDLER_MEMORY_LIMIT",

@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .._realtime import monotonic
+from ..._realtime import monotonic
 
 __all__ = ["LockFile", "hold_instance_shared", "instance_offset", "lock_path", "open_private"]
 

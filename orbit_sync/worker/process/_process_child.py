@@ -18,11 +18,11 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from ..models import Task
-from ._context import TaskContext, cancel_context, set_lease_deadline
-from ._outbox_lock import hold_instance_shared
-from ._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, type_name
-from ._time_limits import Interruptible
+from ...models import Task
+from .._context import TaskContext, cancel_context, set_lease_deadline
+from ..core._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffect, type_name
+from ..core._time_limits import Interruptible
+from ..outbox._outbox_lock import hold_instance_shared
 
 __all__ = ["ORPHAN_EXIT", "SECRET_ENV", "child_main"]
 

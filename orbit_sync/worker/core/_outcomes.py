@@ -25,9 +25,9 @@ from typing import Any, NoReturn
 import attrs
 import cattrs
 
-from .. import _json
-from ..errors import FrameError, OrbitError
-from ..models import CODE_RE, AttemptRef, Finish, Outcome
+from ... import _json
+from ...errors import FrameError, OrbitError
+from ...models import CODE_RE, AttemptRef, Finish, Outcome
 
 __all__ = [
     "CANCEL_REASONS",

@@ -21,7 +21,7 @@ from typing import Any, Literal, TypeVar
 
 import attrs
 
-from .._seconds import seconds
+from ..._seconds import seconds
 
 __all__ = ["WORKER_DEFAULT", "Interruptible", "TimeLimit", "check_time_limit"]
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 import collections
 from functools import partial
 
-from ..errors import HTTPError, OrbitError, WorkerError
-from ..models import Finish, Registration, new_message_id
-from ._errors import is_fatal_dial_error
-from ._link import Connection, Dialer, Link, Wakeup
-from ._machine import (
+from ...errors import HTTPError, OrbitError, WorkerError
+from ...models import Finish, Registration, new_message_id
+from .._options import WorkerOptions
+from ..core._errors import is_fatal_dial_error
+from ..core._machine import (
     Action,
     AttemptMachine,
     BreakConnection,
@@ -29,11 +29,11 @@ from ._machine import (
     answered,
     failed,
 )
-from ._options import WorkerOptions
-from ._outbox import Outbox, Pending
-from ._outcomes import WORKER_LOST
-from ._requests import Caller, waiting_thread
-from ._shutdown import CLOSE_ALLOWANCE
+from ..core._outcomes import WORKER_LOST
+from ..outbox._outbox import Outbox, Pending
+from ..runtime._link import Connection, Dialer, Link, Wakeup
+from ..runtime._requests import Caller, waiting_thread
+from ..runtime._shutdown import CLOSE_ALLOWANCE
 
 __all__ = ["TRY_LIMIT", "WORKER_LOST", "ReplayShell", "replay", "replay_until_done"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from ..models import Assignment, CancelNotice, new_message_id
-from ._context import TaskContext, worker_log
-from ._machine import AttemptMachine, Skipped
-from ._shell import Attempt, AttemptShell, attempt_event
+from ...models import Assignment, CancelNotice, new_message_id
+from .._context import TaskContext, worker_log
+from ..core._machine import AttemptMachine, Skipped
+from ..runtime._shell import Attempt, AttemptShell, attempt_event
 
 __all__ = ["SEEN_LIMIT", "Admission"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ..connection import BatchCall, Settable
-from ..errors import OrbitError
-from ..models import CapacityReport
+from ...connection import BatchCall, Settable
+from ...errors import OrbitError
+from ...models import CapacityReport
 from ._link import Connection
 
 __all__ = ["CapacityWindow", "SentReport"]

@@ -12,9 +12,9 @@ import os
 import threading
 from collections.abc import Callable
 
-from .._realtime import monotonic
-from ..errors import OrbitError
-from ..models import Assignment
+from ..._realtime import monotonic
+from ...errors import OrbitError
+from ...models import Assignment
 from ._link import Connection, Intake
 from ._requests import waiting_thread
 

@@ -20,16 +20,15 @@ from typing import Any
 
 import attrs
 
-from ..client import DialCut
-from ..connection import BatchCall, PendingCall
-from ..errors import OrbitError
-from ..models import Assignment, AttemptRef, Disposition, Finish, Outcome
-from ._context import Handler, TaskContext, cancel_context, set_lease_deadline, worker_log
-from ._errors import NotConnected
-from ._handlers import Handlers
-from ._link import Connection, GaveUp, Link, Resumes, Wakeup
-from ._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
-from ._machine import (
+from ...client import DialCut
+from ...connection import BatchCall, PendingCall
+from ...errors import OrbitError
+from ...models import Assignment, AttemptRef, Disposition, Finish, Outcome
+from .._context import Handler, TaskContext, cancel_context, set_lease_deadline, worker_log
+from .._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
+from .._options import WorkerOptions
+from ..core._errors import NotConnected
+from ..core._machine import (
     Action,
     AttemptMachine,
     BreakConnection,
@@ -60,17 +59,18 @@ from ._machine import (
     answered,
     failed,
 )
-from ._options import WorkerOptions
-from ._outbox import Outbox, OutboxError
-from ._outcomes import (
+from ..core._outcomes import (
     DEFAULT_ENCODER,
     HANDLER_ERROR,
     ResultEncoder,
     TimeLimitExceeded,
 )
+from ..core._time_limits import Interruptible
+from ..outbox._outbox import Outbox, OutboxError
+from ._handlers import Handlers
+from ._link import Connection, GaveUp, Link, Resumes, Wakeup
 from ._pool import HandlerThreads
 from ._requests import Caller, CallOutcome, may_wait
-from ._time_limits import Interruptible
 from ._watchdog import RenewDone, Timers, WatchdogThread
 from ._window import CapacityWindow
 

@@ -13,8 +13,8 @@ import random
 
 import attrs
 
-from .._seconds import seconds
-from ..errors import WorkerDisconnected
+from ..._seconds import seconds
+from ...errors import WorkerDisconnected
 
 __all__ = ["CUT", "REFUSED", "RESET", "RESET_GRACE", "Backoff", "Redial", "dial_failure"]
 

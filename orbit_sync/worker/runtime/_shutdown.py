@@ -11,9 +11,9 @@ import threading
 from collections.abc import Callable, Iterable
 from functools import partial
 
-from ..clock import Clock, SystemClock
-from ._listeners import AttemptInfo, ShutdownReport
-from ._machine import Action, AttemptMachine, Phase, UntrackLease
+from ...clock import Clock, SystemClock
+from .._listeners import AttemptInfo, ShutdownReport
+from ..core._machine import Action, AttemptMachine, Phase, UntrackLease
 from ._shell import Attempt, AttemptShell
 
 __all__ = ["CLOSE_ALLOWANCE", "Shutdown"]

@@ -21,8 +21,8 @@ from typing import Any
 
 import attrs
 
-from ..errors import OrbitError
-from ..models import AttemptRef, Capability, Finish, Outcome, Registration
+from ...errors import OrbitError
+from ...models import AttemptRef, Capability, Finish, Outcome, Registration
 from ._outbox_lock import HeldHere, LockBusy, LockFile, lock_path, open_private
 
 __all__ = ["Outbox", "OutboxError", "Pending"]
