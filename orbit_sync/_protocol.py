@@ -25,7 +25,9 @@ call under one lock, moves bytes, wakes threads and runs callbacks outside that 
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import threading
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final, NamedTuple, Union
 
@@ -105,6 +107,38 @@ def call_timeout(value: object, name: str = "timeout", cap: float = CALL_TIMEOUT
     """The bound of a call: seconds > 0, at most *cap* (the protocol's, or a connection's own
     tighter maximum); ``None`` or infinity mean the cap."""
     return cap if value is None else seconds(value, name, positive=True, cap=cap)
+
+
+class _NewestFirst(threading.Condition):
+    """A condition whose ``notify`` wakes the thread that began waiting last."""
+
+    def notify(self, n: int = 1) -> None:
+        # threading.Condition.notify of Python 3.10-3.13, waking from the other end of the same
+        # deque of waiters (Condition.wait appends to it, and removes its own on a timeout).
+        if not self._is_owned():  # type: ignore[attr-defined]
+            raise RuntimeError("cannot notify on un-acquired lock")
+        waiters = self._waiters  # type: ignore[attr-defined]
+        while waiters and n > 0:
+            waiter = waiters[-1]
+            try:
+                waiter.release()
+            except RuntimeError:  # released by an interrupted notify (as in Condition.notify)
+                pass
+            else:
+                n -= 1
+            with contextlib.suppress(ValueError):  # removed by its own timeout meanwhile
+                waiters.remove(waiter)
+
+
+class NewestTakerFirst(queue.Queue[Any]):
+    """A ``queue.Queue`` whose next item goes to the taker that began waiting last: the Worker's
+    handler thread that just finished an attempt takes the next assignment, so the same few
+    threads stay busy (their thread-local state, a database connection say, is reused) and the
+    others reach their idle timeout and retire. A plain ``Queue`` wakes the longest waiter."""
+
+    def __init__(self, maxsize: int = 0) -> None:
+        super().__init__(maxsize)
+        self.not_empty = _NewestFirst(self.mutex)
 
 
 #: The answers that carry a lease, anchored at the moment their request was sent.
@@ -211,7 +245,7 @@ class ClientProtocol:
         #: Pushes received so far, per kind (queued, held for room, or handed to a callback).
         self.received: dict[str, int] = dict.fromkeys(_BUFFERS, 0)
         self.unread: dict[str, queue.Queue[Any]] = {
-            kind: queue.Queue(_BUFFERS[kind]) for kind in _BUFFERS if kind not in callbacks
+            kind: NewestTakerFirst(_BUFFERS[kind]) for kind in _BUFFERS if kind not in callbacks
         }
 
     # ------------------------------------------------------------------ requests

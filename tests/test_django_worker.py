@@ -126,12 +126,13 @@ def test_handlers_write_with_the_orm_and_close_each_tasks_connection(
 def test_a_persistent_connection_is_kept_until_it_expires(
     orbit_server: MockOrbitServer, opened: Opened, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With CONN_MAX_AGE > 0 the pool thread reuses its connection; once it is past its age it is
-    closed before the next task instead of being used."""
+    """With CONN_MAX_AGE > 0 the handler thread reuses its connection (capacity 1: one handler
+    thread runs every task); once it is past its age it is closed before the next task instead
+    of being used."""
     from django.db import connections
 
     monkeypatch.setitem(connections.settings["default"], "CONN_MAX_AGE", 600)
-    worker = build(orbit_server)
+    worker = build(orbit_server, capacity=1)
     with worker:
         first = orbit_server.enqueue("invoice.charge", {"number": "P-1", "amount": "1"})
         orbit_server.wait_for(first, {"SUCCEEDED"}, timeout=10)

@@ -12,7 +12,7 @@ from _scripted import LEASE_SECRET, WAIT, ScriptedServer, assignment_body, comma
 from orbit_sync.connection import BatchCall
 from orbit_sync.models import Assignment, AttemptRef, new_id
 from orbit_sync.worker.runtime._link import Intake
-from orbit_sync.worker.runtime._pool import HandlerThreads
+from orbit_sync.worker.runtime._pool import EXTRA, HandlerThreads
 
 REF = AttemptRef("1" * 32, "2" * 32, 1, LEASE_SECRET)
 
@@ -41,9 +41,9 @@ def _push(peer: object, count: int) -> list[str]:
     return ids
 
 
-def test_threads_are_daemons_bounded_by_their_size_and_start_on_demand() -> None:
-    """Size 2, three assignments: two run at once on two daemon threads, started one by one as
-    each was taken; the third waits in the queue until a thread is free, then runs."""
+def test_threads_are_daemons_bounded_and_start_on_demand() -> None:
+    """Size 2: the threads start one by one as each takes an assignment, up to the size; a third
+    assignment waits in the queue until a thread is free, then runs; all on daemon threads."""
     runs = Runs()
     intake = Intake()
     threads = HandlerThreads(2, intake, runs.run)
@@ -59,12 +59,54 @@ def test_threads_are_daemons_bounded_by_their_size_and_start_on_demand() -> None
             assert threads.thread_count() == 2
             runs.release.set()
             assert runs.started.acquire(timeout=WAIT)
-            assert [s[0] for s in runs.seen] == ids, "taken in the order they came"
+            assert sorted(s[0] for s in runs.seen) == sorted(ids)
+            assert runs.seen[-1][0] == ids[-1], "the one that waited ran last"
             assert all(daemon for _, _, daemon in runs.seen)
-            assert len({s[1] for s in runs.seen}) == 2
         finally:
             conn.close()
             assert threads.shutdown(WAIT) == []
+
+
+def test_a_thread_about_to_wait_holding_its_attempt_gets_a_taker_beside_it() -> None:
+    """Size 1, its thread held (as while it waits to re-send its start): ensure_taker starts
+    another that takes the next assignment, and so on up to EXTRA beyond the size, no further."""
+    runs = Runs()
+    intake = Intake()
+    held: list[threading.Thread] = []
+
+    def run(conn: object, assignment: Assignment) -> None:
+        held.append(threading.current_thread())
+        threads.ensure_taker()  # what the shell does before such a wait
+        runs.run(conn, assignment)
+
+    threads = HandlerThreads(1, intake, run)
+    most = 1 + EXTRA
+    with ScriptedServer() as server:
+        conn, peer = open_pair(server)
+        try:
+            threads.start()
+            intake.offer(conn)
+            ids = _push(peer, most + 1)
+            for _ in range(most):
+                assert runs.started.acquire(timeout=WAIT)
+            assert not runs.started.acquire(timeout=0.1), "no thread beyond size + EXTRA"
+            assert threads.thread_count() == most == len(set(held))
+            runs.release.set()
+            assert runs.started.acquire(timeout=WAIT)
+            assert sorted(s[0] for s in runs.seen) == sorted(ids)
+        finally:
+            conn.close()
+            assert threads.shutdown(WAIT) == []
+
+
+def test_at_most_size_handlers_run_at_once() -> None:
+    """The threads' running semaphore, taken around each handler's call, lets size handlers run
+    at once however many threads hold attempts."""
+    threads = HandlerThreads(2, Intake(), lambda conn, assignment: None)
+    assert threads.running.acquire(timeout=WAIT) and threads.running.acquire(timeout=WAIT)
+    assert not threads.running.acquire(timeout=0.05), "a third handler waits for a slot"
+    threads.running.release()
+    assert threads.running.acquire(timeout=WAIT)
 
 
 def test_idle_threads_beyond_the_one_waiting_retire() -> None:
@@ -100,30 +142,20 @@ def test_what_a_connection_left_unread_is_taken_then_the_next_connection() -> No
     """Assignments received before a connection ended are still taken, in order, after its
     end; then the threads wait for the next connection the intake offers and take its own."""
     runs = Runs()
-    runs.release.set()
     intake = Intake()
     threads = HandlerThreads(1, intake, runs.run)
     with ScriptedServer() as server:
         conn, peer = open_pair(server)
-        hold = threading.Event()
-        held = threading.Event()
-
-        def first(conn_: object, assignment: Assignment) -> None:
-            held.set()
-            hold.wait(WAIT)  # while it runs, the connection ends with two unread
-            runs.run(conn_, assignment)
-
-        threads = HandlerThreads(1, intake, first)
         try:
             threads.start()
             intake.offer(conn)
-            ids = _push(peer, 3)
-            assert held.wait(WAIT)
-            _read_up_to_here(conn, peer)
+            ids = _push(peer, 3)  # its one thread held by the first: two left on the queue
+            assert runs.started.acquire(timeout=WAIT)
+            _read_up_to_here(conn, peer, 3)
             conn.close()
             assert conn.done.wait(WAIT)
-            hold.set()
-            for _ in range(3):
+            runs.release.set()
+            for _ in range(2):
                 assert runs.started.acquire(timeout=WAIT)
             assert [s[0] for s in runs.seen] == ids
             conn2, peer2 = open_pair(server)
@@ -139,10 +171,10 @@ def test_what_a_connection_left_unread_is_taken_then_the_next_connection() -> No
             assert threads.shutdown(WAIT) == []
 
 
-def _read_up_to_here(conn: Any, peer: Any) -> None:
+def _read_up_to_here(conn: Any, peer: Any, count: int) -> None:
     """Return once *conn*'s reader has read every frame *peer* sent so far: a call's answer,
     sent after them, arrives after them."""
     [call] = conn.send_many([BatchCall("task.renew", REF)])
     peer.ack(peer.recv(), command_body("renew"))
     call.result()
-    assert conn.assignments_received == 3
+    assert conn.assignments_received == count

@@ -13,15 +13,20 @@ import threading
 from collections.abc import Callable
 
 from ..._realtime import monotonic
+from ...connection import ASSIGNMENT_BUFFER
 from ...errors import OrbitError
 from ...models import Assignment
 from ._link import Connection, Intake
 from ._requests import waiting_thread
 
-__all__ = ["BatchPolicy", "HandlerThreads"]
+__all__ = ["EXTRA", "BatchPolicy", "HandlerThreads"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 _names = itertools.count(1)
+
+#: Handler threads beyond the capacity (see HandlerThreads): as many as the connection's queue
+#: holds.
+EXTRA = ASSIGNMENT_BUFFER
 
 #: How long an idle handler thread (not the last) waits for an assignment before it exits.
 IDLE_TIMEOUT = 30.0
@@ -63,10 +68,18 @@ class BatchPolicy:
 class HandlerThreads:
     """The handler threads: each takes the next assignment from the connection's queue
     (*intake*: the newest connection) and runs its attempt to the end on itself with *run*
-    (record it, send its start and wait, run the handler, send its finish and wait). Started on
-    demand up to *size*: one more as the last idle one takes an assignment, so one is always
-    waiting on the queue while fewer than *size* run; an idle one beyond that retires after
-    *idle_timeout* real seconds."""
+    (record it, send its start and wait, run the handler, send its finish and wait). At most
+    *size* handlers run at once (:attr:`running`, taken around each handler's call). The threads
+    start on demand: one more as the last idle one takes an assignment while fewer than *size*
+    exist (so one waits on the queue while a handler slot is free), and up to :data:`EXTRA` more
+    whenever a thread is about to wait holding its attempt (:meth:`ensure_taker`); an idle one
+    beyond the last retires after *idle_timeout* real seconds.
+
+    Why threads beyond *size*: the server counts against the capacity only the attempts it holds,
+    so after a cut it may assign in place of an attempt whose lease it ended before this worker
+    learned it; the thread still holding that one (waiting to re-send its start, say) must not
+    keep the new assignment waiting on the queue, nor the next session's resumes waiting for it.
+    """
 
     def __init__(
         self,
@@ -82,7 +95,10 @@ class HandlerThreads:
             raise ValueError("size must be at least 1")
         if not idle_timeout > 0:
             raise ValueError("idle_timeout must be positive")
-        self._size = size
+        self._capacity = size
+        self._size = size + EXTRA
+        #: Taken around each handler's call: never more than *size* handlers at once.
+        self.running = threading.BoundedSemaphore(size)
         self._intake = intake
         self._run = run
         self._name = name
@@ -109,6 +125,13 @@ class HandlerThreads:
         self._threads.add(thread)
         self._idle += 1
         thread.start()
+
+    def ensure_taker(self) -> None:
+        """The calling thread is about to wait while it holds its attempt (for a re-send, for a
+        handler slot): make sure another thread waits on the queue meanwhile."""
+        with self._lock:
+            if self._idle == 0 and len(self._threads) < self._size and not self._closed:
+                self._spawn()
 
     def owns_current_thread(self) -> bool:
         """True when called from one of the handler threads."""
@@ -170,7 +193,7 @@ class HandlerThreads:
                 continue
             with self._lock:
                 self._idle -= 1
-                if self._idle == 0 and len(self._threads) < self._size and not self._closed:
+                if self._idle == 0 and len(self._threads) < self._capacity and not self._closed:
                     self._spawn()  # the next assignment finds a thread waiting
             try:
                 self._run(conn, assignment)

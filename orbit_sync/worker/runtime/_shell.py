@@ -405,10 +405,15 @@ class AttemptShell:
                 self.step(att, partial(AttemptMachine.gave_up, request=request))
         elif not may_wait():
             self.caller.elsewhere(partial(self._keep, att, kept))
-        elif self.caller.wait_to_resend(kept):
-            self.step(att, partial(AttemptMachine.resend, request=request))
         else:
-            self.step(att, partial(AttemptMachine.gave_up, request=request))
+            # This thread waits holding its attempt: if it is a handler thread, another one takes
+            # the assignments meanwhile (the server may assign in place of a lease it ended
+            # before this worker learned it).
+            if self.threads.pool.owns_current_thread():
+                self.threads.pool.ensure_taker()
+            again = self.caller.wait_to_resend(kept)
+            event = AttemptMachine.resend if again else AttemptMachine.gave_up
+            self.step(att, partial(event, request=request))
 
     def resend_due(self) -> float:
         """Re-send the resumes kept for a retry whose time has come (the connection thread);
@@ -510,7 +515,19 @@ class AttemptShell:
         self.step(att, AttemptMachine.launch_refused if ended is None else ended)
 
     def execute(self, att: Attempt) -> Event:
-        """Run the handler; return the event of how it ended, for its machine."""
+        """Run the handler, once one of the capacity's handler slots is free (they all are, but
+        for an attempt the server ended before this worker learned it); return the event of how
+        it ended, for its machine."""
+        running = self.threads.pool.running
+        if not running.acquire(blocking=False):
+            self.threads.pool.ensure_taker()  # it waits: another thread takes what comes
+            running.acquire()
+        try:
+            return self._execute(att)
+        finally:
+            running.release()
+
+    def _execute(self, att: Attempt) -> Event:
         ctx = att.ctx
         with self.registry.lock:
             self.registry.running += 1

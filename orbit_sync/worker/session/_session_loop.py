@@ -269,6 +269,8 @@ class SessionLoop:
             # The handler threads record what the connection left unread before the next
             # session's resumes, which then include those attempts. Quick: each is taken by an
             # idle thread (the server assigns no more than the threads there are).
+            if not self._intake.all_recorded(conn):  # every handler thread may hold one
+                self._shell.threads.pool.ensure_taker()
             recorded = self._intake.wait_recorded(conn, self._call_timeout + CLOSE_ALLOWANCE)
             if not recorded and not self._link.is_closed():
                 self._log.error("assignments of session %s left unrecorded", conn.session_id)
