@@ -195,3 +195,22 @@ def test_two_held_attempts_resend_their_finish_and_renew_behind_the_resumes() ->
         peer.ack(last, done)
         assert handlers.reasons == {ATTEMPT_ID: None}, "the lease held: never cancelled"
         assert handlers.runs == {ATTEMPT_ID: 1, OTHER_ATTEMPT: 1}
+
+
+def test_an_unanswered_renew_never_holds_back_its_leases_deadline() -> None:
+    """The watchdog's thread waits for no renewal's answer: with a renew left unanswered, its
+    lease's local deadline passes on the worker's clock and the handler is cancelled
+    (lease_expired) at once, not after the renew's own call bound of seconds in real time."""
+    with _on_still_time() as (server, worker, handlers, clock, _backoff):
+        peer = _first_session(server, handlers)
+        renew = _renew_due(peer, clock)
+        assert renew["type"] == "task.renew"
+        clock.advance(15.0)  # past the 30 s lease's deadline; the renew is still unanswered
+        frame = peer.recv()
+        while frame["type"] != "task.finish":
+            if frame["type"] == "worker.capacity":
+                peer.ack(frame, welcome_body())
+            frame = peer.recv()
+        assert handlers.reasons == {ATTEMPT_ID: "lease_expired"}
+        assert frame["body"]["ref"]["attempt_id"] == ATTEMPT_ID
+    assert worker.stats().lease_losses == 1

@@ -209,6 +209,7 @@ class Worker:
         self._hooks.elsewhere = self._threads.watchdog.run_soon
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
+        self._threads.watchdog.answers = self._shell.renewals_answered
         self._sessions = SessionLoop(client, self._shell, intake, fail=self._fail)
         self._shutdown = Shutdown(
             self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped

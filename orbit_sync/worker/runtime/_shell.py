@@ -1,11 +1,11 @@
-"""The attempts' threaded shell: performs what each attempt's state machine (:mod:`._machine`)
+"""The attempts' threaded shell: performs what each attempt's state machine (:mod:`..core._machine`)
 decides, on whichever thread the event arrives (docs/architecture.md follows one attempt across
 them; :meth:`AttemptShell.lease_actions` and :meth:`AttemptShell.perform` say what runs where).
 Starts and finishes take the one request path (:mod:`._requests`): the attempt's handler thread
 sends each and waits on its slot. The connection thread sends a new connection's resumes in one
 batch and steps their answers (:meth:`AttemptShell.flush_resumes`,
 :meth:`AttemptShell.take_resumed`); the watchdog's thread sends its renewals in one batch and
-waits on each.
+reads each answer as it arrives (:meth:`AttemptShell.renewals_answered`).
 """
 
 from __future__ import annotations
@@ -236,6 +236,8 @@ class AttemptShell:
         #: generation of their connection (the connection thread's alone).
         self._unsent: list[tuple[Attempt, Request]] = []
         self._resuming: list[tuple[Attempt, Request, PendingCall, int]] = []
+        #: Renewals sent and not told yet (the watchdog thread's alone).
+        self._renewing: list[tuple[RenewDone, PendingCall]] = []
         self.registry = registry
         self.controls = controls
         self.threads = threads
@@ -779,11 +781,11 @@ class AttemptShell:
             self.step(att, lambda m: m.renew_answered(answer))
 
     def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch: every renew in one write on the current connection, then each
-        answer (or failure) waited for on its own slot and told to its *on_done*, on the
-        watchdog's thread (the attempt's machine decides what each means). Renewals that cannot be
-        sent are told so after the write: nothing on the way to it may release the GIL (a log
-        line could)."""
+        """The watchdog's batch: every renew in one write on the current connection, each in its
+        own slot; each answer sets the watchdog thread's wake-up, and :meth:`renewals_answered`
+        (on that thread) tells its *on_done*: the thread never blocks on an answer while another
+        lease's deadline falls due. Renewals that cannot be sent are told so after the write:
+        nothing on the way to it may release the GIL (a log line could)."""
         with self.registry.lock:
             atts = [self.registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
@@ -802,21 +804,33 @@ class AttemptShell:
                 dones.append(on_done)
         if calls:
             assert current is not None
-            conn = current[0]
             try:
-                pending = conn.send_many(calls)
+                pending = current[0].send_many(calls, wake=self.threads.watchdog.waker)
             except OrbitError as exc:  # nothing was sent
                 refused.extend((on_done, exc) for on_done in dones)
-                pending = []
-            for on_done, call in zip(dones, pending, strict=False):  # none: nothing was sent
-                try:
-                    result = call.result()
-                except OrbitError as exc:  # a link failure has ended the connection already
-                    on_done(None, exc)
-                else:
-                    on_done(result.lease, None)
+            else:
+                self._renewing.extend(zip(dones, pending, strict=True))
         for on_done, reason in refused:
             on_done(None, reason)
+        self.renewals_answered()  # those refused before the wire
+
+    def renewals_answered(self) -> None:
+        """Tell each renewal answered (or failed) since its *on_done* (the watchdog's thread):
+        the attempt's machine decides what it means (a link failure has ended its connection
+        already)."""
+        if not self._renewing:
+            return
+        done = [item for item in self._renewing if item[1].done()]
+        if not done:
+            return
+        self._renewing = [item for item in self._renewing if item not in done]
+        for on_done, call in done:
+            try:
+                result = call.result()
+            except OrbitError as exc:
+                on_done(None, exc)
+            else:
+                on_done(result.lease, None)
 
 
 def _waits(action: Action) -> bool:

@@ -11,7 +11,7 @@ is in flight, its deadline watched meanwhile, until the attempt's machine has de
 :meth:`~LeaseWatchdog.retry` or :meth:`~LeaseWatchdog.untrack`).
 
 Every field of an entry is read and written under the watchdog's lock, whichever thread (the
-watchdog's, the connection's, or the reader completing a renewal) does it.
+watchdog's, which also reads the renewals' answers, or the connection's) does it.
 """
 
 from __future__ import annotations
@@ -476,6 +476,9 @@ class WatchdogThread:
         self._timers = timers
         # The worker passes one that waits on its own clock (fake time in tests).
         self._wake: Wakeup | threading.Event = wake or threading.Event()
+        #: Reports the renewals answered since (the shell's: each answer sets this thread's
+        #: wake-up, so it never blocks on one while a deadline falls due).
+        self.answers: Callable[[], None] = lambda: None
         self._stopping = False
         #: Jobs handed to this thread from a connection's reader (listeners: see Hooks.emit),
         #: run in order at its next turn, before anything falls due.
@@ -488,6 +491,11 @@ class WatchdogThread:
     def wake(self) -> None:
         """Re-read the schedule now (something was tracked, refreshed or reconnected)."""
         self._wake.set()
+
+    @property
+    def waker(self) -> Wakeup | threading.Event:
+        """What wakes this thread: set it (a renewal's answer arrived) and it looks again."""
+        return self._wake
 
     def run_soon(self, job: Callable[[], None]) -> None:
         """Run *job* on this thread at its next turn (from any thread; never blocks)."""
@@ -513,6 +521,7 @@ class WatchdogThread:
         while not self._stopping:
             self._run_handed()
             try:
+                self.answers()
                 next_due = self.core.run_due()
             except Exception:  # the watchdog must outlive any bug in a callback
                 _LOG.exception("lease watchdog iteration failed")
