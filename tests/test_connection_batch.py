@@ -199,13 +199,14 @@ def test_send_many_writes_the_batch_once_in_order_and_routes_each_answer(
         conn, peer = open_pair(server)
         try:
             writes: list[int] = []
-            real = conn._transport.send_texts
+            transport = conn._transport
+            real = transport.send_texts
 
             def spy(texts: Sequence[str]) -> None:
                 writes.append(len(texts))
                 real(texts)
 
-            monkeypatch.setattr(conn._transport, "send_texts", spy)
+            monkeypatch.setattr(transport, "send_texts", spy)
             wakes = Wakes()
             calls = conn.send_many(_renews(3), wake=wakes)
             assert writes == [3]
