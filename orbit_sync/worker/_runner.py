@@ -30,7 +30,9 @@ from .outbox._outbox import Outbox
 from .runtime._handlers import Handlers, HandlerSettings
 from .runtime._link import Dialer, Intake, Link, Wakeup
 from .runtime._pool import HandlerThreads
-from .runtime._shell import AttemptShell, LinkControls, Registry, WorkerThreads
+from .runtime._registry import LinkControls, Registry, WorkerThreads
+from .runtime._renewals import Renewals
+from .runtime._shell import AttemptShell
 from .runtime._shutdown import Shutdown
 from .runtime._watchdog import LeaseWatchdog, Timers, WatchdogThread
 from .session._replay import replay_until_done
@@ -176,7 +178,7 @@ class Worker:
         # Wakes the watchdog's thread: a lease tracked or renewed, a time limit set.
         watchdog_wake = Wakeup(clock)
         self._watchdog = LeaseWatchdog(
-            lambda renewals: self._shell.send_renews(renewals),
+            lambda renewals: self._renewals.send(renewals),
             clock=clock.now,
             on_change=watchdog_wake.set,
             logger=opts.logger,
@@ -209,7 +211,11 @@ class Worker:
         self._hooks.elsewhere = self._threads.watchdog.run_soon
         # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
-        self._threads.watchdog.answers = self._shell.renewals_answered
+        # Renewals on the wire: one write per batch, each answer waking the watchdog's thread.
+        self._renewals = Renewals(
+            self._reg, self._controls.link, opts.request_timeout, watchdog_wake
+        )
+        self._threads.watchdog.answers = self._renewals.answered
         self._sessions = SessionLoop(client, self._shell, intake, fail=self._fail)
         self._shutdown = Shutdown(
             self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped

@@ -2,10 +2,8 @@
 decides, on whichever thread the event arrives (docs/architecture.md follows one attempt across
 them; :meth:`AttemptShell.lease_actions` and :meth:`AttemptShell.perform` say what runs where).
 Starts and finishes take the one request path (:mod:`._requests`): the attempt's handler thread
-sends each and waits on its slot. The connection thread sends a new connection's resumes in one
-batch and steps their answers (:meth:`AttemptShell.flush_resumes`,
-:meth:`AttemptShell.take_resumed`); the watchdog's thread sends its renewals in one batch and
-reads each answer as it arrives (:meth:`AttemptShell.renewals_answered`).
+sends each and waits on its slot. A new connection's resumes are the connection thread's to send
+(``session._resumes``), renewals the watchdog thread's (``._renewals``).
 """
 
 from __future__ import annotations
@@ -14,20 +12,15 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-import attrs
-
-from ...client import DialCut
-from ...connection import BatchCall, PendingCall
 from ...errors import OrbitError
-from ...models import Assignment, AttemptRef, Disposition, Finish, Outcome
-from .._context import Handler, TaskContext, cancel_context, set_lease_deadline, worker_log
-from .._listeners import AttemptEvent, AttemptFinished, AttemptInfo, Hooks, LeaseEvent, StuckEvent
+from ...models import Disposition, Finish, Outcome
+from .._context import cancel_context, set_lease_deadline, worker_log
+from .._listeners import AttemptFinished, Hooks, LeaseEvent, StuckEvent
 from .._options import WorkerOptions
-from ..core._errors import NotConnected
 from ..core._machine import (
     Action,
     AttemptMachine,
@@ -41,7 +34,6 @@ from ..core._machine import (
     LeaseRenewed,
     LeaseView,
     NotStarted,
-    Phase,
     RecordFinish,
     RefreshLease,
     Release,
@@ -65,145 +57,22 @@ from ..core._outcomes import (
     ResultEncoder,
     TimeLimitExceeded,
 )
-from ..core._time_limits import Interruptible
 from ..outbox._outbox import Outbox, OutboxError
 from ._handlers import Handlers
-from ._link import Connection, GaveUp, Link, Resumes, Wakeup
-from ._pool import HandlerThreads
+from ._link import Resumes
+from ._registry import Attempt, LinkControls, Registry, WorkerThreads, attempt_event
 from ._requests import Caller, CallOutcome, may_wait
-from ._watchdog import RenewDone, Timers, WatchdogThread
 from ._window import CapacityWindow
 
 #: Per thread: the events stepped while one of its steps is being performed (see step).
 _STEPS = threading.local()
 
-__all__ = [
-    "Attempt",
-    "AttemptShell",
-    "LinkControls",
-    "Registry",
-    "WorkerThreads",
-    "attempt_event",
-]
-
-
-class Attempt:
-    """One assignment as the worker tracks it: its context, its handler, and its state machine
-    (:class:`._machine.AttemptMachine`), which is read and changed only under ``lock``."""
-
-    __slots__ = (
-        "ctx",
-        "handler",
-        "limit_at",
-        "lock",
-        "machine",
-        "ref",
-        "running_on",
-        "task",
-    )
-
-    def __init__(
-        self, assignment: Assignment, ctx: TaskContext, handler: Handler, machine: AttemptMachine
-    ) -> None:
-        self.task = assignment.task
-        self.ref: AttemptRef = machine.ref  # the one the machine sends (built once)
-        self.ctx = ctx
-        self.handler = handler
-        self.machine = machine
-        time_limit = machine.time_limit
-        self.lock = threading.Lock()
-        #: The handler's thread, to interrupt at its time limit (a thread handler with one).
-        self.running_on = (
-            None if time_limit is None or time_limit.in_process else Interruptible(self.lock)
-        )
-        #: When the handler reaches its time limit (clock time; set as it starts).
-        self.limit_at = 0.0
-
-    @property
-    def id(self) -> str:
-        return self.ref.attempt_id
-
-    @property
-    def info(self) -> AttemptInfo:
-        return AttemptInfo(self.task.task_id, self.ref.attempt_id, self.task.handler)
-
-    def phase(self) -> Phase:
-        with self.lock:
-            return self.machine.phase
-
-
-class Registry:
-    """The attempts the worker holds, its counters and its stop request, under one condition
-    variable (which the shutdown thread waits on once a stop was requested). Attempt locks are
-    taken after it, never before."""
-
-    def __init__(self) -> None:
-        #: Entered as this lock (C) where nothing waits or notifies: the condition's own
-        #: ``__enter__`` is Python code, taken several times per attempt.
-        self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
-        self.attempts: dict[str, Attempt] = {}
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.unreported: list[AttemptInfo] = []
-        #: Handlers running now.
-        self.running = 0
-        #: Attempts finished UNKNOWN while their handler still runs: each holds a slot.
-        self.stuck: dict[str, AttemptInfo] = {}
-        self.stop_requested = False
-        #: When the drain ends (clock time), once a stop was requested; a later request may
-        #: bring it forward.
-        self.drain_deadline = 0.0
-        #: The error that stopped the worker, if one did.
-        self.error: BaseException | None = None
-        #: The shutdown's drain is over (its cancel phase began): an assignment arriving now
-        #: starts with its context cancelled (docs/architecture.md, "Threads and their owners").
-        self.drain_over = False
-
-    def get(self, attempt_id: str) -> Attempt | None:
-        with self.lock:
-            return self.attempts.get(attempt_id)
-
-
-@attrs.frozen
-class LinkControls:
-    """The link and the connection thread that drives it: *wake* wakes that thread (a request
-    was kept, a capacity report is due, the worker stops); *dial_cut* ends its dial in progress."""
-
-    link: Link
-    wake: Wakeup
-    dial_cut: DialCut
-
-    def close_link(self) -> None:
-        """Close the link: each request it kept runs now, finds it closed and gives up (it is
-        reported unreported)."""
-        for job in self.link.close():
-            job()
-
-
-@attrs.frozen
-class WorkerThreads:
-    """The worker's own threads: the handler threads (*pool*); the lease *watchdog*'s thread,
-    which also fires the handlers' time limits (*timers*); and those ``Worker.start`` starts
-    (*started*: connection, shutdown, outbox replay)."""
-
-    pool: HandlerThreads
-    watchdog: WatchdogThread
-    timers: Timers
-    started: list[threading.Thread] = attrs.field(factory=list)
-
-    def owns_current(self) -> bool:
-        """Is this one of the worker's own threads (not a connection's or the user's)?"""
-        return threading.current_thread() in self.started or self.pool.owns_current_thread()
+__all__ = ["AttemptShell"]
 
 
 def _decided(actions: list[Action], machine: AttemptMachine) -> list[Action]:
     """The event of actions its machine already returned (see AttemptShell.admitted)."""
     return actions
-
-
-def attempt_event(att: Attempt) -> AttemptEvent:
-    task = att.task
-    return AttemptEvent(task.task_id, att.id, task.handler, task.attempt, task.max_attempts)
 
 
 def _lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
@@ -232,12 +101,8 @@ class AttemptShell:
         self._log = options.logger
         #: Makes the starts' and finishes' calls, each waiting on its slot.
         self.caller = Caller(controls.link, options)
-        #: Resumes decided and not sent yet; those sent and not stepped yet, with the
-        #: generation of their connection (the connection thread's alone).
+        #: Resumes decided and not taken yet by the connection thread (its alone).
         self._unsent: list[tuple[Attempt, Request]] = []
-        self._resuming: list[tuple[Attempt, Request, PendingCall, int]] = []
-        #: Renewals sent and not told yet (the watchdog thread's alone).
-        self._renewing: list[tuple[RenewDone, PendingCall]] = []
         self.registry = registry
         self.controls = controls
         self.threads = threads
@@ -337,7 +202,7 @@ class AttemptShell:
         for action in actions:
             if isinstance(action, Send) and action.request.early:
                 self.resumes.add(action.request)
-                self._unsent.append((att, action.request))  # flush_resumes sends them
+                self._unsent.append((att, action.request))  # the connection thread sends them
             elif isinstance(action, RunHandler):
                 self._run_handler(att)
             elif isinstance(action, RecordFinish):
@@ -417,64 +282,10 @@ class AttemptShell:
             event = AttemptMachine.resend if again else AttemptMachine.gave_up
             self.step(att, partial(event, request=request))
 
-    def resend_due(self) -> float:
-        """Re-send the resumes kept for a retry whose time has come (the connection thread);
-        return when the next one is due."""
-        jobs, next_at = self._link.take_due()
-        for job in jobs:
-            job()
-        return next_at
-
-    def flush_resumes(self, conn: Connection, gen: int, *, wait: bool = False) -> None:
-        """Send the resumes decided since the last flush on *conn* (connection *gen*) in one
-        write, as many as the link's request slots take now (*wait*: at least one, waiting for
-        it); the rest go at the next flush. Each one's answer is stepped by
-        :meth:`take_resumed`."""
-        while self._unsent:
-            try:
-                taken = self._link.gate.acquire(len(self._unsent), wait=wait)
-            except GaveUp:
-                unsent, self._unsent = self._unsent, []
-                for att, request in unsent:
-                    self.resumes.sent(request)
-                    self.step(att, partial(AttemptMachine.gave_up, request=request))
-                return
-            if not taken:
-                return
-            wait = False
-            batch, self._unsent = self._unsent[:taken], self._unsent[taken:]
-            calls = [
-                BatchCall("worker.resume", r.body, r.message_id, self._call_timeout)
-                for _, r in batch
-            ]
-            pending = conn.send_many(calls, wake=self.controls.wake)
-            for (att, request), call in zip(batch, pending, strict=True):
-                self._resuming.append((att, request, call, gen))
-                self.resumes.sent(request)
-
-    def resumes_unsent(self) -> bool:
-        """Are resumes waiting for a request slot (:meth:`flush_resumes`)?"""
-        return bool(self._unsent)
-
-    def resumes_in_flight(self) -> bool:
-        return bool(self._resuming)
-
-    def take_resumed(self) -> bool:
-        """Step the outcome of every resume answered (or failed) since (the connection thread);
-        True if there was one."""
-        done = [item for item in self._resuming if item[2].done()]
-        if not done:
-            return False
-        self._resuming = [item for item in self._resuming if item not in done]
-        for att, request, call, gen in done:
-            try:
-                event = self.answer(att, request, call.result())
-            except OrbitError as exc:
-                event = self.failure(att, request, exc, gen)
-            finally:
-                self._link.gate.release()
-            self.step(att, event)
-        return True
+    def take_resumes(self) -> list[tuple[Attempt, Request]]:
+        """The resumes decided since (on the connection thread, which sends them)."""
+        taken, self._unsent = self._unsent, []
+        return taken
 
     def failure(self, att: Attempt, request: Request, error: OrbitError, gen: int) -> Event:
         if not request.early:
@@ -779,58 +590,6 @@ class AttemptShell:
         att = self.registry.get(attempt_id)
         if att is not None:
             self.step(att, lambda m: m.renew_answered(answer))
-
-    def send_renews(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch: every renew in one write on the current connection, each in its
-        own slot; each answer sets the watchdog thread's wake-up, and :meth:`renewals_answered`
-        (on that thread) tells its *on_done*: the thread never blocks on an answer while another
-        lease's deadline falls due. Renewals that cannot be sent are told so after the write:
-        nothing on the way to it may release the GIL (a log line could)."""
-        with self.registry.lock:
-            atts = [self.registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
-        current = self._link.current()
-        refused: list[tuple[RenewDone, OrbitError]] = []
-        calls: list[BatchCall] = []
-        dones: list[RenewDone] = []
-        for (_, message_id, on_done), att in zip(renewals, atts, strict=True):
-            if att is None:
-                refused.append((on_done, NotConnected("attempt is no longer tracked")))
-            elif current is None:
-                refused.append((on_done, NotConnected("no connection")))
-            else:
-                # A slow answer closes its connection before the lease runs out (and is re-sent).
-                timeout = min(self.options.request_timeout, max(1.0, att.ctx.remaining() / 2))
-                calls.append(BatchCall("task.renew", att.ref, message_id, timeout))
-                dones.append(on_done)
-        if calls:
-            assert current is not None
-            try:
-                pending = current[0].send_many(calls, wake=self.threads.watchdog.waker)
-            except OrbitError as exc:  # nothing was sent
-                refused.extend((on_done, exc) for on_done in dones)
-            else:
-                self._renewing.extend(zip(dones, pending, strict=True))
-        for on_done, reason in refused:
-            on_done(None, reason)
-        self.renewals_answered()  # those refused before the wire
-
-    def renewals_answered(self) -> None:
-        """Tell each renewal answered (or failed) since its *on_done* (the watchdog's thread):
-        the attempt's machine decides what it means (a link failure has ended its connection
-        already)."""
-        if not self._renewing:
-            return
-        done = [item for item in self._renewing if item[1].done()]
-        if not done:
-            return
-        self._renewing = [item for item in self._renewing if item not in done]
-        for on_done, call in done:
-            try:
-                result = call.result()
-            except OrbitError as exc:
-                on_done(None, exc)
-            else:
-                on_done(result.lease, None)
 
 
 def _waits(action: Action) -> bool:

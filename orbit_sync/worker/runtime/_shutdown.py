@@ -14,7 +14,8 @@ from functools import partial
 from ...clock import Clock, SystemClock
 from .._listeners import AttemptInfo, ShutdownReport
 from ..core._machine import Action, AttemptMachine, Phase, UntrackLease
-from ._shell import Attempt, AttemptShell
+from ._registry import Attempt
+from ._shell import AttemptShell
 
 __all__ = ["CLOSE_ALLOWANCE", "Shutdown"]
 

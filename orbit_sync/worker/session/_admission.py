@@ -15,7 +15,8 @@ from collections.abc import Callable
 from ...models import Assignment, CancelNotice, new_message_id
 from .._context import TaskContext, worker_log
 from ..core._machine import AttemptMachine, Skipped
-from ..runtime._shell import Attempt, AttemptShell, attempt_event
+from ..runtime._registry import Attempt, attempt_event
+from ..runtime._shell import AttemptShell
 
 __all__ = ["SEEN_LIMIT", "Admission"]
 

@@ -35,6 +35,7 @@ from ..runtime._shell import AttemptShell
 from ..runtime._shutdown import CLOSE_ALLOWANCE
 from ..runtime._window import SentReport
 from ._admission import Admission
+from ._resumes import ResumeBatch
 
 __all__ = ["SESSION_BUG_LIMIT", "SessionLoop"]
 
@@ -61,6 +62,8 @@ class SessionLoop:
         #: Takes each connection's pushes: cancel notices on its reader, assignments on the
         #: handler thread that takes each (:meth:`take`).
         self._admission = Admission(shell)
+        #: A new connection's resumes, sent and stepped by this thread.
+        self._resumes = ResumeBatch(shell)
         #: The connection whose assignments the handler threads take.
         self._intake = intake
         self._opts = opts = shell.options
@@ -265,7 +268,7 @@ class SessionLoop:
             if gen is not None:
                 self._link.retract(gen)
             conn.close()  # fails what is still in flight on it
-            self._shell.take_resumed()  # resumes it failed end now, not on a later connection
+            self._resumes.take_answered()  # resumes it failed end now, not on a later connection
             # The handler threads record what the connection left unread before the next
             # session's resumes, which then include those attempts. Quick: each is taken by an
             # idle thread (the server assigns no more than the threads there are).
@@ -317,17 +320,17 @@ class SessionLoop:
         same (its finishes may already be acknowledged): the reader sets each answer's slot
         before it reads the next frame, so the outcomes taken after the end was seen hold every
         answer that came before it."""
-        shell = self._shell
-        resumes = shell.resumes
+        batch = self._resumes
+        resumes = self._shell.resumes
         limit = self._call_timeout + CLOSE_ALLOWANCE
         quiet_until = self._clock() + limit
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             ended = conn.err is not None  # before the outcomes are taken (see above)
-            moved = shell.take_resumed()
-            next_resend = shell.resend_due()
+            moved = batch.take_answered()
+            next_resend = batch.resend_due()
             # None of ours in flight: wait for a request slot (held by others only briefly).
-            shell.flush_resumes(conn, gen, wait=not shell.resumes_in_flight())
+            batch.flush(conn, gen, wait=not batch.in_flight())
             # A resume whose connection failed is over too (and broke the connection): cut.
             if self._link.is_closed() or resumes.cut() or (ended and not resumes.all_over()):
                 raise conn.err or NotConnected("the connection ended during its resumes")
@@ -353,7 +356,7 @@ class SessionLoop:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             if self._link.is_closed() or conn.err is not None:
                 break
-            if self._shell.take_resumed():  # a late answer of an older connection's resume
+            if self._resumes.take_answered():  # a late answer of an older connection's resume
                 continue
             if sent is not None and sent.over:
                 sent.wait()
