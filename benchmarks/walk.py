@@ -51,7 +51,7 @@ LEAVES = frozenset({"models", "_rules", "_json", "_seconds", "clock"})
 
 
 def module_of(frame: FrameType) -> str | None:
-    """The package module *frame* runs in (``worker._shell``), or None outside the package (the
+    """The package module *frame* runs in (``worker.runtime._shell``), or None outside the package (the
     mock server, under ``testing``, is outside: it is the other side of the wire)."""
     path = frame.f_code.co_filename.replace("\\", "/")
     if path.startswith("<"):  # code attrs and cattrs generate for a model
@@ -83,7 +83,7 @@ class Walk:
         if event == "return":
             if stack:
                 module = stack.pop()
-                if module == "worker._shell" and frame.f_code.co_name == "settle":
+                if module == "worker.runtime._shell" and frame.f_code.co_name == "settle":
                     self.recording = False
                     self.settled.set()
             return
