@@ -51,8 +51,9 @@ LEAVES = frozenset({"models", "_rules", "_json", "_seconds", "clock"})
 
 
 def module_of(frame: FrameType) -> str | None:
-    """The package module *frame* runs in (``worker.runtime._shell``), or None outside the package (the
-    mock server, under ``testing``, is outside: it is the other side of the wire)."""
+    """The package module *frame* runs in (``worker.runtime._shell``), or None outside the
+    package (the mock server, under ``testing``, is outside: it is the other side of the
+    wire)."""
     path = frame.f_code.co_filename.replace("\\", "/")
     if path.startswith("<"):  # code attrs and cattrs generate for a model
         return "generated" if "orbit_sync" in path else None
