@@ -19,7 +19,7 @@ from ...models import Assignment
 from ._link import Connection, Intake
 from ._requests import waiting_thread
 
-__all__ = ["EXTRA", "BatchPolicy", "HandlerThreads"]
+__all__ = ["EXTRA", "HandlerThreads", "batch_scheduling"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 _names = itertools.count(1)
@@ -32,37 +32,18 @@ EXTRA = ASSIGNMENT_BUFFER
 IDLE_TIMEOUT = 30.0
 
 
-class BatchPolicy:
-    """Linux's ``SCHED_BATCH`` (same priority) for a thread the connection's reader wakes, so
-    that the wake-up does not preempt the reader while it still holds the GIL
-    (docs/architecture.md, "Scheduling policy"). Always when the user asked for it (*forced*:
-    ``Worker(batch_scheduling=True)``, the handler threads and the intake); otherwise only for
-    the worker's own intake, and only while it runs none of the user's code (*has_listener*: an
-    ``attempt_received`` listener, which runs there, is subscribed). Checked before each piece
-    of work (:meth:`check`): a listener subscribed later gets the thread back under the policy
-    it started with. Only a thread of the normal policy is ever moved (a real-time one is left
-    as it is), and only on Linux; a refusal changes nothing."""
-
-    def __init__(self, has_listener: Callable[[], bool] = lambda: True, *, forced: bool) -> None:
-        self._has_listener = has_listener
-        self._forced = forced
-        batch: int | None = getattr(os, "SCHED_BATCH", None)
-        normal: int | None = getattr(os, "SCHED_OTHER", None)
-        #: The two policies it moves between (normal, batch), or None where it moves nothing.
-        self._policies: tuple[int, int] | None = None
-        if batch is not None and normal is not None and os.sched_getscheduler(0) == normal:
-            self._policies = (normal, batch)
-        self._batched = False
-
-    def check(self) -> None:
-        """Move the calling thread to the policy it should have now (a syscall only on a change)."""
-        if self._policies is None:
-            return
-        want = self._forced or not self._has_listener()
-        if want is not self._batched:
-            with contextlib.suppress(OSError):
-                os.sched_setscheduler(0, self._policies[want], os.sched_param(0))
-                self._batched = want
+def batch_scheduling() -> None:
+    """Move the calling thread to Linux's ``SCHED_BATCH`` (same priority), as
+    ``Worker(batch_scheduling=True)`` asks for its handler threads: the connection's reader wakes
+    them, and a woken thread of the normal policy preempts the reader only to wait for the GIL it
+    still holds (docs/architecture.md, "Scheduling policy"). Only a thread of the normal policy
+    is moved (a real-time one is left as it is), and only on Linux; a refusal changes nothing."""
+    batch: int | None = getattr(os, "SCHED_BATCH", None)
+    normal: int | None = getattr(os, "SCHED_OTHER", None)
+    if batch is None or normal is None or os.sched_getscheduler(0) != normal:
+        return
+    with contextlib.suppress(OSError):
+        os.sched_setscheduler(0, batch, os.sched_param(0))
 
 
 class HandlerThreads:
@@ -103,7 +84,7 @@ class HandlerThreads:
         self._run = run
         self._name = name
         self._idle_timeout = idle_timeout
-        #: Put each thread under SCHED_BATCH (see BatchPolicy).
+        #: Put each thread under SCHED_BATCH (see batch_scheduling).
         self._batch = batch
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -163,7 +144,7 @@ class HandlerThreads:
     def _main(self) -> None:
         waiting_thread()  # it makes its attempts' calls and waits for their answers
         if self._batch:  # asked for: the reader wakes it for each assignment
-            BatchPolicy(forced=True).check()
+            batch_scheduling()
         try:
             self._take_and_run()
         finally:

@@ -97,7 +97,6 @@ class AttemptShell:
         self.resumes = Resumes(controls.wake.set)
         self._link = controls.link
         self.options = options
-        self._call_timeout = options.request_timeout
         self._log = options.logger
         #: Makes the starts' and finishes' calls, each waiting on its slot.
         self.caller = Caller(controls.link, options)

@@ -25,8 +25,7 @@ class CapacityWindow:
     """The worker's capacity reports: sequence, drain flag, and the capacity offered."""
 
     def __init__(self, capacity: int) -> None:
-        #: Held across building a report and writing it (reentrant: a refused request's
-        #: completion may run inside the write).
+        #: Held across building a report and writing it (reentrant: report() takes it too).
         self.lock = threading.RLock()
         self._capacity = capacity
         #: Slots held by handlers that could not be stopped (past their time limit): never

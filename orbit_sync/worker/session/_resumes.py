@@ -64,10 +64,6 @@ class ResumeBatch:
                 self._resuming.append((att, request, call, gen))
                 self._shell.resumes.sent(request)
 
-    def unsent(self) -> bool:
-        """Are resumes waiting for a request slot (:meth:`flush`)?"""
-        return bool(self._unsent)
-
     def in_flight(self) -> bool:
         return bool(self._resuming)
 
