@@ -88,7 +88,6 @@ class SessionLoop:
         #: Once the drain report was answered: its connection, whose assignments received by
         #: then must all be recorded before the drain may end.
         self._drain_on: Connection | None = None
-        self._drain_acked = threading.Event()
         #: A session's capacity report without drain was answered and its connection has not
         #: ended yet: the server may be assigning to this process (see assignments_over).
         self._assigning = False
@@ -439,8 +438,7 @@ class SessionLoop:
             self._next_heartbeat = max(self._next_heartbeat, sent.sent_at + heartbeat)
         if not report.drain:
             self._assigning = True
-        elif not self._drain_acked.is_set():
-            self._drain_acked.set()
+        elif self._drain_on is None:
             self._drain_on = sent.conn
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
             self._assignments_changed()
