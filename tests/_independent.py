@@ -1054,6 +1054,8 @@ class RawServer:
         self._accepted: queue.Queue[Peer] = queue.Queue()
         self._peers: list[Peer] = []
         self._lock = threading.Lock()
+        #: Set by stop(): a connection whose handler starts after it is closed at once.
+        self._stopping = False
         self._server: Server = serve(
             self._handle,
             "127.0.0.1",
@@ -1095,6 +1097,12 @@ class RawServer:
         peer = Peer(ws, request)
         with self._lock:
             self._peers.append(peer)
+            stopping = self._stopping
+        if stopping:
+            # stop() took its list of peers before this handler started: nobody would release
+            # it, and the server's shutdown would wait for it forever.
+            peer.close()
+            return
         self._accepted.put(peer)
         peer.released.wait()
 
@@ -1103,6 +1111,7 @@ class RawServer:
 
     def stop(self) -> None:
         with self._lock:
+            self._stopping = True
             peers = list(self._peers)
         for peer in peers:
             peer.close()

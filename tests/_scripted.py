@@ -304,6 +304,8 @@ class ScriptedServer:
         self._subprotocol = subprotocol
         self._peers: queue.Queue[Peer] = queue.Queue()
         self._all: list[Peer] = []
+        #: Set by close(): a connection whose handler starts after it ends at once.
+        self._closing = False
         self.requests: list[tuple[str, Headers]] = []
         self._server: Server = serve(
             self._handle,
@@ -348,6 +350,9 @@ class ScriptedServer:
     def _handle(self, conn: ServerConnection) -> None:
         peer = Peer(conn)
         self._all.append(peer)
+        if self._closing:  # close() may have gone through its peers before this one: end it
+            peer.finished.set()
+            return
         self._peers.put(peer)
         peer.finished.wait()
 
@@ -357,6 +362,9 @@ class ScriptedServer:
 
     def close(self) -> None:
         """Stop serving and close every connection."""
+        # Set before the peers are gone through: a handler that starts later sees it (it
+        # appends itself first), so the server's shutdown never waits for one left unreleased.
+        self._closing = True
         for peer in self._all:
             peer.finished.set()
         self._server.shutdown()
