@@ -137,12 +137,15 @@ class _Recorder:
                 self._cond.wait(0.1)
         return True
 
-    def hold_at_next_handler(self, seconds: float, stop: threading.Event) -> bool:
-        """Stall the link for *seconds* as the next handler begins; False if *stop* came
-        first (the run ended with no handler left to run)."""
+    def arm_hold(self, seconds: float) -> None:
+        """Have the link stall for *seconds* as the next handler begins."""
         self._held.clear()
         with self._cond:
             self._hold = seconds
+
+    def wait_held(self, stop: threading.Event) -> bool:
+        """Wait until the armed stall began; False if *stop* came first (the run ended with no
+        handler left to run)."""
         while not self._held.wait(0.1):
             if stop.is_set():
                 with self._cond:
@@ -393,12 +396,20 @@ def _run(
             fired: list[tuple[float, PlannedFault]] = []
             stop = threading.Event()
 
+            # A stall due before any attempt finished is armed before the workers start: armed
+            # from the driver's thread, it could come after the first handler already began.
+            armed = bool(schedule) and schedule[0].kind == "lease_expiry" and not schedule[0].after
+            if armed:
+                recorder.arm_hold(schedule[0].seconds)
+
             def drive() -> None:
-                for fault in schedule:
+                for i, fault in enumerate(schedule):
                     if not recorder.wait_finished(fault.after, stop):
                         return
                     if fault.kind == "lease_expiry":
-                        if not recorder.hold_at_next_handler(fault.seconds, stop):
+                        if not (armed and i == 0):
+                            recorder.arm_hold(fault.seconds)
+                        if not recorder.wait_held(stop):
                             return
                     else:
                         _fire(fault, link, server, fleet)
