@@ -223,3 +223,30 @@ def test_concurrent_calls_and_pushes_over_tls(
         assert conn.err is None
     finally:
         conn.close()
+
+
+def test_no_second_thread_touches_the_tls_socket_before_the_welcome(
+    tls_server: ScriptedServer, trusting: ssl.SSLContext
+) -> None:
+    """Until the welcome has been read, the dialing thread is the only one on the socket.
+    OpenSSL forbids reading and writing one TLS connection from two threads at once; the
+    dial's own reads take the server's post-handshake messages (TLS 1.3 session tickets), so
+    none can arrive while a writer is mid-write once the reader thread runs."""
+    seen: dict[str, Any] = {}
+
+    def serve() -> None:
+        peer = tls_server.accept()
+        hello = peer.recv()
+        seen["before"] = orbit_threads()  # the client waits for its welcome now
+        peer.welcome(hello)
+        seen["peer"] = peer
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    conn = Client(tls_server.url, TOKEN, ssl_context=trusting).dial_worker(registration())
+    try:
+        thread.join(WAIT)
+        assert not [name for name in seen["before"] if "reader" in name], seen["before"]
+        assert [name for name in orbit_threads() if "reader" in name]
+    finally:
+        conn.close()
