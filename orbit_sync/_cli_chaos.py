@@ -14,7 +14,8 @@ from typing import Any
 
 import attrs
 
-from . import _cli_worker
+from ._cli_load import load
+from ._cli_report import EXIT_FAILED, EXIT_OK, EXIT_USAGE, report_error
 
 __all__ = ["DESCRIPTION", "add_arguments", "run"]
 
@@ -150,12 +151,12 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     os.environ.setdefault("ORBIT_TOKEN", "chaos-run-placeholder")
     os.environ.setdefault("ORBIT_QUEUE_ID", "c" * 32)
     try:
-        worker = _cli_worker.load(target, module_name, attribute)
+        worker = load(target, module_name, attribute)
     except ValueError as exc:  # SettingError and the module's misuse of the API
-        _cli_worker.report_error(f"cannot load {target}: {exc}")
-        return _cli_worker.EXIT_USAGE
+        report_error(f"cannot load {target}: {exc}")
+        return EXIT_USAGE
     if worker is None:
-        return _cli_worker.EXIT_USAGE
+        return EXIT_USAGE
     if not logging.getLogger().isEnabledFor(logging.INFO):
         # Every cut logs a lost connection: at the default level those lines would bury the
         # progress and the table.
@@ -178,7 +179,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             replay=_replay(args, knobs),
         )
     except (TypeError, ValueError) as exc:
-        _cli_worker.report_error(f"error: {exc}")
-        return _cli_worker.EXIT_USAGE
+        report_error(f"error: {exc}")
+        return EXIT_USAGE
     print(report.summary(), flush=True)
-    return _cli_worker.EXIT_OK if report.ok else _cli_worker.EXIT_FAILED
+    return EXIT_OK if report.ok else EXIT_FAILED

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TextIO
 
-from . import _cli_chaos, _cli_worker
+from . import _cli_chaos, _cli_options, _cli_worker
 from ._rules import MAX_LEASE_WINDOW, MAX_SESSION_WINDOW
 from ._seconds import parse_seconds
 from ._version import __version__
@@ -109,8 +109,8 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
     worker = sub.add_parser(
         "worker",
         help="run an orbit_sync.worker.Worker until SIGTERM/SIGINT",
-        description=_cli_worker.DESCRIPTION,
-        epilog=_cli_worker.EPILOG,
+        description=_cli_options.DESCRIPTION,
+        epilog=_cli_options.EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # SUPPRESS: given after the subcommand it overrides the global option, absent it keeps it.
@@ -120,7 +120,7 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
         choices=_LEVELS,
         help="logging level on standard error (default: WARNING)",
     )
-    _cli_worker.add_arguments(worker)
+    _cli_options.add_arguments(worker)
     # Its own usage errors print its own usage, not the top-level one.
     worker.set_defaults(subparser=worker)
 
@@ -215,7 +215,7 @@ def _mock_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--queue-id",
-        type=_cli_worker.queue_id,
+        type=_cli_options.queue_id,
         metavar="ID",
         help="the queue's id, 32 lowercase hex characters (default: a random one); with the "
         "same tokens, a restarted server keeps its workers connected",

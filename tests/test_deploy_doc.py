@@ -15,7 +15,7 @@ import pytest
 from _worker_helpers import make_worker, running
 from prometheus_client import CollectorRegistry
 
-from orbit_sync import _cli_worker, cli
+from orbit_sync import _cli_report, cli
 from orbit_sync._supervisor import _cli as supervisor_cli
 from orbit_sync._supervisor import _observe, _policy, _supervisor, _wire
 from orbit_sync.contrib.prometheus import PrometheusListener
@@ -85,13 +85,13 @@ def test_exit_statuses_and_their_order() -> None:
     """The status table names every status of the command, and the stated order is the code's."""
     rows = dict(re.findall(r"^\| (\d) \| (.+) \|$", PAGE, re.M))
     codes = {
-        _cli_worker.EXIT_OK: "clean stop",
-        _cli_worker.EXIT_FAILED: "failed",
-        _cli_worker.EXIT_USAGE: "configuration error",
-        _cli_worker.EXIT_FORCED: "forced stop",
-        _cli_worker.EXIT_AUTH: "credentials",
-        _cli_worker.EXIT_PROTOCOL: "protocol",
-        _cli_worker.EXIT_UNREACHABLE: "not reached",
+        _cli_report.EXIT_OK: "clean stop",
+        _cli_report.EXIT_FAILED: "failed",
+        _cli_report.EXIT_USAGE: "configuration error",
+        _cli_report.EXIT_FORCED: "forced stop",
+        _cli_report.EXIT_AUTH: "credentials",
+        _cli_report.EXIT_PROTOCOL: "protocol",
+        _cli_report.EXIT_UNREACHABLE: "not reached",
     }
     assert {int(k) for k in rows} == set(codes)
     for code, word in codes.items():

@@ -113,7 +113,7 @@ def test_banner_names_process_handlers_outbox_and_listeners(
     """The startup banner lists each handler's executor, the outbox path and the listeners."""
     from _process_handlers import pid
 
-    from orbit_sync._cli_worker import _banner
+    from orbit_sync._cli_banner import banner
     from orbit_sync.contrib.health import HealthProbe
 
     outbox = tmp_path / "outbox.db"
@@ -125,7 +125,7 @@ def test_banner_names_process_handlers_outbox_and_listeners(
     )
     worker.register("pid", pid, executor="process")
     worker.register("echo", lambda ctx, payload: payload)
-    _banner(worker, "app:worker")
+    banner(worker, "app:worker")
     err = capsys.readouterr().err
     assert "handlers:  pid (1/1, process), echo (1/1)" in err
     assert f"outbox:    {outbox}" in err

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orbit_sync._cli_worker import (
+from orbit_sync._cli_report import (
     EXIT_AUTH,
     EXIT_FAILED,
     EXIT_FORCED,

@@ -10,7 +10,7 @@ import pytest
 from _worker_helpers import FailedDials, run_until_it_gives_up
 
 from orbit_sync import Client
-from orbit_sync._cli_worker import EXIT_PROTOCOL, exit_status_for
+from orbit_sync._cli_report import EXIT_PROTOCOL, exit_status_for
 from orbit_sync.errors import HTTPError
 from orbit_sync.testing import ManualClock, MockOrbitServer
 from orbit_sync.worker import Backoff, Worker

@@ -18,7 +18,7 @@ import pytest
 from _worker_helpers import FailedDials, run_until_it_gives_up
 
 from orbit_sync import Client, ServerUnreachable
-from orbit_sync._cli_worker import EXIT_UNREACHABLE, exit_status_for
+from orbit_sync._cli_report import EXIT_UNREACHABLE, exit_status_for
 from orbit_sync.contrib.health import HealthProbe
 from orbit_sync.errors import WorkerDisconnected
 from orbit_sync.testing import ManualClock, MockOrbitServer
