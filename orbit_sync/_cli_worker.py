@@ -16,46 +16,25 @@ import traceback
 from typing import TYPE_CHECKING, Any
 
 from ._cli_banner import banner
-from ._cli_load import Misuse, load, misuse
-from ._cli_options import EXIT_SUMMARY, add_arguments, apply_options, export
+from ._cli_load import Misuse, load
+from ._cli_options import apply_options, export
 from ._cli_report import (
-    EXIT_AUTH,
     EXIT_FAILED,
     EXIT_FORCED,
     EXIT_OK,
-    EXIT_PROTOCOL,
-    EXIT_UNREACHABLE,
     EXIT_USAGE,
     exit_status_for,
     last_error,
     record_error,
     refused_credentials,
     report_error,
-    speak_as,
 )
 from .client import SettingError, check_base_url, check_environment, read_token_file
 
 if TYPE_CHECKING:
     from .worker import Worker
 
-# The supervisor and ``manage.py orbit_worker`` import these from here.
-__all__ = [
-    "EXIT_AUTH",
-    "EXIT_FAILED",
-    "EXIT_FORCED",
-    "EXIT_OK",
-    "EXIT_PROTOCOL",
-    "EXIT_SUMMARY",
-    "EXIT_UNREACHABLE",
-    "EXIT_USAGE",
-    "add_arguments",
-    "last_error",
-    "misuse",
-    "report_error",
-    "run",
-    "serve",
-    "speak_as",
-]
+__all__ = ["run", "serve"]
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -132,7 +132,7 @@ def child_arguments(options: Any) -> list[str]:
 
 def supervise(options: Any, command: Sequence[str], label: str) -> int:
     """Run the supervisor over children running *command*; the exit status."""
-    from .._cli_worker import EXIT_USAGE, report_error
+    from .._cli_report import EXIT_USAGE, report_error
     from ._observe import MetricsTarget
     from ._speaker import name_this_process
     from ._supervisor import Supervisor, SupervisorOptions

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from .._cli_worker import (
+from .._cli_report import (
     EXIT_AUTH,
     EXIT_FAILED,
     EXIT_FORCED,

@@ -32,7 +32,7 @@ class _Named(logging.Formatter):
 def name_this_process(who: str) -> None:
     """Name this process *who* in its command lines and its log lines (again: handlers added
     since are named too; those named already are left alone)."""
-    from .._cli_worker import speak_as
+    from .._cli_report import speak_as
 
     speak_as(who)
     manager = logging.Logger.manager

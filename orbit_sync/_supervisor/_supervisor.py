@@ -32,7 +32,7 @@ from typing import Any
 
 import attrs
 
-from .._cli_worker import EXIT_FAILED, EXIT_OK
+from .._cli_report import EXIT_FAILED, EXIT_OK
 from ..clock import Clock, now_reader
 from ._observe import HostHealth, MetricsTarget
 from ._policy import Restarts, status_of, worst

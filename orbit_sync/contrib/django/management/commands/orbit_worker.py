@@ -10,7 +10,7 @@ from typing import Any
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from orbit_sync import _cli_worker
+from orbit_sync import _cli_load, _cli_options, _cli_report, _cli_worker
 from orbit_sync._supervisor import ChildLink
 from orbit_sync._supervisor import _cli as supervisor_cli
 from orbit_sync.client import Client, read_token_file, set_token_source
@@ -22,11 +22,11 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
         "Run an Orbit worker with the handlers declared (@orbit_sync.contrib.django.handler) in "
         "each installed app's orbit_tasks.py, until SIGTERM/SIGINT (the first drains, a second "
         "stops at once). Settings: ORBIT_SYNC, else $ORBIT_URL, $ORBIT_TOKEN (or "
-        "$ORBIT_TOKEN_FILE), $ORBIT_QUEUE_ID. " + _cli_worker.EXIT_SUMMARY
+        "$ORBIT_TOKEN_FILE), $ORBIT_QUEUE_ID. " + _cli_options.EXIT_SUMMARY
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
-        _cli_worker.add_arguments(parser, target=False)
+        _cli_options.add_arguments(parser, target=False)
         parser.add_argument(
             "--log-level",
             choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -41,7 +41,7 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
             try:
                 token = read_token_file(options["token_file"])
             except ValueError as exc:
-                raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
+                raise CommandError(str(exc), returncode=_cli_report.EXIT_USAGE) from None
         if supervisor_cli.requested(options):
             status = supervisor_cli.supervise(
                 options,
@@ -66,18 +66,16 @@ class Command(BaseCommand):  # type: ignore[misc]  # Django ships no type hints
         except Exception as exc:
             # Configuration, not a bug: the message, not a traceback (and never the token). A
             # TypeError counts when orbit-sync raised it: a handler's time_limit="5", say.
-            if not isinstance(exc, ImproperlyConfigured | ValueError) and not _cli_worker.misuse(
-                exc
-            ):
+            if not isinstance(exc, ImproperlyConfigured | ValueError) and not _cli_load.misuse(exc):
                 raise
-            raise CommandError(str(exc), returncode=_cli_worker.EXIT_USAGE) from None
+            raise CommandError(str(exc), returncode=_cli_report.EXIT_USAGE) from None
         if options["token_file"] is not None and isinstance(worker.client, Client):
             set_token_source(worker.client, f"--token-file {options['token_file']}")
         if options["first_connect_timeout"] is not None:
             worker = worker.with_options(first_connect_timeout=options["first_connect_timeout"])
         status = _cli_worker.serve(worker, "manage.py orbit_worker", link)
         if link is not None:
-            link.exit(status, _cli_worker.last_error())
+            link.exit(status, _cli_report.last_error())
         if status:
             sys.exit(status)
 
