@@ -297,8 +297,8 @@ class _Where(Recorder):
 
 
 def test_no_listener_runs_on_a_connections_reader(server: MockOrbitServer) -> None:
-    """The reader runs no user code: a renewal's answer arrives there, and its lease_renewed
-    runs on the lease watchdog's thread; every other event runs off the reader too."""
+    """The reader runs no user code: a renewal's answer sets its slot there, and its
+    lease_renewed runs on the lease watchdog's thread; every other event runs off the reader too."""
     where = _Where()
     worker = make_worker(server, listeners=[where])
 

@@ -192,6 +192,26 @@ def test_large_ints_refuse_names_the_first_one() -> None:
         result_converter(large_ints="bigint")
 
 
+def test_large_ints_refuse_names_one_an_int_subclass_or_a_hook_made() -> None:
+    """large_ints="refuse" names a large IntEnum member, or a large int a hook returned, by its
+    key path too."""
+
+    class Big(enum.IntEnum):
+        N = BIG
+
+    class Ticket:
+        pass
+
+    converter = result_converter(large_ints="refuse")
+    converter.register_unstructure_hook(Ticket, lambda _: BIG)
+    encoder = ResultEncoder(converter)
+    for value, path in (({"e": [Big.N]}, "$.e[0]"), ({"k": {"t": Ticket()}}, "$.k.t")):
+        with pytest.raises(ResultProblem) as info:
+            encoder.encode(value)
+        assert info.value.path == path
+        assert "beyond 2**53 - 1" in info.value.message
+
+
 def test_worker_sends_large_ints_as_text_when_asked(server: MockOrbitServer) -> None:
     """Through the real server: the recorded result holds the exact digits as a string."""
     worker = make_worker(server, result_converter=result_converter(large_ints="string"))

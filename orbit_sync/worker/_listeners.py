@@ -71,7 +71,7 @@ class WorkerStats:
 
 @attrs.frozen
 class AttemptInfo:
-    """Which attempt a shutdown report entry is about."""
+    """Which attempt a shutdown report entry, or an attempt's event, is about."""
 
     task_id: str
     attempt_id: str
@@ -100,19 +100,16 @@ class ShutdownReport:
 
 
 @attrs.frozen
-class AttemptEvent:
+class AttemptEvent(AttemptInfo):
     """One attempt of a task (``attempt_received``, ``attempt_started``)."""
 
-    task_id: str
-    attempt_id: str
-    handler: str
     #: The 1-based attempt number and the task's attempt budget.
     attempt: int
     max_attempts: int
 
 
 @attrs.frozen
-class AttemptFinished:
+class AttemptFinished(AttemptInfo):
     """How an attempt ended (``attempt_finished``).
 
     ``outcome`` is what the worker reported (``SUCCEEDED``, ``FAILED``, ``CANCELLED``,
@@ -122,9 +119,6 @@ class AttemptFinished:
     when its lease expires).
     """
 
-    task_id: str
-    attempt_id: str
-    handler: str
     attempt: int
     outcome: Outcome
     error_code: str | None
@@ -134,7 +128,7 @@ class AttemptFinished:
 
 
 @attrs.frozen
-class LeaseEvent:
+class LeaseEvent(AttemptInfo):
     """A lease renewal (``lease_renewed``) or loss (``lease_lost``) of one attempt.
 
     ``lag`` is how many seconds after its schedule the renewal was sent (CPU-bound handlers
@@ -142,15 +136,12 @@ class LeaseEvent:
     ``lease_lost``, ``session_replaced``).
     """
 
-    task_id: str
-    attempt_id: str
-    handler: str
     lag: float = 0.0
     reason: str | None = None
 
 
 @attrs.frozen
-class StuckEvent:
+class StuckEvent(AttemptInfo):
     """A handler slot stuck (``handler_stuck``) or freed again (``handler_unstuck``).
 
     A handler that does not stop within the cancel grace (past its time limit, or at shutdown)
@@ -159,9 +150,6 @@ class StuckEvent:
     ``capacity``; ``reason`` is ``time_limit`` or ``shutdown``.
     """
 
-    task_id: str
-    attempt_id: str
-    handler: str
     reason: str
     stuck: int
     capacity: int
@@ -208,7 +196,8 @@ class WorkerListener:
     """
 
     def attempt_received(self, event: AttemptEvent) -> None:
-        """An assignment was accepted (on the connection's reader thread: keep it fast)."""
+        """An assignment was accepted, before its start is sent (on the handler thread that
+        took it)."""
 
     def attempt_started(self, event: AttemptEvent) -> None:
         """The server started the attempt and its handler is about to run (handler's thread)."""
@@ -316,7 +305,7 @@ class Hooks:
 
     def emit(self, name: str, event: object) -> None:
         """Call every listener of event *name*; log and skip one that raises. On a connection's
-        reader, the calls are handed to :attr:`elsewhere` (a renewal's answer arrives there)."""
+        reader (which steps a cancel push), the calls are handed to :attr:`elsewhere`."""
         if self.elsewhere is not None and on_reader_thread():
             self.elsewhere(partial(self._emit, name, event))
             return

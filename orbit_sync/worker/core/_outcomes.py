@@ -204,29 +204,23 @@ class ResultEncoder:
         return snapshot, text, size
 
     def _large(self, text: str) -> str:
-        """*text* with its integers beyond 2**53 - 1 as decimal strings (``large_ints="string"``),
-        or ``ResultProblem`` naming the first one (``"refuse"``)."""
+        """*text* with its integers beyond 2**53 - 1 as decimal strings (``large_ints="string"``);
+        ``"refuse"``: ``TypeError`` at the first one (the caller locates it)."""
+        found = False
+
+        def integer(literal: str) -> int | str:
+            nonlocal found
+            number = int(literal)
+            if abs(number) <= MAX_SAFE_INTEGER:
+                return number
+            if self._large_ints == "refuse":
+                raise _Unencodable(literal)
+            found = True
+            return literal  # a JSON integer's text is already its exact decimal form
+
         # Python's own parser (unbounded integers), refusing duplicate keys as the strict one does.
-        doc = json.loads(text, object_pairs_hook=_json.unique_keys)
-        root = [doc]
-        changed = False
-        stack: list[tuple[Any, Any, str]] = [(root, 0, "$")]
-        while stack:
-            holder, key, path = stack.pop()
-            item = holder[key]
-            if isinstance(item, dict):
-                # Reversed onto the stack: the first offending value in document order is named.
-                stack.extend((item, k, _key_path(path, k)) for k in reversed(item))
-            elif isinstance(item, list):
-                stack.extend((item, i, f"{path}[{i}]") for i in reversed(range(len(item))))
-            elif type(item) is int and abs(item) > MAX_SAFE_INTEGER:
-                if self._large_ints == "refuse":
-                    self._bad(path, item, _LARGE_INT_WHY)
-                holder[key] = str(item)
-                changed = True
-        if not changed:
-            return text
-        return json.dumps(root[0], ensure_ascii=False, separators=(",", ":"))
+        doc = json.loads(text, object_pairs_hook=_json.unique_keys, parse_int=integer)
+        return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) if found else text
 
     # ------------------------------------------------------------------ the slow path
 
@@ -253,7 +247,7 @@ class ResultEncoder:
             if not math.isfinite(value):
                 self._bad(path, value, "is not finite (JSON has no NaN or infinity)")
             return
-        if type(value) is int and abs(value) > MAX_SAFE_INTEGER:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SAFE_INTEGER:
             if self._large_ints == "refuse":
                 self._bad(path, value, _LARGE_INT_WHY)
             try:

@@ -334,7 +334,6 @@ class ProcessPool:
             keep = False
         elif not keep:
             self._limits.forget(child.proc.pid)
-        if not keep:
             child.stop(kill=True)
         with self._cond:
             self._busy.discard(child)
