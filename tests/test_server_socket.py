@@ -21,18 +21,16 @@ import pytest
 import trustme
 from _independent import parse_time
 from _rawclient import RawClient, error_code, small_window_socket
+from _scripted import registration
 from _serverkit import SCOPE_CONNECT
 from websockets.exceptions import InvalidStatus
 
 from orbit_sync.client import Client
 from orbit_sync.models import (
-    Capability,
     CapacityReport,
     Finish,
     Lease,
-    Registration,
     TaskState,
-    new_id,
     new_message_id,
     new_secret,
 )
@@ -164,13 +162,7 @@ def test_wss(tmp_path: Path) -> None:
     with MockOrbitServer(ssl_context=server_ctx, clock=ManualClock(), handshake_timeout=20) as srv:
         assert srv.url.startswith("wss://127.0.0.1:")
         task_id = srv.enqueue("resize", {"n": 1})
-        reg = Registration(
-            queue_id=srv.queue_id,
-            capabilities=[Capability("resize", "1", "1")],
-            capacity=1,
-            instance_id=new_id(),
-            instance_secret=new_secret(),
-        )
+        reg = registration(queue_id=srv.queue_id, capacity=1)
         client = Client(srv.url, srv.token, ssl_context=client_ctx)
         with client.dial_worker(reg, timeout=20) as conn:
             conn.capacity(CapacityReport(sequence=1, capacity=1))
@@ -297,8 +289,6 @@ def test_reconnect_stales_the_old_connection(server: MockOrbitServer) -> None:
 def test_identity_mismatch_is_refused(server: MockOrbitServer) -> None:
     """A reconnect with the same instance_id and another secret is PERMISSION_DENIED."""
     import attrs
-
-    from orbit_sync.models import new_secret
 
     first = RawClient(server).open()
     thief = RawClient(
@@ -432,8 +422,6 @@ def test_late_result_is_evidence(server: MockOrbitServer) -> None:
 def test_wrong_secret_is_lease_lost(server: MockOrbitServer) -> None:
     """A forged lease_secret is LEASE_LOST and the connection stays usable."""
     import attrs
-
-    from orbit_sync.models import new_secret
 
     client = RawClient(server).open()
     server.enqueue("resize", {"n": 1})
@@ -940,7 +928,6 @@ def test_accept_loop_survives_descriptor_exhaustion() -> None:
     from _cli_process import Proc
 
     from orbit_sync.client import Client
-    from orbit_sync.models import Capability, Registration, new_id, new_secret
 
     proc = Proc([sys.executable, "-c", _EMFILE_CHILD])
     try:
@@ -953,14 +940,7 @@ def test_accept_loop_survives_descriptor_exhaustion() -> None:
         for sock in idle:
             sock.close()
         assert proc.line().startswith("LOG accepting connections again")
-        registration = Registration(
-            queue_id=queue_id,
-            capabilities=[Capability("resize", "1", "1")],
-            capacity=1,
-            instance_id=new_id(),
-            instance_secret=new_secret(),
-        )
-        Client(url, token).dial_worker(registration).close()
+        Client(url, token).dial_worker(registration(queue_id=queue_id, capacity=1)).close()
     finally:
         proc.kill()
         proc.wait()
