@@ -106,6 +106,28 @@ def _checked_result_size(text: str) -> None:
     _json.loads(text, limit=_json.MAX_FRAME_BYTES)
 
 
+#: The body model of each request type a session sends (the handshake's hello is not one).
+REQUEST_BODIES: dict[str, type[Any]] = {
+    k: v for k, v in CLIENT_BODIES.items() if k != "worker.hello"
+}
+
+
+def check_request(request_type: str, body: Any) -> None:
+    """Raise unless *request_type* is a session's request and *body* its model."""
+    if type(request_type) is not str or request_type not in REQUEST_BODIES:
+        raise ValueError("unknown request type")
+    if not isinstance(body, REQUEST_BODIES[request_type]):
+        raise TypeError(f"{request_type} needs a {REQUEST_BODIES[request_type].__name__} body")
+    if request_type == "task.finish":
+        check_ref(body.ref)
+
+
+def check_ref(ref: object) -> None:
+    """Raise TypeError unless *ref* is an AttemptRef."""
+    if not isinstance(ref, AttemptRef):
+        raise TypeError("ref must be an AttemptRef (assignment.attempt)")
+
+
 def encode_frame(
     type_: str,
     message_id: str,

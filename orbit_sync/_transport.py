@@ -37,14 +37,14 @@ import socket
 import struct
 import threading
 from collections.abc import Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from ._foreign import kept, mapped
 from ._json import MAX_FRAME_BYTES
 from ._realtime import monotonic
 from .errors import WorkerDisconnected, WorkerProtocolError
 
-__all__ = ["FrameRejected", "Transport", "frame_header", "shutdown_socket"]
+__all__ = ["FrameRejected", "FrameTransport", "Transport", "frame_header", "shutdown_socket"]
 
 _OP_CONT = 0x0
 OP_TEXT = 0x1
@@ -115,6 +115,31 @@ def shutdown_socket(sock: socket.socket) -> None:
     # another thread may be inside it; the plain call only wakes that thread with EOF.
     with contextlib.suppress(OSError):
         socket.socket.shutdown(sock, socket.SHUT_RDWR)
+
+
+class FrameTransport(Protocol):
+    """What a :class:`WorkerConnection` needs of its WebSocket once the opening handshake is
+    done (:meth:`orbit_sync.Client.dial_worker` makes one): text frames out, whole messages in,
+    the time of the last bytes received, and two ways to end it. Every failure is an
+    :class:`~orbit_sync.errors.OrbitError` (``WorkerDisconnected`` for a lost socket)."""
+
+    #: When bytes last arrived (monotonic seconds): the read-idle bound is counted from it.
+    last_rx: float
+
+    def send_text(self, text: str) -> None:
+        """Write one text frame."""
+
+    def send_texts(self, texts: Sequence[str]) -> None:
+        """Write several text frames at once."""
+
+    def recv_message(self) -> bytes:
+        """Block until the next whole message (pings answered, the close handshake done)."""
+
+    def abort(self, close_code: int | None = None) -> None:
+        """End at once (sending a close frame with *close_code* when it can), any thread."""
+
+    def close(self) -> None:
+        """Release the socket once the reader is done with it."""
 
 
 class Transport:

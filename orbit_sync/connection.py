@@ -30,9 +30,11 @@ with that error bound to the call's own ``message_id``, and sets ``done`` once t
 Several requests may go out in one write (:meth:`WorkerConnection.send_many`): each still has
 its own slot, and the caller waits on each (:class:`PendingCall`).
 
-Why one module of about 830 lines: the public request methods, the one lock, the two threads
-and the send path must be read together to check that no wait can outlive its deadline and no
-callback runs under the lock; a fifth of it is the methods' docstrings.
+This module holds the public request methods, the one lock and the send path, read together to
+check that no wait can outlive its deadline. The two threads' loops, the failure path and the
+handling of the protocol's events (outside the lock: no callback runs under it) are a base
+class of ``WorkerConnection``; the call slots, the push queues' end marker and the request
+checks have modules of their own (docs/architecture.md names each).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ import math
 import queue
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from . import _codec
+from ._codec import check_ref, check_request
 from ._protocol import (
     ASSIGNMENT,
     ASSIGNMENT_BUFFER,
@@ -54,25 +57,17 @@ from ._protocol import (
     CANCEL_BUFFER,
     MAX_IN_FLIGHT,
     READ_IDLE_TIMEOUT,
-    Answered,
     Call,
     ClientProtocol,
-    Done,
-    Ended,
-    Event,
-    Full,
-    Pushed,
-    Queued,
     Submission,
 )
+from ._pushes import ENDED, end_queue
+from ._reader import ConnectionThreads, on_reader_thread
 from ._realtime import monotonic
 from ._seconds import wait_seconds
-from .errors import (
-    OrbitError,
-    WorkerClosed,
-    WorkerDisconnected,
-    WorkerProtocolError,
-)
+from ._slots import Settable, Slot, unset
+from ._transport import FrameTransport
+from .errors import OrbitError, WorkerClosed
 from .models import (
     Assignment,
     AttemptRef,
@@ -109,39 +104,6 @@ READER_EXIT_WAIT = 5.0
 T = TypeVar("T")
 
 
-class FrameTransport(Protocol):
-    """What a :class:`WorkerConnection` needs of its WebSocket once the opening handshake is
-    done (:meth:`orbit_sync.Client.dial_worker` makes one): text frames out, whole messages in,
-    the time of the last bytes received, and two ways to end it. Every failure is an
-    :class:`~orbit_sync.errors.OrbitError` (``WorkerDisconnected`` for a lost socket)."""
-
-    #: When bytes last arrived (monotonic seconds): the read-idle bound is counted from it.
-    last_rx: float
-
-    def send_text(self, text: str) -> None:
-        """Write one text frame."""
-
-    def send_texts(self, texts: Sequence[str]) -> None:
-        """Write several text frames at once."""
-
-    def recv_message(self) -> bytes:
-        """Block until the next whole message (pings answered, the close handshake done)."""
-
-    def abort(self, close_code: int | None = None) -> None:
-        """End at once (sending a close frame with *close_code* when it can), any thread."""
-
-    def close(self) -> None:
-        """Release the socket once the reader is done with it."""
-
-
-class Settable(Protocol):
-    """What :meth:`WorkerConnection.send_many` may also set as each answer arrives: a
-    ``threading.Event``, or anything whose ``set()`` only records and wakes (it runs on the
-    reader thread)."""
-
-    def set(self) -> None: ...
-
-
 class BatchCall(NamedTuple):
     """One request of :meth:`WorkerConnection.send_many`: its type (``"task.renew"``, ...), its
     body (the model the matching method takes), and optionally its ``message_id`` and timeout."""
@@ -150,44 +112,6 @@ class BatchCall(NamedTuple):
     body: Any
     message_id: str | None = None
     timeout: float | None = None
-
-
-class _Slot:
-    """One call in flight: a reused ``threading.Event`` and the answer it carries.
-
-    Every call holds a slot from its send until its answer or failure (so at most
-    :data:`MAX_IN_FLIGHT` are in use); the reader (or whichever thread ends the call) stores the
-    answer and sets the event, and the caller waits on it with its deadline.
-    """
-
-    __slots__ = ("error", "event", "free", "value", "wake")
-
-    def __init__(self, free: list[_Slot]) -> None:
-        self.event = threading.Event()
-        self.value: Any = None
-        self.error: OrbitError | None = None
-        #: Also set as the answer arrives (a batch's shared wake-up), or None.
-        self.wake: Settable | None = None
-        #: The connection's idle slots, where this one goes back once its call is over.
-        self.free = free
-
-    def complete(self, value: Any, error: OrbitError | None) -> None:
-        """The call's answer (or failure) arrived: record it and set the slot."""
-        # Read first: once the event is set, the caller may release the slot for another call.
-        wake = self.wake
-        self.value = value
-        self.error = error
-        self.event.set()
-        if wake is not None:
-            wake.set()
-
-    def release(self) -> None:
-        """A caller's slot back to the idle ones, cleared (list.append is atomic: no lock
-        needed)."""
-        self.value = self.error = None
-        self.wake = None
-        self.event.clear()
-        self.free.append(self)
 
 
 class PendingCall:
@@ -236,7 +160,7 @@ class PendingCall:
         return f"<PendingCall {self.request_type} message_id={self.message_id} {state}>"
 
 
-class WorkerConnection:
+class WorkerConnection(ConnectionThreads):
     """One worker session. Create it with :meth:`orbit_sync.Client.dial_worker`.
 
     Thread-safe: any thread may call any method. Every request method blocks for at most its
@@ -278,9 +202,9 @@ class WorkerConnection:
             callbacks=self._callbacks,
         )
         self._lock = threading.Lock()
-        #: Idle call slots (see :class:`_Slot`): created on demand, so never more than the most
+        #: Idle call slots (see :class:`Slot`): created on demand, so never more than the most
         #: calls ever in flight at once (at most MAX_IN_FLIGHT), and reused.
-        self._slots: list[_Slot] = []
+        self._slots: list[Slot] = []
         # The deadline thread sleeps on this; it is woken only for a call due before that.
         self._timer = threading.Condition(self._lock)
         self._wake_at = math.inf
@@ -429,8 +353,8 @@ class WorkerConnection:
                 item = unread.get(timeout=timeout)
             except queue.Empty:
                 raise TimeoutError(f"no {kind} within {timeout:g} s") from None
-            if item is _ENDED:
-                _end_queue(unread)  # for the next taker
+            if item is ENDED:
+                end_queue(unread)  # for the next taker
             elif after_end or self._core.err is None:
                 return item
         # A reservation on a dead session grants nothing; the server reclaims it.
@@ -460,7 +384,7 @@ class WorkerConnection:
         Creates nothing, renews nothing and never grants a second run. The returned lease carries
         its local ``deadline``.
         """
-        _check_ref(ref)
+        check_ref(ref)
         value: Lease = self._call("worker.resume", ref, message_id, timeout)
         return value
 
@@ -468,7 +392,7 @@ class WorkerConnection:
         self, ref: AttemptRef, *, message_id: str | None = None, timeout: float | None = None
     ) -> CommandResult:
         """Start the attempt. Run the handler once, only if ``result.lease.may_run()``."""
-        _check_ref(ref)
+        check_ref(ref)
         value: CommandResult = self._call("task.start", ref, message_id, timeout)
         return value
 
@@ -477,7 +401,7 @@ class WorkerConnection:
     ) -> CommandResult:
         """Extend a running attempt's lease. A new ``message_id`` renews again; repeating one only
         returns the original receipt."""
-        _check_ref(ref)
+        check_ref(ref)
         value: CommandResult = self._call("task.renew", ref, message_id, timeout)
         return value
 
@@ -491,17 +415,9 @@ class WorkerConnection:
         """
         if not isinstance(finish, Finish):
             raise TypeError("finish must be a Finish")
-        _check_ref(finish.ref)
+        check_ref(finish.ref)
         value: CommandResult = self._call("task.finish", finish, message_id, timeout)
         return value
-
-    def _check_request(self, request_type: str, body: Any) -> None:
-        if type(request_type) is not str or request_type not in _BODIES:
-            raise ValueError("unknown request type")
-        if not isinstance(body, _BODIES[request_type]):
-            raise TypeError(f"{request_type} needs a {_BODIES[request_type].__name__} body")
-        if request_type == "task.finish":
-            _check_ref(body.ref)
 
     def _call(
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
@@ -510,7 +426,7 @@ class WorkerConnection:
         call, slot = self._send(request_type, body, message_id, timeout)
         return self._wait(call, slot)
 
-    def _wait(self, call: Call, slot: _Slot) -> Any:
+    def _wait(self, call: Call, slot: Slot) -> Any:
         """Wait on *slot* for *call*'s answer, at most until its deadline; return it or raise."""
         # The slot is freed only after a completed wait: after an exception (Ctrl-C while the
         # call may be in flight) it is left to the late answer, and never reused.
@@ -545,9 +461,9 @@ class WorkerConnection:
         for c in calls:
             if not isinstance(c, BatchCall):
                 raise TypeError("calls must be BatchCall tuples")
-            self._check_request(c.request_type, c.body)
+            check_request(c.request_type, c.body)
         submissions = [
-            Submission(c.request_type, c.body, _unset, c.message_id, c.timeout) for c in calls
+            Submission(c.request_type, c.body, unset, c.message_id, c.timeout) for c in calls
         ]
         pending: list[PendingCall] = []
         with self._lock:
@@ -586,9 +502,9 @@ class WorkerConnection:
 
     def _send(
         self, request_type: str, body: Any, message_id: str | None, timeout: float | None
-    ) -> tuple[Call, _Slot]:
+    ) -> tuple[Call, Slot]:
         with self._lock:
-            call, text = self._core.open(request_type, body, message_id, timeout, _unset)
+            call, text = self._core.open(request_type, body, message_id, timeout, unset)
             # A slot only for a call that goes out: a refused one never makes a new slot.
             slot = self._take_slot()
             call.on_done = slot.complete
@@ -598,9 +514,9 @@ class WorkerConnection:
             log.debug("sent %s message_id=%s", request_type, call.message_id)
         return call, slot
 
-    def _take_slot(self) -> _Slot:
+    def _take_slot(self) -> Slot:
         """An idle slot (a new one while fewer than the calls in flight exist)."""
-        return self._slots.pop() if self._slots else _Slot(self._slots)
+        return self._slots.pop() if self._slots else Slot(self._slots)
 
     def _write(self, send: Callable[[T], None], data: T) -> bool:
         """``send(data)``; False once a failed write ended the connection."""
@@ -612,228 +528,3 @@ class WorkerConnection:
             self._send_failed(exc)
             return False
         return True
-
-    # ------------------------------------------------------------------ failure
-
-    def _send_failed(self, exc: Exception) -> None:
-        """A write failed: end the connection. The transport raises WorkerDisconnected for the
-        network; anything else is a bug, logged with its traceback instead of hidden."""
-        if not isinstance(exc, OrbitError):
-            log.error("unexpected error while sending; closing the connection", exc_info=exc)
-        self._fail(_caused(WorkerDisconnected("connection lost while sending"), exc))
-
-    def _fail(self, err: OrbitError) -> None:
-        """End the connection with *err* unless it has already ended (the first error wins)."""
-        with self._lock:
-            events = self._core.fail(err)
-        self._handle(events)
-
-    def _teardown(self, err: OrbitError) -> None:
-        log.debug("connection %s ended: %s: %s", self.session_id, type(err).__name__, err)
-        if isinstance(err, WorkerDisconnected):
-            close_code = None  # the transport is gone or untrusted; nothing to say
-        elif isinstance(err, WorkerProtocolError):
-            close_code = 1002
-        else:
-            close_code = 1000
-        self._transport.abort(close_code)
-
-    # ------------------------------------------------------------------ threads
-
-    def _watch(self) -> None:
-        """Deadline thread: read-idle and per-call bounds, on the protocol's clock."""
-        core = self._core
-        with self._lock:
-            while core.err is None:
-                due, _ = core.next_deadline(self._transport.last_rx)
-                now = core.clock()
-                if now < due:
-                    # Asleep one call bound at most: a call opened meanwhile (its deadline at
-                    # least that bound away unless it asked for less) then needs no wake-up,
-                    # which would otherwise cost one per call whenever none was in flight.
-                    wake = min(due, now + core.max_call)
-                    self._wake_at = wake
-                    self._timer.wait(wake - now)
-                    self._wake_at = math.inf
-                    continue
-                # Data may have arrived since: then nothing has expired and the wait goes on.
-                events = core.expire(self._transport.last_rx)
-                if events:
-                    break
-            else:
-                return
-        self._handle(events)
-
-    def _read_one(self) -> bool:
-        """Read and handle one server message; False once the connection has ended."""
-        try:
-            return self._dispatch(self._transport.recv_message())
-        except OrbitError as exc:  # the transport's failures, typed
-            self._fail(exc)
-        except Exception as exc:
-            # The transport types every network failure: this is a bug. Logged with its
-            # traceback, and kept as the cause of the error every caller gets.
-            log.error("connection reader failed; closing the connection", exc_info=exc)
-            self._fail(_caused(WorkerDisconnected("connection reader failed"), exc))
-        return False
-
-    def _read_loop(self) -> None:
-        _READER.active = True
-        try:
-            while self._read_one():
-                pass
-        finally:
-            self._reader_exit()
-
-    def _reader_exit(self) -> None:
-        self._fail(WorkerDisconnected("connection reader stopped"))  # no-op when already set
-        self._deadlines.join()
-        self._transport.close()
-        self._done.set()
-
-    def _dispatch(self, raw: bytes) -> bool:
-        """Handle one server frame; False once the connection has ended."""
-        core = self._core
-        if core.err is not None:
-            return False
-        try:
-            event = core.decode(raw)  # unlocked: it only reads the call table
-        except WorkerProtocolError as exc:
-            self._fail(exc)
-            return False
-        with self._lock:
-            events = core.route(event)  # a push without a callback is put on its queue
-        return self._handle(events)
-
-    def _handle(self, events: list[Event]) -> bool:
-        """Act on the protocol's events, outside the lock; False once the connection ended."""
-        for event in events:
-            if type(event) is Answered:
-                call = event.call
-                _run_done(call.on_done, event.value, event.error, call.request_type)
-                if event.error is not None:
-                    log.debug("error %s answering message_id=%s", event.error.code, call.message_id)
-            elif type(event) is Pushed:
-                try:
-                    self._callbacks[event.kind](event.item)
-                except Exception:
-                    # Unstarted, a dropped reservation returns to the queue when its lease expires.
-                    name = "on_assignment" if event.kind == ASSIGNMENT else "on_cancel"
-                    log.exception("%s callback raised; the %s is dropped", name, event.kind)
-            elif type(event) is Ended:
-                self._ended(event)
-            elif type(event) is Queued:
-                log.debug("%s queued", event.kind)
-            elif type(event) is Full:
-                self._wait_for_room(event.kind, event.item)
-        return self._core.err is None  # a callback may have closed the connection
-
-    def _wait_for_room(self, kind: str, item: object) -> None:
-        """The reader found *kind*'s queue full: wait (reading nothing meanwhile, so the frames'
-        order is kept) until a consumer makes room, at most ``ASSIGNMENT_WAIT`` seconds, then
-        put *item* there; past the bound the connection ends with backpressure. Should it end
-        otherwise meanwhile, *item* is put ahead of the end marker: it was received before the
-        end, and a consumer that takes what a connection left (the Worker) loses nothing."""
-        unread = self._core.unread[kind]
-        deadline = monotonic() + ASSIGNMENT_WAIT
-        log.debug("%s queue full: waiting up to %g s for room", kind, ASSIGNMENT_WAIT)
-        with unread.not_full:
-            while len(unread.queue) >= unread.maxsize and self._core.err is None:
-                left = deadline - monotonic()
-                if left <= 0:
-                    break
-                unread.not_full.wait(left)
-            if self._core.err is not None:
-                _put_before_end(unread, item)
-                return
-            if len(unread.queue) < unread.maxsize:
-                unread.queue.append(item)
-                unread.unfinished_tasks += 1
-                unread.not_empty.notify()
-                log.debug("%s queued after waiting for room", kind)
-                return
-        with self._lock:
-            events = self._core.backpressure(kind)
-        self._handle(events)
-
-    def _ended(self, event: Ended) -> None:
-        err = event.error
-        with self._lock:
-            self._timer.notify()
-            on_end, self._on_end = self._on_end, []
-        for unread in self._core.unread.values():
-            _end_queue(unread)  # wakes every thread waiting for a push
-        self._teardown(err)
-        for call in event.calls:
-            _run_done(call.on_done, None, err.with_message_id(call.message_id), call.request_type)
-        for wake in on_end:
-            try:
-                wake.set()
-            except Exception:  # one faulty wake-up must not keep the others from theirs
-                log.exception("a wake_on_end wake-up raised")
-
-
-#: Marks the reader threads of every connection (a thread-local flag, set as a reader starts).
-_READER = threading.local()
-
-
-def on_reader_thread() -> bool:
-    """Is the calling thread a connection's reader? It only reads: it makes no request and
-    never waits for one (internal: the Worker hands such work to another thread)."""
-    return getattr(_READER, "active", False)
-
-
-#: Put on a push queue once the connection has ended, behind what is still unread: it wakes
-#: every waiting taker, each of which puts it back for the next.
-_ENDED: Any = object()
-
-
-def _end_queue(unread: queue.Queue[Any]) -> None:
-    """Put the end marker on *unread* (the reader puts nothing after it)."""
-    _put_over_bound(unread, _ENDED)
-
-
-def _put_over_bound(unread: queue.Queue[Any], item: object) -> None:
-    """Put *item* on *unread* past its bound, uncounted: a marker, not a push. A reader waiting
-    for room is woken too (it then finds the connection ended)."""
-    with unread.mutex:
-        unread.queue.append(item)
-        unread.not_empty.notify()
-        unread.not_full.notify_all()
-
-
-def _put_before_end(unread: queue.Queue[Any], item: object) -> None:
-    """Put *item* on *unread* ahead of its end marker, past its bound (the caller holds its
-    mutex): received before the connection ended, it is taken before the end."""
-    pending = unread.queue
-    at = next((i for i, queued in enumerate(pending) if queued is _ENDED), len(pending))
-    pending.insert(at, item)
-    unread.not_empty.notify()
-
-
-def _caused(err: OrbitError, cause: BaseException) -> OrbitError:
-    """*err* with *cause* as its ``__cause__`` (as ``raise err from cause`` would set it)."""
-    err.__cause__ = cause
-    return err
-
-
-def _check_ref(ref: object) -> None:
-    if not isinstance(ref, AttemptRef):
-        raise TypeError("ref must be an AttemptRef (assignment.attempt)")
-
-
-def _unset(value: Any, error: OrbitError | None) -> None:
-    raise AssertionError("a call's completion is its slot's, set as the call is opened")
-
-
-def _run_done(on_done: Done, value: Any, error: OrbitError | None, request_type: str) -> None:
-    try:
-        on_done(value, error)
-    except Exception:  # one faulty wake-up must not keep the others from their answers
-        log.exception("a wake-up of a %s call raised", request_type)
-
-
-#: The body model of each request type a session sends (the handshake's hello is not one).
-_BODIES: dict[str, type[Any]] = {
-    k: v for k, v in _codec.CLIENT_BODIES.items() if k != "worker.hello"
-}

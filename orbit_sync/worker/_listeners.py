@@ -14,7 +14,7 @@ from typing import Any
 
 import attrs
 
-from ..connection import on_reader_thread
+from .._reader import on_reader_thread
 from ..models import Outcome
 from ._context import TaskContext
 

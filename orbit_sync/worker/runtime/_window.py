@@ -13,7 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from ...connection import BatchCall, Settable
+from ..._slots import Settable
+from ...connection import BatchCall
 from ...errors import OrbitError
 from ...models import CapacityReport
 from ._link import Connection
