@@ -195,13 +195,16 @@ def test_time_limit_kills_a_child_blocked_in_c_and_fails_handler_timeout(
 ) -> None:
     """A handler in time.sleep(3600) cannot be interrupted: past its limit and the cancel grace
     its child is killed, the attempt finishes FAILED HANDLER_TIMEOUT (nothing runs on), and the
-    next attempt gets a new child."""
-    worker = make_worker(server, process_pool=1, cancel_grace=0.5)
+    next attempt gets a new child. The limit and the grace run on the worker's clock, moved only
+    once the handler runs (a child starting on a slow host could use a real 0.5 s up first)."""
+    clock = ManualClock()
+    worker = make_worker(server, process_pool=1, cancel_grace=0.5, clock=clock)
     worker.register("sleeper", handlers.sleeper, executor="process", time_limit=0.5)
     _register(worker, "pid")
     with running(worker):
         task_id = server.enqueue("sleeper", {"dir": str(tmp_path)}, max_attempts=1)
         _wait_started(started)
+        clock.advance(1.0)  # the limit, then the grace the blocked handler cannot use
         assert _last(server, task_id) == (TaskState.FAILED, Outcome.FAILED, "HANDLER_TIMEOUT")
         again = server.enqueue("pid", {})
         result = server.wait_for(again, DONE, timeout=15).result

@@ -42,6 +42,7 @@ from orbit_sync.worker.core._machine import (
     retry_delay,
 )
 from orbit_sync.worker.runtime._watchdog import (
+    BUSY_LINGER,
     GROUP_FRACTION,
     LEAD_FACTOR,
     LEAD_WAKES,
@@ -396,6 +397,32 @@ def test_never_renews_untracked(clock: CallClock, renewer: Renewer, leases: Leas
     clock.advance(30.0)
     assert wd.run_due() is None
     assert renewer.calls == [] and not leases.ended
+
+
+def test_short_attempts_of_a_busy_worker_do_not_wake_the_watchdog_each(
+    clock: CallClock, renewer: Renewer, leases: Leases
+) -> None:
+    """Once nothing is left to renew, the watchdog still wakes by itself BUSY_LINGER after the
+    last track, so the next attempts (tracked and untracked before a renewal is due) need not
+    wake it; after a quiet BUSY_LINGER it sleeps until woken, and the next track wakes it."""
+    wakes: list[float] = []
+    wd = leases.watchdog(renewer, on_change=lambda: wakes.append(clock()))
+    wd.track("a" * 32, clock() + 30.0)
+    assert len(wakes) == 1  # it slept until woken
+    assert wd.run_due() == pytest.approx(clock() + 15.0)
+    wd.untrack("a" * 32)
+    clock.advance(0.2)
+    # Woken for something else (a listener's job, an answer) with nothing left to renew.
+    assert wd.run_due() == pytest.approx(clock() - 0.2 + BUSY_LINGER)
+    for n in range(20):
+        wd.track(f"{n:032x}", clock() + 30.0)
+        wd.untrack(f"{n:032x}")
+    assert len(wakes) == 1
+    clock.advance(BUSY_LINGER)
+    assert wd.run_due() is None  # quiet for BUSY_LINGER: sleep until woken
+    wd.track("b" * 32, clock() + 30.0)
+    assert len(wakes) == 2
+    assert renewer.calls == []
 
 
 def test_finished_during_renew_is_not_rescheduled(

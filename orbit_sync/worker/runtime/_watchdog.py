@@ -72,6 +72,12 @@ LAG_WARNING = 1.0
 LEAD_WAKES = 16
 #: GIL waits have a long tail: the next wake-up is often later than the worst of the last few.
 LEAD_FACTOR = 2.0
+#: Once nothing is left to renew, the thread still wakes by itself this long after the last
+#: track: a busy worker's short attempts (tracked and untracked before any renewal is due) then
+#: find it sleeping until a moment before their renewal and need not wake it, where sleeping
+#: "until woken" made about every second track wake it (a thread switch each; see
+#: docs/performance.md, "The watchdog's wake-ups").
+BUSY_LINGER = 1.0
 
 
 @attrs.frozen
@@ -140,6 +146,8 @@ class LeaseWatchdog:
         #: When the thread shell sleeps until (what run_due last returned): pushing anything
         #: later needs no wake-up.
         self._sleeping_until = math.inf
+        #: When the last attempt was tracked (see BUSY_LINGER).
+        self._last_track = -math.inf
         self._renewals = 0
         self._failures = 0
         self._lag_last = 0.0
@@ -177,6 +185,7 @@ class LeaseWatchdog:
             entry = _Entry(attempt_id, deadline, due, now)
             entry.granted = (now, deadline)
             self._entries[attempt_id] = entry
+            self._last_track = now
             wake = self._push(entry, entry.due)
         self._wake(wake)
 
@@ -316,6 +325,8 @@ class LeaseWatchdog:
             with self._lock:
                 self._drop_stale()
                 nxt = self._heap[0][0] if self._heap else None
+                if nxt is None and self._last_track + BUSY_LINGER > now:
+                    nxt = self._last_track + BUSY_LINGER  # see BUSY_LINGER
                 self._sleeping_until = math.inf if nxt is None else nxt
             if nxt is None or nxt > self.clock():
                 return nxt
