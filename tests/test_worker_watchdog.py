@@ -50,6 +50,7 @@ from orbit_sync.worker.runtime._watchdog import (
     LeaseWatchdog,
     RenewDone,
     SendRenews,
+    Timers,
     WatchdogThread,
 )
 
@@ -228,7 +229,8 @@ class Leases:
     def watchdog(self, send: SendRenews, *, retry: float = 1.0, **kwargs: Any) -> LeaseWatchdog:
         """A watchdog on the fake clock reporting here (*retry*: the machines' retry delay)."""
         self.retry = retry
-        self.wd = LeaseWatchdog(send, clock=self.clock, on_answer=self.answered, **kwargs)
+        self.wd = LeaseWatchdog(send, clock=self.clock, **kwargs)
+        self.wd.report_to(self.answered)
         return self.wd
 
 
@@ -579,10 +581,9 @@ def test_thread_shell_renews_and_stops() -> None:
         renewed.set()
         return lease(time.monotonic)
 
-    shells: list[WatchdogThread] = []
-    core = LeaseWatchdog(sync(renew), on_change=lambda: shells[0].wake() if shells else None)
-    shell = WatchdogThread(core)
-    shells.append(shell)
+    wake = threading.Event()
+    core = LeaseWatchdog(sync(renew), on_change=wake.set)
+    shell = WatchdogThread(core, wake=wake, timers=Timers(core.clock, wake.set))
     before = set(threading.enumerate())
     shell.start()
     (thread,) = [

@@ -377,9 +377,8 @@ class Wakeup:
         """Wait until the flag is set or *timeout* (clock seconds) passes; return the flag."""
         deadline = None if timeout is None else self._clock.now() + max(0.0, timeout)
         with self._cond:
-            while True:
-                if self._flag:
-                    return True
+            while not self._flag:
                 if deadline is not None and self._clock.now() >= deadline:
                     return False
                 self._clock.wait(self._cond, deadline)
+            return True

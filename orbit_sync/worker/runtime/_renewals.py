@@ -37,11 +37,9 @@ class Renewals:
         self._renewing: list[tuple[RenewDone, PendingCall]] = []
 
     def send(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch: every renew in one write on the current connection, each in its
-        own slot; each answer sets the watchdog thread's wake-up, and :meth:`answered`
-        (on that thread) tells its *on_done*: the thread never blocks on an answer while another
-        lease's deadline falls due. Renewals that cannot be sent are told so after the write:
-        nothing on the way to it may release the GIL (a log line could)."""
+        """The watchdog's batch, in one write (see the module's docstring). Renewals that cannot be
+        sent are told so after the write: nothing on the way to it may release the GIL (a log
+        line could)."""
         with self._registry.lock:
             atts = [self._registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
@@ -74,8 +72,6 @@ class Renewals:
         """Tell each renewal answered (or failed) since its *on_done* (the watchdog's thread):
         the attempt's machine decides what it means (a link failure has ended its connection
         already)."""
-        if not self._renewing:
-            return
         done = [item for item in self._renewing if item[1].done()]
         if not done:
             return

@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterable
-from functools import partial
 
 from ...clock import Clock, SystemClock
 from .._listeners import AttemptInfo, ShutdownReport
-from ..core._machine import Action, AttemptMachine, Phase, UntrackLease
+from ..core._machine import Action, AttemptMachine, Event, Phase, UntrackLease
 from ._registry import Attempt
 from ._shell import AttemptShell
 
@@ -65,17 +64,14 @@ class Shutdown:
 
     def wait_until(
         self, done: Callable[[], bool], deadline: float, *, real_time: bool = False
-    ) -> bool:
+    ) -> None:
         """Wait (on the registry's condition) until *done()* or *deadline* (on the worker's
         clock, ended early by :meth:`overdue`; with *real_time*, on a real clock and never
-        ended early: the close's wait); return *done()*."""
+        ended early: the close's wait)."""
         clock = REAL_TIME if real_time else self._time
         with self._reg.lock:
-            while not done():
-                if clock.now() >= deadline or (self._overdue and not real_time):
-                    return False
+            while not done() and clock.now() < deadline and (real_time or not self._overdue):
                 clock.wait(self._reg.cond, deadline)
-            return True
 
     def drain(self) -> bool:
         """Until the registry's drain deadline (a later request_stop may bring it forward): wait
@@ -98,27 +94,35 @@ class Shutdown:
         with self._reg.lock:
             # Before the attempts are listed: one admitted after the list starts cancelled.
             self._reg.drain_over = True
-        cancelled: list[Attempt] = []
-        for att in self._live():
-            stepped: list[list[Action]] = []
-            # Stepped as every other event is (a starting attempt is cancelled too).
-            self._shell.step(att, partial(_noted, AttemptMachine.shutdown_cancel, stepped))
-            if stepped and UntrackLease in map(type, stepped[0]):  # it was running
-                cancelled.append(att)
-        self.wait_until(lambda: not self._any_running(), self._time.now() + grace)
+        # A starting attempt is cancelled too; one whose lease is untracked was running.
+        stepped = self._step_each(AttemptMachine.shutdown_cancel)
+        cancelled = [att for att, actions in stepped if UntrackLease in map(type, actions)]
+        # Under the registry's condition (a wait_until predicate); attempt locks come after it.
+        self.wait_until(
+            lambda: all(a.phase() is not Phase.RUNNING for a in self._reg.attempts.values()),
+            self._time.now() + grace,
+        )
         return cancelled
 
     def abandon(self) -> list[Attempt]:
         """Finish handlers that ignore cancellation UNKNOWN (their effect is uncertain). The
         finish is sent from here (it never blocks); the handler's thread is counted stuck, and
         the pool's shutdown does not wait for it."""
-        gave_up: list[Attempt] = []
+        return [att for att, actions in self._step_each(AttemptMachine.abandon) if actions]
+
+    def _step_each(self, event: Event) -> list[tuple[Attempt, list[Action]]]:
+        """Step *event* on every live attempt, as every other event is stepped; return each
+        attempt with the actions its machine returned: the shutdown learns what its step did."""
+        stepped: list[tuple[Attempt, list[Action]]] = []
         for att in self._live():
-            stepped: list[list[Action]] = []
-            self._shell.step(att, partial(_noted, AttemptMachine.abandon, stepped))
-            if stepped and stepped[0]:
-                gave_up.append(att)
-        return gave_up
+
+            def noted(machine: AttemptMachine, att: Attempt = att) -> list[Action]:
+                actions = event(machine)
+                stepped.append((att, actions))
+                return actions
+
+            self._shell.step(att, noted)
+        return stepped
 
     def _settled(self) -> bool:
         """Is every attempt settled (its finish delivered, refused or given up)?"""
@@ -127,10 +131,6 @@ class Shutdown:
     def _live(self) -> list[Attempt]:
         with self._reg.lock:
             return list(self._reg.attempts.values())
-
-    def _any_running(self) -> bool:
-        # Under the registry's condition (a wait_until predicate); attempt locks come after it.
-        return any(a.phase() is Phase.RUNNING for a in self._reg.attempts.values())
 
     def await_report(
         self,
@@ -283,14 +283,3 @@ class Shutdown:
 def _named(infos: Iterable[AttemptInfo]) -> str:
     """Attempts for a log line, by task and attempt id."""
     return ", ".join(f"task {a.task_id} (attempt {a.attempt_id})" for a in infos) or "nothing"
-
-
-def _noted(
-    event: Callable[[AttemptMachine], list[Action]],
-    into: list[list[Action]],
-    machine: AttemptMachine,
-) -> list[Action]:
-    """*event*'s actions, also noted in *into*: the shutdown learns what its step did."""
-    actions = event(machine)
-    into.append(actions)
-    return actions

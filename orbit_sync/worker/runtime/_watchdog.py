@@ -34,14 +34,7 @@ from ..core._errors import is_transient
 from ..core._machine import MIN_RETRY_DELAY, RenewAnswer
 from ._link import Wakeup
 
-__all__ = [
-    "LeaseWatchdog",
-    "RenewDone",
-    "SendRenews",
-    "Timers",
-    "WatchdogStats",
-    "WatchdogThread",
-]
+__all__ = ["LeaseWatchdog", "RenewDone", "SendRenews", "Timers", "WatchdogStats", "WatchdogThread"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
@@ -53,6 +46,8 @@ RenewDone = Callable[["Lease | None", "BaseException | None"], None]
 #: return without waiting; each ``on_done`` is called exactly once, possibly before ``send``
 #: returns and from any thread.
 SendRenews = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
+#: Renewals to send in one write, as *send* takes them.
+_Batch = list[tuple[str, str, RenewDone]]
 
 #: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
 MIN_RENEW_INTERVAL = 0.05
@@ -103,7 +98,7 @@ class _Entry:
     #: When ``due`` was set: the last grant (or track, refresh, failure) it is counted from.
     since: float
     #: The window the last grant (the start's answer or a renewal) gave: (when, deadline).
-    granted: tuple[float, float] = (0.0, 0.0)
+    granted: tuple[float, float]
     #: The moment this entry's live heap item stands for (older items are stale).
     wake_at: float = math.inf
     #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
@@ -113,10 +108,6 @@ class _Entry:
     #: The renewal due is the one sent right behind a new connection's resumes (see
     #: :attr:`~._machine.RenewAnswer.behind_resume`).
     reconnected: bool = False
-
-
-#: Renewals to send in one write: (entry, message_id, flight token, lag).
-_Batch = list[tuple[_Entry, str, int, float]]
 
 
 class LeaseWatchdog:
@@ -130,14 +121,13 @@ class LeaseWatchdog:
         *,
         clock: Callable[[], float] = monotonic,
         on_change: Callable[[], None] | None = None,
-        on_answer: OnAnswer | None = None,
         logger: logging.Logger | None = None,
         cautious_start: bool = False,
     ) -> None:
         self.clock = clock
         self._send = send
         self._on_change = on_change or (lambda: None)
-        self._on_answer = on_answer or (lambda attempt_id, answer: None)
+        self._on_answer: OnAnswer = lambda attempt_id, answer: None
         self._log = logger or _LOG
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
@@ -181,9 +171,7 @@ class LeaseWatchdog:
                 GROUP_FRACTION * wait,
                 max(0.0, wait - MIN_RENEW_INTERVAL),
             )
-            due = now + wait - lead
-            entry = _Entry(attempt_id, deadline, due, now)
-            entry.granted = (now, deadline)
+            entry = _Entry(attempt_id, deadline, now + wait - lead, now, (now, deadline))
             self._entries[attempt_id] = entry
             self._last_track = now
             wake = self._push(entry, entry.due)
@@ -274,8 +262,7 @@ class LeaseWatchdog:
     def next_due(self) -> float | None:
         """When something is next due (clock time), or ``None`` when nothing is tracked."""
         with self._lock:
-            self._drop_stale()
-            return self._heap[0][0] if self._heap else None
+            return self._next_at()
 
     # ------------------------------------------------------------------ the work
 
@@ -288,24 +275,22 @@ class LeaseWatchdog:
             expired: list[str] = []
             woke_lag: float | None = None
             with self._lock:
-                self._drop_stale()
                 while self._heap and self._heap[0][0] <= now:
                     at, _, attempt_id = heapq.heappop(self._heap)
-                    entry = self._entries[attempt_id]
+                    entry = self._entries.get(attempt_id)
+                    if entry is None or entry.wake_at != at:
+                        continue  # stale (see _next_at)
                     entry.wake_at = math.inf
                     lag = now - at
                     if woke_lag is None:  # the earliest item: how late this wake-up is
                         woke_lag = lag
+                    # An entry in flight waits on its deadline alone: its item is only due then.
                     if now >= entry.deadline:
                         # Nothing is left to renew: a late answer finds it gone.
                         del self._entries[attempt_id]
                         expired.append(attempt_id)
-                    elif entry.due == math.inf:
-                        # In flight: watch the deadline; the answer schedules the next renewal.
-                        self._push(entry, entry.deadline)
                     else:
                         self._start_flight(entry, batch, lag)
-                    self._drop_stale()
                 if batch:
                     self._pull_in(now, batch)
                 if woke_lag is not None:
@@ -314,7 +299,17 @@ class LeaseWatchdog:
                     self._recent_lags.append(woke_lag)
             # Nothing between the wake-up and this write may release the GIL (no log line, no
             # contended lock): each such call can cost a whole thread switch under CPU load.
-            self._send_batch(batch)
+            if batch:
+                try:
+                    self._send(batch)
+                except Exception as exc:  # a send that raises instead of calling back
+                    if not isinstance(
+                        exc, OrbitError
+                    ):  # (nothing was sent); anything else is a bug
+                        self._log.error("renewal send failed unexpectedly; retrying", exc_info=exc)
+                    # Renewals already completed are stale now: their flight token was used.
+                    for _, _, on_done in batch:
+                        on_done(None, exc)
             if woke_lag is not None and woke_lag > LAG_WARNING:
                 self._log.warning(
                     "lease watchdog woke %.3fs late: CPU-bound handlers are holding the GIL",
@@ -323,8 +318,7 @@ class LeaseWatchdog:
             for attempt_id in expired:
                 self._on_answer(attempt_id, RenewAnswer())
             with self._lock:
-                self._drop_stale()
-                nxt = self._heap[0][0] if self._heap else None
+                nxt = self._next_at()
                 if nxt is None and self._last_track + BUSY_LINGER > now:
                     nxt = self._last_track + BUSY_LINGER  # see BUSY_LINGER
                 self._sleeping_until = math.inf if nxt is None else nxt
@@ -337,7 +331,8 @@ class LeaseWatchdog:
         entry.flight = next(self._seq)
         entry.due = math.inf
         self._push(entry, entry.deadline)
-        batch.append((entry, message_id, entry.flight, lag))
+        on_done = functools.partial(self._renewed, entry, entry.flight, lag)
+        batch.append((entry.attempt_id, message_id, on_done))
 
     def _pull_in(self, now: float, batch: _Batch) -> None:
         """Add to *batch* every renewal nearly due (lock held; see :data:`GROUP_FRACTION`): one
@@ -356,29 +351,13 @@ class LeaseWatchdog:
                 continue
             self._start_flight(entry, batch, 0.0)
 
-    def _send_batch(self, batch: _Batch) -> None:
-        if not batch:
-            return
-        renewals = [
-            (entry.attempt_id, message_id, functools.partial(self._renewed, entry, flight, lag=lag))
-            for entry, message_id, flight, lag in batch
-        ]
-        try:
-            self._send(renewals)
-        except Exception as exc:  # a send that raises instead of calling back
-            if not isinstance(exc, OrbitError):  # (nothing was sent); anything else is a bug
-                self._log.error("renewal send failed unexpectedly; retrying", exc_info=exc)
-            # Renewals already completed are stale now: their flight token was used.
-            for entry, _, flight, lag in batch:
-                self._renewed(entry, flight, None, exc, lag)
-
     def _renewed(
         self,
         entry: _Entry,
         flight: int,
+        lag: float,
         lease: Lease | None,
         error: BaseException | None,
-        lag: float = 0.0,
     ) -> None:
         """Completion of one renewal, on whatever thread answered it: counted and reported.
         The renewal stays in flight (its deadline watched, nothing else sent for it) until the
@@ -410,14 +389,16 @@ class LeaseWatchdog:
             return True
         return False
 
-    def _drop_stale(self) -> None:
+    def _next_at(self) -> float | None:
+        """When the first live item is due, dropping the stale ones before it."""
         # Lazy deletion: an item is live only if its entry is tracked and due then.
         while self._heap:
             at, _, attempt_id = self._heap[0]
             entry = self._entries.get(attempt_id)
             if entry is not None and entry.wake_at == at:
-                return
+                return at
             heapq.heappop(self._heap)
+        return None
 
 
 class Timers:
@@ -474,19 +455,15 @@ class Timers:
 
 class WatchdogThread:
     """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time;
-    and *timers* (the handlers' time limits, on the same clock) beside it."""
+    and *timers* (the handlers' time limits, on the same clock) beside it. *wake* is what wakes
+    it (the worker's waits on its own clock: fake time in tests)."""
 
     def __init__(
-        self,
-        core: LeaseWatchdog,
-        *,
-        wake: Wakeup | threading.Event | None = None,
-        timers: Timers | None = None,
+        self, core: LeaseWatchdog, *, wake: Wakeup | threading.Event, timers: Timers
     ) -> None:
         self.core = core
         self._timers = timers
-        # The worker passes one that waits on its own clock (fake time in tests).
-        self._wake: Wakeup | threading.Event = wake or threading.Event()
+        self._wake = wake
         #: Reports the renewals answered since (the shell's: each answer sets this thread's
         #: wake-up, so it never blocks on one while a deadline falls due).
         self.answers: Callable[[], None] = lambda: None
@@ -498,15 +475,6 @@ class WatchdogThread:
 
     def start(self) -> None:
         self._thread.start()
-
-    def wake(self) -> None:
-        """Re-read the schedule now (something was tracked, refreshed or reconnected)."""
-        self._wake.set()
-
-    @property
-    def waker(self) -> Wakeup | threading.Event:
-        """What wakes this thread: set it (a renewal's answer arrived) and it looks again."""
-        return self._wake
 
     def run_soon(self, job: Callable[[], None]) -> None:
         """Run *job* on this thread at its next turn (from any thread; never blocks)."""
@@ -537,11 +505,8 @@ class WatchdogThread:
             except Exception:  # the watchdog must outlive any bug in a callback
                 _LOG.exception("lease watchdog iteration failed")
                 next_due = self.core.clock() + MIN_RETRY_DELAY
-            if self._timers is not None:
-                timer = self._timers.run_due()
-                if timer is not None and (next_due is None or timer < next_due):
-                    next_due = timer
-            timeout = None if next_due is None else max(0.0, next_due - self.core.clock())
+            due = [t for t in (next_due, self._timers.run_due()) if t is not None]
+            timeout = max(0.0, min(due) - self.core.clock()) if due else None
             if not self._handed:  # one handed over since its turn: run it now
                 self._wake.wait(timeout)
             self._wake.clear()
