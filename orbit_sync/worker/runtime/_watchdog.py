@@ -111,9 +111,8 @@ class _Entry:
 
 
 class LeaseWatchdog:
-    """Schedules renewals of running attempts and reports what became of each (with
-    *cautious_start*, renewals are scheduled with the largest lead until a wake-up was measured).
-    """
+    """Schedules renewals of running attempts and reports what became of each (*cautious_start*:
+    see ``_unmeasured_lag``)."""
 
     def __init__(
         self,
@@ -140,9 +139,8 @@ class LeaseWatchdog:
         self._last_track = -math.inf
         self._renewals = 0
         self._failures = 0
-        self._lag_last = 0.0
         self._lag_max = 0.0
-        #: How late the recent wake-ups came (the lead of the next renewals).
+        #: How late the recent wake-ups came (the lead of the next renewals; the last: lag_last).
         self._recent_lags: deque[float] = deque(maxlen=LEAD_WAKES)
         #: The lag assumed before any wake-up was measured: with *cautious_start*, the worst
         #: the lead allows for (a worker's first renewals may come due while its handlers
@@ -255,7 +253,7 @@ class LeaseWatchdog:
                 tracked=len(self._entries),
                 renewals=self._renewals,
                 renew_failures=self._failures,
-                lag_last=self._lag_last,
+                lag_last=self._recent_lags[-1] if self._recent_lags else 0.0,
                 lag_max=self._lag_max,
             )
 
@@ -284,7 +282,7 @@ class LeaseWatchdog:
                     lag = now - at
                     if woke_lag is None:  # the earliest item: how late this wake-up is
                         woke_lag = lag
-                    # An entry in flight waits on its deadline alone: its item is only due then.
+                    # An entry in flight has its one live item at its deadline: popped, it expires.
                     if now >= entry.deadline:
                         # Nothing is left to renew: a late answer finds it gone.
                         del self._entries[attempt_id]
@@ -294,7 +292,6 @@ class LeaseWatchdog:
                 if batch:
                     self._pull_in(now, batch)
                 if woke_lag is not None:
-                    self._lag_last = woke_lag
                     self._lag_max = max(self._lag_max, woke_lag)
                     self._recent_lags.append(woke_lag)
             # Nothing between the wake-up and this write may release the GIL (no log line, no
@@ -303,9 +300,8 @@ class LeaseWatchdog:
                 try:
                     self._send(batch)
                 except Exception as exc:  # a send that raises instead of calling back
-                    if not isinstance(
-                        exc, OrbitError
-                    ):  # (nothing was sent); anything else is a bug
+                    # Nothing was sent; anything but an OrbitError is a bug.
+                    if not isinstance(exc, OrbitError):
                         self._log.error("renewal send failed unexpectedly; retrying", exc_info=exc)
                     # Renewals already completed are stale now: their flight token was used.
                     for _, _, on_done in batch:
@@ -390,8 +386,8 @@ class LeaseWatchdog:
         return False
 
     def _next_at(self) -> float | None:
-        """When the first live item is due, dropping the stale ones before it."""
-        # Lazy deletion: an item is live only if its entry is tracked and due then.
+        """When the first live item is due (lazy deletion: an item is live only if its entry is
+        tracked and due then), dropping the stale ones before it."""
         while self._heap:
             at, _, attempt_id = self._heap[0]
             entry = self._entries.get(attempt_id)
@@ -437,13 +433,12 @@ class Timers:
         now = self.clock()
         due: list[Callable[[], None]] = []
         with self._lock:
-            while self._heap and self._heap[0][0] <= now:
+            # Every timer due now, and the cancelled ones before the next.
+            while self._heap and (self._heap[0][0] <= now or self._heap[0][1] not in self._due):
                 _, handle = heapq.heappop(self._heap)
                 fn = self._due.pop(handle, None)
                 if fn is not None:
                     due.append(fn)
-            while self._heap and self._heap[0][1] not in self._due:
-                heapq.heappop(self._heap)  # cancelled
             nxt = self._heap[0][0] if self._heap else None
         for fn in due:
             try:
