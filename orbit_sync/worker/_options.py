@@ -148,15 +148,13 @@ class WorkerOptions:
         budget = MAX_IN_FLIGHT if self.max_in_flight is None else self.max_in_flight
         return budget - min(RESERVED_SLOTS, max(2, budget // 4))
 
-    # ``Worker.options`` was a dict of the constructor's arguments: reading it as one still works
-    # until the next release, with a DeprecationWarning.
-
     def __getitem__(self, name: str) -> Any:
-        """Deprecated: read ``options.name`` (``Worker.options`` was a dict)."""
+        """Deprecated until the next release: read ``options.name`` (``Worker.options`` was a
+        dict of the constructor's arguments)."""
         return _read_as_dict(self, name)
 
     def get(self, name: str, default: Any = None) -> Any:
-        """Deprecated: read ``options.name`` (``Worker.options`` was a dict)."""
+        """Deprecated until the next release: read ``options.name``."""
         return _read_as_dict(self, name, default)
 
 
