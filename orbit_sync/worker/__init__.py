@@ -63,23 +63,20 @@ __all__ = [
     "result_converter",
 ]
 
-#: Names that moved (and were renamed), and their new home; the old path warns until the next
-#: release.
-_RENAMED = {"WorkerClock": ("orbit_sync", "SystemClock")}
+#: Names that moved, and their new home (and new name, for one also renamed); the old path warns
+#: until the next release.
 _MOVED = {
-    "HandlerEnvironment": "orbit_sync.testing",
-    "OutboxError": "orbit_sync",
+    "HandlerEnvironment": ("orbit_sync.testing",),
+    "OutboxError": ("orbit_sync",),
+    "WorkerClock": ("orbit_sync", "SystemClock"),
 }
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RENAMED:
-        return moved(__name__, name, *_RENAMED[name])
+    if name in _MOVED:
+        return moved(__name__, name, *_MOVED[name])
     if name == "FakeClock":
         from ..testing._clock import FakeClock
 
         return deprecated(__name__, name, FakeClock.INSTEAD, FakeClock)
-    new = _MOVED.get(name)
-    if new is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return moved(__name__, name, new)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

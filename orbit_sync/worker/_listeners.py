@@ -299,10 +299,6 @@ class Hooks:
             return None  # the base class's no-op
         return method
 
-    def has(self, name: str) -> bool:
-        """Is a listener of event *name* subscribed?"""
-        return bool(self._by_event[name])
-
     def emit(self, name: str, event: object) -> None:
         """Call every listener of event *name*; log and skip one that raises. On a connection's
         reader (which steps a cancel push), the calls are handed to :attr:`elsewhere`."""
@@ -354,25 +350,22 @@ class Hooks:
             except BaseException:
                 if error is not None:
                     raise error from None  # the handler's own ending, whatever was raised
-                if called:
-                    self._log.exception(
-                        "worker middleware %s failed after the handler returned", _owner(wrap)
-                    )
-                    return value
                 self._log.exception(
-                    "worker middleware %s failed before calling the handler; running it without",
+                    "worker middleware %s failed %s",
                     _owner(wrap),
+                    "after the handler returned"
+                    if called
+                    else "before calling the handler; running it without",
                 )
-                return inner()
-            if not called:
-                self._log.error(
-                    "worker middleware %s did not call the handler; running it without",
-                    _owner(wrap),
-                )
-                return inner()
-            if error is not None:
-                raise error  # a middleware swallowed the handler's exception: keep it
-            return value
+            else:
+                if error is not None:
+                    raise error  # a middleware swallowed the handler's exception: keep it
+                if not called:
+                    self._log.error(
+                        "worker middleware %s did not call the handler; running it without",
+                        _owner(wrap),
+                    )
+            return value if called else inner()
 
         return run
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -29,19 +29,13 @@ _REAL_TIME = SystemClock()
 _LOG = logging.getLogger("orbit_sync.worker")
 
 
-def _call_timeout(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    call_timeout(value, attribute.name)
+def _named(check: Callable[..., object], **rules: bool) -> Callable[[Any, Any, Any], None]:
+    """A validator calling *check(value, the option's name, **rules)*, which raises if wrong."""
 
+    def validate(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+        check(value, attribute.name, **rules)
 
-def _seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    seconds(value, attribute.name)
-
-
-def _positive_seconds(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    seconds(value, attribute.name, positive=True)
-
-
-_optional_seconds = attrs.validators.optional(_positive_seconds)
+    return validate
 
 
 def _queue_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -112,14 +106,14 @@ class WorkerOptions:
 
     queue_id: str = attrs.field(validator=_queue_id)
     capacity: int = attrs.field(default=8, validator=_capacity)
-    drain_timeout: float = attrs.field(default=30.0, validator=_seconds)
-    cancel_grace: float = attrs.field(default=5.0, validator=_seconds)
-    flush_timeout: float = attrs.field(default=10.0, validator=_seconds)
+    drain_timeout: float = attrs.field(default=30.0, validator=_named(seconds))
+    cancel_grace: float = attrs.field(default=5.0, validator=_named(seconds))
+    flush_timeout: float = attrs.field(default=10.0, validator=_named(seconds))
     reconnect_backoff: Backoff = attrs.field(default=None, converter=_default_backoff_if_none)
     renew_retry_delay: float = attrs.field(default=1.0, validator=_retry_delay)
     cancellation_notifications: bool = attrs.field(default=True, converter=bool)
-    dial_timeout: float = attrs.field(default=8.0, validator=_positive_seconds)
-    call_timeout: float | None = attrs.field(default=10.0, validator=_call_timeout)
+    dial_timeout: float = attrs.field(default=8.0, validator=_named(seconds, positive=True))
+    call_timeout: float | None = attrs.field(default=10.0, validator=_named(call_timeout))
     max_in_flight: int | None = attrs.field(default=None, validator=_max_in_flight)
     handle_signals: bool = True
     logger: logging.Logger = attrs.field(default=None, converter=_default_logger_if_none)
@@ -130,8 +124,12 @@ class WorkerOptions:
     process_max_tasks_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     process_max_memory_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
-    time_limit: float | None = attrs.field(default=None, validator=_optional_seconds)
-    first_connect_timeout: float | None = attrs.field(default=None, validator=_optional_seconds)
+    time_limit: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_named(seconds, positive=True))
+    )
+    first_connect_timeout: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_named(seconds, positive=True))
+    )
     batch_scheduling: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool)
     )
@@ -150,15 +148,13 @@ class WorkerOptions:
         budget = MAX_IN_FLIGHT if self.max_in_flight is None else self.max_in_flight
         return budget - min(RESERVED_SLOTS, max(2, budget // 4))
 
-    # ``Worker.options`` was a dict of the constructor's arguments: reading it as one still works
-    # until the next release, with a DeprecationWarning.
-
     def __getitem__(self, name: str) -> Any:
-        """Deprecated: read ``options.name`` (``Worker.options`` was a dict)."""
+        """Deprecated until the next release: read ``options.name`` (``Worker.options`` was a
+        dict of the constructor's arguments)."""
         return _read_as_dict(self, name)
 
     def get(self, name: str, default: Any = None) -> Any:
-        """Deprecated: read ``options.name`` (``Worker.options`` was a dict)."""
+        """Deprecated until the next release: read ``options.name``."""
         return _read_as_dict(self, name, default)
 
 

@@ -164,7 +164,6 @@ class Worker:
         clock = opts.clock
         # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
-        self._cond = self._reg.cond
         self._registered = Handlers(self._reg.lock, opts, lambda: self._started)
         self._started = False
         self._done = threading.Event()
@@ -301,9 +300,8 @@ class Worker:
 
     @property
     def options(self) -> WorkerOptions:
-        """The options this worker was built with (frozen: derive others with ``attrs.evolve``,
-        see :meth:`from_options`). Reading them as a dict, ``options["capacity"]``, still works
-        until the next release, with a ``DeprecationWarning``."""
+        """The options this worker was built with, a frozen :class:`WorkerOptions` (reading them
+        as a dict, ``options["capacity"]``, is deprecated: it warns until the next release)."""
         return self._options
 
     @property
@@ -411,7 +409,6 @@ class Worker:
         signals = None
         if self._options.handle_signals and threading.current_thread() is threading.main_thread():
             signals = self._signals = StopSignals(self._on_stop_signal)
-            signals.install()
         try:
             self.start()
             # Unbounded until a stop is asked for; then the shutdown's alarm bounds the wait.
@@ -465,7 +462,7 @@ class Worker:
             elif now + window < self._reg.drain_deadline:
                 self._reg.drain_deadline = now + window
                 self._options.logger.info("worker stop escalated: cancelling handlers now")
-            self._cond.notify_all()
+            self._reg.cond.notify_all()
         self._sessions.report_drain()
         if first and self._hooks:
             self._hooks.emit("draining", DrainEvent(drain, window, self._reg.running))
@@ -480,9 +477,8 @@ class Worker:
         progress is cut. See the README's "Shutdown" and ``docs/architecture.md``.
         """
         with self._reg.lock:
-            started = self._started
-            if not started:
-                self._started = True  # a worker that never ran cannot start any more
+            # A worker stopped before it ran cannot start any more.
+            started, self._started = self._started, True
         if not started:
             self._report = ShutdownReport(drained=True)
             self._done.set()
@@ -561,8 +557,7 @@ class Worker:
         waits for it."""
         with self._reg.lock:
             self._report = self._report or report  # stop() may have given up and reported
-        if self._hooks:
-            self._hooks.emit("stopped", report)
+        self._hooks.emit("stopped", report)
         self._done.set()
         if self._signals is not None:
             self._signals.wake()

@@ -16,8 +16,6 @@ import os
 import signal
 import threading
 from collections.abc import Callable
-from types import FrameType
-from typing import Any
 
 __all__ = ["STOP_SIGNALS", "StopSignals", "announce"]
 
@@ -26,25 +24,22 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
-    """Installs the stop-signal handlers and the wakeup pipe; calls *on_signal(number, count)*
-    for each stop signal, on the thread in :meth:`wait`. Owned by the thread in ``run()``."""
+    """Installs the stop-signal handlers and the wakeup pipe as it is built; calls
+    *on_signal(number, count)* for each stop signal, on the thread in :meth:`wait`. Owned by the
+    thread in ``run()``."""
 
     def __init__(self, on_signal: Callable[[int, int], None]) -> None:
         self._on_signal = on_signal
         self._lock = threading.Lock()
-        self._write_fd: int | None = None
-        self._read_fd = -1
-        self._previous: dict[signal.Signals, Any] = {}
-        self._previous_wakeup = -1
-
-    def install(self) -> None:
         self._read_fd, write_fd = os.pipe()
         os.set_blocking(write_fd, False)
-        with self._lock:
-            self._write_fd = write_fd
+        self._write_fd: int | None = write_fd
         self._previous_wakeup = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._handle)
+        # Our handler replaces the default action (exit, or KeyboardInterrupt) and does nothing
+        # more: the interpreter has already written the signal's number to the wakeup pipe.
+        self._previous = {
+            sig: signal.signal(sig, lambda signum, frame: None) for sig in STOP_SIGNALS
+        }
 
     def wait(self, done: threading.Event) -> None:
         """Sleep in ``read()`` until *done* is set (and :meth:`wake` called), counting signals."""
@@ -72,13 +67,7 @@ class StopSignals:
             write_fd, self._write_fd = self._write_fd, None
         if write_fd is not None:
             os.close(write_fd)
-        if self._read_fd >= 0:
-            os.close(self._read_fd)
-
-    @staticmethod
-    def _handle(signum: int, frame: FrameType | None) -> None:
-        """Replaces the default action (exit, or KeyboardInterrupt): the interpreter has already
-        written the signal's number to the wakeup pipe."""
+        os.close(self._read_fd)
 
 
 def announce(log: logging.Logger, number: int, *, count: int, running: int, drain: float) -> None:
