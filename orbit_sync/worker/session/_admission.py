@@ -72,9 +72,8 @@ class Admission:
             actions = machine.assigned(
                 again=again, runnable=found is not None, stopping=self._reg.drain_over
             )
-            if found is None:
-                att = None
-            else:
+            att = None
+            if found is not None:
                 handler, task_log, _ = found
                 ctx = TaskContext(
                     task,

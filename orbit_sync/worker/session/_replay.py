@@ -8,6 +8,7 @@ the next try, after the backoff.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from functools import partial
 
 from ...errors import HTTPError, OrbitError, WorkerError
@@ -108,44 +109,31 @@ def replay(
                 len(pending),
                 instance,
             )
-            conn, refused = _dial(outbox, dialer, registration, len(pending), options)
-            if conn is None:
-                complete = complete and refused
+            try:
+                conn: Connection = dialer.dial_worker(registration, options.dial_timeout)
+            except (WorkerError, HTTPError) as exc:
+                if not is_fatal_dial_error(exc, stored_identity=True):
+                    complete = False
+                    continue
+                # The server refuses the stored identity: no later try can get a session. Its
+                # outcomes are kept, undelivered.
+                log.error(
+                    "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
+                    "undelivered in %s",
+                    instance,
+                    getattr(exc, "code", None) or getattr(exc, "status_code", None),
+                    len(pending),
+                    outbox.path,
+                )
+                continue
+            except (OrbitError, OSError) as exc:
+                log.warning("outbox: cannot connect to deliver stored outcomes (%s)", exc)
+                complete = False
                 continue
             if not ReplayShell(outbox, registration, pending, options).run(conn, stop):
                 complete = False
             outbox.forget_instance(instance)
     return complete
-
-
-def _dial(
-    outbox: Outbox,
-    dialer: Dialer,
-    registration: Registration,
-    count: int,
-    options: WorkerOptions,
-) -> tuple[Connection | None, bool]:
-    """A session as the dead instance, or ``None`` and whether no later try can get one (the
-    server refuses the stored identity: its outcomes are kept, undelivered)."""
-    log = options.logger
-    try:
-        conn: Connection = dialer.dial_worker(registration, options.dial_timeout)
-    except (WorkerError, HTTPError) as exc:
-        if not is_fatal_dial_error(exc, stored_identity=True):
-            return None, False
-        log.error(
-            "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
-            "undelivered in %s",
-            registration.instance_id,
-            getattr(exc, "code", None) or getattr(exc, "status_code", None),
-            count,
-            outbox.path,
-        )
-        return None, True
-    except (OrbitError, OSError) as exc:
-        log.warning("outbox: cannot connect to deliver stored outcomes (%s)", exc)
-        return None, False
-    return conn, False
 
 
 class _Stored:
@@ -184,48 +172,21 @@ class ReplayShell:
         #: Stored attempts not yet settled, and those the try gave up (still stored).
         self._open = len(self._stored)
         self._kept = 0
-        self._stopping = False
-        #: The try's connection, once run() has it (a shutdown closes it).
-        self._conn: Connection | None = None
 
     def step(self, subject: _Stored, event: Event) -> None:
         # On run()'s thread (an answer, a re-send): queued for its loop.
         self._events.append((subject, event))
         self._wakeup.set()
 
-    def _send(self, s: _Stored, action: Send) -> None:
-        """Make the call and wait for it; what became of it is the machine's next event."""
-        request = action.request
-        outcome = self._caller.call(request)
-        if outcome.gave_up:
-            self.step(s, partial(AttemptMachine.gave_up, request=request))
-        elif outcome.error is not None:
-            self.step(s, failed(request, outcome.error, outcome.gen))
-        else:
-            self.step(s, answered(request, outcome.value))
-
-    def _keep(self, s: _Stored, kept: Keep) -> None:
-        request = kept.request
-        # A failed connection: this try has no newer one, and the record stays stored. A retry
-        # delay is waited for here.
-        if not kept.newer_than and self._caller.wait_to_resend(kept):
-            self.step(s, partial(AttemptMachine.resend, request=request))
-        else:
-            self.step(s, partial(AttemptMachine.gave_up, request=request))
-
-    def _stop(self) -> None:
-        self._stopping = True
+    def _stop(self, conn: Connection) -> None:
         self._link.close()  # ends a retry delay being waited for
-        conn = self._conn
-        if conn is not None:
-            conn.close()  # ends the call being waited for: its record stays for the next try
+        conn.close()  # ends the call being waited for: its record stays for the next try
         self._wakeup.set()
 
     def run(self, conn: Connection, stop: Link | None = None) -> bool:
         """Deliver on *conn* (then closed); True when every stored attempt is settled for good,
         False when some wait for a later try."""
-        self._conn = conn
-        unsubscribe = stop.on_close(self._stop) if stop is not None else None
+        unsubscribe = stop.on_close(partial(self._stop, conn)) if stop is not None else None
         try:
             self._link.publish(conn)
             for s in self._stored:
@@ -234,77 +195,80 @@ class ReplayShell:
                     s,
                     partial(AttemptMachine.replay, finish=item.finish, message_id=item.message_id),
                 )
-            deadline = self._clock.now() + TRY_LIMIT
-            while True:
-                self._wakeup.clear()  # before the checks: a wake-up after them is not lost
-                self._drain()
-                if not self._open or self._stopping or conn.done.is_set():
-                    break
-                if self._clock.now() >= deadline:
-                    self._log.warning(
-                        "outbox: delivery not done within %.0f s; will retry", TRY_LIMIT
-                    )
-                    break
-                self._wakeup.wait(deadline - self._clock.now())
+            if not self._step_until(
+                self._clock.now() + TRY_LIMIT,
+                lambda: not self._open or self._link.is_closed() or conn.done.is_set(),
+            ):
+                self._log.warning("outbox: delivery not done within %.0f s; will retry", TRY_LIMIT)
         finally:
             if unsubscribe is not None:
                 unsubscribe()
-            self._close(conn)
+            # End the try: every kept or queued request gives up, every request in flight fails
+            # with the connection (its record stays for the next try).
+            self._link.close()
+            conn.close()
+            self._step_until(self._clock.now() + CLOSE_ALLOWANCE, lambda: not self._open)
         if self._open or self._kept:
             self._log.warning("outbox: delivery interrupted; will retry")
             return False
         return True
 
-    def _close(self, conn: Connection) -> None:
-        """End the try: every kept or queued request gives up, every request in flight fails
-        with the connection (its record stays for the next try)."""
-        self._link.close()
-        conn.close()
-        end = self._clock.now() + CLOSE_ALLOWANCE
+    def _step_until(self, until: float, done: Callable[[], bool]) -> bool:
+        """Step the machines' events until *done* (True) or the clock reaches *until* (False)."""
         while True:
-            self._wakeup.clear()
-            self._drain()
-            if not self._open or self._clock.now() >= end:
-                return
-            self._wakeup.wait(end - self._clock.now())
-
-    def _drain(self) -> None:
-        while self._events:
-            s, event = self._events.popleft()
-            for action in event(s.machine):
-                self._perform(s, action)
+            self._wakeup.clear()  # before the checks: a wake-up after them is not lost
+            while self._events:
+                s, event = self._events.popleft()
+                for action in event(s.machine):
+                    self._perform(s, action)
+            if done():
+                return True
+            if self._clock.now() >= until:
+                return False
+            self._wakeup.wait(until - self._clock.now())
 
     def _perform(self, s: _Stored, action: Action) -> None:
         if isinstance(action, Send):
-            self._send(s, action)
+            # The call, waited for; what became of it is the machine's next event.
+            request = action.request
+            outcome = self._caller.call(request)
+            if outcome.gave_up:
+                self.step(s, partial(AttemptMachine.gave_up, request=request))
+            elif outcome.error is not None:
+                self.step(s, failed(request, outcome.error, outcome.gen))
+            else:
+                self.step(s, answered(request, outcome.value))
         elif isinstance(action, Keep):
-            self._keep(s, action)
+            # A failed connection: this try has no newer one, and the record stays stored. A
+            # retry delay is waited for here.
+            again = not action.newer_than and self._caller.wait_to_resend(action)
+            event = AttemptMachine.resend if again else AttemptMachine.gave_up
+            self.step(s, partial(event, request=action.request))
         elif isinstance(action, BreakConnection):
             self._link.broken(action.gen)
+        elif isinstance(action, RecordFinish):
+            finish = action.request.body
+            assert isinstance(finish, Finish)
+            # Before it is sent; an OutboxError ends the try with nothing sent for it.
+            self._outbox.record_finish(
+                self._instance, s.item.handler, finish, action.request.message_id
+            )
+        elif isinstance(action, Reported):
+            self._reported(s, action)
+        elif isinstance(action, Ended):
+            self._log.info(
+                "outbox: attempt %s (task %s) was already ended by the server; its "
+                "launch record is dropped",
+                s.item.ref.attempt_id,
+                s.item.ref.task_id,
+            )
+            self._outbox.done(s.item.ref.attempt_id)
+        elif isinstance(action, Release):
+            self._open -= 1
+            if s.machine.phase is Phase.UNREPORTED:
+                self._kept += 1
         else:
-            if isinstance(action, RecordFinish):
-                finish = action.request.body
-                assert isinstance(finish, Finish)
-                # Before it is sent; an OutboxError ends the try with nothing sent for it.
-                self._outbox.record_finish(
-                    self._instance, s.item.handler, finish, action.request.message_id
-                )
-            elif isinstance(action, Reported):
-                self._reported(s, action)
-            elif isinstance(action, Ended):
-                self._log.info(
-                    "outbox: attempt %s (task %s) was already ended by the server; its "
-                    "launch record is dropped",
-                    s.item.ref.attempt_id,
-                    s.item.ref.task_id,
-                )
-                self._outbox.done(s.item.ref.attempt_id)
-            elif isinstance(action, Release):
-                self._open -= 1
-                if s.machine.phase is Phase.UNREPORTED:
-                    self._kept += 1
-            else:
-                raise AssertionError(f"unexpected replay action {action!r}")
+            raise AssertionError(f"unexpected replay action {action!r}")
 
     def _reported(self, s: _Stored, reported: Reported) -> None:
         ref, outcome = s.item.ref, reported.verdict.outcome

@@ -26,19 +26,12 @@ class ResumeBatch:
         self._unsent: list[tuple[Attempt, Request]] = []
         self._resuming: list[tuple[Attempt, Request, PendingCall, int]] = []
 
-    def resend_due(self) -> float:
-        """Re-send the resumes kept for a retry whose time has come (the connection thread);
-        return when the next one is due."""
-        jobs, next_at = self._shell.controls.link.take_due()
-        for job in jobs:
-            job()
-        return next_at
-
-    def flush(self, conn: Connection, gen: int, *, wait: bool = False) -> None:
+    def flush(self, conn: Connection, gen: int) -> None:
         """Send the resumes decided since the last flush on *conn* (connection *gen*) in one
-        write, as many as the link's request slots take now (*wait*: at least one, waiting for
-        it); the rest go at the next flush. Each one's answer is stepped by
-        :meth:`take_answered`."""
+        write, as many as the link's request slots take now (none of ours in flight: at least
+        one, waiting for a slot, which others hold only briefly); the rest go at the next flush.
+        Each one's answer is stepped by :meth:`take_answered`."""
+        wait = not self._resuming
         self._unsent.extend(self._shell.take_resumes())
         while self._unsent:
             try:
@@ -63,9 +56,6 @@ class ResumeBatch:
             for (att, request), call in zip(batch, pending, strict=True):
                 self._resuming.append((att, request, call, gen))
                 self._shell.resumes.sent(request)
-
-    def in_flight(self) -> bool:
-        return bool(self._resuming)
 
     def take_answered(self) -> bool:
         """Step the outcome of every resume answered (or failed) since (the connection thread);

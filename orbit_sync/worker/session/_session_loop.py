@@ -66,33 +66,31 @@ class SessionLoop:
         self._resumes = ResumeBatch(shell)
         #: The connection whose assignments the handler threads take.
         self._intake = intake
-        self._opts = opts = shell.options
-        self._clock = opts.clock.now
-        self._log = opts.logger
-        self._call_timeout = opts.request_timeout
+        self._shell = shell
+        self._opts = shell.options
+        self._clock = shell.options.clock.now
+        self._log = shell.options.logger
+        self._call_timeout = shell.options.request_timeout
         self._link = shell.controls.link
         #: Wakes this thread: a new capacity report, a request kept, the connection ended, stop.
         self._serve_wake = shell.controls.wake
         self._reg = shell.registry
-        self._shell = shell
-        self._watchdog = shell.threads.watchdog.core
         self._hooks = shell.hooks
+        # Capacity reports: built by the window, under whose lock each one is written; every
+        # answer is read by this thread (_report_answered), so the heartbeat needs no lock.
+        self._window = shell.window
+        self._next_heartbeat = 0.0
         self._fail = fail
         #: Set once the first session is established (``Worker.wait_ready``).
         self.ready = threading.Event()
         #: Sessions in a row ended by an unexpected error (this thread only).
         self._session_bugs = 0
-        # Capacity reports: built by the window, under whose lock each one is written; every
-        # answer is read by this thread (_report_answered).
-        self._window = shell.window
         #: Once the drain report was answered: its connection, whose assignments received by
         #: then must all be recorded before the drain may end.
         self._drain_on: Connection | None = None
         #: A session's capacity report without drain was answered and its connection has not
         #: ended yet: the server may be assigning to this process (see assignments_over).
         self._assigning = False
-        self._beat_lock = threading.Lock()
-        self._next_heartbeat = 0.0
 
     def report_drain(self) -> None:
         """Queue a capacity report with ``drain: true`` (from any thread; sent by this one)."""
@@ -114,106 +112,93 @@ class SessionLoop:
             return True
         return not self._assigning
 
-    def _assignments_changed(self) -> None:
-        with self._reg.cond:
-            self._reg.cond.notify_all()
-
     # ------------------------------------------------------------------ dial, reconnect
-
-    def _connect(self) -> Connection:
-        """A new connection, welcomed (raise if the dial fails)."""
-        opts = self._opts
-        on_cancel = self._admission.on_cancel if opts.cancellation_notifications else None
-        # Our own client: shutdown can cut a dial in progress, and leases are anchored on the
-        # worker's clock.
-        own: dict[str, Any] = {"clock": opts.clock, "cut": self._shell.controls.dial_cut}
-        conn: Connection = self._client.dial_worker(
-            self._shell.handlers.registration(),
-            timeout=opts.dial_timeout,
-            on_cancel=on_cancel,
-            **(own if isinstance(self._client, Client) else {}),
-        )
-        return conn
 
     def run(self) -> None:
         """The connection thread: dial, serve, reconnect, until the link is closed."""
-        redial = Redial(self._opts.reconnect_backoff)
+        opts = self._opts
+        redial = Redial(opts.reconnect_backoff)
         # Started with the thread, i.e. by Worker.start().
-        contact = FirstContact(self._clock, self._opts.first_connect_timeout)
-        server = self._server
-        first = True
+        contact = FirstContact(self._clock, opts.first_connect_timeout)
+        on_cancel = self._admission.on_cancel if opts.cancellation_notifications else None
+        # Our own client: shutdown can cut a dial in progress, and leases are anchored on the
+        # worker's clock.
+        own: dict[str, Any] = (
+            {"clock": opts.clock, "cut": self._shell.controls.dial_cut}
+            if isinstance(self._client, Client)
+            else {}
+        )
         while not self._link.is_closed():
-            if not first:
+            try:
+                conn: Connection = self._client.dial_worker(
+                    self._shell.handlers.registration(),
+                    timeout=opts.dial_timeout,
+                    on_cancel=on_cancel,
+                    **own,
+                )
+            except Exception as exc:
+                if self._link.is_closed() or not self._dial_failed(exc, redial, contact):
+                    return  # shutdown cut the dial, or the worker stops on its error
+            else:
+                # A welcome arrived: the server is reachable and accepts us. Whatever ends this
+                # session, the next reconnect starts again from the shortest delay, so a link
+                # that keeps cutting sessions does not push the delay to its cap.
+                redial.welcomed()
+                contact.connected()
+                self._session(conn)
+            if not self._link.is_closed():
                 # Never past the moment to give up on a server never reached.
                 self._link.pause(min(redial.delay(), contact.remaining()))
-                if self._link.is_closed():
-                    break
-            first = False
-            try:
-                conn = self._connect()
-            except Exception as exc:
-                if self._link.is_closed():
-                    break  # shutdown cut the dial
-                # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
-                # cannot help, so the worker stops and run() raises it.
-                # A server that never once spoke the protocol is the wrong server (or version).
-                wrong_server = isinstance(exc, WorkerProtocolError) and not self.ready.is_set()
-                wrong_url = contact.wrong_endpoint(exc, server)
-                if is_fatal_dial_error(exc) or wrong_server or wrong_url:
-                    exc = wrong_url or exc
-                    self._log.error("worker cannot connect to %s: %s", server, exc)
-                    self._fail(exc)
-                    return
-                if not isinstance(exc, OrbitError | OSError):
-                    self._log.exception("worker cannot connect: unexpected error")
-                    self._fail(exc)
-                    return
-                redial.failed(exc)
-                with self._reg.cond:
-                    self._reg.counts["dial_failures"] += 1
-                if self._hooks:
-                    self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
-                if contact.reached:
-                    # Where and why (errors never carry the token), not only the type.
-                    self._log.warning(
-                        "cannot connect to %s (%s: %s); retrying", server, type(exc).__name__, exc
-                    )
-                    continue
-                gave_up = contact.failed(exc, server)
-                if gave_up is not None:
-                    self._log.error("worker stopped: %s", gave_up)
-                    self._fail(gave_up)
-                    return
-                self._never_reached(contact, exc)
-                continue
-            # A welcome arrived: the server is reachable and accepts us. Whatever ends this
-            # session, the next reconnect starts again from the shortest delay, so a link that
-            # keeps cutting sessions does not push the delay to its cap.
-            redial.welcomed()
-            contact.connected()
-            self._session(conn)
 
-    def _never_reached(self, contact: FirstContact, exc: BaseException) -> None:
-        """Log a failed dial of a worker that has not reached its server once since it started,
-        at ERROR the first time (most likely a wrong URL or a missing route, not an outage)."""
+    def _dial_failed(self, exc: Exception, redial: Redial, contact: FirstContact) -> bool:
+        """Count and log a failed dial: True to dial again, False once the worker was stopped
+        with its error."""
+        server = self._server
+        # A server that never once spoke the protocol is the wrong server (or version).
+        wrong_server = isinstance(exc, WorkerProtocolError) and not self.ready.is_set()
+        wrong_url = contact.wrong_endpoint(exc, server)
+        if is_fatal_dial_error(exc) or wrong_server or wrong_url:
+            # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
+            # cannot help, so the worker stops and run() raises it.
+            exc = wrong_url or exc
+            self._log.error("worker cannot connect to %s: %s", server, exc)
+            self._fail(exc)
+            return False
+        if not isinstance(exc, OrbitError | OSError):
+            self._log.exception("worker cannot connect: unexpected error")
+            self._fail(exc)
+            return False
+        redial.failed(exc)
+        with self._reg.cond:
+            self._reg.counts["dial_failures"] += 1
+        if self._hooks:
+            self._hooks.emit("dial_failed", DisconnectEvent(type(exc).__name__))
+        # Where and why (errors never carry the token), not only the type.
+        what = (server, type(exc).__name__, exc)
+        if contact.reached:
+            self._log.warning("cannot connect to %s (%s: %s); retrying", *what)
+            return True
+        gave_up = contact.failed(exc, server)
+        if gave_up is not None:
+            self._log.error("worker stopped: %s", gave_up)
+            self._fail(gave_up)
+            return False
         if contact.failures == 1:
+            # At ERROR the first time: most likely a wrong URL or a missing route, not an outage.
             self._log.error(
                 "cannot connect to %s (%s: %s): not reached once since this worker started;"
                 " retrying (check the URL, DNS, the network and that the server is up)",
-                self._server,
-                type(exc).__name__,
-                exc,
+                *what,
             )
-            return
-        self._log.warning(
-            "cannot connect to %s (%s: %s); not reached once since the start, %.1f s ago"
-            " (%d dials); retrying",
-            self._server,
-            type(exc).__name__,
-            exc,
-            contact.waited(),
-            contact.failures,
-        )
+        else:
+            self._log.warning(
+                "cannot connect to %s (%s: %s); not reached once since the start, %.1f s ago"
+                " (%d dials); retrying",
+                *what,
+                contact.waited(),
+                contact.failures,
+            )
+        return True
 
     # ------------------------------------------------------------------ one session
 
@@ -230,7 +215,8 @@ class SessionLoop:
             # threads may wait on its queue from now on.
             self._intake.offer(conn)
             first, again = self._reconcile(conn, gen)
-            self._report_capacity(conn, first)
+            while not self._report_acked(conn, first):  # a transient error, waited out
+                first = self._submit_report(conn)
             self.ready.set()
             self._log.info("session %s established", conn.session_id)
             if self._hooks:
@@ -276,9 +262,9 @@ class SessionLoop:
             recorded = self._intake.wait_recorded(conn, self._call_timeout + CLOSE_ALLOWANCE)
             if not recorded and not self._link.is_closed():
                 self._log.error("assignments of session %s left unrecorded", conn.session_id)
-            # Nothing more is assigned through this connection.
-            self._assigning = False
-            self._assignments_changed()
+            with self._reg.cond:  # nothing more is assigned through this connection
+                self._assigning = False
+                self._reg.cond.notify_all()
         if not self._link.is_closed() and self._hooks:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
 
@@ -298,7 +284,7 @@ class SessionLoop:
             self._shell.step(att, AttemptMachine.reconnected)
         self._drive_resumes(conn, gen, resumes.all_sent)
         self._link.publish(conn)
-        self._watchdog.connected()  # the renewals due, sent from the watchdog's thread
+        self._shell.threads.watchdog.core.connected()  # its thread sends the renewals due
         first = self._submit_report(conn)
         self._drive_resumes(conn, gen, resumes.all_over)
         with self._reg.cond:
@@ -327,9 +313,11 @@ class SessionLoop:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             ended = conn.err is not None  # before the outcomes are taken (see above)
             moved = batch.take_answered()
-            next_resend = batch.resend_due()
-            # None of ours in flight: wait for a request slot (held by others only briefly).
-            batch.flush(conn, gen, wait=not batch.in_flight())
+            # The resumes kept for a retry whose time has come go out again.
+            jobs, next_resend = self._link.take_due()
+            for job in jobs:
+                job()
+            batch.flush(conn, gen)
             # A resume whose connection failed is over too (and broke the connection): cut.
             if self._link.is_closed() or resumes.cut() or (ended and not resumes.all_over()):
                 raise conn.err or NotConnected("the connection ended during its resumes")
@@ -353,34 +341,27 @@ class SessionLoop:
         sent: SentReport | None = None
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
-            if self._link.is_closed() or conn.err is not None:
-                break
+            if self._link.is_closed():
+                return
+            if (err := conn.err) is not None:
+                raise err
             if self._resumes.take_answered():  # a late answer of an older connection's resume
                 continue
             if sent is not None and sent.over:
-                sent.wait()
-                self._report_answered(sent)
-                self._check_report(conn, sent)  # raises what ends the session
+                self._report_acked(conn, sent)  # raises what ends the session
                 sent = None
-            with self._beat_lock:
-                next_heartbeat = self._next_heartbeat
             if sent is None:
-                due = self._window.unacked() or self._clock() >= next_heartbeat
+                due = self._window.unacked() or self._clock() >= self._next_heartbeat
             else:  # only a newer report than the one in flight
                 due = self._window.report().sequence > sent.report.sequence
             if due:
                 newer = self._submit_report(conn)
                 if sent is not None:  # superseded: its answer is read now, in order
-                    sent.wait()
                     self._report_answered(sent)
                 sent = newer
                 continue
             # While a report is in flight its answer wakes this thread (the heartbeat it is).
-            until = math.inf if sent is not None else next_heartbeat
-            self._serve_wake.wait(None if until == math.inf else until - self._clock())
-        err = conn.err
-        if err is not None and not self._link.is_closed():
-            raise err
+            self._serve_wake.wait(None if sent else self._next_heartbeat - self._clock())
 
     # ------------------------------------------------------------------ capacity reports
 
@@ -394,24 +375,15 @@ class SessionLoop:
                 conn, window.report(), self._clock(), self._call_timeout, self._serve_wake
             )
 
-    def _report_capacity(self, conn: Connection, sent: SentReport) -> None:
-        """Wait for *sent*'s answer (its own call timeout ends the wait at the latest); after a
-        transient error answer, wait out the retry delay and send the report then in force
-        again."""
-        while True:
-            sent.wait()
-            self._report_answered(sent)
-            if sent.error is None:
-                return
-            self._check_report(conn, sent)
-            sent = self._submit_report(conn)
-
-    def _check_report(self, conn: Connection, sent: SentReport) -> None:
-        """*sent* was answered: raise its error when it ends the session; after a transient one,
-        wait out the retry delay (the caller then sends the report in force)."""
+    def _report_acked(self, conn: Connection, sent: SentReport) -> bool:
+        """Wait for *sent*'s answer and take it (:meth:`_report_answered`): True if it was
+        acknowledged. An error answer is raised when it ends the session; after a transient
+        one, the retry delay is waited out and False returned (the caller sends the report then
+        in force)."""
+        self._report_answered(sent)
         error = sent.error
         if error is None:
-            return
+            return True
         if (
             is_link_failure(error)
             or not is_transient(error)
@@ -424,21 +396,24 @@ class SessionLoop:
             getattr(error, "code", type(error).__name__),
         )
         self._link.pause(retry_delay(error, self._opts.renew_retry_delay))
+        return False
 
     def _report_answered(self, sent: SentReport) -> None:
-        """Every report's answer: the window and the heartbeat follow an acknowledged one; a
-        drain's answer means every assignment made before it is on the connection's queue."""
+        """Wait for *sent*'s answer (its own call timeout ends the wait at the latest). The
+        window and the heartbeat follow an acknowledged report; a drain's answer means every
+        assignment made before it is on the connection's queue."""
+        sent.wait()
         if sent.error is not None:
             return
         report = sent.report
         self._window.acked(report)
-        with self._beat_lock:
-            # PROTOCOL §5.6: repeat the report at least every third of the session window.
-            heartbeat = max(0.1, sent.value.session_window / 3)
-            self._next_heartbeat = max(self._next_heartbeat, sent.sent_at + heartbeat)
+        # PROTOCOL §5.6: repeat the report at least every third of the session window.
+        heartbeat = max(0.1, sent.value.session_window / 3)
+        self._next_heartbeat = max(self._next_heartbeat, sent.sent_at + heartbeat)
         if not report.drain:
             self._assigning = True
         elif self._drain_on is None:
             self._drain_on = sent.conn
             self._log.info("drain reported to the server (sequence %d)", report.sequence)
-            self._assignments_changed()
+            with self._reg.cond:
+                self._reg.cond.notify_all()
