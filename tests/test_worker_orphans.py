@@ -118,7 +118,7 @@ def test_pipe_end_cancels_the_handler_and_ends_the_child(
     child = _Process(mp, logging.WARNING, grace, None)
     try:
         task = _task({"dir": str(tmp_path)})
-        child.send(("run", 1, pickle.dumps(handler), task, new_id(), None))
+        child.conn.send(("run", 1, pickle.dumps(handler), task, new_id(), None))
         message = child.conn.recv()  # the handler's "started" log line, forwarded
         assert message[0] == "log"
         # Both directions end, as when the parent dies; the parent's own descriptor stays open.

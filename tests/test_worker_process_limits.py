@@ -106,14 +106,14 @@ def test_limits_survive_with_options_and_bad_values_raise(server: MockOrbitServe
     assert isinstance(copy, Worker)
 
 
-def test_child_limits_count_per_child_and_read_rss_after_each_job() -> None:
-    """The tally is per pid and restarts for a replacement; RSS is read only when limited."""
+def test_child_limits_decide_after_each_job_and_read_rss_only_when_limited() -> None:
+    """A child goes at its K-th job or past the RSS limit; RSS is read only when limited."""
     rss = {1: 10 * 1024 * 1024, 2: 0}
     limits = ChildLimits(max_tasks=3, max_memory_mb=10, rss=rss.get)
-    assert [limits.after_job(2) for _ in range(2)] == [None, None]
-    assert limits.after_job(2) == "3 tasks (process_max_tasks_per_child=3)"
-    assert limits.after_job(2) is None  # a new child with the same pid starts again
-    assert limits.after_job(1) is None  # exactly at the limit
+    assert [limits.after_job(2, jobs) for jobs in (1, 2)] == [None, None]
+    assert limits.after_job(2, 3) == "3 tasks (process_max_tasks_per_child=3)"
+    assert limits.after_job(1, 1) is None  # exactly at the limit
     rss[1] += 1
-    assert limits.after_job(1) == "RSS 10 MB (process_max_memory_per_child=10)"
-    assert not ChildLimits() and ChildLimits(max_tasks=1)
+    assert limits.after_job(1, 2) == "RSS 10 MB (process_max_memory_per_child=10)"
+    unlimited = ChildLimits(rss=lambda pid: pytest.fail(f"RSS of {pid} read"))
+    assert unlimited.after_job(1, 10**6) is None

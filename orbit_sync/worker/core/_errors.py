@@ -36,10 +36,6 @@ class NotConnected(OrbitError):
     still until then)."""
 
 
-#: Server error codes after which the same operation may succeed later. ``STALE_SESSION`` only
-#: means the connection it was sent on is dead: the operation is re-sent after the reconnect.
-RETRY_CODES = TRANSIENT_CODES | {"STALE_SESSION"}
-
 #: Errors after which the connection they happened on is unusable (or there was none).
 _LINK_ERRORS = (
     NotConnected,
@@ -52,16 +48,19 @@ _LINK_ERRORS = (
 
 
 def is_link_failure(exc: BaseException) -> bool:
-    """True when *exc* means the connection is gone (re-send on the next one)."""
+    """True when *exc* means the connection is gone (re-send on the next one). ``STALE_SESSION``
+    only means the connection it was sent on is dead: the operation is re-sent after the
+    reconnect."""
     if isinstance(exc, _LINK_ERRORS):
         return True
     return isinstance(exc, WorkerError) and exc.code == "STALE_SESSION"
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True when the same operation may succeed if tried again later."""
-    if isinstance(exc, WorkerError):
-        return exc.code in RETRY_CODES
+    """True when the same operation may succeed if tried again later (a link failure: on the
+    next connection)."""
+    if isinstance(exc, WorkerError) and exc.code in TRANSIENT_CODES:
+        return True
     return isinstance(exc, WorkerBusy) or is_link_failure(exc)
 
 

@@ -28,15 +28,16 @@ from ...models import (
 from ._errors import is_link_failure, is_transient
 from ._outcomes import (
     DEFAULT_ENCODER,
+    HANDLER_TIMEOUT,
+    WORKER_ERROR,
+    WORKER_LOST,
     ResultEncoder,
     Verdict,
     abandoned,
     not_run,
     outbox_unavailable,
     outcome_of,
-    timed_out,
-    worker_error,
-    worker_lost,
+    unknown,
 )
 from ._outcomes import stored as stored_verdict
 from ._table import (
@@ -167,7 +168,8 @@ class AttemptMachine:
         return self.phase in SETTLED
 
     def fire(self, trigger: Trigger) -> bool:
-        """Move by :data:`TABLE`: False if the phase refuses *trigger* (:data:`REFUSED`); raise
+        """Move by :data:`TABLE`: False if the phase refuses *trigger* (:data:`REFUSED`, only ever
+        for a trigger of :data:`ANY_PHASE`, so any other one moves or raises); raise
         :class:`MachineError` for a pair the table does not list. A move to another phase ends
         the request on its way (the method sets the next, if any)."""
         move = TABLE[trigger].get(self.phase)
@@ -201,8 +203,7 @@ class AttemptMachine:
         if not runnable:
             why = f"attempt {attempt_id} not started: no handler registered"
             return self._take(Trigger.SKIPPED, Skipped(why, "skipped"))
-        if not self.fire(Trigger.ADMITTED_STOPPING if stopping else Trigger.ADMITTED):
-            return []
+        self.fire(Trigger.ADMITTED_STOPPING if stopping else Trigger.ADMITTED)
         self.request = Request("task.start", self.ref, self._new_id())
         send = Send(self.request)
         return [CancelContext("shutdown"), send] if stopping else [send]
@@ -234,8 +235,6 @@ class AttemptMachine:
             trigger = Trigger.START_NOT_STARTED_CANCELLED if asked else Trigger.START_NOT_STARTED
             why = f"not started (lease {lease.state}, active={lease.active})"
             return self._take(trigger, *cancel, NotStarted(why), Release())
-        if asked:
-            cancel_reason = cancel_reason or "cancel_requested"
         reason = cancel_reason or ("lease_lost" if not lease.active else "lease_expired")
         verdict = not_run(cancel_requested=cancel_requested or asked, reason=reason)
         trigger = Trigger.START_CANCEL_REQUESTED if asked else Trigger.START_MAY_NOT_RUN
@@ -306,8 +305,7 @@ class AttemptMachine:
     def replay(self, finish: Finish | None, message_id: str | None) -> list[Action]:
         """A stored attempt of a dead instance: resume its lease first (the replay session
         takes it over); *finish* and *message_id*: its stored finish, if any."""
-        if not self.fire(Trigger.REPLAY):
-            return []
+        self.fire(Trigger.REPLAY)
         if finish is not None and message_id is not None:
             self.stored = Request("task.finish", finish, message_id)
         self.request = Request("worker.resume", self.ref, self._new_id())
@@ -331,8 +329,7 @@ class AttemptMachine:
         if stored is not None:
             # Sent either way: the server applies it within the lease, keeps it as evidence
             # after, and answers a repeat with the original receipt.
-            if not self.fire(Trigger.REPLAY_STORED):
-                return []
+            self.fire(Trigger.REPLAY_STORED)
             assert isinstance(stored.body, Finish)
             self.verdict = stored_verdict(stored.body)
             self.request = stored
@@ -340,7 +337,7 @@ class AttemptMachine:
         if lease is not None and lease.active:
             # Launched, never finished, still leased: its effect is uncertain; say so now
             # rather than at lease expiry. Recorded first: a cut replay re-sends the same one.
-            return self._finishing(Trigger.REPLAY_LEASE_ACTIVE, worker_lost())
+            return self._finishing(Trigger.REPLAY_LEASE_ACTIVE, unknown(WORKER_LOST))
         why = "refused" if lease is None else f"lease {lease.state}"
         return self._take(Trigger.REPLAY_LEASE_GONE, Ended(why), Release())
 
@@ -402,7 +399,7 @@ class AttemptMachine:
         if self.phase is Phase.FINISHING:
             assert self.request is not None, "a finishing attempt has its finish on its way"
             return self._take(Trigger.CRASHED, Keep(self.request))
-        actions = self._finishing(Trigger.CRASHED, worker_error(), UntrackLease())
+        actions = self._finishing(Trigger.CRASHED, unknown(WORKER_ERROR), UntrackLease())
         if actions:
             self.handler_done = True
         return actions
@@ -474,7 +471,7 @@ class AttemptMachine:
         its effect is uncertain: finish UNKNOWN (``HANDLER_TIMEOUT``)."""
         if not self.timed_out:
             return []
-        return self._abandon(timed_out(), "time_limit")
+        return self._abandon(unknown(HANDLER_TIMEOUT), "time_limit")
 
     # ------------------------------------------------------------------ internal
 
@@ -540,8 +537,7 @@ class AttemptMachine:
         error: OrbitError | None = None,
     ) -> list[Action]:
         """The finish's fate: *result* (accepted), *error* (refused), or neither."""
-        if not self.fire(trigger):
-            return []
+        self.fire(trigger)
         assert self.verdict is not None
         return [Reported(self.verdict, result, error), Release()]
 

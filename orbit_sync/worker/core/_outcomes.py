@@ -40,14 +40,13 @@ __all__ = [
     "TimeLimitExceeded",
     "UnknownEffect",
     "Verdict",
+    "abandoned",
     "not_run",
     "outbox_unavailable",
     "outcome_of",
     "result_converter",
     "stored",
-    "timed_out",
-    "worker_error",
-    "worker_lost",
+    "unknown",
 ]
 
 # -------------------------------------------------------------------------- the result as JSON
@@ -127,12 +126,6 @@ class ResultProblem(Exception):
 
 class _Unencodable(TypeError):
     pass
-
-
-_LARGE_INT_WHY = (
-    "is beyond 2**53 - 1, which JSON readers using doubles round (refused by "
-    "result_converter(large_ints='refuse'))"
-)
 
 
 def type_name(value: object) -> str:
@@ -249,7 +242,12 @@ class ResultEncoder:
             return
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SAFE_INTEGER:
             if self._large_ints == "refuse":
-                self._bad(path, value, _LARGE_INT_WHY)
+                self._bad(
+                    path,
+                    value,
+                    "is beyond 2**53 - 1, which JSON readers using doubles round (refused by "
+                    "result_converter(large_ints='refuse'))",
+                )
             try:
                 float(value)
             except OverflowError:
@@ -514,33 +512,25 @@ def not_run(*, cancel_requested: bool, reason: str | None) -> Verdict:
     return _failed({"error": code, "ran": False}, True, ran=False)
 
 
-def _unknown(code: str, message: str) -> Verdict:
-    """An ``UNKNOWN`` finish with its error *code*: whether the handler's effect happened is not
-    known (the server keeps the attempt for review or retries it per its policy)."""
-    return Verdict(Outcome.UNKNOWN, {"error": code, "message": message}, code)
+#: The message of each ``UNKNOWN`` finish the worker decides itself, by its error code.
+_UNKNOWN_WHY = {
+    SHUTDOWN_TIMEOUT: "handler still running at shutdown",
+    HANDLER_TIMEOUT: "handler still running past its time limit",
+    WORKER_ERROR: "the worker failed while processing the attempt",
+    WORKER_LOST: "the worker process stopped while the handler ran",
+}
+
+
+def unknown(code: str) -> Verdict:
+    """An ``UNKNOWN`` finish of the worker's own (*code*: one of :data:`_UNKNOWN_WHY`): whether
+    the handler's effect happened is not known (the server keeps the attempt for review or
+    retries it per its policy), so the attempt is finished so, never dropped."""
+    return Verdict(Outcome.UNKNOWN, {"error": code, "message": _UNKNOWN_WHY[code]}, code)
 
 
 def abandoned() -> Verdict:
     """The finish for a handler that did not return by the end of shutdown's grace."""
-    return _unknown(SHUTDOWN_TIMEOUT, "handler still running at shutdown")
-
-
-def timed_out() -> Verdict:
-    """The finish for a handler on a thread still running past its time limit and the cancel
-    grace: it could not be stopped, so whether (and when) its effect happens is not known."""
-    return _unknown(HANDLER_TIMEOUT, "handler still running past its time limit")
-
-
-def worker_error() -> Verdict:
-    """The finish for an attempt whose processing hit an unexpected error in the worker: whether
-    the handler's effect happened is not known, so it is ``UNKNOWN``, never dropped."""
-    return _unknown(WORKER_ERROR, "the worker failed while processing the attempt")
-
-
-def worker_lost() -> Verdict:
-    """The finish the outbox replay sends for an attempt a dead process launched and never
-    finished: whether its effect happened is not known."""
-    return _unknown(WORKER_LOST, "the worker process stopped while the handler ran")
+    return unknown(SHUTDOWN_TIMEOUT)
 
 
 def stored(finish: Finish) -> Verdict:

@@ -12,18 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import attrs
 
+from ..._realtime import monotonic
 from ...errors import OrbitError
 from ...models import AttemptRef, Capability, Finish, Outcome, Registration
-from ._outbox_lock import HeldHere, LockBusy, LockFile, lock_path, open_private
+from ._outbox_lock import instance_offset, open_private
 
 __all__ = ["Outbox", "OutboxError", "Pending"]
 
@@ -33,6 +36,12 @@ SCHEMA_VERSION = 1
 #: Seconds a write waits for another connection's SQLite lock before it fails (SQLite's busy
 #: timeout; Python's default). Read at each open, so a test can lower it for a child process.
 BUSY_TIMEOUT = 5.0
+#: How often a bounded wait for an instance's lock tries again.
+_POLL = 0.05
+
+_open_lock = threading.Lock()
+#: (st_dev, st_ino) of every lock file this process has open: see ``_outbox_lock``.
+_open_files: set[tuple[int, int]] = set()
 
 _SCHEMA = """
 CREATE TABLE instances (
@@ -96,6 +105,8 @@ class Outbox:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        #: The lock file every handler process of this run holds its instance's lock in.
+        self.lock_path = self.path + "-lock"
         self._lock = threading.Lock()
         try:
             fd = open_private(self.path)
@@ -103,16 +114,7 @@ class Outbox:
             raise _file_error(self.path, exc) from None
         try:
             # One process at a time: a second one would speak as the same instances.
-            self._locks = LockFile(lock_path(self.path))
-        except HeldHere:
-            raise OutboxError(
-                f"outbox {self.path} is already open in this process (by another Worker): "
-                "give each Worker its own outbox file"
-            ) from None
-        except LockBusy:
-            raise OutboxError(f"outbox {self.path} is in use by another process") from None
-        except BaseException as exc:
-            raise _file_error(lock_path(self.path), exc) from None
+            self._lock_fd, self._lock_key = self._own_lock_file()
         finally:
             # SQLite opens the file by name: this descriptor only pinned the checks above.
             os.close(fd)
@@ -120,7 +122,7 @@ class Outbox:
         try:
             self._db = self._connect()
         except BaseException:
-            self._locks.close()
+            self._close_lock_file()
             raise
 
     @classmethod
@@ -136,6 +138,42 @@ class Outbox:
         return outbox
 
     # ------------------------------------------------------------------ opening
+
+    def _own_lock_file(self) -> tuple[int, tuple[int, int]]:
+        """Open the lock file and take byte 0, the owner's (see ``_outbox_lock``): its
+        descriptor and (st_dev, st_ino)."""
+        in_this_process = OutboxError(
+            f"outbox {self.path} is already open in this process (by another Worker): "
+            "give each Worker its own outbox file"
+        )
+        with _open_lock:
+            with contextlib.suppress(OSError):
+                info = os.lstat(self.lock_path)
+                if (info.st_dev, info.st_ino) in _open_files:
+                    # Opening it again and closing that would drop this process's locks.
+                    raise in_this_process
+            try:
+                fd = open_private(self.lock_path)
+                info = os.fstat(fd)
+            except BaseException as exc:
+                raise _file_error(self.lock_path, exc) from None
+            key = (info.st_dev, info.st_ino)
+            if key in _open_files:  # replaced by the same file under our feet
+                raise in_this_process
+            try:
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
+            except OSError:
+                os.close(fd)  # this process held no lock on it: nothing is dropped
+                raise OutboxError(f"outbox {self.path} is in use by another process") from None
+            _open_files.add(key)
+        return fd, key
+
+    def _close_lock_file(self) -> None:
+        """Release every lock of this process on the lock file."""
+        with _open_lock:
+            os.close(self._lock_fd)
+            self._lock_fd = -1  # a later instance_lock() fails, never locks a reused descriptor
+            _open_files.discard(self._lock_key)
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -163,16 +201,14 @@ class Outbox:
             db.execute("PRAGMA journal_mode = WAL")
             db.execute("PRAGMA synchronous = FULL")
             db.execute("PRAGMA integrity_check").fetchone()
-        except sqlite3.OperationalError as exc:  # disk full, I/O error, locked by SQLite
+        except BaseException as exc:
             db.close()
-            raise OutboxError(f"outbox {self.path} cannot be opened: {exc}") from exc
-        except sqlite3.DatabaseError as exc:
-            db.close()
-            raise OutboxError(
-                f"outbox {self.path} is corrupt or not a database ({exc}); it was left as is"
-            ) from None
-        except BaseException:
-            db.close()
+            if isinstance(exc, sqlite3.OperationalError):  # disk full, I/O error, locked by SQLite
+                raise OutboxError(f"outbox {self.path} cannot be opened: {exc}") from exc
+            if isinstance(exc, sqlite3.DatabaseError):
+                raise OutboxError(
+                    f"outbox {self.path} is corrupt or not a database ({exc}); it was left as is"
+                ) from None
             raise
         # The WAL and shared-memory files hold the same secrets.
         for suffix in ("-wal", "-shm"):
@@ -187,19 +223,28 @@ class Outbox:
                 return
             self._closed = True
             self._db.close()
-            self._locks.close()
+            self._close_lock_file()
 
-    @property
-    def lock_path(self) -> str:
-        """The lock file every handler process of this run holds its instance's lock in."""
-        return self._locks.path
-
-    def instance_lock(
-        self, instance_id: str, timeout: float
-    ) -> contextlib.AbstractContextManager[bool]:
-        """Hold *instance_id*'s lock (True) once none of its handler processes is left, waiting
-        up to *timeout* seconds; False while one still may run (see ``_outbox_lock``)."""
-        return self._locks.instance(instance_id, timeout)
+    @contextlib.contextmanager
+    def instance_lock(self, instance_id: str, timeout: float) -> Iterator[bool]:
+        """Hold *instance_id*'s byte of the lock file exclusively (yields True) once none of its
+        handler processes is left, waiting up to *timeout* seconds; yields False while one
+        still may run (see ``_outbox_lock``)."""
+        offset = instance_offset(instance_id)
+        end = monotonic() + timeout
+        while True:
+            try:
+                fcntl.lockf(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
+                break
+            except OSError:
+                if monotonic() >= end:
+                    yield False
+                    return
+                time.sleep(_POLL)  # no blocking lock with a timeout exists: poll
+        try:
+            yield True
+        finally:
+            fcntl.lockf(self._lock_fd, fcntl.LOCK_UN, 1, offset)
 
     def __enter__(self) -> Outbox:
         return self

@@ -9,45 +9,19 @@ by every process-executor child of that instance while it lives; a later process
 that byte exclusively before it reports an attempt of the instance lost.
 
 The price: closing *any* descriptor of the file releases every lock the process holds on it. So
-a process opens the lock file once (:class:`LockFile`), every lock of the process goes through
-that descriptor, and a second open in the same process is refused before it can touch the file.
+the owner opens the lock file once (``Outbox``), every lock of the process goes through that
+descriptor, and a second open in the same process is refused before it can touch the file.
 Nothing else (SQLite included) ever opens it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import os
 import stat
-import threading
-import time
-from collections.abc import Iterator
 
-from ..._realtime import monotonic
-
-__all__ = ["LockFile", "hold_instance_shared", "instance_offset", "lock_path", "open_private"]
-
-#: How often a bounded wait for an instance's lock tries again.
-_POLL = 0.05
-
-_open_lock = threading.Lock()
-#: (st_dev, st_ino) of every lock file this process has open: see the module docstring.
-_open_files: set[tuple[int, int]] = set()
-
-
-class LockBusy(Exception):
-    """Another process holds the lock."""
-
-
-class HeldHere(LockBusy):
-    """This process holds the lock already (another outbox of this process has the file)."""
-
-
-def lock_path(outbox_path: str) -> str:
-    """The lock file of the outbox at *outbox_path*."""
-    return outbox_path + "-lock"
+__all__ = ["hold_instance_shared", "instance_offset", "open_private"]
 
 
 def instance_offset(instance_id: str) -> int:
@@ -80,61 +54,6 @@ def open_private(path: str) -> int:
         os.close(fd)
         raise ValueError(problem)
     return fd
-
-
-class LockFile:
-    """The owner's handle on an outbox's lock file (one per process and file)."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        with _open_lock:
-            with contextlib.suppress(OSError):
-                info = os.lstat(path)
-                if (info.st_dev, info.st_ino) in _open_files:
-                    # Opening it again and closing that would drop this process's locks.
-                    raise HeldHere
-            fd = open_private(path)
-            info = os.fstat(fd)
-            key = (info.st_dev, info.st_ino)
-            if key in _open_files:  # replaced by the same file under our feet
-                raise HeldHere
-            try:
-                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 0)
-            except OSError:
-                os.close(fd)  # this process held no lock on it: nothing is dropped
-                raise LockBusy from None
-            _open_files.add(key)
-        self._fd = fd
-        self._key = key
-
-    @contextlib.contextmanager
-    def instance(self, instance_id: str, timeout: float) -> Iterator[bool]:
-        """Hold *instance_id*'s byte exclusively (yields True), waiting up to *timeout* seconds
-        for that instance's handler processes to be gone; yields False if they are not."""
-        offset = instance_offset(instance_id)
-        end = monotonic() + timeout
-        while True:
-            try:
-                fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, offset)
-                break
-            except OSError:
-                if monotonic() >= end:
-                    yield False
-                    return
-                time.sleep(_POLL)  # no blocking lock with a timeout exists: poll
-        try:
-            yield True
-        finally:
-            fcntl.lockf(self._fd, fcntl.LOCK_UN, 1, offset)
-
-    def close(self) -> None:
-        """Release every lock (safe twice)."""
-        with _open_lock:
-            if self._fd < 0:
-                return
-            os.close(self._fd)
-            self._fd = -1
-            _open_files.discard(self._key)
 
 
 def hold_instance_shared(path: str, instance_id: str) -> int:

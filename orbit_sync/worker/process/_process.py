@@ -4,7 +4,7 @@ A handler registered with ``executor="process"`` runs in a child; the parent's p
 relays the job, then cancellations and lease-deadline changes, to the child, and the child's log
 records and ending back. The parent bounds every ending: a child that ignores a cancellation for
 *cancel_grace* is terminated, one that dies is seen at once through its sentinel. Children are
-started with ``spawn`` (the parent is threaded) from one long-lived thread (:class:`_Spawner`),
+started with ``spawn`` (the parent is threaded) from one long-lived thread (the pool's spawner),
 and never receive the connection or a secret. The child's side is ``_process_child``.
 """
 
@@ -32,7 +32,6 @@ from ._process_child import SECRET_ENV, child_main
 from ._process_limits import ChildLimits
 
 __all__ = [
-    "HANDLER_IMPORT_ERROR",
     "HANDLER_PROCESS_DIED",
     "HANDLER_TERMINATED",
     "ProcessHandler",
@@ -41,14 +40,10 @@ __all__ = [
     "pickled_handler",
 ]
 
-_LOG = logging.getLogger("orbit_sync.worker")
-
 #: The child died while running the handler: its effect is uncertain.
 HANDLER_PROCESS_DIED = "HANDLER_PROCESS_DIED"
 #: The child ignored a cancellation for ``cancel_grace`` and was terminated.
 HANDLER_TERMINATED = "HANDLER_TERMINATED"
-#: The handler could not be loaded in the child (its module failed to import there).
-HANDLER_IMPORT_ERROR = "HANDLER_IMPORT_ERROR"
 
 #: After SIGTERM, how long a terminated child gets before SIGKILL.
 _KILL_AFTER = 1.0
@@ -101,7 +96,9 @@ def _remote_error(name: str, child_traceback: str) -> BaseException:
 
 
 class _Process:
-    """One child process and the parent's end of its pipe."""
+    """One child process and the parent's end of its pipe. Only one thread sends on it: the one
+    running a job on it, else the one stopping it (the pool's close() only terminates a busy
+    child), so sends need no lock."""
 
     _ids = itertools.count(1)
 
@@ -127,16 +124,12 @@ class _Process:
                 os.environ.update({k: v for k, v in saved.items() if v is not None})
         child_conn.close()
         self.healthy = True
-        self._send_lock = threading.Lock()
         # A wake-up pair: a context change on another thread interrupts the relay's wait.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._jobs = itertools.count(1)
-
-    def send(self, message: tuple[Any, ...]) -> None:
-        with self._send_lock:
-            self.conn.send(message)
+        #: Jobs sent so far; each is numbered by it.
+        self.jobs = 0
 
     def poke(self) -> None:
         # A full buffer means already poked; closed means the relay has ended: both are fine.
@@ -145,9 +138,10 @@ class _Process:
 
     def run(self, fn_bytes: bytes, ctx: TaskContext, cancel_grace: float) -> tuple[str, Any]:
         """Run one job; relay until it ends. Returns ``(kind, data)`` as the child sent it."""
-        job = next(self._jobs)
+        self.jobs += 1
+        job = self.jobs
         sent_deadline = lease_deadline(ctx)
-        self.send(("run", job, fn_bytes, ctx.task, ctx.attempt_id, sent_deadline))
+        self.conn.send(("run", job, fn_bytes, ctx.task, ctx.attempt_id, sent_deadline))
         add_watcher(ctx, self.poke)
         cancelled_at: float | None = None
         try:
@@ -157,7 +151,7 @@ class _Process:
                     now = monotonic()
                     if cancelled_at is None:
                         cancelled_at = now
-                        self.send(
+                        self.conn.send(
                             ("cancel", job, ctx.cancel_reason or "shutdown", ctx.cancel_requested)
                         )
                     timeout = cancelled_at + cancel_grace - now
@@ -168,7 +162,7 @@ class _Process:
                 deadline = lease_deadline(ctx)
                 if deadline != sent_deadline:
                     sent_deadline = deadline
-                    self.send(("deadline", job, deadline))
+                    self.conn.send(("deadline", job, deadline))
                 ready = multiprocessing.connection.wait(
                     [self.conn, self.proc.sentinel, self._wake_r], timeout
                 )
@@ -177,10 +171,7 @@ class _Process:
                         while self._wake_r.recv(512):
                             pass
                 if self.conn in ready or (self.proc.sentinel in ready and self.conn.poll()):
-                    try:
-                        message = self.conn.recv()
-                    except (EOFError, OSError):
-                        return "died", self._exit_code()
+                    message = self.conn.recv()
                     if message[0] == "log":
                         data = message[1]
                         logger = logging.getLogger(data.get("name") or "")
@@ -190,7 +181,7 @@ class _Process:
                         return message[2], message[3]
                 elif self.proc.sentinel in ready:
                     return "died", self._exit_code()
-        except (BrokenPipeError, EOFError, OSError):
+        except (EOFError, OSError):  # the pipe broke: the child is gone or going
             return "died", self._exit_code()
         finally:
             remove_watcher(ctx, self.poke)
@@ -208,70 +199,28 @@ class _Process:
             return
         if not kill and self.proc.is_alive():
             with contextlib.suppress(OSError):
-                self.send(("exit",))
+                self.conn.send(("exit",))
             self.proc.join(_KILL_AFTER)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(_KILL_AFTER)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(_KILL_AFTER)
+        for end in (self.proc.terminate, self.proc.kill):
+            if self.proc.is_alive():
+                end()
+                self.proc.join(_KILL_AFTER)
         self.conn.close()
         self._wake_r.close()
         self._wake_w.close()
 
 
-class _Spawner:
-    """The one thread that starts a pool's children, for as long as the pool is open (a child's
-    parent-death signal fires when the *thread* that started it ends: docs/architecture.md)."""
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._main, name="orbit-process-spawner", daemon=True
-        )
-        self._thread.start()
-
-    def _main(self) -> None:
-        # No timeout: close() queues the None that ends this thread (after the requests before it).
-        while (request := self._requests.get()) is not None:
-            request()
-
-    def call(self, make: Callable[[], _Process]) -> _Process:
-        """Run *make* on the spawner thread and return what it returned (or raise its error)."""
-        made: Future[_Process] = Future()
-
-        def request() -> None:
-            try:
-                made.set_result(make())
-            except BaseException as exc:
-                made.set_exception(exc)
-
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the process pool is closed")
-            self._requests.put(request)  # before close()'s None: it will be served
-        # Bounded by make(): a process start, which does not wait for the child.
-        return made.result()
-
-    def close(self) -> None:
-        """End the thread once the requests already made are served."""
-        with self._lock:
-            self._closed = True
-            self._requests.put(None)
+#: A child to start: its future, root log level and guard.
+_Spawn = tuple[Future[_Process], int, tuple[str, str] | None]
 
 
 class ProcessPool:
     """Up to *size* child processes, started on first use and replaced when one dies."""
 
-    def __init__(
-        self, size: int, *, cancel_grace: float, limits: ChildLimits | None = None
-    ) -> None:
+    def __init__(self, size: int, *, cancel_grace: float, limits: ChildLimits) -> None:
         self.size = size  # the Worker's process_pool option, checked there
-        self._cancel_grace = cancel_grace
-        self._limits = limits or ChildLimits()  # recycling between attempts (_process_limits)
+        self.cancel_grace = cancel_grace
+        self._limits = limits  # recycling between attempts (_process_limits)
         self._mp = multiprocessing.get_context("spawn")
         self._cond = threading.Condition()
         self._idle: list[_Process] = []
@@ -279,7 +228,10 @@ class ProcessPool:
         self._busy: set[_Process] = set()
         self._closed = False
         self._guard: tuple[str, str] | None = None
-        self._spawner: _Spawner | None = None
+        #: What the spawner thread starts; None ends it (close() queues it, after the requests
+        #: made while the pool was open: each is served).
+        self._spawns: queue.SimpleQueue[_Spawn | None] = queue.SimpleQueue()
+        self._spawner: threading.Thread | None = None
 
     def guard(self, lock_path: str, instance_id: str) -> None:
         """Have every child started from now on hold *instance_id*'s lock in *lock_path*."""
@@ -290,15 +242,25 @@ class ProcessPool:
         """Run one job on a free child (waiting for one if all are busy)."""
         child = self._acquire()
         try:
-            outcome = child.run(fn_bytes, ctx, self._cancel_grace)
+            return child.run(fn_bytes, ctx, self.cancel_grace)
         except BaseException:
             child.healthy = False
             raise
         finally:
             self._release(child)
-        return outcome
+
+    def _spawn(self) -> None:
+        """The spawner thread: it starts every child, for as long as the pool is open (a child's
+        parent-death signal fires when the *thread* that started it ends: docs/architecture.md)."""
+        while (request := self._spawns.get()) is not None:
+            made, level, guard = request
+            try:
+                made.set_result(_Process(self._mp, level, self.cancel_grace, guard))
+            except BaseException as exc:
+                made.set_exception(exc)
 
     def _acquire(self) -> _Process:
+        made: Future[_Process] = Future()
         with self._cond:
             while True:
                 if self._closed:
@@ -312,12 +274,15 @@ class ProcessPool:
                     break
                 self._cond.wait()  # a release or close() notifies; a child's run is bounded
             if self._spawner is None:
-                self._spawner = _Spawner()
-            spawner, guard = self._spawner, self._guard
+                self._spawner = threading.Thread(
+                    target=self._spawn, name="orbit-process-spawner", daemon=True
+                )
+                self._spawner.start()
+            self._spawns.put((made, logging.getLogger().getEffectiveLevel(), self._guard))
         try:
-            # Started outside the lock: a spawn takes a while and must not hold up releases.
-            level = logging.getLogger().getEffectiveLevel()
-            child = spawner.call(lambda: _Process(self._mp, level, self._cancel_grace, guard))
+            # Waited for outside the lock: a spawn takes a while and must not hold up releases.
+            # Bounded: a process start does not wait for the child.
+            child = made.result()
         except BaseException:
             with self._cond:
                 self._live -= 1
@@ -329,23 +294,21 @@ class ProcessPool:
 
     def _release(self, child: _Process) -> None:
         keep = child.healthy and child.proc.is_alive()
-        if keep and self._limits and self._limits.after_job(child.proc.pid) is not None:
+        if keep and self._limits.after_job(child.proc.pid, child.jobs) is not None:
             child.stop(kill=False)  # between attempts: the next one starts a new child
             keep = False
         elif not keep:
-            self._limits.forget(child.proc.pid)
             child.stop(kill=True)
         with self._cond:
             self._busy.discard(child)
-            if keep and not self._closed:
+            idle = keep and not self._closed
+            if idle:
                 self._idle.append(child)
             else:
                 self._live -= 1
-                if keep:
-                    child.healthy = False
             self._cond.notify()
-        if keep and self._closed:
-            child.stop(kill=False)
+        if keep and not idle:
+            child.stop(kill=False)  # the pool closed while it ran
 
     def close(self) -> None:
         """Stop every child: idle ones exit; busy ones (abandoned handlers) are terminated."""
@@ -355,11 +318,11 @@ class ProcessPool:
             busy = list(self._busy)
             self._live -= len(idle)
             self._cond.notify_all()
-            spawner, self._spawner = self._spawner, None
+            started = self._spawner is not None
         # All at once, under one deadline: stop() has a time bound to keep.
         for child in idle:
             with contextlib.suppress(OSError):
-                child.send(("exit",))
+                child.conn.send(("exit",))
         for child in busy:
             child.proc.terminate()
         deadline = monotonic() + _KILL_AFTER
@@ -367,9 +330,9 @@ class ProcessPool:
             child.proc.join(max(0.0, deadline - monotonic()))
         for child in idle + busy:
             child.stop(kill=True)  # SIGKILL for any that lingered; closes the pipes
-        if spawner is not None:
+        if started:
             # Last: its end would SIGKILL (parent-death signal) the children it started.
-            spawner.close()
+            self._spawns.put(None)
 
 
 class ProcessHandler:
@@ -403,27 +366,17 @@ class ProcessHandler:
             raise TimeLimitExceeded() if data == "time_limit" else TaskCancelled(data)
         if kind == "error":
             raise _remote_error(*data)
-        if kind == "unpicklable":
-            raise Fail(
-                "RESULT_NOT_JSON",
-                f"the handler returned a {data}, which cannot leave its process (not picklable)",
-            )
-        if kind == "import_error":
-            raise Fail(
-                HANDLER_IMPORT_ERROR,
-                f"the handler could not be loaded in its process ({data}); see the worker log",
-            )
         if kind == "terminated" and ctx.cancel_reason == "time_limit":
             worker_log(ctx).warning(
                 "handler still running %.1f s after its time limit: process killed",
-                self._pool._cancel_grace,
+                self._pool.cancel_grace,
             )
             raise TimeLimitExceeded()
         if kind == "terminated":
             worker_log(ctx).warning(
                 "handler ignored its cancellation (%s) for %.1f s: process terminated",
                 ctx.cancel_reason,
-                self._pool._cancel_grace,
+                self._pool.cancel_grace,
             )
             raise UnknownEffect(
                 HANDLER_TERMINATED,

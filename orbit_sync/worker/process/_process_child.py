@@ -24,10 +24,12 @@ from ..core._outcomes import Fail, TaskCancelled, TimeLimitExceeded, UnknownEffe
 from ..core._time_limits import Interruptible
 from ..outbox._outbox_lock import hold_instance_shared
 
-__all__ = ["ORPHAN_EXIT", "SECRET_ENV", "child_main"]
+__all__ = ["HANDLER_IMPORT_ERROR", "ORPHAN_EXIT", "SECRET_ENV", "child_main"]
 
 _LOG = logging.getLogger("orbit_sync.worker")
 
+#: The handler could not be loaded in the child (its module failed to import there).
+HANDLER_IMPORT_ERROR = "HANDLER_IMPORT_ERROR"
 #: Environment variables a child must not inherit: credentials stay in the parent.
 SECRET_ENV = ("ORBIT_TOKEN", "ORBIT_TOKEN_FILE")
 #: A child's exit status when its parent went away (it ran, or cut short, its last handler).
@@ -60,6 +62,9 @@ class _PipeLogHandler(logging.Handler):
             self.handleError(record)
 
 
+_Job = tuple[int, bytes, Task, TaskContext, Interruptible]
+
+
 class _Child:
     """The loop of one child process: one job at a time, controlled by the parent."""
 
@@ -67,47 +72,47 @@ class _Child:
         self._conn = conn
         self._cancel_grace = cancel_grace
         self._send_lock = threading.Lock()
-        self._jobs: list[tuple[Any, ...]] = []
         self._cond = threading.Condition()
-        self._ctx: TaskContext | None = None
-        self._job: int | None = None
+        #: Jobs received and not started yet.
+        self._jobs: list[_Job] = []
+        #: The job from its arrival until it is done (the parent sends the next one only then):
+        #: its context exists from the start, so a cancel or a deadline that comes while it is
+        #: queued or loading its handler (a slow import, a short time limit) holds.
+        self._current: _Job | None = None
         self._closed = False
-        #: The running job's handler call: interrupted at its time limit.
-        self._running: Interruptible | None = None
-        #: Cancels that came for a job not started yet: applied as it starts.
-        self._early: dict[int, tuple[str, bool]] = {}
-        #: The last job done (the parent numbers them in order).
-        self._last_done = 0
 
     def send(self, message: tuple[Any, ...]) -> None:
         with self._send_lock:
             self._conn.send(message)
 
     def control(self) -> None:
-        """Runs on a thread: applies the parent's cancels and deadlines to the running job."""
+        """Runs on a thread: applies the parent's cancels and deadlines to the current job."""
         try:
-            while True:
-                message = self._conn.recv()
-                kind = message[0]
+            while (message := self._conn.recv())[0] != "exit":
                 with self._cond:
-                    if kind == "run":
-                        self._jobs.append(message)
+                    if message[0] == "run":
+                        _, number, fn_bytes, task, attempt_id, deadline = message
+                        ctx = TaskContext(task, attempt_id, deadline=deadline)
+                        # Interrupted at its time limit (as it starts, if that comes first).
+                        running = Interruptible(threading.Lock())
+                        self._current = (number, fn_bytes, task, ctx, running)
+                        self._jobs.append(self._current)
                         self._cond.notify()
                         continue
-                    if kind == "exit":
-                        break
-                    ctx = self._ctx if message[1] == self._job else None
-                    running = self._running
-                    if ctx is None and kind == "cancel" and message[1] > self._last_done:
-                        # Queued, or loading its handler: applied once it starts.
-                        self._early[message[1]] = (message[2], message[3])
-                if ctx is None or running is None:
-                    continue
-                if kind == "cancel":
-                    _, _, reason, requested = message
-                    self._cancel(ctx, running, reason, requested)
-                elif kind == "deadline":
+                    current = self._current
+                if current is None or current[0] != message[1]:
+                    continue  # for a job already done
+                _, _, _, ctx, running = current
+                if message[0] == "deadline":
                     set_lease_deadline(ctx, message[2])
+                    continue
+                _, _, reason, requested = message
+                cancel_context(ctx, reason)
+                if requested:
+                    cancel_context(ctx, "cancel_requested")
+                if reason == "time_limit":
+                    # As on a thread: the parent kills this process past the grace.
+                    running.interrupt(TimeLimitExceeded)
         except (EOFError, OSError):
             # The parent went away: nobody keeps the lease any more. Cancel the handler and
             # give it cancel_grace to stop, then leave whatever it does.
@@ -116,21 +121,12 @@ class _Child:
             timer.daemon = True
             timer.start()
             with self._cond:
-                ctx = self._ctx
-            if ctx is not None:
-                cancel_context(ctx, "shutdown")
+                current = self._current
+            if current is not None:
+                cancel_context(current[3], "shutdown")
         with self._cond:
             self._closed = True
             self._cond.notify()
-
-    @staticmethod
-    def _cancel(ctx: TaskContext, running: Interruptible, reason: str, requested: bool) -> None:
-        cancel_context(ctx, reason)
-        if requested:
-            cancel_context(ctx, "cancel_requested")
-        if reason == "time_limit":
-            # As on a thread: the parent kills this process past the grace.
-            running.interrupt(TimeLimitExceeded)
 
     def serve(self) -> None:
         while True:
@@ -139,34 +135,38 @@ class _Child:
                     self._cond.wait()
                 if self._closed:
                     return  # a job queued before the parent went away is not started
-                _, job, fn_bytes, task, attempt_id, deadline = self._jobs.pop(0)
-            outcome = self._run(job, fn_bytes, task, attempt_id, deadline)
+                job = self._jobs.pop(0)
+            outcome = self._run(job)
             with self._cond:
-                self._last_done = job
-                self._early.pop(job, None)
+                self._current = None
             try:
-                self.send(("done", job, *outcome))
+                self.send(("done", job[0], *outcome))
             except OSError:
                 return  # the parent went away
 
-    def _run(
-        self, job: int, fn_bytes: bytes, task: Task, attempt_id: str, deadline: float | None
-    ) -> tuple[str, Any]:
+    @staticmethod
+    def _run(job: _Job) -> tuple[str, Any]:
+        _, fn_bytes, task, ctx, running = job
         try:
-            fn = pickle.loads(fn_bytes)
-        except BaseException as exc:
-            _LOG.error("could not load handler %r in its process", task.handler, exc_info=True)
-            return "import_error", type_name(exc)
-        ctx = TaskContext(task, attempt_id, deadline=deadline)
-        running = Interruptible(threading.Lock())
-        with self._cond:
-            self._ctx, self._job, self._running = ctx, job, running
-            early = self._early.pop(job, None)
-        if early is not None:
-            # Cancelled while it was starting (a slow import, a short time limit).
-            self._cancel(ctx, running, *early)
-        try:
+            try:
+                fn = pickle.loads(fn_bytes)
+            except BaseException as exc:
+                _LOG.error("could not load handler %r in its process", task.handler, exc_info=True)
+                raise Fail(
+                    HANDLER_IMPORT_ERROR,
+                    f"the handler could not be loaded in its process ({type_name(exc)}); "
+                    "see the worker log",
+                ) from None
             value = running.run(lambda: fn(ctx, task.payload))
+            try:
+                pickle.dumps(value)
+            except Exception:
+                raise Fail(
+                    "RESULT_NOT_JSON",
+                    f"the handler returned a {type_name(value)}, which cannot leave its process "
+                    "(not picklable)",
+                ) from None
+            return "value", value
         except Fail as exc:
             return "fail", (exc.code, exc.message, exc.retryable, exc.details)
         except UnknownEffect as exc:
@@ -176,25 +176,6 @@ class _Child:
         except BaseException as exc:
             # The type goes to the server (as on a thread); the traceback to the parent's log.
             return "error", (type_name(exc), traceback.format_exc())
-        finally:
-            with self._cond:
-                self._ctx, self._job, self._running = None, None, None
-        try:
-            pickle.dumps(value)
-        except Exception:
-            return "unpicklable", type_name(value)
-        return "value", value
-
-
-def _die_with_parent() -> None:
-    """Linux: have the kernel SIGKILL this process when the thread that started it ends."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes  # only here: a child on Linux
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
-        _LOG.warning("could not set the parent-death signal (errno %d)", ctypes.get_errno())
 
 
 def child_main(
@@ -204,13 +185,17 @@ def child_main(
     cancel_grace: float,
     guard: tuple[str, str] | None,
 ) -> None:
-    """Entry point of a child process.
-
-    *parent* is the worker's pid; *guard* the outbox lock file and instance id, if any.
-    """
+    """Entry point of a child process: *parent* is the worker's pid; *guard* the outbox lock
+    file and instance id, if any."""
     for name in SECRET_ENV:
         os.environ.pop(name, None)
-    _die_with_parent()
+    if sys.platform.startswith("linux"):
+        import ctypes  # only here: a child on Linux
+
+        # The kernel SIGKILLs this process when the thread that started it ends.
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            _LOG.warning("could not set the parent-death signal (errno %d)", ctypes.get_errno())
     if guard is not None:
         try:
             # Held until this process ends (the descriptor stays open): see ``_outbox_lock``.

@@ -9,7 +9,6 @@ import logging
 import os
 import resource
 import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -69,16 +68,9 @@ class ChildLimits:
         self._max_tasks = max_tasks
         self._max_memory_mb = max_memory_mb
         self._rss = rss
-        self._lock = threading.Lock()
-        self._jobs: dict[int, int] = {}
 
-    def __bool__(self) -> bool:
-        return self._max_tasks is not None or self._max_memory_mb is not None
-
-    def after_job(self, pid: int) -> str | None:
-        """Count a job of child *pid*; why it should now be replaced (None: keep it)."""
-        with self._lock:
-            jobs = self._jobs[pid] = self._jobs.get(pid, 0) + 1
+    def after_job(self, pid: int, jobs: int) -> str | None:
+        """Why child *pid*, done with its *jobs*-th job, should now be replaced (None: keep it)."""
         reason = None
         if self._max_tasks is not None and jobs >= self._max_tasks:
             reason = f"{jobs} tasks (process_max_tasks_per_child={self._max_tasks})"
@@ -89,15 +81,8 @@ class ChildLimits:
                     f"RSS {rss / _MB:.0f} MB (process_max_memory_per_child={self._max_memory_mb})"
                 )
         if reason is not None:
-            with self._lock:
-                del self._jobs[pid]
             _LOG.info("replacing handler process %d after %s", pid, reason)
         return reason
-
-    def forget(self, pid: int) -> None:
-        """Child *pid* is gone."""
-        with self._lock:
-            self._jobs.pop(pid, None)
 
 
 class MemoryLimited:

@@ -68,21 +68,15 @@ class HandlerThreads:
         intake: Intake,
         run: Callable[[Connection, Assignment], None],
         *,
-        name: str = "orbit-handler",
         idle_timeout: float = IDLE_TIMEOUT,
         batch: bool = False,
     ) -> None:
-        if size < 1:
-            raise ValueError("size must be at least 1")
-        if not idle_timeout > 0:
-            raise ValueError("idle_timeout must be positive")
         self._capacity = size
         self._size = size + EXTRA
         #: Taken around each handler's call: never more than *size* handlers at once.
         self.running = threading.BoundedSemaphore(size)
         self._intake = intake
         self._run = run
-        self._name = name
         self._idle_timeout = idle_timeout
         #: Put each thread under SCHED_BATCH (see batch_scheduling).
         self._batch = batch
@@ -95,13 +89,15 @@ class HandlerThreads:
     def start(self) -> None:
         """Start the first thread (it waits for the first connection)."""
         with self._lock:
-            if not self._threads and not self._closed:
-                self._spawn()
+            self._spawn(self._capacity)
 
-    def _spawn(self) -> None:
-        # (lock held)
+    def _spawn(self, limit: int) -> None:
+        """(Lock held) Start a thread to wait on the queue, unless one already does, *limit*
+        threads exist or the pool is closed."""
+        if self._idle or len(self._threads) >= limit or self._closed:
+            return
         thread = threading.Thread(
-            target=self._main, name=f"{self._name}-{next(_names)}", daemon=True
+            target=self._main, name=f"orbit-handler-{next(_names)}", daemon=True
         )
         self._threads.add(thread)
         self._idle += 1
@@ -111,8 +107,7 @@ class HandlerThreads:
         """The calling thread is about to wait while it holds its attempt (for a re-send, for a
         handler slot): make sure another thread waits on the queue meanwhile."""
         with self._lock:
-            if self._idle == 0 and len(self._threads) < self._size and not self._closed:
-                self._spawn()
+            self._spawn(self._size)
 
     def owns_current_thread(self) -> bool:
         """True when called from one of the handler threads."""
@@ -145,41 +140,37 @@ class HandlerThreads:
         waiting_thread()  # it makes its attempts' calls and waits for their answers
         if self._batch:  # asked for: the reader wakes it for each assignment
             batch_scheduling()
+        exhausted: Connection | None = None
         try:
-            self._take_and_run()
+            while True:
+                conn = self._intake.next(after=exhausted)
+                if conn is None:
+                    return  # shut down
+                try:
+                    assignment = conn.next_assignment(self._idle_timeout, after_end=True)
+                except OrbitError:  # ended, and nothing it received is left
+                    exhausted = conn
+                    continue
+                except TimeoutError:
+                    if conn.done.is_set():
+                        exhausted = conn
+                        continue
+                    with self._lock:
+                        if self._idle > 1 or self._closed:  # another one is waiting: retire
+                            return
+                    continue
+                with self._lock:
+                    self._idle -= 1
+                    self._spawn(self._capacity)  # the next assignment finds a thread waiting
+                try:
+                    self._run(conn, assignment)
+                except BaseException:  # a bug of ours must not shrink the pool
+                    _LOG.exception("worker error in a handler thread")
+                finally:
+                    with self._lock:
+                        self._idle += 1
         finally:
             with self._lock:
                 self._threads.discard(threading.current_thread())
                 self._idle -= 1
                 self._cond.notify_all()  # shutdown() waits for the threads to end
-
-    def _take_and_run(self) -> None:
-        exhausted: Connection | None = None
-        while True:
-            conn = self._intake.next(after=exhausted)
-            if conn is None:
-                return  # shut down
-            try:
-                assignment = conn.next_assignment(self._idle_timeout, after_end=True)
-            except OrbitError:  # ended, and nothing it received is left
-                exhausted = conn
-                continue
-            except TimeoutError:
-                if conn.done.is_set():
-                    exhausted = conn
-                    continue
-                with self._lock:
-                    if self._idle > 1 or self._closed:  # another one is waiting: retire
-                        return
-                continue
-            with self._lock:
-                self._idle -= 1
-                if self._idle == 0 and len(self._threads) < self._capacity and not self._closed:
-                    self._spawn()  # the next assignment finds a thread waiting
-            try:
-                self._run(conn, assignment)
-            except BaseException:  # a bug of ours must not shrink the pool
-                _LOG.exception("worker error in a handler thread")
-            finally:
-                with self._lock:
-                    self._idle += 1

@@ -105,14 +105,12 @@ class Caller:
         """Run *job* (a send, a wait for a re-send) on a new sender thread: the thread that
         decided it must not wait (a reader, the watchdog, the shutdown). Rare: a finish decided
         at a time limit's grace or at shutdown, a bug's recovery."""
-        thread = threading.Thread(
-            target=self._run_elsewhere, args=(job,), name="orbit-worker-send", daemon=True
-        )
-        thread.start()
 
-    def _run_elsewhere(self, job: Callable[[], None]) -> None:
-        waiting_thread()
-        try:
-            job()
-        except Exception:  # a bug of ours: logged, never silent
-            self._log.exception("worker error while sending a request")
+        def send() -> None:
+            waiting_thread()
+            try:
+                job()
+            except Exception:  # a bug of ours: logged, never silent
+                self._log.exception("worker error while sending a request")
+
+        threading.Thread(target=send, name="orbit-worker-send", daemon=True).start()

@@ -61,18 +61,13 @@ from ..outbox._outbox import Outbox, OutboxError
 from ._handlers import Handlers
 from ._link import Resumes
 from ._registry import Attempt, LinkControls, Registry, WorkerThreads, attempt_event
-from ._requests import Caller, CallOutcome, may_wait
+from ._requests import Caller, may_wait
 from ._window import CapacityWindow
 
 #: Per thread: the events stepped while one of its steps is being performed (see step).
 _STEPS = threading.local()
 
 __all__ = ["AttemptShell"]
-
-
-def _decided(actions: list[Action], machine: AttemptMachine) -> list[Action]:
-    """The event of actions its machine already returned (see AttemptShell.admitted)."""
-    return actions
 
 
 def _lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -> LeaseEvent:
@@ -95,7 +90,6 @@ class AttemptShell:
     ) -> None:
         #: The resumes of the newest connection (the connection thread waits for them).
         self.resumes = Resumes(controls.wake.set)
-        self._link = controls.link
         self.options = options
         self._log = options.logger
         #: Makes the starts' and finishes' calls, each waiting on its slot.
@@ -131,29 +125,26 @@ class AttemptShell:
         pending = _STEPS.pending = collections.deque([(att, event)])
         try:
             while pending:
-                item, next_event = pending.popleft()
-                self._step_now(item, next_event)
+                att, event = pending.popleft()
+                try:
+                    with att.lock:
+                        actions = self.lease_actions(att, event(att.machine))
+                    self.perform(att, actions)
+                except Exception:
+                    # A bug of ours (here or in the handler's run around its call): the attempt
+                    # is finished UNKNOWN instead of dropped.
+                    worker_log(att.ctx).exception(
+                        "worker error while processing the attempt; finishing UNKNOWN"
+                    )
+                    self.crashed(att)
+                self.notify()
         finally:
             _STEPS.pending = None
-
-    def _step_now(self, att: Attempt, event: Event) -> None:
-        """Feed *event* to the attempt's machine and perform the actions it returns. An
-        unexpected error (a bug of ours) finishes the attempt UNKNOWN instead of dropping it."""
-        try:
-            with att.lock:
-                actions = self.lease_actions(att, event(att.machine))
-            self.perform(att, actions)
-        except Exception:
-            worker_log(att.ctx).exception(
-                "worker error while processing the attempt; finishing UNKNOWN"
-            )
-            self.crashed(att)
-        self.notify()
 
     def admitted(self, att: Attempt, actions: list[Action]) -> None:
         """Perform *actions*, which the machine of *att* returned as admission recorded it
         (under the registry's lock), as :meth:`step` performs an event's."""
-        self.step(att, partial(_decided, actions))
+        self.step(att, lambda _machine: actions)
 
     def crashed(self, att: Attempt) -> None:
         try:
@@ -191,13 +182,11 @@ class AttemptShell:
         """Perform *actions* in order on this thread. A thread that must not wait for a
         request (a connection's reader, the watchdog's, the shutdown's) hands a list that sends,
         keeps a request for a re-send or runs the handler to a sender thread; the connection
-        thread sends the resumes it decides itself, batched."""
+        thread sends the resumes it decides itself, batched. So every start, finish and handler
+        run below is on a thread that may wait."""
         if not may_wait() and any(_waits(a) for a in actions):
-            self.caller.elsewhere(partial(self._perform_now, att, actions))
+            self.caller.elsewhere(partial(self.perform, att, actions))
             return
-        self._perform_now(att, actions)
-
-    def _perform_now(self, att: Attempt, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send) and action.request.early:
                 self.resumes.add(action.request)
@@ -239,25 +228,19 @@ class AttemptShell:
                 self._keep(att, action)
             elif isinstance(action, BreakConnection):
                 if action.gen:  # 0: nothing was sent, there is no connection to break
-                    self._link.broken(action.gen)
+                    self.controls.link.broken(action.gen)
             else:
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
     def _send(self, att: Attempt, request: Request) -> None:
-        """Send *request* (a start or finish) and step what became of it, on this thread if it
-        may wait, else on a sender thread."""
-        if not may_wait():
-            self.caller.elsewhere(partial(self._send, att, request))
-            return
-        self.step(att, self._event(att, request, self.caller.call(request)))
-
-    def _event(self, att: Attempt, request: Request, outcome: CallOutcome) -> Event:
-        """The machine's event for what became of *request*."""
+        """Send *request* (a start or finish), wait, and step what became of it."""
+        outcome = self.caller.call(request)
         if outcome.gave_up:
-            return partial(AttemptMachine.gave_up, request=request)
-        if outcome.error is not None:
-            return self.failure(att, request, outcome.error, outcome.gen)
-        return self.answer(att, request, outcome.value)
+            self.step(att, partial(AttemptMachine.gave_up, request=request))
+        elif outcome.error is not None:
+            self.step(att, self.failure(att, request, outcome.error, outcome.gen))
+        else:
+            self.step(att, self.answer(att, request, outcome.value))
 
     def _keep(self, att: Attempt, kept: Keep) -> None:
         """The machine keeps *kept*'s request for a re-send (same ``message_id``)."""
@@ -265,21 +248,20 @@ class AttemptShell:
         if request.early:
             # A resume answered with a transient error: the connection thread re-sends it.
             job = partial(self.step, att, partial(AttemptMachine.resend, request=request))
-            if self._link.keep(job, newer_than=kept.newer_than, delay=kept.delay, early=True):
+            link = self.controls.link
+            if link.keep(job, newer_than=kept.newer_than, delay=kept.delay, early=True):
                 self.controls.wake.set()
             else:
                 self.step(att, partial(AttemptMachine.gave_up, request=request))
-        elif not may_wait():
-            self.caller.elsewhere(partial(self._keep, att, kept))
-        else:
-            # This thread waits holding its attempt: if it is a handler thread, another one takes
-            # the assignments meanwhile (the server may assign in place of a lease it ended
-            # before this worker learned it).
-            if self.threads.pool.owns_current_thread():
-                self.threads.pool.ensure_taker()
-            again = self.caller.wait_to_resend(kept)
-            event = AttemptMachine.resend if again else AttemptMachine.gave_up
-            self.step(att, partial(event, request=request))
+            return
+        # This thread waits holding its attempt: if it is a handler thread, another one takes
+        # the assignments meanwhile (the server may assign in place of a lease it ended before
+        # this worker learned it).
+        if self.threads.pool.owns_current_thread():
+            self.threads.pool.ensure_taker()
+        again = self.caller.wait_to_resend(kept)
+        event = AttemptMachine.resend if again else AttemptMachine.gave_up
+        self.step(att, partial(event, request=request))
 
     def take_resumes(self) -> list[tuple[Attempt, Request]]:
         """The resumes decided since (on the connection thread, which sends them)."""
@@ -307,24 +289,15 @@ class AttemptShell:
         )
 
     def _run_handler(self, att: Attempt) -> None:
-        """On the attempt's handler thread: record the launch, run the handler, then its finish
-        is decided (and sent by this thread)."""
-        try:
-            # Without the launch record a kill would leave no trace of the run: do not run.
-            launched = self._outbox_write(
-                att,
-                lambda o: o.launch(self.handlers.instance_id, att.ref, att.task.handler),
-                failed="outbox unavailable: handler not run",
-            )
-            ended = self.execute(att) if launched else None
-        except Exception:
-            worker_log(att.ctx).exception(
-                "worker error while running the attempt; finishing UNKNOWN"
-            )
-            self.crashed(att)
-            self.notify()
-            return
-        self.step(att, AttemptMachine.launch_refused if ended is None else ended)
+        """On the attempt's handler thread (inside its step loop, which finishes it UNKNOWN if
+        this raises): record the launch, run the handler; how it ended is the next event."""
+        # Without the launch record a kill would leave no trace of the run: do not run.
+        launched = self._outbox_write(
+            att,
+            lambda o: o.launch(self.handlers.instance_id, att.ref, att.task.handler),
+            failed="outbox unavailable: handler not run",
+        )
+        self.step(att, self.execute(att) if launched else AttemptMachine.launch_refused)
 
     def execute(self, att: Attempt) -> Event:
         """Run the handler, once one of the capacity's handler slots is free (they all are, but
@@ -334,40 +307,36 @@ class AttemptShell:
         if not running.acquire(blocking=False):
             self.threads.pool.ensure_taker()  # it waits: another thread takes what comes
             running.acquire()
-        try:
-            return self._execute(att)
-        finally:
-            running.release()
-
-    def _execute(self, att: Attempt) -> Event:
         ctx = att.ctx
-        with self.registry.lock:
-            self.registry.running += 1
         error: BaseException | None = None
         value: Any = None
-        if self.hooks.listeners:
-            self.hooks.emit("attempt_started", attempt_event(att))
-        limit = att.machine.time_limit
         timer = None
-        if limit is not None:
-            att.limit_at = self.options.clock.now() + limit.seconds
-            timer = self.threads.timers.call_at(
-                att.limit_at, lambda: self.step(att, lambda m: m.time_limit_passed())
-            )
-        began = time.perf_counter()
         try:
-            if att.running_on is None:
-                value = self._call_handler(att)
-            else:  # a time limit interrupts it on this thread
-                value = att.running_on.run(partial(self._call_handler, att))
-        except BaseException as exc:  # every ending is an outcome; the thread must survive
-            error = exc
-        finally:
+            with self.registry.lock:
+                self.registry.running += 1
+            if self.hooks.listeners:
+                self.hooks.emit("attempt_started", attempt_event(att))
+            limit = att.machine.time_limit
+            if limit is not None:
+                att.limit_at = self.options.clock.now() + limit.seconds
+                timer = self.threads.timers.call_at(
+                    att.limit_at, lambda: self.step(att, lambda m: m.time_limit_passed())
+                )
+            began = time.perf_counter()
+            try:
+                if att.running_on is None:
+                    value = self._call_handler(att)
+                else:  # a time limit interrupts it on this thread
+                    value = att.running_on.run(partial(self._call_handler, att))
+            except BaseException as exc:  # every ending is an outcome; the thread must survive
+                error = exc
             duration = time.perf_counter() - began
+        finally:
             if timer is not None:
                 self.threads.timers.cancel(timer)
             with self.registry.lock:
                 self.registry.running -= 1
+            running.release()
         return partial(
             AttemptMachine.handler_ended,
             value=value,

@@ -26,7 +26,8 @@ class CapacityWindow:
     """The worker's capacity reports: sequence, drain flag, and the capacity offered."""
 
     def __init__(self, capacity: int) -> None:
-        #: Held across building a report and writing it (reentrant: report() takes it too).
+        #: Held across building a report and writing it (reentrant: report() takes it too), and
+        #: around the acknowledged one.
         self.lock = threading.RLock()
         self._capacity = capacity
         #: Slots held by handlers that could not be stopped (past their time limit): never
@@ -37,8 +38,6 @@ class CapacityWindow:
         #: The report in force (the last one built), and the last one the server acknowledged.
         self._report: CapacityReport | None = None
         self._acked: CapacityReport | None = None
-        #: Guards ``_acked`` alone.
-        self._ack_lock = threading.Lock()
 
     @property
     def offered(self) -> int:
@@ -68,14 +67,14 @@ class CapacityWindow:
 
     def acked(self, report: CapacityReport) -> None:
         """The server acknowledged *report*."""
-        with self._ack_lock:
+        with self.lock:
             if self._acked is None or report.sequence > self._acked.sequence:
                 self._acked = report
 
     def unacked(self) -> bool:
         """Is a report due: none acknowledged, or the one in force (or due) is newer?"""
-        report = self.report()
-        with self._ack_lock:
+        with self.lock:
+            report = self.report()
             return self._acked is None or report.sequence > self._acked.sequence
 
 

@@ -30,10 +30,6 @@ class Admission:
     def __init__(self, shell: AttemptShell) -> None:
         self._shell = shell
         self._reg = shell.registry
-        self._handlers = shell.handlers
-        self._hooks = shell.hooks
-        self._clock = shell.options.clock
-        self._retry_delay = shell.options.renew_retry_delay
         self._log = shell.options.logger
         #: Attempt ids seen, oldest first (under the registry's lock).
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
@@ -61,11 +57,11 @@ class Admission:
                     self._seen.popitem(last=False)
             # Not one of this process's capabilities (the connection checks them, §6.1):
             # nothing can run it; the reservation returns to the queue at its lease's end.
-            found = None if again else self._handlers.find(key)
+            found = None if again else self._shell.handlers.find(key)
             machine = AttemptMachine(
                 assignment.attempt,
                 new_id=new_message_id,
-                retry_delay=self._retry_delay,
+                retry_delay=self._shell.options.renew_retry_delay,
                 time_limit=None if found is None else found[2],
                 encoder=self._shell.encoder,
             )
@@ -78,7 +74,7 @@ class Admission:
                 ctx = TaskContext(
                     task,
                     assignment.attempt_id,
-                    clock=self._clock,
+                    clock=self._shell.options.clock,
                     logger=task_log,
                     worker_logger=self._log,
                 )
@@ -98,7 +94,7 @@ class Admission:
         worker_log(att.ctx).debug(
             "assigned (%s, attempt %d/%d)", task.handler, task.attempt, task.max_attempts
         )
-        if self._hooks.listeners:
-            self._hooks.emit("attempt_received", attempt_event(att))
+        if self._shell.hooks.listeners:
+            self._shell.hooks.emit("attempt_received", attempt_event(att))
         # Decided as it was recorded (above); performed like any other event's actions.
         self._shell.admitted(att, actions)

@@ -167,23 +167,19 @@ class ReplayShell:
         self._outbox = outbox
         self._instance = registration.instance_id
         self._stored = [_Stored(item, options.renew_retry_delay) for item in pending]
-        #: Events for the machines, from any thread; drained by run()'s thread only.
+        #: Events for the machines: every one comes from a call or wait that run()'s thread made
+        #: itself, queued for its loop (never a recursion as deep as the retries).
         self._events: collections.deque[tuple[_Stored, Event]] = collections.deque()
         #: Stored attempts not yet settled, and those the try gave up (still stored).
         self._open = len(self._stored)
         self._kept = 0
-
-    def step(self, subject: _Stored, event: Event) -> None:
-        # On run()'s thread (an answer, a re-send): queued for its loop.
-        self._events.append((subject, event))
-        self._wakeup.set()
 
     def _stop(self, conn: Connection) -> None:
         self._link.close()  # ends a retry delay being waited for
         conn.close()  # ends the call being waited for: its record stays for the next try
         self._wakeup.set()
 
-    def run(self, conn: Connection, stop: Link | None = None) -> bool:
+    def run(self, conn: Connection, stop: Link | None) -> bool:
         """Deliver on *conn* (then closed); True when every stored attempt is settled for good,
         False when some wait for a later try."""
         unsubscribe = stop.on_close(partial(self._stop, conn)) if stop is not None else None
@@ -191,10 +187,10 @@ class ReplayShell:
             self._link.publish(conn)
             for s in self._stored:
                 item = s.item
-                self.step(
-                    s,
-                    partial(AttemptMachine.replay, finish=item.finish, message_id=item.message_id),
+                replayed = partial(
+                    AttemptMachine.replay, finish=item.finish, message_id=item.message_id
                 )
+                self._events.append((s, replayed))
             if not self._step_until(
                 self._clock.now() + TRY_LIMIT,
                 lambda: not self._open or self._link.is_closed() or conn.done.is_set(),
@@ -233,17 +229,18 @@ class ReplayShell:
             request = action.request
             outcome = self._caller.call(request)
             if outcome.gave_up:
-                self.step(s, partial(AttemptMachine.gave_up, request=request))
+                event: Event = partial(AttemptMachine.gave_up, request=request)
             elif outcome.error is not None:
-                self.step(s, failed(request, outcome.error, outcome.gen))
+                event = failed(request, outcome.error, outcome.gen)
             else:
-                self.step(s, answered(request, outcome.value))
+                event = answered(request, outcome.value)
+            self._events.append((s, event))
         elif isinstance(action, Keep):
             # A failed connection: this try has no newer one, and the record stays stored. A
             # retry delay is waited for here.
             again = not action.newer_than and self._caller.wait_to_resend(action)
-            event = AttemptMachine.resend if again else AttemptMachine.gave_up
-            self.step(s, partial(event, request=action.request))
+            then = AttemptMachine.resend if again else AttemptMachine.gave_up
+            self._events.append((s, partial(then, request=action.request)))
         elif isinstance(action, BreakConnection):
             self._link.broken(action.gen)
         elif isinstance(action, RecordFinish):

@@ -61,8 +61,6 @@ class ResumeBatch:
         """Step the outcome of every resume answered (or failed) since (the connection thread);
         True if there was one."""
         done = [item for item in self._resuming if item[2].done()]
-        if not done:
-            return False
         self._resuming = [item for item in self._resuming if item not in done]
         for att, request, call, gen in done:
             try:
@@ -72,4 +70,4 @@ class ResumeBatch:
             finally:
                 self._shell.controls.link.gate.release()
             self._shell.step(att, event)
-        return True
+        return bool(done)
