@@ -1,10 +1,9 @@
-"""The worker's current connection, shared by its threads: *opened* for the resumes only, then
+"""The worker's current connection, shared by its threads: *opened* for the resumes only,
 *published* for every request once they went out (:class:`Resumes`), *retracted* when it breaks.
-A failed start or finish waits, in the thread that sent it, for a newer connection or its retry
-delay (:meth:`Link.wait_for`) and is re-sent there with its ``message_id`` (PROTOCOL §7); a
-resume answered with a transient error is *kept* (:meth:`Link.keep`) for the connection thread.
-Closing the link ends every such wait (how shutdown bounds a finish waiting for a connection that
-never comes back). :class:`Intake` is the connection whose assignments the handler threads take.
+A failed start or finish waits in its thread for a newer connection or its retry delay
+(:meth:`Link.wait_for`) and is re-sent with its ``message_id`` (PROTOCOL §7); a resume answered
+with a transient error is *kept* (:meth:`Link.keep`) for the connection thread. Closing the link
+ends every such wait (how shutdown is bounded). :class:`Intake`: whose assignments are taken.
 """
 
 from __future__ import annotations
@@ -22,8 +21,7 @@ from ...models import CancelNotice, Registration
 
 __all__ = ["Connection", "Dialer", "Gate", "GaveUp", "Intake", "Link", "Resumes", "Wakeup"]
 
-#: The worker's connection: the package's own :class:`~orbit_sync.connection.WorkerConnection`
-#: (what :meth:`Dialer.dial_worker` returns).
+#: The worker's connection (what :meth:`Dialer.dial_worker` returns).
 Connection: TypeAlias = WorkerConnection
 
 
@@ -44,10 +42,9 @@ class GaveUp(Exception):
 
 
 class Gate:
-    """A counting semaphore for the attempts' requests (starts, finishes, resumes), so that
-    renewals and capacity reports always find a request slot of the connection free. A caller
-    waits for a slot; once closed, none is taken (:class:`GaveUp`): nothing waits past
-    shutdown."""
+    """A counting semaphore for the attempts' requests (starts, finishes, resumes), so renewals and
+    capacity reports always find a request slot free. Once closed, none is taken (:class:`GaveUp`):
+    nothing waits past shutdown."""
 
     def __init__(self, slots: int) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -55,8 +52,8 @@ class Gate:
         self._closed = False
 
     def acquire(self, most: int = 1, *, wait: bool = True) -> int:
-        """Take between one and *most* slots, waiting for the first (*wait*; else take what is
-        free now, maybe none); return how many. Raise :class:`GaveUp` once closed."""
+        """Take one to *most* slots, waiting for the first (unless not *wait*: maybe none); return
+        how many. Raise :class:`GaveUp` once closed."""
         with self._cond:
             while wait and not self._closed and self._free <= 0:
                 self._cond.wait()
@@ -80,9 +77,9 @@ class Gate:
 
 
 class Intake:
-    """The connection whose assignments the handler threads take (the newest one), and how many
-    of them the threads have recorded: the connection thread waits until every assignment
-    received before a drain's answer (or before the connection ended) is recorded. Thread-safe."""
+    """The connection whose assignments the handler threads take (the newest), and how many they
+    recorded: the connection thread waits until every one received before a drain's answer (or
+    the connection's end) is. Thread-safe."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -97,8 +94,7 @@ class Intake:
             self._cond.notify_all()
 
     def next(self, after: Connection | None) -> Connection | None:
-        """The connection to take from: the newest, once it is not *after* (whose assignments
-        the caller took to the end); ``None`` once closed."""
+        """The newest connection once it is not *after* (taken to the end); ``None`` once closed."""
         with self._cond:
             while not self._closed and (self._conn is None or self._conn is after):
                 self._cond.wait()
@@ -130,15 +126,15 @@ class Intake:
             return False
 
     def close(self) -> None:
-        """No more assignments are taken: every thread waiting for a connection is released."""
+        """No more assignments are taken: release every waiting thread."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
 
 
 class Link:
-    """The current connection and its generation number, under one condition variable, and the
-    gate that bounds the attempts' requests on it (starts, finishes and resumes)."""
+    """The current connection and its generation under one condition variable, and the gate
+    bounding the attempts' requests on it."""
 
     def __init__(self, clock: Clock | None = None, *, slots: int = 24) -> None:
         self._clock = clock or SystemClock()
@@ -149,12 +145,10 @@ class Link:
         #: May every request use ``_conn`` (or only the early ones: see :meth:`open`)?
         self._published = False
         self._closed = False
-        #: Kept requests: (not before, tie-breaker, newer than generation, early, re-send job).
+        #: Kept requests: (not before, tie-breaker, newer than generation, early, job).
         self._kept: list[tuple[float, int, int, bool, Callable[[], None]]] = []
         self._order = itertools.count()
-        #: Called once the link is closed (see :meth:`on_close`).
         self._on_close: list[Callable[[], None]] = []
-        #: Bounds the starts, finishes and resumes in flight (see :class:`Gate`).
         self.gate = Gate(slots)
 
     def is_closed(self) -> bool:
@@ -162,8 +156,8 @@ class Link:
         return self._closed
 
     def open(self, conn: Connection) -> int:
-        """Make *conn* the newest connection, for *early* requests only (the resumes that
-        reconcile it: see :meth:`current`) until :meth:`publish`; return its generation."""
+        """Make *conn* the newest connection, for *early* requests (its resumes) only until
+        :meth:`publish`; return its generation."""
         with self._lock:
             self._gen += 1
             self._conn = conn
@@ -172,8 +166,7 @@ class Link:
             return self._gen
 
     def publish(self, conn: Connection) -> int:
-        """Make *conn* current for every request (its resumes went out); return its generation
-        number (the one :meth:`open` gave it, if it was opened)."""
+        """Make *conn* current for every request; return its generation (:meth:`open`'s, if any)."""
         with self._lock:
             if conn is not self._conn:
                 self._gen += 1
@@ -191,8 +184,8 @@ class Link:
             self._cond.notify_all()
 
     def close(self) -> list[Callable[[], None]]:
-        """No connection will come any more: wake every waiter; return the kept requests' jobs
-        (the caller runs them: each then finds the link closed and gives up)."""
+        """No connection will come: wake every waiter; return the kept jobs (the caller runs them:
+        each finds the link closed and gives up)."""
         with self._lock:
             self._closed = True
             self._conn = None
@@ -205,8 +198,8 @@ class Link:
         return [k[4] for k in sorted(kept)]
 
     def on_close(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call *callback* (quick, non-blocking: it runs on the closing thread) once the link is
-        closed, at once if it already is; return what unsubscribes it."""
+        """Call *callback* (quick: it runs on the closing thread) once the link is closed, at once
+        if it is; return what unsubscribes it."""
         with self._lock:
             closed = self._closed
             if not closed:
@@ -229,9 +222,8 @@ class Link:
         delay: float = 0.0,
         early: bool = False,
     ) -> bool:
-        """Keep *job* (a request's re-send) until a connection newer than *newer_than* is
-        current (*early*: or only opened) and *delay* seconds have passed; False (nothing
-        kept) once the link is closed. The connection thread runs it (see :meth:`take_due`)."""
+        """Keep *job* (a re-send) for the connection thread until a connection newer than
+        *newer_than* is current (*early*: or opened) and *delay* has passed; False once closed."""
         with self._lock:
             if self._closed:
                 return False
@@ -240,9 +232,8 @@ class Link:
             return True
 
     def wait_for(self, *, newer_than: int = 0, delay: float = 0.0) -> bool:
-        """Wait until a published connection newer than *newer_than* is current and *delay*
-        seconds (on the link's clock) have passed: True, the caller re-sends its request; False
-        once the link is closed."""
+        """Wait until a published connection newer than *newer_than* is current and *delay* (link
+        clock) has passed: True to re-send; False once the link is closed."""
         with self._lock:
             until = self._clock.now() + delay if delay > 0 else 0.0
             while not self._closed:
@@ -254,9 +245,8 @@ class Link:
             return False
 
     def take_due(self) -> tuple[list[Callable[[], None]], float]:
-        """The kept jobs whose connection and time have come (to run now, in the order they
-        were kept), and when the next one is due on the clock (``inf``: none before a newer
-        connection, or its publishing)."""
+        """The kept jobs due now (in the order kept), and when the next is (``inf``: none before a
+        newer connection or its publishing)."""
         with self._lock:
             if self._conn is None or self._closed or not self._kept:
                 return [], math.inf
@@ -270,23 +260,21 @@ class Link:
         return [k[4] for k in sorted(due)], next_at
 
     def current(self, *, early: bool = False) -> tuple[Connection, int] | None:
-        """The current (published) connection, without waiting; *early*: also one only opened
-        (see :meth:`open`)."""
+        """The current (published; *early*: or opened) connection, without waiting."""
         with self._lock:
             if self._conn is None or self._closed or not (self._published or early):
                 return None
             return self._conn, self._gen
 
     def broken(self, gen: int) -> None:
-        """A request on connection *gen* failed in a way that leaves it unusable: close it, so
-        the connection thread notices at once and reconnects."""
+        """A request left connection *gen* unusable: close it (the connection thread reconnects)."""
         with self._lock:
             conn = self._conn if self._gen == gen else None
         if conn is not None:
             conn.close()
 
     def pause(self, seconds: float) -> None:
-        """Sleep *seconds* (on the link's clock), waking early if the link is closed."""
+        """Sleep *seconds* (link clock), waking early if the link is closed."""
         with self._lock:
             until = self._clock.now() + seconds
             while not self._closed and self._clock.now() < until:
@@ -294,28 +282,25 @@ class Link:
 
 
 class Resumes:
-    """The resumes of the newest connection: whether every one went out (publish it) and is over
-    (the session is established, unless one was *cut*: its connection failed before its answer).
-    Thread-safe."""
+    """The newest connection's resumes: all gone out (publish it), all over (the session is
+    established, unless one was *cut* before its answer). Thread-safe."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._lock = threading.Lock()
-        #: Wakes the connection thread (the last resume went out).
         self._wake = wake
         self._unsent: set[Hashable] = set()
         self._open: set[Hashable] = set()
         self._cut = False
 
     def begin(self) -> None:
-        """A new connection: forget the older one's resumes (a late outcome of one of them is
-        still stepped; its machine ignores it)."""
+        """A new connection: forget the older one's resumes (machines ignore late outcomes)."""
         with self._lock:
             self._unsent.clear()
             self._open.clear()
             self._cut = False
 
     def add(self, request: Hashable) -> None:
-        """*request*, a resume, is about to be sent (or re-sent after a transient answer)."""
+        """The resume *request* is about to be (re-)sent."""
         with self._lock:
             self._unsent.add(request)
             self._open.add(request)
@@ -351,9 +336,8 @@ class Resumes:
 
 
 class Wakeup:
-    """An ``Event`` whose timed :meth:`wait` runs on a :class:`~orbit_sync.Clock` (the worker's
-    waits for its next due moment: a test's ``ManualClock`` ends them when it moves past their
-    deadline)."""
+    """An ``Event`` whose timed :meth:`wait` runs on a :class:`~orbit_sync.Clock` (a test's
+    ``ManualClock`` ends it by moving past its deadline)."""
 
     __slots__ = ("_clock", "_cond", "_flag")
 
@@ -363,13 +347,11 @@ class Wakeup:
         self._flag = False
 
     def set(self) -> None:
-        """Set the flag and wake every waiter."""
         with self._cond:
             self._flag = True
             self._cond.notify_all()
 
     def clear(self) -> None:
-        """Reset the flag."""
         with self._cond:
             self._flag = False
 

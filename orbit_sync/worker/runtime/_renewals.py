@@ -1,7 +1,6 @@
-"""Lease renewals on the wire, for the lease watchdog's thread: every renewal due goes out in one
-write, each in its own slot of the connection, and each answer, as it sets its slot, wakes the
-watchdog's thread, which tells it to the watchdog (:meth:`Renewals.answered`): the thread never
-blocks on an answer while another lease's deadline falls due."""
+"""Lease renewals on the wire for the watchdog's thread: the renewals due go out in one write, each
+in its own slot, and each answer wakes the thread, which tells it to the watchdog
+(:meth:`Renewals.answered`): it never blocks on an answer while a deadline falls due."""
 
 from __future__ import annotations
 
@@ -19,8 +18,8 @@ __all__ = ["Renewals"]
 
 
 class Renewals:
-    """Sends the watchdog's renewals for the attempts of *registry* on *link*'s current
-    connection, each bounded by at most *request_timeout*; *waker* wakes the watchdog's thread."""
+    """Sends the watchdog's renewals of *registry*'s attempts on *link*'s current connection, each
+    bounded by *request_timeout*; *waker* wakes the watchdog's thread."""
 
     def __init__(
         self,
@@ -37,9 +36,8 @@ class Renewals:
         self._renewing: list[tuple[RenewDone, PendingCall]] = []
 
     def send(self, renewals: Sequence[tuple[str, str, RenewDone]]) -> None:
-        """The watchdog's batch, in one write (see the module's docstring). Renewals that cannot be
-        sent are told so after the write: nothing on the way to it may release the GIL (a log
-        line could)."""
+        """The watchdog's batch in one write; those that cannot be sent are told so after it
+        (nothing before the write may release the GIL)."""
         with self._registry.lock:
             atts = [self._registry.attempts.get(attempt_id) for attempt_id, _, _ in renewals]
         current = self._link.current()
@@ -69,9 +67,7 @@ class Renewals:
         self.answered()  # those refused before the wire
 
     def answered(self) -> None:
-        """Tell each renewal answered (or failed) since its *on_done* (the watchdog's thread):
-        the attempt's machine decides what it means (a link failure has ended its connection
-        already)."""
+        """Tell each renewal answered (or failed) since its *on_done* (the watchdog's thread)."""
         done = [item for item in self._renewing if item[1].done()]
         if not done:
             return

@@ -18,12 +18,11 @@ from ._shell import AttemptShell
 
 __all__ = ["CLOSE_ALLOWANCE", "Shutdown"]
 
-#: After the last shutdown phase: how long (real seconds) the worker's own threads get to exit
-#: once everything they wait on was closed (they end on those events, in milliseconds; this only
-#: bounds a stuck one). Also the slack a thread gives its own request past its call timeout.
+#: How long (real seconds) the worker's threads get to exit once all they wait on was closed (in
+#: milliseconds; this bounds a stuck one). Also a thread's slack for its request past its timeout.
 CLOSE_ALLOWANCE = 0.5
 
-#: The real-time clock of what runs in real time whatever the worker's clock: the close.
+#: The close runs in real time, whatever the worker's clock.
 REAL_TIME: Clock = SystemClock()
 
 
@@ -41,23 +40,19 @@ class Shutdown:
         self._options = shell.options
         self._time = shell.options.clock
         self._shell = shell
-        #: True once the server will assign nothing more (read under the registry's
-        #: condition, which is notified when it becomes true).
+        #: True once the server will assign nothing more (notifies the registry's condition).
         self._assignments_over = assignments_over
-        #: Publishes the report and tells the listeners.
         self._stopped = stopped
-        #: Set by overdue(): the phases overran their real-time bound (under the condition).
+        #: Set by overdue() (under the condition).
         self._overdue = False
 
     def bound(self, window: float) -> float:
-        """The real seconds the phases of a shutdown may take: their budget on the worker's clock
-        (a drain *window*, ``cancel_grace``, ``flush_timeout``), plus the close allowance as slack
-        for their own work, so that on a real clock the bound never cuts a phase short."""
+        """The real seconds the phases may take: their budget on the worker's clock (drain
+        *window*, cancel grace, flush timeout) plus the close allowance as slack for their work."""
         return window + self._options.cancel_grace + self._options.flush_timeout + CLOSE_ALLOWANCE
 
     def overdue(self) -> None:
-        """The phases overran their real-time bound (the worker's clock did not reach their
-        deadlines in time): the phase waiting now ends, and those to come do not wait."""
+        """The phases overran their real-time bound: the one waiting ends, the next do not wait."""
         with self._reg.lock:
             self._overdue = True
             self._reg.cond.notify_all()
@@ -65,19 +60,16 @@ class Shutdown:
     def wait_until(
         self, done: Callable[[], bool], deadline: float, *, real_time: bool = False
     ) -> None:
-        """Wait (on the registry's condition) until *done()* or *deadline* (on the worker's
-        clock, ended early by :meth:`overdue`; with *real_time*, on a real clock and never
-        ended early: the close's wait)."""
+        """Wait on the registry's condition until *done()* or *deadline* (worker's clock, ended by
+        :meth:`overdue`; *real_time*: on a real clock, never ended early)."""
         clock = REAL_TIME if real_time else self._time
         with self._reg.lock:
             while not done() and clock.now() < deadline and (real_time or not self._overdue):
                 clock.wait(self._reg.cond, deadline)
 
     def drain(self) -> bool:
-        """Until the registry's drain deadline (a later request_stop may bring it forward): wait
-        for the server to assign nothing more (the drain report answered), then for every
-        attempt held, those that arrived meanwhile included, to end; running handlers keep
-        their leases renewed. True when nothing is left."""
+        """Until the drain deadline (a later request_stop may bring it forward), wait for the server
+        to assign nothing more, then for every attempt held to end; True when nothing is left."""
         reg = self._reg
         with reg.lock:
             while (
@@ -89,8 +81,7 @@ class Shutdown:
             return not reg.attempts
 
     def cancel(self, grace: float) -> list[Attempt]:
-        """Cancel what is starting or running (``shutdown``); give it *grace* seconds to return.
-        Return the attempts that were running."""
+        """Cancel what is starting or running, give it *grace* seconds; return those running."""
         with self._reg.lock:
             # Before the attempts are listed: one admitted after the list starts cancelled.
             self._reg.drain_over = True
@@ -105,14 +96,12 @@ class Shutdown:
         return cancelled
 
     def abandon(self) -> list[Attempt]:
-        """Finish handlers that ignore cancellation UNKNOWN (their effect is uncertain). The
-        finish is sent from here (it never blocks); the handler's thread is counted stuck, and
-        the pool's shutdown does not wait for it."""
+        """Finish handlers that ignore cancellation UNKNOWN (sent from here, never blocking); their
+        threads are counted stuck and not waited for."""
         return [att for att, actions in self._step_each(AttemptMachine.abandon) if actions]
 
     def _step_each(self, event: Event) -> list[tuple[Attempt, list[Action]]]:
-        """Step *event* on every live attempt, as every other event is stepped; return each
-        attempt with the actions its machine returned: the shutdown learns what its step did."""
+        """Step *event* on every live attempt; return each with the actions its machine returned."""
         stepped: list[tuple[Attempt, list[Action]]] = []
         for att in self._live():
 
@@ -125,7 +114,7 @@ class Shutdown:
         return stepped
 
     def _settled(self) -> bool:
-        """Is every attempt settled (its finish delivered, refused or given up)?"""
+        """Is every attempt's finish delivered, refused or given up?"""
         return not self._reg.attempts
 
     def _live(self) -> list[Attempt]:
@@ -138,10 +127,9 @@ class Shutdown:
         done: threading.Event,
         published: Callable[[], ShutdownReport | None],
     ) -> ShutdownReport:
-        """What ``stop()`` returns: the *published* report once *done*, waited for in real
-        time at most the shutdown's bound (a drain of *window* seconds) plus the close
-        allowance; then the phases are cut short (the alarm may not have fired yet: this stop
-        shortened the drain), and past two more allowances the shutdown is :meth:`stuck`."""
+        """What ``stop()`` returns: the *published* report once *done*, waited for in real time at
+        most the bound plus an allowance; then the phases are cut short (this stop may have
+        shortened the drain, before the alarm), and two allowances later it is :meth:`stuck`."""
         bound = self.bound(window) + CLOSE_ALLOWANCE
         if not done.wait(bound):
             self.overdue()
@@ -152,9 +140,9 @@ class Shutdown:
         return report
 
     def stuck(self, report: ShutdownReport | None, waited: float) -> ShutdownReport:
-        """The shutdown did not end within *waited* real seconds: log what is left unreported
-        and return *report* (published, but a listener's ``stopped`` has not returned) or, when
-        there is none, one made from the attempts still live, with a ``TimeoutError``."""
+        """The shutdown did not end within *waited* real seconds: log it and return *report*
+        (published, a listener not returned) or one of the attempts still live, with a
+        ``TimeoutError``."""
         if report is None:
             with self._reg.lock:
                 left = (*self._reg.unreported, *(a.info for a in self._reg.attempts.values()))
@@ -172,8 +160,7 @@ class Shutdown:
         return report
 
     def run(self) -> None:
-        """The thread: wait for a stop request, shut down, hand the report to *stopped* (which
-        publishes it and tells the listeners)."""
+        """The thread: wait for a stop request, shut down, hand the report to *stopped*."""
         with self._reg.lock:
             while not self._reg.stop_requested:
                 self._reg.cond.wait()
@@ -254,10 +241,8 @@ class Shutdown:
         )
 
     def _close(self) -> None:
-        """Every remaining waiter gives up (a dial in progress is cut); the threads, woken by
-        that, wind down within the close allowance (the pool does not wait for the stuck
-        handlers: abandoned ones still running)."""
-        # Real time: what is waited for here are threads ending on the events closing sets.
+        """Every waiter gives up (a dial is cut); the threads wind down within the close allowance
+        (real time: they end on the events closing sets), the stuck handlers not waited for."""
         close_end = REAL_TIME.now() + CLOSE_ALLOWANCE
         controls, threads = self._shell.controls, self._shell.threads
         current = controls.link.current()

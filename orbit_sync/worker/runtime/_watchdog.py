@@ -1,17 +1,11 @@
-"""The lease watchdog: one heap of renew times for every running attempt (PROTOCOL §6.3-6.6; the
-schedule, its batching and what a reconnect changes: docs/reliability.md, section 3).
+"""The lease watchdog: one heap of renew times for every running attempt (PROTOCOL §6.3-6.6;
+schedule, batching and reconnects: docs/reliability.md, section 3).
 
-:class:`LeaseWatchdog` is a plain class over an injectable monotonic clock and a *send* function
-that sends a batch of renewals in one socket write without waiting for them (each answer comes
-back through its callback): a slow answer never delays another attempt's renewal.
-:meth:`LeaseWatchdog.run_due` sends everything that is due and says when to come back;
-:class:`WatchdogThread` is the thin shell that sleeps until then. At most one renewal per attempt
-is in flight, its deadline watched meanwhile, until the attempt's machine has decided what its
-:class:`~._machine.RenewAnswer` means (:meth:`~LeaseWatchdog.track`,
-:meth:`~LeaseWatchdog.retry` or :meth:`~LeaseWatchdog.untrack`).
-
-Every field of an entry is read and written under the watchdog's lock, whichever thread (the
-watchdog's, which also reads the renewals' answers, or the connection's) does it.
+:class:`LeaseWatchdog` runs over an injectable clock and a *send* that writes a batch of renewals
+without waiting (each answer comes back through its callback): a slow answer never delays another
+renewal. :class:`WatchdogThread` sleeps until :meth:`LeaseWatchdog.run_due` says to come back. At
+most one renewal per attempt is in flight, its deadline watched, until the attempt's machine has
+decided what its :class:`~._machine.RenewAnswer` means. Entries are touched only under the lock.
 """
 
 from __future__ import annotations
@@ -42,36 +36,29 @@ _LOG = logging.getLogger("orbit_sync.worker")
 OnAnswer = Callable[[str, RenewAnswer], None]
 #: ``on_done(lease, error)``: the renewal's lease (carrying its local ``deadline``) or why not.
 RenewDone = Callable[["Lease | None", "BaseException | None"], None]
-#: ``send([(attempt_id, message_id, on_done), ...])``: send renewals in one socket write and
-#: return without waiting; each ``on_done`` is called exactly once, possibly before ``send``
-#: returns and from any thread.
+#: ``send([(attempt_id, message_id, on_done), ...])``: one write, no wait; each ``on_done`` is
+#: called exactly once, maybe before ``send`` returns and from any thread.
 SendRenews = Callable[[Sequence[tuple[str, str, RenewDone]]], None]
-#: Renewals to send in one write, as *send* takes them.
 _Batch = list[tuple[str, str, RenewDone]]
 
 #: Never schedule two renewals of one attempt closer than this (a tiny window must not spin).
 MIN_RENEW_INTERVAL = 0.05
-#: A renewal joins a batch that is being sent anyway once no more than this fraction of its wait
-#: (from its last grant to when it is due) is left.
+#: A renewal joins a batch being sent anyway once at most this fraction of its wait is left.
 GROUP_FRACTION = 0.25
-#: Renewals added early stop once a batch holds this many: handlers' starts and finishes need
-#: room among the connection's 32 requests in flight too. Renewals that are due always go.
+#: Early renewals stop at this batch size (starts and finishes need room among the connection's
+#: 32 requests in flight too); renewals that are due always go.
 MAX_EARLY_BATCH = 16
-#: On a new connection, a lease is renewed at once once this fraction of the window its last
-#: grant gave has passed (see :meth:`LeaseWatchdog.connected`).
+#: On a new connection, renew at once each lease past this fraction of its last grant's window.
 RECONNECT_FRACTION = 0.25
 #: Lag above this is logged: handlers are starving the watchdog of the GIL.
 LAG_WARNING = 1.0
-#: A renewal is scheduled early by the worst lag of this many recent wake-ups, times
-#: :data:`LEAD_FACTOR` (see :meth:`LeaseWatchdog.track`).
+#: A renewal is scheduled early by the worst lag of this many recent wake-ups (times the factor).
 LEAD_WAKES = 16
 #: GIL waits have a long tail: the next wake-up is often later than the worst of the last few.
 LEAD_FACTOR = 2.0
-#: Once nothing is left to renew, the thread still wakes by itself this long after the last
-#: track: a busy worker's short attempts (tracked and untracked before any renewal is due) then
-#: find it sleeping until a moment before their renewal and need not wake it, where sleeping
-#: "until woken" made about every second track wake it (a thread switch each; see
-#: docs/performance.md, "The watchdog's wake-ups").
+#: With nothing left to renew, the thread still wakes this long after the last track: a busy
+#: worker's short attempts then find it asleep until before their renewal and need not wake it
+#: (a thread switch each; docs/performance.md, "The watchdog's wake-ups").
 BUSY_LINGER = 1.0
 
 
@@ -82,9 +69,8 @@ class WatchdogStats:
     tracked: int
     renewals: int
     renew_failures: int
-    #: Seconds the most recent wake-up came after the moment it was scheduled for.
+    #: How late the most recent wake-up came (seconds), and the worst so far.
     lag_last: float
-    #: The worst such lateness seen so far.
     lag_max: float
 
 
@@ -92,21 +78,19 @@ class WatchdogStats:
 class _Entry:
     attempt_id: str
     deadline: float
-    #: When the next renewal is wanted (``inf``: one is in flight, answered or not, until the
-    #: attempt's machine decided what its answer means).
+    #: When the next renewal is wanted (``inf``: one is in flight until the machine decides).
     due: float
-    #: When ``due`` was set: the last grant (or track, refresh, failure) it is counted from.
+    #: When ``due`` was set (the last grant, track, refresh or failure).
     since: float
-    #: The window the last grant (the start's answer or a renewal) gave: (when, deadline).
+    #: The window the last grant gave: (when, deadline).
     granted: tuple[float, float]
     #: The moment this entry's live heap item stands for (older items are stale).
     wake_at: float = math.inf
-    #: The ``message_id`` of a renew that was (maybe) sent and not answered: re-sent as is.
+    #: The ``message_id`` of a renew (maybe) sent and not answered: re-sent as is.
     pending_id: str | None = None
-    #: Token of the renewal in flight (0: none, or answered); any other completion is stale.
+    #: Token of the renewal in flight (0: none); any other completion is stale.
     flight: int = 0
-    #: The renewal due is the one sent right behind a new connection's resumes (see
-    #: :attr:`~._machine.RenewAnswer.behind_resume`).
+    #: The renewal due goes right behind a new connection's resumes (``behind_resume``).
     reconnected: bool = False
 
 
@@ -132,38 +116,31 @@ class LeaseWatchdog:
         self._entries: dict[str, _Entry] = {}
         self._heap: list[tuple[float, int, str]] = []
         self._seq = itertools.count(1)
-        #: When the thread shell sleeps until (what run_due last returned): pushing anything
-        #: later needs no wake-up.
+        #: What run_due last returned: pushing anything later needs no wake-up.
         self._sleeping_until = math.inf
-        #: When the last attempt was tracked (see BUSY_LINGER).
         self._last_track = -math.inf
         self._renewals = 0
         self._failures = 0
         self._lag_max = 0.0
-        #: How late the recent wake-ups came (the lead of the next renewals; the last: lag_last).
+        #: How late the recent wake-ups came (the lead of the next renewals).
         self._recent_lags: deque[float] = deque(maxlen=LEAD_WAKES)
-        #: The lag assumed before any wake-up was measured: with *cautious_start*, the worst
-        #: the lead allows for (a worker's first renewals may come due while its handlers
-        #: already hold the GIL).
+        #: The lag assumed before any was measured: *cautious_start* takes the worst the lead
+        #: allows (the first renewals may come due while handlers already hold the GIL).
         self._unmeasured_lag = math.inf if cautious_start else 0.0
 
     def report_to(self, on_answer: OnAnswer) -> None:
-        """Report what became of each renewal to *on_answer* from now on (the attempts' shell)."""
+        """Report what became of each renewal to *on_answer* from now on."""
         self._on_answer = on_answer
 
-    # ------------------------------------------------------------------ tracking
-
     def track(self, attempt_id: str, deadline: float) -> None:
-        """Renew *attempt_id*, whose lease (just granted) ends locally at *deadline*, at half of
-        what remains, less the lag the watchdog's recent wake-ups had."""
+        """Renew *attempt_id* (lease just granted, ending at *deadline*) at half of what remains."""
         now = self.clock()
         remaining = deadline - now
         # Half of what remains, at least MIN_RENEW_INTERVAL away, never past the deadline.
         wait = min(max(remaining, 0.0), max(MIN_RENEW_INTERVAL, remaining / 2))
         with self._lock:
-            # Early by twice the worst lag of the recent wake-ups (under CPU-bound handlers each
-            # one waits for the GIL), so the renewal still goes out when due: at most a quarter
-            # of the wait (the slack a batch may take too), never under the minimum interval.
+            # Early by twice the worst recent lag (CPU-bound handlers hold the GIL), so it still
+            # goes out when due: at most a batch's slack, never under the minimum interval.
             lead = min(
                 LEAD_FACTOR * max(self._recent_lags, default=self._unmeasured_lag),
                 GROUP_FRACTION * wait,
@@ -176,28 +153,24 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float) -> bool:
-        """A resume's lease says *attempt_id*'s lease ends at *deadline* (local clock); True when
-        that deadline stands now. A resume grants no time, so it never puts a scheduled renewal
-        off, nor brings the deadline forward (a renewal sent behind it may be answered first):
-        the later deadline stands.
-        """
+        """A resume says *attempt_id*'s lease ends at *deadline*; True if that stands now. A resume
+        grants no time: it never puts a renewal off, and the later deadline stands (a renewal
+        sent behind it may be answered first)."""
         with self._lock:
             entry = self._entries.get(attempt_id)
             if entry is None or deadline <= entry.deadline:
                 return False
             entry.deadline = deadline
-            # In flight, the entry waits on its deadline (the answer schedules the next renewal):
-            # watch the later one. Otherwise its renewal, due before either deadline, stands.
+            # In flight, the entry waits on its deadline: watch the later one. Otherwise its
+            # renewal, due before either deadline, stands.
             wake = self._push(entry, deadline) if entry.due == math.inf else False
         self._wake(wake)
         return True
 
     def connected(self) -> None:
-        """A new connection was published, right behind its resumes: renew on it now every
-        lease that has run :data:`RECONNECT_FRACTION` of the window its last grant gave (every
-        renew the old connection left unanswered among them, re-sent with its ``message_id``),
-        without waiting for the resumes' answers (the answer says it went out behind them).
-        """
+        """A new connection was published behind its resumes: renew on it now every lease past
+        :data:`RECONNECT_FRACTION` of its window (unanswered ones with their ``message_id``),
+        without waiting for the resumes' answers."""
         now = self.clock()
         wake = False
         with self._lock:
@@ -213,9 +186,8 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def retry(self, attempt_id: str, delay: float, error: BaseException) -> None:
-        """Send *attempt_id*'s unanswered renewal (which failed with *error*) again, with its
-        ``message_id``, after *delay*, or at its deadline if sooner (then to expire it, if
-        nothing came meanwhile)."""
+        """Re-send *attempt_id*'s failed renewal, same ``message_id``, after *delay* or at its
+        deadline if sooner (then to expire it)."""
         now = self.clock()
         with self._lock:
             entry = self._entries.get(attempt_id)
@@ -262,11 +234,8 @@ class LeaseWatchdog:
         with self._lock:
             return self._next_at()
 
-    # ------------------------------------------------------------------ the work
-
     def run_due(self) -> float | None:
-        """Send every renewal due now, and those nearly due, in one batch; return when to call
-        again (clock time) or ``None``."""
+        """Send every renewal due or nearly due in one batch; return when to call again."""
         while True:
             now = self.clock()
             batch: _Batch = []
@@ -282,9 +251,8 @@ class LeaseWatchdog:
                     lag = now - at
                     if woke_lag is None:  # the earliest item: how late this wake-up is
                         woke_lag = lag
-                    # An entry in flight has its one live item at its deadline: popped, it expires.
+                    # Past its deadline (in flight, it waits on it): a late answer finds it gone.
                     if now >= entry.deadline:
-                        # Nothing is left to renew: a late answer finds it gone.
                         del self._entries[attempt_id]
                         expired.append(attempt_id)
                     else:
@@ -294,13 +262,12 @@ class LeaseWatchdog:
                 if woke_lag is not None:
                     self._lag_max = max(self._lag_max, woke_lag)
                     self._recent_lags.append(woke_lag)
-            # Nothing between the wake-up and this write may release the GIL (no log line, no
-            # contended lock): each such call can cost a whole thread switch under CPU load.
+            # Nothing before this write may release the GIL (no log line, no contended lock): each
+            # such call can cost a thread switch under CPU load.
             if batch:
                 try:
                     self._send(batch)
-                except Exception as exc:  # a send that raises instead of calling back
-                    # Nothing was sent; anything but an OrbitError is a bug.
+                except Exception as exc:  # nothing was sent; anything but an OrbitError is a bug
                     if not isinstance(exc, OrbitError):
                         self._log.error("renewal send failed unexpectedly; retrying", exc_info=exc)
                     # Renewals already completed are stale now: their flight token was used.
@@ -322,7 +289,7 @@ class LeaseWatchdog:
                 return nxt
 
     def _start_flight(self, entry: _Entry, batch: _Batch, lag: float) -> None:
-        """Put *entry*'s renewal in *batch* (lock held); it is watched by its deadline meanwhile."""
+        """Put *entry*'s renewal in *batch* (lock held), watching its deadline meanwhile."""
         entry.pending_id = message_id = entry.pending_id or new_message_id()
         entry.flight = next(self._seq)
         entry.due = math.inf
@@ -331,8 +298,7 @@ class LeaseWatchdog:
         batch.append((entry.attempt_id, message_id, on_done))
 
     def _pull_in(self, now: float, batch: _Batch) -> None:
-        """Add to *batch* every renewal nearly due (lock held; see :data:`GROUP_FRACTION`): one
-        pass over the entries (at most the worker's capacity), only when a batch is sent."""
+        """Add to *batch* every renewal nearly due (lock held; one pass over the entries)."""
         for entry in self._entries.values():
             if len(batch) >= MAX_EARLY_BATCH:
                 return
@@ -355,9 +321,8 @@ class LeaseWatchdog:
         lease: Lease | None,
         error: BaseException | None,
     ) -> None:
-        """Completion of one renewal, on whatever thread answered it: counted and reported.
-        The renewal stays in flight (its deadline watched, nothing else sent for it) until the
-        machine's answer tracks, retries or untracks it."""
+        """One renewal's completion (any thread): counted and reported; it stays in flight until
+        the machine tracks, retries or untracks it."""
         with self._lock:
             if entry.flight != flight or self._entries.get(entry.attempt_id) is not entry:
                 return  # stale, or finished while the renew was in flight: nothing to do
@@ -373,11 +338,8 @@ class LeaseWatchdog:
         if needed:
             self._on_change()
 
-    # ------------------------------------------------------------------ heap (lock held)
-
     def _push(self, entry: _Entry, at: float) -> bool:
-        """Schedule *entry* at *at* (its earlier item goes stale); True if the thread shell
-        sleeps past it and must be woken."""
+        """Schedule *entry* at *at* (lock held); True if the thread sleeps past it."""
         entry.wake_at = at
         heapq.heappush(self._heap, (at, next(self._seq), entry.attempt_id))
         if at < self._sleeping_until:
@@ -386,8 +348,7 @@ class LeaseWatchdog:
         return False
 
     def _next_at(self) -> float | None:
-        """When the first live item is due (lazy deletion: an item is live only if its entry is
-        tracked and due then), dropping the stale ones before it."""
+        """When the first live item is due, dropping the stale ones before it (lock held)."""
         while self._heap:
             at, _, attempt_id = self._heap[0]
             entry = self._entries.get(attempt_id)
@@ -398,11 +359,9 @@ class LeaseWatchdog:
 
 
 class Timers:
-    """One-shot timers on the worker's clock (the handlers' time limits and their cancel grace),
-    run by the lease watchdog's thread: time limits are rare, short work, and a thread of their
-    own would be one more to start, wake and join. A callback must not block; one that raises is
-    logged and the others still run. *on_change* is called when a timer is set earlier than
-    what the thread running them sleeps until."""
+    """One-shot timers on the worker's clock (time limits and their grace), run by the watchdog's
+    thread: rare, short work not worth a thread. A callback must not block; one that raises is
+    logged. *on_change* is called when a timer is set before the earliest."""
 
     def __init__(self, clock: Callable[[], float], on_change: Callable[[], None]) -> None:
         self.clock = clock
@@ -433,7 +392,6 @@ class Timers:
         now = self.clock()
         due: list[Callable[[], None]] = []
         with self._lock:
-            # Every timer due now, and the cancelled ones before the next.
             while self._heap and (self._heap[0][0] <= now or self._heap[0][1] not in self._due):
                 _, handle = heapq.heappop(self._heap)
                 fn = self._due.pop(handle, None)
@@ -449,9 +407,8 @@ class Timers:
 
 
 class WatchdogThread:
-    """Runs a :class:`LeaseWatchdog` on one daemon thread, sleeping until the next due time;
-    and *timers* (the handlers' time limits, on the same clock) beside it. *wake* is what wakes
-    it (the worker's waits on its own clock: fake time in tests)."""
+    """Runs a :class:`LeaseWatchdog` and *timers* on one daemon thread; *wake* wakes it (on the
+    worker's clock: fake time in tests)."""
 
     def __init__(
         self, core: LeaseWatchdog, *, wake: Wakeup | threading.Event, timers: Timers
@@ -459,12 +416,10 @@ class WatchdogThread:
         self.core = core
         self._timers = timers
         self._wake = wake
-        #: Reports the renewals answered since (the shell's: each answer sets this thread's
-        #: wake-up, so it never blocks on one while a deadline falls due).
+        #: Reports the renewals answered since (each answer sets this thread's wake-up).
         self.answers: Callable[[], None] = lambda: None
         self._stopping = False
-        #: Jobs handed to this thread from a connection's reader (listeners: see Hooks.emit),
-        #: run in order at its next turn, before anything falls due.
+        #: Jobs from a connection's reader (listeners: see Hooks.emit), run at the next turn.
         self._handed: deque[Callable[[], None]] = deque()
         self._thread = threading.Thread(target=self._main, name="orbit-lease-watchdog", daemon=True)
 
@@ -485,7 +440,7 @@ class WatchdogThread:
                 _LOG.exception("lease watchdog job failed")
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Stop the thread and wait up to *timeout* for it (a renew in flight is bounded)."""
+        """Stop the thread and wait up to *timeout* for it."""
         self._stopping = True
         self._wake.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():

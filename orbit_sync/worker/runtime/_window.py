@@ -1,11 +1,9 @@
-"""The capacity the worker reports (PROTOCOL §5.6, §5.7): every handler slot it has, less the
-slots held by handlers that could not be stopped (``stuck``), with the reports' sequence and
-drain flag. The server counts every attempt it holds against that capacity across the
-process's sessions, so it never assigns more than the handlers that are free. A burst of up to
-the whole capacity in one TCP read does not overflow the connection's queue of 8: the reader
-waits for room (``orbit_sync.connection.ASSIGNMENT_WAIT``) while the handler threads take each
-one. Every report goes out under :attr:`CapacityWindow.lock`, held across its write, so reports
-reach the wire in sequence order.
+"""The capacity the worker reports (PROTOCOL §5.6, §5.7): every handler slot less those held by
+handlers that could not be stopped (``stuck``), with the reports' sequence and drain flag. The
+server counts every attempt it holds against it across the process's sessions, so it never
+assigns more than the free handlers; a burst in one TCP read waits for room in the connection's
+queue (``orbit_sync.connection.ASSIGNMENT_WAIT``). Every report is written under
+:attr:`CapacityWindow.lock`, so reports reach the wire in sequence order.
 """
 
 from __future__ import annotations
@@ -26,12 +24,10 @@ class CapacityWindow:
     """The worker's capacity reports: sequence, drain flag, and the capacity offered."""
 
     def __init__(self, capacity: int) -> None:
-        #: Held across building a report and writing it (reentrant: report() takes it too), and
-        #: around the acknowledged one.
+        #: Held across building a report and writing it (reentrant: report() takes it too).
         self.lock = threading.RLock()
         self._capacity = capacity
-        #: Slots held by handlers that could not be stopped (past their time limit): never
-        #: offered (set under the lock).
+        #: Slots of handlers that could not be stopped: never offered (set under the lock).
         self.stuck = 0
         self._drain = False
         self._sequence = 0
@@ -51,9 +47,8 @@ class CapacityWindow:
             self._drain = True
 
     def report(self) -> CapacityReport:
-        """The report in force: the last one built, or a new one (the next sequence) when the
-        capacity it reports must change (a slot got stuck or came free) or a drain was asked
-        for since."""
+        """The report in force: the last built, or a new one (next sequence) when its capacity or
+        drain flag must change."""
         with self.lock:
             report = self._report
             capacity = max(0, self._capacity - self.stuck)
@@ -79,9 +74,8 @@ class CapacityWindow:
 
 
 class SentReport:
-    """A capacity report sent on *conn* (its own slot), and its answer: the connection thread
-    reads it once it is :attr:`over` (*wake* is set as it arrives) or waits for it
-    (:meth:`wait`)."""
+    """A capacity report sent on *conn* and its answer: read once :attr:`over` (*wake* is set as
+    it arrives) or waited for (:meth:`wait`)."""
 
     def __init__(
         self,
@@ -107,8 +101,7 @@ class SentReport:
         return self._call.done()
 
     def wait(self) -> None:
-        """Wait for the answer (at most the call's bound) and record it in :attr:`value` or
-        :attr:`error`."""
+        """Wait for the answer (within the call's bound) into :attr:`value` or :attr:`error`."""
         if self._read:
             return
         self._read = True
