@@ -52,8 +52,7 @@ class Gate:
         self._closed = False
 
     def acquire(self, most: int = 1, *, wait: bool = True) -> int:
-        """Take one to *most* slots, waiting for the first (unless not *wait*: maybe none); return
-        how many. Raise :class:`GaveUp` once closed."""
+        """Take 1 to *most* slots (not *wait*: maybe 0), waiting for one; GaveUp once closed."""
         with self._cond:
             while wait and not self._closed and self._free <= 0:
                 self._cond.wait()
@@ -77,9 +76,8 @@ class Gate:
 
 
 class Intake:
-    """The connection whose assignments the handler threads take (the newest), and how many they
-    recorded: the connection thread waits until every one received before a drain's answer (or
-    the connection's end) is. Thread-safe."""
+    """The connection whose assignments the handler threads take (the newest), and how many of
+    them they recorded (the connection thread waits for all). Thread-safe."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
@@ -133,8 +131,7 @@ class Intake:
 
 
 class Link:
-    """The current connection and its generation under one condition variable, and the gate
-    bounding the attempts' requests on it."""
+    """The current connection and its generation, and the gate bounding the requests on it."""
 
     def __init__(self, clock: Clock | None = None, *, slots: int = 24) -> None:
         self._clock = clock or SystemClock()
@@ -156,8 +153,7 @@ class Link:
         return self._closed
 
     def open(self, conn: Connection) -> int:
-        """Make *conn* the newest connection, for *early* requests (its resumes) only until
-        :meth:`publish`; return its generation."""
+        """Make *conn* newest, for *early* requests until :meth:`publish`; return its generation."""
         with self._lock:
             self._gen += 1
             self._conn = conn
@@ -169,8 +165,7 @@ class Link:
         """Make *conn* current for every request; return its generation (:meth:`open`'s, if any)."""
         with self._lock:
             if conn is not self._conn:
-                self._gen += 1
-                self._conn = conn
+                self.open(conn)
             self._published = True
             self._cond.notify_all()
             return self._gen
@@ -184,8 +179,8 @@ class Link:
             self._cond.notify_all()
 
     def close(self) -> list[Callable[[], None]]:
-        """No connection will come: wake every waiter; return the kept jobs (the caller runs them:
-        each finds the link closed and gives up)."""
+        """No connection will come: wake every waiter; return the kept jobs (for the caller to run:
+        each gives up)."""
         with self._lock:
             self._closed = True
             self._conn = None
@@ -198,8 +193,7 @@ class Link:
         return [k[4] for k in sorted(kept)]
 
     def on_close(self, callback: Callable[[], None]) -> Callable[[], None]:
-        """Call *callback* (quick: it runs on the closing thread) once the link is closed, at once
-        if it is; return what unsubscribes it."""
+        """Call quick *callback* once the link is closed (at once if it is); return unsubscribe."""
         with self._lock:
             closed = self._closed
             if not closed:
@@ -245,8 +239,7 @@ class Link:
             return False
 
     def take_due(self) -> tuple[list[Callable[[], None]], float]:
-        """The kept jobs due now (in the order kept), and when the next is (``inf``: none before a
-        newer connection or its publishing)."""
+        """The kept jobs due now (in order kept), and when the next is (``inf``: not yet known)."""
         with self._lock:
             if self._conn is None or self._closed or not self._kept:
                 return [], math.inf
@@ -282,8 +275,7 @@ class Link:
 
 
 class Resumes:
-    """The newest connection's resumes: all gone out (publish it), all over (the session is
-    established, unless one was *cut* before its answer). Thread-safe."""
+    """The newest connection's resumes: all sent (publish), all over, or one *cut*. Thread-safe."""
 
     def __init__(self, wake: Callable[[], None]) -> None:
         self._lock = threading.Lock()

@@ -47,8 +47,7 @@ class Shutdown:
         self._overdue = False
 
     def bound(self, window: float) -> float:
-        """The real seconds the phases may take: their budget on the worker's clock (drain
-        *window*, cancel grace, flush timeout) plus the close allowance as slack for their work."""
+        """The real seconds the phases may take: drain *window*, cancel grace, flush, allowance."""
         return window + self._options.cancel_grace + self._options.flush_timeout + CLOSE_ALLOWANCE
 
     def overdue(self) -> None:
@@ -60,8 +59,7 @@ class Shutdown:
     def wait_until(
         self, done: Callable[[], bool], deadline: float, *, real_time: bool = False
     ) -> None:
-        """Wait on the registry's condition until *done()* or *deadline* (worker's clock, ended by
-        :meth:`overdue`; *real_time*: on a real clock, never ended early)."""
+        """Wait until *done()* or *deadline* (worker's clock, or :meth:`overdue`; or real time)."""
         clock = REAL_TIME if real_time else self._time
         with self._reg.lock:
             while not done() and clock.now() < deadline and (real_time or not self._overdue):
@@ -96,8 +94,7 @@ class Shutdown:
         return cancelled
 
     def abandon(self) -> list[Attempt]:
-        """Finish handlers that ignore cancellation UNKNOWN (sent from here, never blocking); their
-        threads are counted stuck and not waited for."""
+        """Finish handlers that ignore cancellation UNKNOWN (their threads are counted stuck)."""
         return [att for att, actions in self._step_each(AttemptMachine.abandon) if actions]
 
     def _step_each(self, event: Event) -> list[tuple[Attempt, list[Action]]]:
@@ -122,10 +119,7 @@ class Shutdown:
             return list(self._reg.attempts.values())
 
     def await_report(
-        self,
-        window: float,
-        done: threading.Event,
-        published: Callable[[], ShutdownReport | None],
+        self, window: float, done: threading.Event, published: Callable[[], ShutdownReport | None]
     ) -> ShutdownReport:
         """What ``stop()`` returns: the *published* report once *done*, waited for in real time at
         most the bound plus an allowance; then the phases are cut short (this stop may have
@@ -140,9 +134,8 @@ class Shutdown:
         return report
 
     def stuck(self, report: ShutdownReport | None, waited: float) -> ShutdownReport:
-        """The shutdown did not end within *waited* real seconds: log it and return *report*
-        (published, a listener not returned) or one of the attempts still live, with a
-        ``TimeoutError``."""
+        """Not over within *waited* real seconds: log it; return *report* (published, a listener
+        not returned) or one of the attempts still live, with a ``TimeoutError``."""
         if report is None:
             with self._reg.lock:
                 left = (*self._reg.unreported, *(a.info for a in self._reg.attempts.values()))

@@ -45,8 +45,7 @@ _Batch = list[tuple[str, str, RenewDone]]
 MIN_RENEW_INTERVAL = 0.05
 #: A renewal joins a batch being sent anyway once at most this fraction of its wait is left.
 GROUP_FRACTION = 0.25
-#: Early renewals stop at this batch size (starts and finishes need room among the connection's
-#: 32 requests in flight too); renewals that are due always go.
+#: Early renewals stop at this batch size (starts and finishes need request slots too).
 MAX_EARLY_BATCH = 16
 #: On a new connection, renew at once each lease past this fraction of its last grant's window.
 RECONNECT_FRACTION = 0.25
@@ -56,9 +55,8 @@ LAG_WARNING = 1.0
 LEAD_WAKES = 16
 #: GIL waits have a long tail: the next wake-up is often later than the worst of the last few.
 LEAD_FACTOR = 2.0
-#: With nothing left to renew, the thread still wakes this long after the last track: a busy
-#: worker's short attempts then find it asleep until before their renewal and need not wake it
-#: (a thread switch each; docs/performance.md, "The watchdog's wake-ups").
+#: With nothing left to renew, the thread still wakes this long after the last track, so short
+#: attempts need not wake it (docs/performance.md, "The watchdog's wake-ups").
 BUSY_LINGER = 1.0
 
 
@@ -95,8 +93,7 @@ class _Entry:
 
 
 class LeaseWatchdog:
-    """Schedules renewals of running attempts and reports what became of each (*cautious_start*:
-    see ``_unmeasured_lag``)."""
+    """Schedules renewals of running attempts and reports what became of each."""
 
     def __init__(
         self,
@@ -153,9 +150,8 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def refresh(self, attempt_id: str, deadline: float) -> bool:
-        """A resume says *attempt_id*'s lease ends at *deadline*; True if that stands now. A resume
-        grants no time: it never puts a renewal off, and the later deadline stands (a renewal
-        sent behind it may be answered first)."""
+        """A resume says *attempt_id*'s lease ends at *deadline*; True if that stands. A resume
+        grants no time: no renewal is put off, and the later deadline stands."""
         with self._lock:
             entry = self._entries.get(attempt_id)
             if entry is None or deadline <= entry.deadline:
@@ -169,8 +165,7 @@ class LeaseWatchdog:
 
     def connected(self) -> None:
         """A new connection was published behind its resumes: renew on it now every lease past
-        :data:`RECONNECT_FRACTION` of its window (unanswered ones with their ``message_id``),
-        without waiting for the resumes' answers."""
+        :data:`RECONNECT_FRACTION` of its window, not waiting for the resumes' answers."""
         now = self.clock()
         wake = False
         with self._lock:
@@ -186,15 +181,13 @@ class LeaseWatchdog:
         self._wake(wake)
 
     def retry(self, attempt_id: str, delay: float, error: BaseException) -> None:
-        """Re-send *attempt_id*'s failed renewal, same ``message_id``, after *delay* or at its
-        deadline if sooner (then to expire it)."""
+        """Re-send *attempt_id*'s failed renewal after *delay*, or at its deadline to expire it."""
         now = self.clock()
         with self._lock:
             entry = self._entries.get(attempt_id)
             if entry is None:
                 return
-            entry.due = min(now + delay, entry.deadline)
-            entry.since = now
+            entry.due, entry.since = min(now + delay, entry.deadline), now
             wake = self._push(entry, entry.due)
             wait = entry.due - now
         level = logging.INFO if is_transient(error) else logging.ERROR
@@ -321,16 +314,13 @@ class LeaseWatchdog:
         lease: Lease | None,
         error: BaseException | None,
     ) -> None:
-        """One renewal's completion (any thread): counted and reported; it stays in flight until
-        the machine tracks, retries or untracks it."""
+        """One renewal's completion (any thread); it stays in flight until the machine decides."""
         with self._lock:
             if entry.flight != flight or self._entries.get(entry.attempt_id) is not entry:
                 return  # stale, or finished while the renew was in flight: nothing to do
             entry.flight = 0
-            if error is None:
-                self._renewals += 1
-            else:
-                self._failures += 1
+            self._renewals += error is None
+            self._failures += error is not None
             behind_resume, entry.reconnected = entry.reconnected, False
         self._on_answer(entry.attempt_id, RenewAnswer(lease, error, behind_resume, lag))
 
@@ -359,9 +349,8 @@ class LeaseWatchdog:
 
 
 class Timers:
-    """One-shot timers on the worker's clock (time limits and their grace), run by the watchdog's
-    thread: rare, short work not worth a thread. A callback must not block; one that raises is
-    logged. *on_change* is called when a timer is set before the earliest."""
+    """One-shot timers on the worker's clock (time limits and their grace) on the watchdog's
+    thread (rare, short work); a callback must not block. *on_change*: a new earliest timer."""
 
     def __init__(self, clock: Callable[[], float], on_change: Callable[[], None]) -> None:
         self.clock = clock
