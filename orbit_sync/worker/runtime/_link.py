@@ -156,8 +156,7 @@ class Link:
         """Make *conn* newest, for *early* requests until :meth:`publish`; return its generation."""
         with self._lock:
             self._gen += 1
-            self._conn = conn
-            self._published = False
+            self._conn, self._published = conn, False
             self._cond.notify_all()
             return self._gen
 
@@ -174,16 +173,13 @@ class Link:
         """Connection *gen* is gone."""
         with self._lock:
             if self._gen == gen:
-                self._conn = None
-                self._published = False
+                self._conn, self._published = None, False
             self._cond.notify_all()
 
     def close(self) -> list[Callable[[], None]]:
-        """No connection will come: wake every waiter; return the kept jobs (for the caller to run:
-        each gives up)."""
+        """No connection will come: wake every waiter; return the kept jobs (each then gives up)."""
         with self._lock:
-            self._closed = True
-            self._conn = None
+            self._closed, self._conn = True, None
             kept, self._kept = self._kept, []
             callbacks, self._on_close = self._on_close, []
             self._cond.notify_all()
@@ -246,9 +242,8 @@ class Link:
             now = self._clock.now()
             ready = [k for k in self._kept if self._gen > k[2] and (self._published or k[3])]
             due = [k for k in ready if k[0] <= now]
-            if due:
-                taken = {id(k) for k in due}
-                self._kept = [k for k in self._kept if id(k) not in taken]
+            if due:  # each entry is unique (its tie-breaker)
+                self._kept = [k for k in self._kept if k not in due]
             next_at = min((k[0] for k in ready if k[0] > now), default=math.inf)
         return [k[4] for k in sorted(due)], next_at
 

@@ -234,8 +234,7 @@ class Shutdown:
         )
 
     def _close(self) -> None:
-        """Every waiter gives up (a dial is cut); the threads wind down within the close allowance
-        (real time: they end on the events closing sets), the stuck handlers not waited for."""
+        """Close what every thread waits on; give them the close allowance (real time) to end."""
         close_end = REAL_TIME.now() + CLOSE_ALLOWANCE
         controls, threads = self._shell.controls, self._shell.threads
         current = controls.link.current()

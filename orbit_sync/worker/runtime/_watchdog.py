@@ -116,8 +116,7 @@ class LeaseWatchdog:
         #: What run_due last returned: pushing anything later needs no wake-up.
         self._sleeping_until = math.inf
         self._last_track = -math.inf
-        self._renewals = 0
-        self._failures = 0
+        self._renewals = self._failures = 0
         self._lag_max = 0.0
         #: How late the recent wake-ups came (the lead of the next renewals).
         self._recent_lags: deque[float] = deque(maxlen=LEAD_WAKES)
@@ -284,8 +283,7 @@ class LeaseWatchdog:
     def _start_flight(self, entry: _Entry, batch: _Batch, lag: float) -> None:
         """Put *entry*'s renewal in *batch* (lock held), watching its deadline meanwhile."""
         entry.pending_id = message_id = entry.pending_id or new_message_id()
-        entry.flight = next(self._seq)
-        entry.due = math.inf
+        entry.flight, entry.due = next(self._seq), math.inf
         self._push(entry, entry.deadline)
         on_done = functools.partial(self._renewed, entry, entry.flight, lag)
         batch.append((entry.attempt_id, message_id, on_done))
@@ -396,8 +394,7 @@ class Timers:
 
 
 class WatchdogThread:
-    """Runs a :class:`LeaseWatchdog` and *timers* on one daemon thread; *wake* wakes it (on the
-    worker's clock: fake time in tests)."""
+    """Runs a :class:`LeaseWatchdog` and *timers* on one daemon thread; *wake* wakes it."""
 
     def __init__(
         self, core: LeaseWatchdog, *, wake: Wakeup | threading.Event, timers: Timers

@@ -47,8 +47,7 @@ class CapacityWindow:
             self._drain = True
 
     def report(self) -> CapacityReport:
-        """The report in force: the last built, or a new one (next sequence) when its capacity or
-        drain flag must change."""
+        """The report in force: the last built, or the next if its capacity or drain changed."""
         with self.lock:
             report = self._report
             capacity = max(0, self._capacity - self.stuck)
