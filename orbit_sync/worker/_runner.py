@@ -1,7 +1,5 @@
-"""Worker: the public class, its lifecycle (start, run, stop) and registration. It builds the
-parts of the modules of one concern each (docs/architecture.md names them, their threads and
-their owners) and keeps only what the public methods need.
-"""
+"""Worker: the public class, its lifecycle (start, run, stop) and registration; it builds the
+parts (docs/architecture.md names them, their threads and owners) and keeps what it needs."""
 
 from __future__ import annotations
 
@@ -157,18 +155,16 @@ class Worker:
         return worker
 
     def _build(self, client: Dialer, options: WorkerOptions) -> None:
-        """Build the worker's parts for *client* and the validated *options*, each after what it
-        uses (nothing runs yet)."""
+        """Build the parts, each after what it uses (nothing runs yet)."""
         self._options = opts = options
         self._client = client
         clock = opts.clock
-        # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
         self._registered = Handlers(self._reg.lock, opts, lambda: self._started)
         self._started = False
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
-        #: run()'s signal handling, while run() on the main thread waits in it.
+        #: run()'s signal handling, while run() waits in it on the main thread.
         self._signals: StopSignals | None = None
 
         self._controls = LinkControls(
@@ -183,10 +179,9 @@ class Worker:
             logger=opts.logger,
             cautious_start=True,
         )
-        # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
+        # The handlers' time limits, run by the watchdog's thread.
         timers = Timers(clock.now, watchdog_wake.set)
-        # The connection whose queue of assignments the handler threads take from.
-        intake = Intake()
+        intake = Intake()  # the connection whose assignments the handler threads take
         self._threads = WorkerThreads(
             HandlerThreads(
                 opts.capacity,
@@ -205,10 +200,8 @@ class Worker:
             handlers=self._registered,
         )
         self._hooks = self._shell.hooks
-        # Listeners never run on a connection's reader: what is decided there (a renewal's
-        # answer) is told on the watchdog's thread.
+        # Listeners never run on a connection's reader: what it decides is told on the watchdog's.
         self._hooks.elsewhere = self._threads.watchdog.run_soon
-        # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
         # Renewals on the wire: one write per batch, each answer waking the watchdog's thread.
         self._renewals = Renewals(
@@ -219,8 +212,6 @@ class Worker:
         self._shutdown = Shutdown(
             self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped
         )
-
-    # ------------------------------------------------------------------ registration
 
     def handler(
         self,
@@ -235,8 +226,8 @@ class Worker:
         time_limit_retryable: bool = False,
     ) -> Callable[[H], H]:
         """Register the decorated function for (*name*, *version*, *payload_version*), called as
-        ``fn(ctx, payload)``. Use it with a name, ``@worker.handler("resize")``: the bare
-        ``@worker.handler`` raises ``TypeError``.
+        ``fn(ctx, payload)``, as ``@worker.handler("resize")`` (a bare ``@worker.handler`` raises
+        ``TypeError``).
 
         - *executor*: ``"thread"`` (a pool thread) or ``"process"`` (a child process of the
           worker's process pool: ``docs/process-executor.md``).
@@ -348,8 +339,6 @@ class Worker:
         events; safe at any time, from any thread. A listener that raises is logged and skipped."""
         self._hooks.add(listener)
 
-    # ------------------------------------------------------------------ lifecycle
-
     def start(self) -> Worker:
         """Start in the background and return at once (see :meth:`wait_ready`, :meth:`stop`)."""
         registration = self.registration
@@ -369,10 +358,10 @@ class Worker:
             (self._shutdown.run, "orbit-worker-shutdown"),
         ]
         if self._options.outbox is not None:
-            # Opened here, not as the Worker is built: a process-executor child imports the
-            # module that builds it, and must not contend for the parent's outbox lock.
+            # Opened here, not in _build: a process-executor child imports the module that builds
+            # the Worker and must not contend for the parent's outbox lock. OutboxError (a file we
+            # must not use) is raised before anything is sent.
             try:
-                # Raises OutboxError (before anything is sent) for a file we must not use.
                 outbox = Outbox.open(self._options.outbox, registration)
             except BaseException:
                 with self._reg.lock:
@@ -412,10 +401,7 @@ class Worker:
         try:
             self.start()
             # Unbounded until a stop is asked for; then the shutdown's alarm bounds the wait.
-            if signals is not None:
-                signals.wait(self._done)
-            else:
-                self._done.wait()
+            signals.wait(self._done) if signals is not None else self._done.wait()
         except KeyboardInterrupt:
             self.request_stop(drain=False)
             self._done.wait()
@@ -476,8 +462,7 @@ class Worker:
         take a second: what was not delivered by then is reported ``unreported``); a dial in
         progress is cut. See the README's "Shutdown" and ``docs/architecture.md``.
         """
-        with self._reg.lock:
-            # A worker stopped before it ran cannot start any more.
+        with self._reg.lock:  # a worker stopped before it ran cannot start any more
             started, self._started = self._started, True
         if not started:
             self._report = ShutdownReport(drained=True)
@@ -507,8 +492,6 @@ class Worker:
     def _at_exit(self) -> None:
         if not self._done.is_set():
             self.stop(drain=False)
-
-    # ------------------------------------------------------------------ observability
 
     def stats(self) -> WorkerStats:
         """A snapshot of the worker's counters."""
@@ -542,8 +525,6 @@ class Worker:
         opts = self._options
         return f"<Worker queue={opts.queue_id} capacity={opts.capacity} {state}>"
 
-    # ------------------------------------------------------------------ shutdown
-
     def _fail(self, exc: BaseException) -> None:
         with self._reg.lock:
             if self._reg.error is None:
@@ -553,8 +534,7 @@ class Worker:
         self._controls.wake.set()
 
     def _stopped(self, report: ShutdownReport) -> None:
-        """The shutdown thread's last step: *report* is final; tell the listeners, then wake whoever
-        waits for it."""
+        """The shutdown thread's last step: tell the listeners the final *report*, wake waiters."""
         with self._reg.lock:
             self._report = self._report or report  # stop() may have given up and reported
         self._hooks.emit("stopped", report)
