@@ -1,8 +1,6 @@
-"""What the worker tells its user: its live counters and shutdown report, and its events for
-several subscribers, listeners (observers) and handler middleware (docs/observability.md: the
-events, their threads, and what a failing listener does). Every event is one frozen object, so
-fields can be added without breaking a listener.
-"""
+"""What the worker tells its user: its counters, shutdown report, and events for listeners and
+handler middleware (docs/observability.md: the events, their threads, a failing listener). Every
+event is one frozen object, so fields can be added without breaking a listener."""
 
 from __future__ import annotations
 
@@ -113,10 +111,9 @@ class AttemptFinished(AttemptInfo):
     """How an attempt ended (``attempt_finished``).
 
     ``outcome`` is what the worker reported (``SUCCEEDED``, ``FAILED``, ``CANCELLED``,
-    ``UNKNOWN``); ``duration`` is how long the handler ran in seconds (``None`` when it never
-    ran: ``ran`` is then False). ``delivered`` is False when the finish could not be delivered
-    before the worker stopped, or the server refused it (the server then recovers the attempt
-    when its lease expires).
+    ``UNKNOWN``); ``duration``, the handler's run in seconds (``None`` when it never ran: ``ran``
+    is then False). ``delivered`` is False when the finish could not be delivered before the
+    worker stopped, or the server refused it (it then recovers the attempt when the lease expires).
     """
 
     attempt: int
@@ -129,12 +126,10 @@ class AttemptFinished(AttemptInfo):
 
 @attrs.frozen
 class LeaseEvent(AttemptInfo):
-    """A lease renewal (``lease_renewed``) or loss (``lease_lost``) of one attempt.
-
-    ``lag`` is how many seconds after its schedule the renewal was sent (CPU-bound handlers
-    holding the GIL make it grow); ``reason`` says why a lease was lost (``lease_expired``,
-    ``lease_lost``, ``session_replaced``).
-    """
+    """A lease renewal (``lease_renewed``) or loss (``lease_lost``) of one attempt: ``lag`` is
+    how many seconds after its schedule the renewal was sent (CPU-bound handlers holding the GIL
+    make it grow); ``reason``, why a lease was lost (``lease_expired``, ``lease_lost``,
+    ``session_replaced``)."""
 
     lag: float = 0.0
     reason: str | None = None
@@ -145,9 +140,9 @@ class StuckEvent(AttemptInfo):
     """A handler slot stuck (``handler_stuck``) or freed again (``handler_unstuck``).
 
     A handler that does not stop within the cancel grace (past its time limit, or at shutdown)
-    is finished ``UNKNOWN`` while its thread still runs: the thread keeps its slot until the
-    handler returns, if it ever does. ``stuck`` is how many slots are stuck now, out of
-    ``capacity``; ``reason`` is ``time_limit`` or ``shutdown``.
+    is finished ``UNKNOWN`` while its thread, holding its slot, runs on until it returns, if ever.
+    ``stuck`` is how many slots are stuck now, out of ``capacity``; ``reason`` is ``time_limit``
+    or ``shutdown``.
     """
 
     reason: str
@@ -157,7 +152,7 @@ class StuckEvent(AttemptInfo):
 
 @attrs.frozen
 class SessionEvent:
-    """A session was established (``connected``); ``reconnect`` is False for the first one.
+    """A session was established (``connected``); ``reconnect`` is False for the first one;
     ``capacity`` is the worker's slots (stuck ones included), 0 once it drains."""
 
     session_id: str
@@ -176,11 +171,9 @@ class DisconnectEvent:
 
 @attrs.frozen
 class DrainEvent:
-    """The worker stopped taking work (``draining``).
-
-    ``drain`` is False for a stop that cancels running handlers at once; ``timeout`` is how long
-    running handlers get to return; ``running`` is how many were running then.
-    """
+    """The worker stopped taking work (``draining``): ``drain`` is False for a stop that cancels
+    running handlers at once; ``timeout`` is how long they get to return; ``running``, how many
+    were running then."""
 
     drain: bool
     timeout: float

@@ -55,10 +55,9 @@ class Worker:
 
         worker.run()   # blocks; SIGTERM/SIGINT drain, a second signal stops at once
 
-    The keywords are checked, all of them, as a :class:`~orbit_sync.worker.WorkerOptions` before
-    anything else happens (a wrong one raises ``TypeError`` or ``ValueError`` naming it);
-    :attr:`options` returns them, and :meth:`from_options` builds a Worker from such an object.
-    In short (the README's "Running a worker" and ``docs/`` say more):
+    All keywords are checked first, as a :class:`~orbit_sync.worker.WorkerOptions` (a wrong one
+    raises ``TypeError`` or ``ValueError`` naming it); :attr:`options` returns them and
+    :meth:`from_options` builds a Worker from one. In short (README "Running a worker", ``docs/``):
 
     - *queue_id*: the queue served (left out: ``$ORBIT_QUEUE_ID``, else ``SettingError``).
     - *capacity* (1-256): the handlers run at once, and the capacity reported to the server.
@@ -146,8 +145,8 @@ class Worker:
 
     @classmethod
     def from_options(cls, client: Dialer, options: WorkerOptions) -> Worker:
-        """A Worker for *client* with *options* (a :class:`WorkerOptions`, e.g. another worker's
-        ``options`` evolved with ``attrs.evolve``); the same as passing each as a keyword."""
+        """A Worker for *client* with *options* (a :class:`WorkerOptions`, e.g. evolved from another
+        worker's ``options``); the same as passing each as a keyword."""
         if not isinstance(options, WorkerOptions):
             raise TypeError("options must be an orbit_sync.worker.WorkerOptions")
         worker = cls.__new__(cls)
@@ -182,15 +181,14 @@ class Worker:
         # The handlers' time limits, run by the watchdog's thread.
         timers = Timers(clock.now, watchdog_wake.set)
         intake = Intake()  # the connection whose assignments the handler threads take
+        pool = HandlerThreads(
+            opts.capacity,
+            intake,
+            lambda c, a: self._sessions.take(c, a),
+            batch=opts.batch_scheduling,
+        )
         self._threads = WorkerThreads(
-            HandlerThreads(
-                opts.capacity,
-                intake,
-                lambda conn, assignment: self._sessions.take(conn, assignment),
-                batch=opts.batch_scheduling,
-            ),
-            WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers),
-            timers,
+            pool, WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers), timers
         )
         self._shell = AttemptShell(
             self._reg,
@@ -307,8 +305,8 @@ class Worker:
 
     @property
     def executors(self) -> dict[tuple[str, str, str], str]:
-        """How each registered handler runs, ``"thread"`` or ``"process"``, by (name, handler
-        version, payload version) as registered (a copy)."""
+        """Each registered handler's executor (``"thread"``/``"process"``), by (name, handler
+        version, payload version) (a copy)."""
         return {key: settings.executor for key, _, settings in self._registered.specs()}
 
     @property
@@ -318,9 +316,9 @@ class Worker:
         return self._registered.time_limits()
 
     def with_options(self, **changes: Any) -> Worker:
-        """A new, unstarted Worker with this one's handlers and options, except *changes* (e.g.
-        ``capacity=4``, ``client=Client(...)``), applied with ``attrs.evolve``; used by
-        ``orbit-sync worker`` to apply its command-line options to the Worker a module defines."""
+        """A new, unstarted Worker with this one's handlers and options but *changes* (e.g.
+        ``capacity=4``, ``client=Client(...)``, by ``attrs.evolve``); ``orbit-sync worker``
+        applies its command-line options to a module's Worker with it."""
         client = changes.pop("client", self._client)
         # Listeners added with add_listener() (a health probe, metrics) come along too.
         options = attrs.evolve(self._options, **{"listeners": self.listeners, **changes})
