@@ -1,5 +1,5 @@
-"""The Worker's options, each checked once, when they are built (before anything is sent); what
-is left out is filled in here, so every reader of an option reads the value in force."""
+"""The Worker's options, each checked once when built (before anything is sent), defaults filled
+in, so every reader of an option reads the value in force."""
 
 from __future__ import annotations
 

@@ -61,17 +61,16 @@ class Worker:
 
     - *queue_id*: the queue served (left out: ``$ORBIT_QUEUE_ID``, else ``SettingError``).
     - *capacity* (1-256): the handlers run at once, and the capacity reported to the server.
-    - *drain_timeout*: on stop, the seconds running handlers get to return, leases renewed.
-    - *cancel_grace*: then, cancelled, the seconds before they finish ``UNKNOWN`` (keep it under
-      half the lease window: cancelled attempts are no longer renewed).
-    - *flush_timeout*: then, the seconds finishes still waiting for a connection get.
+    - *drain_timeout*: on stop, the seconds running handlers get to return, leases renewed;
+      *cancel_grace*: then, cancelled, before they finish ``UNKNOWN`` (keep it under half the lease
+      window: cancelled attempts are not renewed); *flush_timeout*: then, for unsent finishes.
     - *reconnect_backoff*: the wait before each reconnect (exponential, jittered, bounded).
     - *first_connect_timeout*: stop (``ServerUnreachable``) if not connected that long after start.
     - *dial_timeout*, *call_timeout*: bound one dial, one request (re-sent on the next connection).
     - *max_in_flight* (3-32, default 32): requests outstanding at once, a quarter for renewals.
     - *renew_retry_delay* (0.1-5 s): the spacing of retries of a failed renewal.
-    - *cancellation_notifications*: ask the server for ``task.cancel`` pushes.
-    - *handle_signals*: :meth:`run` on the main thread handles SIGTERM/SIGINT.
+    - *cancellation_notifications*: ask for ``task.cancel`` pushes; *handle_signals*: :meth:`run`
+      on the main thread handles SIGTERM/SIGINT.
     - *logger*: the worker's logs (default ``orbit_sync.worker``; ``docs/observability.md``).
     - *result_converter*: the cattrs converter that encodes results (``docs/results.md``).
     - *listeners*: :class:`~orbit_sync.worker.WorkerListener` objects (see :meth:`add_listener`).
