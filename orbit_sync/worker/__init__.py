@@ -63,8 +63,7 @@ __all__ = [
     "result_converter",
 ]
 
-#: Names that moved, and their new home (and new name, for one also renamed); the old path warns
-#: until the next release.
+#: Moved names: their new home (and name, if renamed); the old path warns until the next release.
 _MOVED = {
     "HandlerEnvironment": ("orbit_sync.testing",),
     "OutboxError": ("orbit_sync",),

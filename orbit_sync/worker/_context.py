@@ -26,8 +26,7 @@ _LOG = logging.getLogger("orbit_sync.worker")
 
 
 def task_logger(handler: str) -> logging.Logger:
-    """The logger behind ``ctx.logger`` for *handler*'s tasks: a tree users route apart from the
-    library's own ``orbit_sync.worker`` lines."""
+    """``ctx.logger``'s logger for *handler*, routed apart from ``orbit_sync.worker``'s lines."""
     return logging.getLogger(f"orbit_sync.task.{handler}")
 
 
@@ -35,9 +34,7 @@ class _TaskLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
     """Prefixes messages with the task and attempt ids; adds them and the handler as ``extra``."""
 
     def process(self, msg: Any, kwargs: MutableMapping[str, Any]) -> tuple[Any, Any]:
-        extra = dict(self.extra or {})
-        extra.update(kwargs.get("extra") or {})
-        kwargs["extra"] = extra
+        kwargs["extra"] = extra = {**(self.extra or {}), **(kwargs.get("extra") or {})}
         return f"[task={extra['task_id']} attempt={extra['attempt_id']}] {msg}", kwargs
 
 
@@ -102,8 +99,6 @@ class TaskContext:
         # the process executor relays both to the handler's child process.
         self._watchers: tuple[Callable[[], None], ...] = ()
 
-    # ------------------------------------------------------------------ handler API
-
     @property
     def task_id(self) -> str:
         """The task's id."""
@@ -152,9 +147,7 @@ class TaskContext:
     def remaining(self) -> float:
         """Seconds until the local lease deadline (renewals move it forward); 0 when passed."""
         deadline = self._deadline
-        if deadline is None:
-            return 0.0
-        return max(0.0, deadline - self._clock())
+        return 0.0 if deadline is None else max(0.0, deadline - self._clock())
 
     def __repr__(self) -> str:
         state = f"cancelled={self._reason!r}" if self._reason else "running"
@@ -164,8 +157,8 @@ class TaskContext:
         )
 
 
-# The worker's calls on a context are functions of this module rather than methods: the class is
-# the handler's API, and a handler has no business cancelling itself or moving its own deadline.
+# The worker's calls on a context are functions, not methods: the class is the handler's API, and
+# a handler has no business cancelling itself or moving its own deadline.
 
 
 def cancel_context(ctx: TaskContext, reason: str) -> bool:
@@ -185,8 +178,7 @@ def cancel_context(ctx: TaskContext, reason: str) -> bool:
 
 
 def worker_log(ctx: TaskContext) -> logging.LoggerAdapter[logging.Logger]:
-    """The worker's own logger for *ctx*'s attempt (``orbit_sync.worker`` unless given), its lines
-    prefixed with the task and attempt ids like the handler's."""
+    """The worker's logger for *ctx*'s attempt, its lines prefixed like the handler's."""
     return ctx._log
 
 

@@ -1,8 +1,6 @@
-"""What the worker tells its user: its live counters and shutdown report, and its events for
-several subscribers, listeners (observers) and handler middleware (docs/observability.md: the
-events, their threads, and what a failing listener does). Every event is one frozen object, so
-fields can be added without breaking a listener.
-"""
+"""What the worker tells its user: its counters, shutdown report, and events for listeners and
+handler middleware (docs/observability.md: the events, their threads, a failing listener). Every
+event is one frozen object, so fields can be added without breaking a listener."""
 
 from __future__ import annotations
 
@@ -113,10 +111,9 @@ class AttemptFinished(AttemptInfo):
     """How an attempt ended (``attempt_finished``).
 
     ``outcome`` is what the worker reported (``SUCCEEDED``, ``FAILED``, ``CANCELLED``,
-    ``UNKNOWN``); ``duration`` is how long the handler ran in seconds (``None`` when it never
-    ran: ``ran`` is then False). ``delivered`` is False when the finish could not be delivered
-    before the worker stopped, or the server refused it (the server then recovers the attempt
-    when its lease expires).
+    ``UNKNOWN``); ``duration``, the handler's run in seconds (``None`` when it never ran: ``ran``
+    is then False). ``delivered`` is False when the finish could not be delivered before the
+    worker stopped, or the server refused it (it then recovers the attempt when the lease expires).
     """
 
     attempt: int
@@ -129,12 +126,10 @@ class AttemptFinished(AttemptInfo):
 
 @attrs.frozen
 class LeaseEvent(AttemptInfo):
-    """A lease renewal (``lease_renewed``) or loss (``lease_lost``) of one attempt.
-
-    ``lag`` is how many seconds after its schedule the renewal was sent (CPU-bound handlers
-    holding the GIL make it grow); ``reason`` says why a lease was lost (``lease_expired``,
-    ``lease_lost``, ``session_replaced``).
-    """
+    """A lease renewal (``lease_renewed``) or loss (``lease_lost``) of one attempt: ``lag`` is
+    how many seconds after its schedule the renewal was sent (CPU-bound handlers holding the GIL
+    make it grow); ``reason``, why a lease was lost (``lease_expired``, ``lease_lost``,
+    ``session_replaced``)."""
 
     lag: float = 0.0
     reason: str | None = None
@@ -145,9 +140,9 @@ class StuckEvent(AttemptInfo):
     """A handler slot stuck (``handler_stuck``) or freed again (``handler_unstuck``).
 
     A handler that does not stop within the cancel grace (past its time limit, or at shutdown)
-    is finished ``UNKNOWN`` while its thread still runs: the thread keeps its slot until the
-    handler returns, if it ever does. ``stuck`` is how many slots are stuck now, out of
-    ``capacity``; ``reason`` is ``time_limit`` or ``shutdown``.
+    is finished ``UNKNOWN`` while its thread, holding its slot, runs on until it returns, if ever.
+    ``stuck`` is how many slots are stuck now, out of ``capacity``; ``reason`` is ``time_limit``
+    or ``shutdown``.
     """
 
     reason: str
@@ -157,7 +152,7 @@ class StuckEvent(AttemptInfo):
 
 @attrs.frozen
 class SessionEvent:
-    """A session was established (``connected``); ``reconnect`` is False for the first one.
+    """A session was established (``connected``); ``reconnect`` is False for the first one;
     ``capacity`` is the worker's slots (stuck ones included), 0 once it drains."""
 
     session_id: str
@@ -176,11 +171,9 @@ class DisconnectEvent:
 
 @attrs.frozen
 class DrainEvent:
-    """The worker stopped taking work (``draining``).
-
-    ``drain`` is False for a stop that cancels running handlers at once; ``timeout`` is how long
-    running handlers get to return; ``running`` is how many were running then.
-    """
+    """The worker stopped taking work (``draining``): ``drain`` is False for a stop that cancels
+    running handlers at once; ``timeout`` is how long they get to return; ``running``, how many
+    were running then."""
 
     drain: bool
     timeout: float
@@ -196,8 +189,7 @@ class WorkerListener:
     """
 
     def attempt_received(self, event: AttemptEvent) -> None:
-        """An assignment was accepted, before its start is sent (on the handler thread that
-        took it)."""
+        """An assignment was accepted, before its start is sent (on the taking handler thread)."""
 
     def attempt_started(self, event: AttemptEvent) -> None:
         """The server started the attempt and its handler is about to run (handler's thread)."""
@@ -207,15 +199,13 @@ class WorkerListener:
         return call()
 
     def attempt_finished(self, event: AttemptFinished) -> None:
-        """The attempt's finish was answered (``event.delivered``) or given up on (on the
-        handler's thread)."""
+        """The attempt's finish was answered (``event.delivered``) or given up on (its thread)."""
 
     def lease_renewed(self, event: LeaseEvent) -> None:
         """A renewal of a running attempt's lease was acknowledged (lease watchdog's thread)."""
 
     def lease_lost(self, event: LeaseEvent) -> None:
-        """A running attempt lost its lease; its handler's context was cancelled (on the
-        watchdog's or the connection's thread)."""
+        """A running attempt lost its lease, its context cancelled (watchdog or connection)."""
 
     def handler_stuck(self, event: StuckEvent) -> None:
         """A handler that would not stop (time limit or shutdown grace) was finished
@@ -225,19 +215,16 @@ class WorkerListener:
         """A stuck handler returned at last; its slot is free again (on the handler's thread)."""
 
     def connected(self, event: SessionEvent) -> None:
-        """A session was established (the first, or after a reconnect), on the connection
-        thread."""
+        """A session was established (the first, or after a reconnect), on the connection."""
 
     def disconnected(self, event: DisconnectEvent) -> None:
         """A session ended unexpectedly; the worker is reconnecting (connection thread)."""
 
     def dial_failed(self, event: DisconnectEvent) -> None:
-        """A connection attempt failed (refused, timed out, HTTP error); the worker retries
-        (connection thread)."""
+        """A dial failed (refused, timed out, HTTP error); it is retried (connection thread)."""
 
     def draining(self, event: DrainEvent) -> None:
-        """The worker was asked to stop and takes no new work (on the caller of
-        ``request_stop``)."""
+        """The worker was asked to stop, takes no new work (on ``request_stop``'s caller)."""
 
     def stopped(self, report: ShutdownReport) -> None:
         """The worker stopped; *report* is what ``run()``/``stop()`` return (shutdown thread)."""
@@ -255,14 +242,14 @@ class Hooks:
     def __init__(self, listeners: Iterable[object] = (), *, logger: logging.Logger | None = None):
         self._log = logger or _LOG
         self._lock = threading.Lock()
-        #: Every listener subscribed so far, in order (a plain attribute: ``if hooks.listeners``
-        #: is asked several times per attempt, where a property or ``__bool__`` is a call).
+        #: Every listener subscribed so far, in order (a plain attribute, not a property: it is
+        #: asked several times per attempt).
         self.listeners: tuple[object, ...] = ()
         # Per event, only the listeners that override it: a no-op base method costs nothing.
         self._by_event: dict[str, tuple[Callable[[Any], None], ...]] = dict.fromkeys(EVENTS, ())
         self._wrappers: tuple[Callable[[TaskContext, Callable[[], Any]], Any], ...] = ()
-        #: Runs an event decided on a connection's reader on a thread of the worker's own (the
-        #: lease watchdog's): the reader runs no user code. Unset (a Hooks used alone): in place.
+        #: Runs an event decided on a connection's reader on the watchdog's thread (the reader
+        #: runs no user code); unset (a Hooks used alone): in place.
         self.elsewhere: Callable[[Callable[[], None]], None] | None = None
         for listener in listeners:
             self.add(listener)
@@ -281,27 +268,16 @@ class Hooks:
         with self._lock:  # copy on write: emitters read the tuples without a lock
             by_event = dict(self._by_event)
             for name in EVENTS:
-                method = self._overridden(listener, name)
-                if method is not None:
+                if (method := _overridden(listener, name)) is not None:
                     by_event[name] = (*by_event[name], method)
-            wrap = self._overridden(listener, "around_handler")
-            if wrap is not None:
+            if (wrap := _overridden(listener, "around_handler")) is not None:
                 self._wrappers = (*self._wrappers, wrap)
             self._by_event = by_event
             self.listeners = (*self.listeners, listener)
 
-    @staticmethod
-    def _overridden(listener: object, name: str) -> Any:
-        method = getattr(listener, name, None)
-        if not callable(method):
-            return None
-        if getattr(type(listener), name, None) is getattr(WorkerListener, name):
-            return None  # the base class's no-op
-        return method
-
     def emit(self, name: str, event: object) -> None:
-        """Call every listener of event *name*; log and skip one that raises. On a connection's
-        reader (which steps a cancel push), the calls are handed to :attr:`elsewhere`."""
+        """Call every listener of event *name*, logging and skipping one that raises; on a
+        connection's reader, the calls are handed to :attr:`elsewhere`."""
         if self.elsewhere is not None and on_reader_thread():
             self.elsewhere(partial(self._emit, name, event))
             return
@@ -321,14 +297,9 @@ class Hooks:
             call = self._isolate(wrap, ctx, call)
         return call()
 
-    def _isolate(
-        self,
-        wrap: Callable[[TaskContext, Callable[[], Any]], Any],
-        ctx: TaskContext,
-        inner: Callable[[], Any],
-    ) -> Callable[[], Any]:
+    def _isolate(self, wrap: Callable[..., Any], ctx: TaskContext, inner: Callable[[], Any]) -> Any:
         def run() -> Any:
-            # What the handler did inside this middleware (isolates a failing middleware).
+            # What the handler did inside this middleware: a failing middleware is skipped.
             called = False
             value: Any = None
             error: BaseException | None = None
@@ -368,6 +339,14 @@ class Hooks:
             return value if called else inner()
 
         return run
+
+
+def _overridden(listener: object, name: str) -> Any:
+    """*listener*'s method *name*, or None when it has none or keeps the base class's no-op."""
+    method = getattr(listener, name, None)
+    if not callable(method) or getattr(type(listener), name, None) is getattr(WorkerListener, name):
+        return None
+    return method
 
 
 def _owner(method: Callable[..., Any]) -> str:

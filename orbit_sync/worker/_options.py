@@ -1,5 +1,5 @@
-"""The Worker's options, each checked once, when they are built (before anything is sent); what
-is left out is filled in here, so every reader of an option reads the value in force."""
+"""The Worker's options, each checked once when built (before anything is sent), defaults filled
+in, so every reader of an option reads the value in force."""
 
 from __future__ import annotations
 
@@ -36,6 +36,9 @@ def _named(check: Callable[..., object], **rules: bool) -> Callable[[Any, Any, A
         check(value, attribute.name, **rules)
 
     return validate
+
+
+_optional_positive = attrs.validators.optional(_named(seconds, positive=True))
 
 
 def _queue_id(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -124,12 +127,8 @@ class WorkerOptions:
     process_max_tasks_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     process_max_memory_per_child: int | None = attrs.field(default=None, validator=_positive_int)
     outbox: str | os.PathLike[str] | None = attrs.field(default=None, validator=_outbox)
-    time_limit: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_named(seconds, positive=True))
-    )
-    first_connect_timeout: float | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_named(seconds, positive=True))
-    )
+    time_limit: float | None = attrs.field(default=None, validator=_optional_positive)
+    first_connect_timeout: float | None = attrs.field(default=None, validator=_optional_positive)
     batch_scheduling: bool = attrs.field(
         default=False, validator=attrs.validators.instance_of(bool)
     )
@@ -162,8 +161,7 @@ _NOTHING = object()
 
 
 def _read_as_dict(options: WorkerOptions, name: str, default: Any = _NOTHING) -> Any:
-    """``options[name]`` or ``options.get(name, default)``, the old dict's reads, with a
-    DeprecationWarning pointing at the caller's line."""
+    """The old dict's reads, warning at the caller's line."""
     if name == "client":
         raise KeyError("the client is not an option: read Worker.client")
     warnings.warn(

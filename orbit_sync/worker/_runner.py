@@ -1,7 +1,5 @@
-"""Worker: the public class, its lifecycle (start, run, stop) and registration. It builds the
-parts of the modules of one concern each (docs/architecture.md names them, their threads and
-their owners) and keeps only what the public methods need.
-"""
+"""Worker: the public class, its lifecycle (start, run, stop) and registration; it builds the
+parts (docs/architecture.md names them, their threads and owners) and keeps what it needs."""
 
 from __future__ import annotations
 
@@ -57,24 +55,22 @@ class Worker:
 
         worker.run()   # blocks; SIGTERM/SIGINT drain, a second signal stops at once
 
-    The keywords are checked, all of them, as a :class:`~orbit_sync.worker.WorkerOptions` before
-    anything else happens (a wrong one raises ``TypeError`` or ``ValueError`` naming it);
-    :attr:`options` returns them, and :meth:`from_options` builds a Worker from such an object.
-    In short (the README's "Running a worker" and ``docs/`` say more):
+    All keywords are checked first, as a :class:`~orbit_sync.worker.WorkerOptions` (a wrong one
+    raises ``TypeError`` or ``ValueError`` naming it); :attr:`options` returns them and
+    :meth:`from_options` builds a Worker from one. In short (README "Running a worker", ``docs/``):
 
     - *queue_id*: the queue served (left out: ``$ORBIT_QUEUE_ID``, else ``SettingError``).
     - *capacity* (1-256): the handlers run at once, and the capacity reported to the server.
-    - *drain_timeout*: on stop, the seconds running handlers get to return, leases renewed.
-    - *cancel_grace*: then, cancelled, the seconds before they finish ``UNKNOWN`` (keep it under
-      half the lease window: cancelled attempts are no longer renewed).
-    - *flush_timeout*: then, the seconds finishes still waiting for a connection get.
+    - *drain_timeout*: on stop, the seconds running handlers get to return, leases renewed;
+      *cancel_grace*: then, cancelled, before they finish ``UNKNOWN`` (keep it under half the lease
+      window: cancelled attempts are not renewed); *flush_timeout*: then, for unsent finishes.
     - *reconnect_backoff*: the wait before each reconnect (exponential, jittered, bounded).
     - *first_connect_timeout*: stop (``ServerUnreachable``) if not connected that long after start.
     - *dial_timeout*, *call_timeout*: bound one dial, one request (re-sent on the next connection).
     - *max_in_flight* (3-32, default 32): requests outstanding at once, a quarter for renewals.
     - *renew_retry_delay* (0.1-5 s): the spacing of retries of a failed renewal.
-    - *cancellation_notifications*: ask the server for ``task.cancel`` pushes.
-    - *handle_signals*: :meth:`run` on the main thread handles SIGTERM/SIGINT.
+    - *cancellation_notifications*: ask for ``task.cancel`` pushes; *handle_signals*: :meth:`run`
+      on the main thread handles SIGTERM/SIGINT.
     - *logger*: the worker's logs (default ``orbit_sync.worker``; ``docs/observability.md``).
     - *result_converter*: the cattrs converter that encodes results (``docs/results.md``).
     - *listeners*: :class:`~orbit_sync.worker.WorkerListener` objects (see :meth:`add_listener`).
@@ -148,8 +144,8 @@ class Worker:
 
     @classmethod
     def from_options(cls, client: Dialer, options: WorkerOptions) -> Worker:
-        """A Worker for *client* with *options* (a :class:`WorkerOptions`, e.g. another worker's
-        ``options`` evolved with ``attrs.evolve``); the same as passing each as a keyword."""
+        """A Worker for *client* with *options* (a :class:`WorkerOptions`, e.g. evolved from another
+        worker's ``options``); the same as passing each as a keyword."""
         if not isinstance(options, WorkerOptions):
             raise TypeError("options must be an orbit_sync.worker.WorkerOptions")
         worker = cls.__new__(cls)
@@ -157,18 +153,16 @@ class Worker:
         return worker
 
     def _build(self, client: Dialer, options: WorkerOptions) -> None:
-        """Build the worker's parts for *client* and the validated *options*, each after what it
-        uses (nothing runs yet)."""
+        """Build the parts, each after what it uses (nothing runs yet)."""
         self._options = opts = options
         self._client = client
         clock = opts.clock
-        # The attempts, counters and stop request, under the worker's lock (its condition).
         self._reg = Registry()
         self._registered = Handlers(self._reg.lock, opts, lambda: self._started)
         self._started = False
         self._done = threading.Event()
         self._report: ShutdownReport | None = None
-        #: run()'s signal handling, while run() on the main thread waits in it.
+        #: run()'s signal handling, while run() waits in it on the main thread.
         self._signals: StopSignals | None = None
 
         self._controls = LinkControls(
@@ -183,19 +177,17 @@ class Worker:
             logger=opts.logger,
             cautious_start=True,
         )
-        # The handlers' time limits: timers on the worker's clock, run by the watchdog's thread.
+        # The handlers' time limits, run by the watchdog's thread.
         timers = Timers(clock.now, watchdog_wake.set)
-        # The connection whose queue of assignments the handler threads take from.
-        intake = Intake()
+        intake = Intake()  # the connection whose assignments the handler threads take
+        pool = HandlerThreads(
+            opts.capacity,
+            intake,
+            lambda c, a: self._sessions.take(c, a),
+            batch=opts.batch_scheduling,
+        )
         self._threads = WorkerThreads(
-            HandlerThreads(
-                opts.capacity,
-                intake,
-                lambda conn, assignment: self._sessions.take(conn, assignment),
-                batch=opts.batch_scheduling,
-            ),
-            WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers),
-            timers,
+            pool, WatchdogThread(self._watchdog, wake=watchdog_wake, timers=timers), timers
         )
         self._shell = AttemptShell(
             self._reg,
@@ -205,10 +197,8 @@ class Worker:
             handlers=self._registered,
         )
         self._hooks = self._shell.hooks
-        # Listeners never run on a connection's reader: what is decided there (a renewal's
-        # answer) is told on the watchdog's thread.
+        # Listeners never run on a connection's reader: what it decides is told on the watchdog's.
         self._hooks.elsewhere = self._threads.watchdog.run_soon
-        # What the server says of a lease goes to the attempt's machine, through the shell.
         self._watchdog.report_to(self._shell.renew_answered)
         # Renewals on the wire: one write per batch, each answer waking the watchdog's thread.
         self._renewals = Renewals(
@@ -219,8 +209,6 @@ class Worker:
         self._shutdown = Shutdown(
             self._shell, assignments_over=self._sessions.assignments_over, stopped=self._stopped
         )
-
-    # ------------------------------------------------------------------ registration
 
     def handler(
         self,
@@ -235,8 +223,8 @@ class Worker:
         time_limit_retryable: bool = False,
     ) -> Callable[[H], H]:
         """Register the decorated function for (*name*, *version*, *payload_version*), called as
-        ``fn(ctx, payload)``. Use it with a name, ``@worker.handler("resize")``: the bare
-        ``@worker.handler`` raises ``TypeError``.
+        ``fn(ctx, payload)``, as ``@worker.handler("resize")`` (a bare ``@worker.handler`` raises
+        ``TypeError``).
 
         - *executor*: ``"thread"`` (a pool thread) or ``"process"`` (a child process of the
           worker's process pool: ``docs/process-executor.md``).
@@ -316,8 +304,8 @@ class Worker:
 
     @property
     def executors(self) -> dict[tuple[str, str, str], str]:
-        """How each registered handler runs, ``"thread"`` or ``"process"``, by (name, handler
-        version, payload version) as registered (a copy)."""
+        """Each registered handler's executor (``"thread"``/``"process"``), by (name, handler
+        version, payload version) (a copy)."""
         return {key: settings.executor for key, _, settings in self._registered.specs()}
 
     @property
@@ -327,9 +315,9 @@ class Worker:
         return self._registered.time_limits()
 
     def with_options(self, **changes: Any) -> Worker:
-        """A new, unstarted Worker with this one's handlers and options, except *changes* (e.g.
-        ``capacity=4``, ``client=Client(...)``), applied with ``attrs.evolve``; used by
-        ``orbit-sync worker`` to apply its command-line options to the Worker a module defines."""
+        """A new, unstarted Worker with this one's handlers and options but *changes* (e.g.
+        ``capacity=4``, ``client=Client(...)``, by ``attrs.evolve``); ``orbit-sync worker``
+        applies its command-line options to a module's Worker with it."""
         client = changes.pop("client", self._client)
         # Listeners added with add_listener() (a health probe, metrics) come along too.
         options = attrs.evolve(self._options, **{"listeners": self.listeners, **changes})
@@ -347,8 +335,6 @@ class Worker:
         """Subscribe *listener* (a :class:`~orbit_sync.worker.WorkerListener`) to this worker's
         events; safe at any time, from any thread. A listener that raises is logged and skipped."""
         self._hooks.add(listener)
-
-    # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Worker:
         """Start in the background and return at once (see :meth:`wait_ready`, :meth:`stop`)."""
@@ -369,10 +355,10 @@ class Worker:
             (self._shutdown.run, "orbit-worker-shutdown"),
         ]
         if self._options.outbox is not None:
-            # Opened here, not as the Worker is built: a process-executor child imports the
-            # module that builds it, and must not contend for the parent's outbox lock.
+            # Opened here, not in _build: a process-executor child imports the module that builds
+            # the Worker and must not contend for the parent's outbox lock. OutboxError (a file we
+            # must not use) is raised before anything is sent.
             try:
-                # Raises OutboxError (before anything is sent) for a file we must not use.
                 outbox = Outbox.open(self._options.outbox, registration)
             except BaseException:
                 with self._reg.lock:
@@ -412,10 +398,7 @@ class Worker:
         try:
             self.start()
             # Unbounded until a stop is asked for; then the shutdown's alarm bounds the wait.
-            if signals is not None:
-                signals.wait(self._done)
-            else:
-                self._done.wait()
+            signals.wait(self._done) if signals is not None else self._done.wait()
         except KeyboardInterrupt:
             self.request_stop(drain=False)
             self._done.wait()
@@ -476,8 +459,7 @@ class Worker:
         take a second: what was not delivered by then is reported ``unreported``); a dial in
         progress is cut. See the README's "Shutdown" and ``docs/architecture.md``.
         """
-        with self._reg.lock:
-            # A worker stopped before it ran cannot start any more.
+        with self._reg.lock:  # a worker stopped before it ran cannot start any more
             started, self._started = self._started, True
         if not started:
             self._report = ShutdownReport(drained=True)
@@ -507,8 +489,6 @@ class Worker:
     def _at_exit(self) -> None:
         if not self._done.is_set():
             self.stop(drain=False)
-
-    # ------------------------------------------------------------------ observability
 
     def stats(self) -> WorkerStats:
         """A snapshot of the worker's counters."""
@@ -542,8 +522,6 @@ class Worker:
         opts = self._options
         return f"<Worker queue={opts.queue_id} capacity={opts.capacity} {state}>"
 
-    # ------------------------------------------------------------------ shutdown
-
     def _fail(self, exc: BaseException) -> None:
         with self._reg.lock:
             if self._reg.error is None:
@@ -553,8 +531,7 @@ class Worker:
         self._controls.wake.set()
 
     def _stopped(self, report: ShutdownReport) -> None:
-        """The shutdown thread's last step: *report* is final; tell the listeners, then wake whoever
-        waits for it."""
+        """The shutdown thread's last step: tell the listeners the final *report*, wake waiters."""
         with self._reg.lock:
             self._report = self._report or report  # stop() may have given up and reported
         self._hooks.emit("stopped", report)

@@ -1,11 +1,10 @@
 """SIGTERM and SIGINT for :meth:`Worker.run` on the main thread: the first drains, the second
 stops at once.
 
-The kernel may hand a process-directed signal to any thread, and Python runs its handler only on
-the main thread, which sleeps in ``read()`` on a pipe and would never get to it: the
-interpreter's C-level handler writes the signal number to the pipe (``set_wakeup_fd``) from
-whichever thread received it, and that wakes the read. Signals are then counted in ordinary code
-that may take locks. The end of shutdown writes a byte too, so the read always ends.
+The kernel may hand a signal to any thread, and Python runs its handler only on the main thread,
+which sleeps in ``read()`` on a pipe: the interpreter's C-level handler writes the signal number to
+the pipe (``set_wakeup_fd``) from whichever thread received it, waking the read; signals are then
+counted in ordinary code that may take locks. The end of shutdown writes a byte too.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 class StopSignals:
-    """Installs the stop-signal handlers and the wakeup pipe as it is built; calls
-    *on_signal(number, count)* for each stop signal, on the thread in :meth:`wait`. Owned by the
-    thread in ``run()``."""
+    """Installs the stop-signal handlers and wakeup pipe when built; calls *on_signal(number,
+    count)* for each stop signal on the thread in :meth:`wait` (``run()``'s, which owns it)."""
 
     def __init__(self, on_signal: Callable[[int, int], None]) -> None:
         self._on_signal = on_signal
