@@ -333,10 +333,7 @@ class Outbox:
 
     def instances(self, *, exclude: str | None = None) -> list[Registration]:
         """Stored identities (other than *exclude*, this run's)."""
-        rows = self._read(
-            "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
-            "FROM instances ORDER BY rowid"
-        )
+        rows = self._read("SELECT * FROM instances ORDER BY rowid")  # in _SCHEMA's order
         with self._decoding("an instance"):
             return [
                 Registration(
@@ -363,9 +360,7 @@ class Outbox:
         with self._decoding("an attempt"):
             for row in rows:
                 attempt_id, task_id, epoch, secret, handler, mid, outcome, result, code, retry = row
-                ref = AttemptRef(
-                    task_id=task_id, attempt_id=attempt_id, epoch=epoch, lease_secret=secret
-                )
+                ref = AttemptRef(task_id, attempt_id, epoch, secret)
                 finish = None
                 if mid is not None:
                     retryable = None if retry is None else bool(retry)

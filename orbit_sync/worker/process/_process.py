@@ -279,11 +279,9 @@ class ProcessPool:
 
     def _release(self, child: _Process) -> None:
         keep = child.healthy and child.proc.is_alive()
-        if keep and self._limits.after_job(child.proc.pid, child.jobs) is not None:
-            child.stop(kill=False)  # between attempts: the next one starts a new child
+        if not keep or self._limits.after_job(child.proc.pid, child.jobs) is not None:
+            child.stop(kill=not keep)  # recycled between attempts: the next one starts anew
             keep = False
-        elif not keep:
-            child.stop(kill=True)
         with self._cond:
             self._busy.discard(child)
             idle = keep and not self._closed
