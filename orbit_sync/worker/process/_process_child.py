@@ -197,9 +197,7 @@ def child_main(
         os._exit(ORPHAN_EXIT)
     child = _Child(conn, cancel_grace)
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    root.addHandler(_PipeLogHandler(child.send))
+    root.handlers = [_PipeLogHandler(child.send)]  # every record goes to the parent to write
     root.setLevel(log_level)
     threading.Thread(target=child.control, name="orbit-process-control", daemon=True).start()
     child.serve()
