@@ -1,11 +1,9 @@
-"""The durable outbox: what a killed worker process leaves for the next one to deliver
-(docs/outbox.md: the file, its checks and its lock).
+"""The durable outbox: what a killed worker process leaves for the next one (docs/outbox.md).
 
-One SQLite file (WAL, mode 0600) holds each run's identity (``instances``: a later process speaks
-*as that instance* to deliver what it left), each attempt about to run (``launched``) and each
-finish decided (``finishes``, with its ``message_id``), committed and fsync'd before the step they
-record. Both rows of an attempt go once the server acknowledged its finish (not fsync'd: a lost
-delete only re-sends the same ``message_id``). One process at a time: see ``_outbox_lock``.
+One SQLite file (WAL, 0600) holds each run's identity (``instances``: a later process delivers *as
+that instance*), each attempt about to run (``launched``) and each finish decided (``finishes``),
+fsync'd before the step they record; an acknowledged finish's rows go without fsync (a lost delete
+only re-sends the same ``message_id``). One process at a time: see ``_outbox_lock``.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ __all__ = ["Outbox", "OutboxError", "Pending"]
 #: ``PRAGMA application_id``: marks the file as ours ("ORBT").
 APPLICATION_ID = 0x4F524254
 SCHEMA_VERSION = 1
-#: Seconds a write waits for another connection's SQLite lock before it fails (SQLite's busy
-#: timeout; Python's default). Read at each open, so a test can lower it for a child process.
+#: SQLite's busy timeout (Python's default), read at each open so a test can lower it.
 BUSY_TIMEOUT = 5.0
 #: How often a bounded wait for an instance's lock tries again.
 _POLL = 0.05
@@ -77,8 +74,8 @@ class OutboxError(OrbitError):
 
 
 def _file_error(path: str, exc: BaseException) -> BaseException:
-    """The error to raise for a file of the outbox that cannot be opened as ours (a missing
-    directory stays ``FileNotFoundError``, as for any file a program is given)."""
+    """The error for an outbox file that cannot be opened as ours (a missing directory stays
+    ``FileNotFoundError``, as for any file a program is given)."""
     if isinstance(exc, ValueError):  # open_private's reason
         return OutboxError(f"outbox {path} {exc}")
     if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError):
@@ -88,6 +85,13 @@ def _file_error(path: str, exc: BaseException) -> BaseException:
             return OutboxError(f"outbox {path} is a directory; give a file path")
         return OutboxError(f"outbox {path} cannot be opened: {exc.strerror or exc}")
     return exc
+
+
+def _insert_launched(
+    db: sqlite3.Connection, on_conflict: str, instance_id: str, ref: AttemptRef, handler: str
+) -> None:
+    row = (ref.attempt_id, instance_id, ref.task_id, ref.epoch, ref.lease_secret, handler)
+    db.execute(f"INSERT OR {on_conflict} INTO launched VALUES (?, ?, ?, ?, ?, ?)", row)
 
 
 @attrs.frozen
@@ -105,7 +109,7 @@ class Outbox:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
-        #: The lock file every handler process of this run holds its instance's lock in.
+        #: Where every handler process of this run holds its instance's lock.
         self.lock_path = self.path + "-lock"
         self._lock = threading.Lock()
         try:
@@ -127,8 +131,7 @@ class Outbox:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str], registration: Registration) -> Outbox:
-        """Open the outbox for a run and store the run's identity; on failure nothing is kept
-        open or locked, so a later try can succeed."""
+        """Open the outbox and store the run's identity; a failure leaves nothing open or locked."""
         outbox = cls(path)
         try:
             outbox.register(registration)
@@ -137,11 +140,8 @@ class Outbox:
             raise
         return outbox
 
-    # ------------------------------------------------------------------ opening
-
     def _own_lock_file(self) -> tuple[int, tuple[int, int]]:
-        """Open the lock file and take byte 0, the owner's (see ``_outbox_lock``): its
-        descriptor and (st_dev, st_ino)."""
+        """Open the lock file and take byte 0, the owner's: its descriptor and (st_dev, st_ino)."""
         in_this_process = OutboxError(
             f"outbox {self.path} is already open in this process (by another Worker): "
             "give each Worker its own outbox file"
@@ -169,7 +169,6 @@ class Outbox:
         return fd, key
 
     def _close_lock_file(self) -> None:
-        """Release every lock of this process on the lock file."""
         with _open_lock:
             os.close(self._lock_fd)
             self._lock_fd = -1  # a later instance_lock() fails, never locks a reused descriptor
@@ -227,9 +226,8 @@ class Outbox:
 
     @contextlib.contextmanager
     def instance_lock(self, instance_id: str, timeout: float) -> Iterator[bool]:
-        """Hold *instance_id*'s byte of the lock file exclusively (yields True) once none of its
-        handler processes is left, waiting up to *timeout* seconds; yields False while one
-        still may run (see ``_outbox_lock``)."""
+        """Hold *instance_id*'s byte exclusively (yields True) once none of its handler processes
+        is left, waiting up to *timeout*; yields False while one still may run."""
         offset = instance_offset(instance_id)
         end = monotonic() + timeout
         while True:
@@ -257,10 +255,8 @@ class Outbox:
 
     @contextlib.contextmanager
     def _using(self) -> Iterator[sqlite3.Connection]:
-        """The open connection, under the lock, for one read or transaction: the one place
-        SQLite failures of an open outbox become ``OutboxError`` (the replay retries them rather
-        than taking them for a bug of ours), SQLite's reason the cause; its messages hold no
-        stored values (every value is a bound parameter), so no secret."""
+        """The connection, under the lock, for one read or transaction: SQLite's failures become
+        ``OutboxError``, which the replay retries (every value is bound: no secret in them)."""
         with self._lock:
             if self._closed:
                 raise OutboxError("the outbox is closed")
@@ -294,8 +290,7 @@ class Outbox:
 
     @contextlib.contextmanager
     def _decoding(self, what: str) -> Iterator[None]:
-        """Rows read back that this release cannot decode (a file changed by hand or damaged)
-        raise ``OutboxError``; the message names the table, never a stored value."""
+        """Rows this release cannot decode raise ``OutboxError`` naming the table, never a value."""
         try:
             yield
         except (ValueError, TypeError) as exc:  # json, enums, the models' validators
@@ -303,53 +298,31 @@ class Outbox:
                 f"outbox {self.path} holds {what} that cannot be read; it was left as is"
             ) from exc
 
-    # ------------------------------------------------------------------ this run
-
     def register(self, registration: Registration) -> None:
         """Store this run's identity, so a later process can deliver as this instance."""
-        caps = json.dumps(
-            [[c.handler, c.handler_version, c.payload_version] for c in registration.capabilities]
-        )
+        reg = registration
+        caps = [[c.handler, c.handler_version, c.payload_version] for c in reg.capabilities]
+        row = (reg.instance_id, reg.instance_secret, reg.queue_id, json.dumps(caps), reg.capacity)
         with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?)",
-                (
-                    registration.instance_id,
-                    registration.instance_secret,
-                    registration.queue_id,
-                    caps,
-                    registration.capacity,
-                ),
-            )
+            db.execute("INSERT OR REPLACE INTO instances VALUES (?, ?, ?, ?, ?)", row)
 
     def launch(self, instance_id: str, ref: AttemptRef, handler: str) -> None:
         """Record that *ref*'s handler is about to run (committed before it runs)."""
         with self._tx() as db:
-            db.execute(
-                "INSERT OR REPLACE INTO launched VALUES (?, ?, ?, ?, ?, ?)",
-                (ref.attempt_id, instance_id, ref.task_id, ref.epoch, ref.lease_secret, handler),
-            )
+            _insert_launched(db, "REPLACE", instance_id, ref, handler)
 
     def record_finish(
         self, instance_id: str, handler: str, finish: Finish, message_id: str
     ) -> None:
         """Record the finish decided for an attempt (committed before it is first sent)."""
-        ref = finish.ref
+        result = json.dumps(finish.result, separators=(",", ":"), allow_nan=False)
+        retryable = None if finish.retryable is None else int(finish.retryable)
+        row = (finish.ref.attempt_id, message_id, finish.outcome.value, result)
         with self._tx() as db:
-            db.execute(
-                "INSERT OR IGNORE INTO launched VALUES (?, ?, ?, ?, ?, ?)",
-                (ref.attempt_id, instance_id, ref.task_id, ref.epoch, ref.lease_secret, handler),
-            )
+            _insert_launched(db, "IGNORE", instance_id, finish.ref, handler)
             db.execute(
                 "INSERT OR REPLACE INTO finishes VALUES (?, ?, ?, ?, ?, ?)",
-                (
-                    ref.attempt_id,
-                    message_id,
-                    finish.outcome.value,
-                    json.dumps(finish.result, separators=(",", ":"), allow_nan=False),
-                    finish.error_code,
-                    None if finish.retryable is None else int(finish.retryable),
-                ),
+                (*row, finish.error_code, retryable),
             )
 
     def done(self, attempt_id: str) -> None:
@@ -358,14 +331,9 @@ class Outbox:
             db.execute("DELETE FROM finishes WHERE attempt_id = ?", (attempt_id,))
             db.execute("DELETE FROM launched WHERE attempt_id = ?", (attempt_id,))
 
-    # ------------------------------------------------------------------ replay
-
     def instances(self, *, exclude: str | None = None) -> list[Registration]:
         """Stored identities (other than *exclude*, this run's)."""
-        rows = self._read(
-            "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
-            "FROM instances ORDER BY rowid"
-        )
+        rows = self._read("SELECT * FROM instances ORDER BY rowid")  # in _SCHEMA's order
         with self._decoding("an instance"):
             return [
                 Registration(
@@ -392,18 +360,11 @@ class Outbox:
         with self._decoding("an attempt"):
             for row in rows:
                 attempt_id, task_id, epoch, secret, handler, mid, outcome, result, code, retry = row
-                ref = AttemptRef(
-                    task_id=task_id, attempt_id=attempt_id, epoch=epoch, lease_secret=secret
-                )
+                ref = AttemptRef(task_id, attempt_id, epoch, secret)
                 finish = None
                 if mid is not None:
-                    finish = Finish(
-                        ref=ref,
-                        outcome=Outcome(outcome),
-                        result=json.loads(result),
-                        error_code=code,
-                        retryable=None if retry is None else bool(retry),
-                    )
+                    retryable = None if retry is None else bool(retry)
+                    finish = Finish(ref, Outcome(outcome), json.loads(result), code, retryable)
                 out.append(Pending(ref, handler, mid, finish))
         return out
 

@@ -1,17 +1,13 @@
-"""The outbox's lock file, ``outbox.sqlite-lock`` (empty, mode 0600): one process owns the
-outbox; every handler process holds its instance.
+"""The outbox's lock file, ``outbox.sqlite-lock`` (empty, 0600): one process owns the outbox;
+every handler process holds its instance (docs/outbox.md).
 
-POSIX record locks (``fcntl.lockf``), not ``flock``: a record lock belongs to the *process* that
-took it and is not inherited by ``fork()``, so a grandchild a handler forks cannot keep the next
-worker from opening the outbox (docs/outbox.md). And byte ranges let one file carry many locks:
-byte 0 is the owner's (exclusive), and each worker *instance* has a byte of its own, held shared
-by every process-executor child of that instance while it lives; a later process's replay takes
-that byte exclusively before it reports an attempt of the instance lost.
+POSIX record locks (``fcntl.lockf``), not ``flock``: they are not inherited by ``fork()``, so a
+grandchild a handler forks cannot keep the next worker out. Byte 0 is the owner's (exclusive);
+each instance has a byte, held shared by each of its process-executor children while it lives,
+and taken exclusively by a later replay before it reports an attempt of the instance lost.
 
-The price: closing *any* descriptor of the file releases every lock the process holds on it. So
-the owner opens the lock file once (``Outbox``), every lock of the process goes through that
-descriptor, and a second open in the same process is refused before it can touch the file.
-Nothing else (SQLite included) ever opens it.
+Closing *any* descriptor of the file releases all the process's locks on it: the owner opens it
+once (``Outbox``) and refuses a second open in the same process; nothing else (SQLite) opens it.
 """
 
 from __future__ import annotations
@@ -31,8 +27,8 @@ def instance_offset(instance_id: str) -> int:
 
 
 def open_private(path: str) -> int:
-    """Open (creating 0600) *path*, never through a symlink; raises ``OSError``, or
-    ``ValueError`` saying why an existing file must not hold secrets or locks of ours."""
+    """Open (creating 0600) *path*, never through a symlink; ``OSError``, or ``ValueError`` saying
+    why an existing file must not hold our secrets or locks."""
     flags = os.O_RDWR | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
     try:
         return os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
@@ -57,9 +53,8 @@ def open_private(path: str) -> int:
 
 
 def hold_instance_shared(path: str, instance_id: str) -> int:
-    """In a handler process: hold *instance_id*'s byte shared for as long as this process lives;
-    return the descriptor (keep it open). ``OSError`` when it cannot: the instance is being
-    replayed by a later process, so its worker is gone."""
+    """Hold *instance_id*'s byte shared while this handler process lives (keep the returned
+    descriptor open); ``OSError`` if a later process replays the instance: its worker is gone."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0))
     try:
         fcntl.lockf(fd, fcntl.LOCK_SH | fcntl.LOCK_NB, 1, instance_offset(instance_id))

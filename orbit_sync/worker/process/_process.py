@@ -1,11 +1,7 @@
-"""The process executor's parent side (docs/process-executor.md: what a user sees of it).
-
-A handler registered with ``executor="process"`` runs in a child; the parent's pool thread only
-relays the job, then cancellations and lease-deadline changes, to the child, and the child's log
-records and ending back. The parent bounds every ending: a child that ignores a cancellation for
-*cancel_grace* is terminated, one that dies is seen at once through its sentinel. Children are
-started with ``spawn`` (the parent is threaded) from one long-lived thread (the pool's spawner),
-and never receive the connection or a secret. The child's side is ``_process_child``.
+"""The process executor's parent side (docs/process-executor.md): the pool thread relays the job,
+cancellations and deadlines to a child and its logs and ending back; a child that ignores a
+cancellation for *cancel_grace* is terminated, one that dies is seen at once. Children are spawned
+(the parent is threaded) by one long-lived thread and never get the connection or a secret.
 """
 
 from __future__ import annotations
@@ -22,7 +18,7 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 from ..._realtime import monotonic
 from ...client import HANDLER_PROCESS_ENV
@@ -60,10 +56,9 @@ def _not_importable(fn: Callable[..., Any], reason: str = "") -> TypeError:
 
 
 def check_process_handler(fn: Callable[..., Any]) -> None:
-    """Raise ``TypeError`` when *fn* can never be sent to a child process by reference: only
-    what its name already tells (a lambda, a nested function). Whether the module binds the name
-    to *fn* is looked up when the worker starts (:func:`pickled_handler`): a ``@worker.handler``
-    decorator runs before its module binds the function's name."""
+    """``TypeError`` when *fn*'s name alone shows it cannot be sent by reference (a lambda, a
+    nested function); the module's binding is checked at start (:func:`pickled_handler`), as a
+    ``@worker.handler`` decorator runs before its module binds the name."""
     qualname = getattr(fn, "__qualname__", None)
     if isinstance(qualname, str) and isinstance(getattr(fn, "__module__", None), str):
         if "<lambda>" in qualname or "<locals>" in qualname:
@@ -73,32 +68,27 @@ def check_process_handler(fn: Callable[..., Any]) -> None:
 
 
 def pickled_handler(fn: Callable[..., Any]) -> bytes:
-    """*fn* pickled by reference (module and name), as a child loads it; ``TypeError`` naming
-    the handler when its module does not bind that name to it."""
+    """*fn* pickled by reference, as a child loads it; ``TypeError`` if its module does not bind
+    that name to it."""
     try:
         return pickle.dumps(fn)
     except Exception as exc:
         raise _not_importable(fn, f": {exc}") from None
 
 
-# ---------------------------------------------------------------------------- parent side
-
-
 def _remote_error(name: str, child_traceback: str) -> BaseException:
-    """An exception whose type carries the child's exception name (for ``HANDLER_ERROR``) and
-    whose message is the child's traceback, for the parent's log line (never the server's)."""
+    """An exception named as the child's (for ``HANDLER_ERROR``) whose message is its traceback,
+    for the parent's log line (never the server's)."""
     module, _, qualname = name.rpartition(".")
     kind = type(qualname.rsplit(".", 1)[-1], (Exception,), {})
     kind.__module__ = module or "builtins"
     kind.__qualname__ = qualname
-    error: BaseException = kind(f"raised in the handler's process:\n{child_traceback}")
-    return error
+    return cast(BaseException, kind(f"raised in the handler's process:\n{child_traceback}"))
 
 
 class _Process:
-    """One child process and the parent's end of its pipe. Only one thread sends on it: the one
-    running a job on it, else the one stopping it (the pool's close() only terminates a busy
-    child), so sends need no lock."""
+    """One child and the parent's end of its pipe; sends need no lock: only the thread running a
+    job sends, else the one stopping it (close() only terminates a busy child)."""
 
     _ids = itertools.count(1)
 
@@ -113,8 +103,7 @@ class _Process:
             daemon=True,
         )
         with _env_lock:
-            # spawn starts the child with this process's environment: lend it none of the
-            # credentials for the moment of the start.
+            # spawn copies this process's environment: hide the credentials while it starts.
             saved = {k: os.environ.pop(k, None) for k in (*SECRET_ENV, HANDLER_PROCESS_ENV)}
             os.environ[HANDLER_PROCESS_ENV] = "1"  # Client.from_env() then needs no token
             try:
@@ -124,20 +113,19 @@ class _Process:
                 os.environ.update({k: v for k, v in saved.items() if v is not None})
         child_conn.close()
         self.healthy = True
-        # A wake-up pair: a context change on another thread interrupts the relay's wait.
+        # A context change on another thread interrupts the relay's wait through this pair.
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        #: Jobs sent so far; each is numbered by it.
-        self.jobs = 0
+        self.jobs = 0  # jobs sent so far; each is numbered by it
 
     def poke(self) -> None:
-        # A full buffer means already poked; closed means the relay has ended: both are fine.
+        # A full buffer: already poked; closed: the relay has ended.
         with contextlib.suppress(OSError):
             self._wake_w.send(b"\0")
 
     def run(self, fn_bytes: bytes, ctx: TaskContext, cancel_grace: float) -> tuple[str, Any]:
-        """Run one job; relay until it ends. Returns ``(kind, data)`` as the child sent it."""
+        """Run one job, relaying until it ends: ``(kind, data)`` as the child sent it."""
         self.jobs += 1
         job = self.jobs
         sent_deadline = lease_deadline(ctx)
@@ -189,8 +177,7 @@ class _Process:
     def _exit_code(self) -> int | None:
         self.healthy = False
         self.proc.join(_KILL_AFTER)
-        code: int | None = self.proc.exitcode
-        return code
+        return cast(int | None, self.proc.exitcode)
 
     def stop(self, *, kill: bool) -> None:
         """End the child: ask nicely unless *kill*; SIGTERM, then SIGKILL if it lingers."""
@@ -228,8 +215,7 @@ class ProcessPool:
         self._busy: set[_Process] = set()
         self._closed = False
         self._guard: tuple[str, str] | None = None
-        #: What the spawner thread starts; None ends it (close() queues it, after the requests
-        #: made while the pool was open: each is served).
+        #: What the spawner starts; None (queued by close(), after every request) ends it.
         self._spawns: queue.SimpleQueue[_Spawn | None] = queue.SimpleQueue()
         self._spawner: threading.Thread | None = None
 
@@ -250,8 +236,8 @@ class ProcessPool:
             self._release(child)
 
     def _spawn(self) -> None:
-        """The spawner thread: it starts every child, for as long as the pool is open (a child's
-        parent-death signal fires when the *thread* that started it ends: docs/architecture.md)."""
+        """The spawner thread, for as long as the pool is open: a child's parent-death signal
+        fires when the *thread* that started it ends."""
         while (request := self._spawns.get()) is not None:
             made, level, guard = request
             try:
@@ -280,8 +266,7 @@ class ProcessPool:
                 self._spawner.start()
             self._spawns.put((made, logging.getLogger().getEffectiveLevel(), self._guard))
         try:
-            # Waited for outside the lock: a spawn takes a while and must not hold up releases.
-            # Bounded: a process start does not wait for the child.
+            # Outside the lock: a spawn is slow but bounded (it does not wait for the child).
             child = made.result()
         except BaseException:
             with self._cond:
@@ -294,11 +279,9 @@ class ProcessPool:
 
     def _release(self, child: _Process) -> None:
         keep = child.healthy and child.proc.is_alive()
-        if keep and self._limits.after_job(child.proc.pid, child.jobs) is not None:
-            child.stop(kill=False)  # between attempts: the next one starts a new child
+        if not keep or self._limits.after_job(child.proc.pid, child.jobs) is not None:
+            child.stop(kill=not keep)  # recycled between attempts: the next one starts anew
             keep = False
-        elif not keep:
-            child.stop(kill=True)
         with self._cond:
             self._busy.discard(child)
             idle = keep and not self._closed
@@ -346,8 +329,7 @@ class ProcessHandler:
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
 
     def bind(self) -> bytes:
-        """Look the handler up by its name now (the worker does at start, before any task);
-        ``TypeError`` when the name does not lead back to it."""
+        """Look the handler up by its name (at start); ``TypeError`` if it does not lead back."""
         if self._fn_bytes is None:
             self._fn_bytes = pickled_handler(self.fn)
         return self._fn_bytes
@@ -366,13 +348,13 @@ class ProcessHandler:
             raise TimeLimitExceeded() if data == "time_limit" else TaskCancelled(data)
         if kind == "error":
             raise _remote_error(*data)
-        if kind == "terminated" and ctx.cancel_reason == "time_limit":
-            worker_log(ctx).warning(
-                "handler still running %.1f s after its time limit: process killed",
-                self._pool.cancel_grace,
-            )
-            raise TimeLimitExceeded()
         if kind == "terminated":
+            if ctx.cancel_reason == "time_limit":
+                worker_log(ctx).warning(
+                    "handler still running %.1f s after its time limit: process killed",
+                    self._pool.cancel_grace,
+                )
+                raise TimeLimitExceeded()
             worker_log(ctx).warning(
                 "handler ignored its cancellation (%s) for %.1f s: process terminated",
                 ctx.cancel_reason,

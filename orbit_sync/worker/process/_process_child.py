@@ -1,8 +1,6 @@
-"""The process executor's child side: one job at a time, relayed by the parent (``_process``).
-
-The handler gets a real ``TaskContext`` driven by a control thread; the child never outlives its
-worker: the parent-death signal on Linux, and everywhere the end of its pipe, which cancels the
-running handler and ends the process after *cancel_grace*.
+"""The process executor's child side: one job at a time, relayed by the parent (``_process``), in
+a real ``TaskContext`` driven by a control thread. The child never outlives its worker: the
+parent-death signal on Linux, and everywhere the end of its pipe (cancel, exit after the grace).
 """
 
 from __future__ import annotations
@@ -36,6 +34,8 @@ SECRET_ENV = ("ORBIT_TOKEN", "ORBIT_TOKEN_FILE")
 ORPHAN_EXIT = 70
 #: prctl(2) option: the signal a process gets when the thread that started it ends.
 _PR_SET_PDEATHSIG = 1
+#: What a log record's field may be to surely pickle.
+_PLAIN = (str, int, float, bool, type(None))
 
 
 class _PipeLogHandler(logging.Handler):
@@ -47,17 +47,11 @@ class _PipeLogHandler(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            data = dict(record.__dict__)
-            data["msg"] = record.getMessage()
-            data["args"] = None
+            data = dict(record.__dict__, msg=record.getMessage(), args=None, exc_info=None)
             if record.exc_info:
                 data["exc_text"] = logging.Formatter().formatException(record.exc_info)
-            data["exc_info"] = None
             # Extras a user attached may not pickle: keep what surely does.
-            for key, value in list(data.items()):
-                if not isinstance(value, str | int | float | bool | type(None)):
-                    del data[key]
-            self._send(("log", data))
+            self._send(("log", {k: v for k, v in data.items() if isinstance(v, _PLAIN)}))
         except Exception:  # a log line must never break the handler
             self.handleError(record)
 
@@ -73,11 +67,9 @@ class _Child:
         self._cancel_grace = cancel_grace
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
-        #: Jobs received and not started yet.
-        self._jobs: list[_Job] = []
-        #: The job from its arrival until it is done (the parent sends the next one only then):
-        #: its context exists from the start, so a cancel or a deadline that comes while it is
-        #: queued or loading its handler (a slow import, a short time limit) holds.
+        self._jobs: list[_Job] = []  # received, not started
+        #: The job from its arrival until done (only then does the next come): a cancel or a
+        #: deadline that comes while it is queued or loading its handler holds.
         self._current: _Job | None = None
         self._closed = False
 
@@ -86,7 +78,7 @@ class _Child:
             self._conn.send(message)
 
     def control(self) -> None:
-        """Runs on a thread: applies the parent's cancels and deadlines to the current job."""
+        """The control thread: applies the parent's cancels and deadlines to the current job."""
         try:
             while (message := self._conn.recv())[0] != "exit":
                 with self._cond:
@@ -114,8 +106,7 @@ class _Child:
                     # As on a thread: the parent kills this process past the grace.
                     running.interrupt(TimeLimitExceeded)
         except (EOFError, OSError):
-            # The parent went away: nobody keeps the lease any more. Cancel the handler and
-            # give it cancel_grace to stop, then leave whatever it does.
+            # The parent went away, and the lease with it: cancel the handler, exit after the grace.
             timer = threading.Timer(self._cancel_grace, os._exit, (ORPHAN_EXIT,))
             timer.name = "orbit-process-orphan-exit"
             timer.daemon = True
@@ -185,8 +176,7 @@ def child_main(
     cancel_grace: float,
     guard: tuple[str, str] | None,
 ) -> None:
-    """Entry point of a child process: *parent* is the worker's pid; *guard* the outbox lock
-    file and instance id, if any."""
+    """A child's entry point: *parent* is the worker's pid, *guard* the outbox lock and instance."""
     for name in SECRET_ENV:
         os.environ.pop(name, None)
     if sys.platform.startswith("linux"):
@@ -207,9 +197,7 @@ def child_main(
         os._exit(ORPHAN_EXIT)
     child = _Child(conn, cancel_grace)
     root = logging.getLogger()
-    for handler in list(root.handlers):
-        root.removeHandler(handler)
-    root.addHandler(_PipeLogHandler(child.send))
+    root.handlers = [_PipeLogHandler(child.send)]  # every record goes to the parent to write
     root.setLevel(log_level)
     threading.Thread(target=child.control, name="orbit-process-control", daemon=True).start()
     child.serve()

@@ -1,6 +1,5 @@
-"""Limits of the process executor (docs/process-executor.md, "Recycling children and a memory
-limit per attempt"): recycling a child between attempts, a handler's memory budget
-(``RLIMIT_AS``), and the one reader of a process's memory (Linux: ``/proc/PID/statm``).
+"""Limits of the process executor (docs/process-executor.md): recycling a child between attempts,
+a handler's memory budget (``RLIMIT_AS``) and the one reader of a process's memory.
 """
 
 from __future__ import annotations
@@ -15,12 +14,7 @@ from typing import Any
 from .._context import TaskContext
 from ..core._outcomes import Fail
 
-__all__ = [
-    "HANDLER_MEMORY_LIMIT",
-    "ChildLimits",
-    "MemoryLimited",
-    "rss_bytes",
-]
+__all__ = ["HANDLER_MEMORY_LIMIT", "ChildLimits", "MemoryLimited", "rss_bytes"]
 
 #: The attempt's handler went over its ``memory_limit``.
 HANDLER_MEMORY_LIMIT = "HANDLER_MEMORY_LIMIT"
@@ -30,11 +24,9 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
 def rss_bytes(pid: int | None = None) -> int | None:
-    """The current RSS of *pid* (default: this process) in bytes; None if it is gone or the
-    platform cannot tell. Linux reads ``/proc/PID/statm`` (a few microseconds: cheap enough after
-    every attempt). Elsewhere only this process's peak RSS is known (``getrusage``): a limit on
-    it recycles once the peak passed it, as a limit on the current RSS would a process that
-    leaks."""
+    """The RSS of *pid* (default: this process) in bytes, None if unknown. Linux reads
+    ``/proc/PID/statm`` (microseconds: cheap after every attempt); elsewhere only this process's
+    peak is known, which a limit passes once, as the RSS of a process that leaks would."""
     try:
         return _statm(pid)[1]
     except (OSError, ValueError, IndexError):
@@ -46,17 +38,15 @@ def rss_bytes(pid: int | None = None) -> int | None:
 
 
 def _statm(pid: int | None) -> tuple[int, int]:
-    """The total size and the resident set of *pid* (None: this process), in bytes: the first
-    two fields of ``/proc/PID/statm``, which counts in pages."""
+    """The total size and resident set of *pid* (None: this process) in bytes, from pages."""
     with open(f"/proc/{'self' if pid is None else pid}/statm", "rb") as statm:
         size, resident = statm.read().split()[:2]
     return int(size) * _PAGE, int(resident) * _PAGE
 
 
 class ChildLimits:
-    """When a child of the pool has done enough: *max_tasks* jobs, or more than *max_memory_mb*
-    of RSS after a job (both checked as the Worker's options, ``process_max_tasks_per_child``
-    and ``process_max_memory_per_child``)."""
+    """When a child has done enough: *max_tasks* jobs, or more than *max_memory_mb* of RSS after
+    one (the Worker's ``process_max_tasks_per_child``, ``process_max_memory_per_child``)."""
 
     def __init__(
         self,
@@ -86,8 +76,7 @@ class ChildLimits:
 
 
 class MemoryLimited:
-    """*fn* run under a memory budget of *limit_mb*; pickled by reference to *fn*, so it runs in
-    the child like *fn* itself."""
+    """*fn* under a memory budget of *limit_mb*; pickles by reference to *fn*, as *fn* does."""
 
     def __init__(
         self, fn: Callable[[TaskContext, Any], Any], limit_mb: int, *, retryable: bool
