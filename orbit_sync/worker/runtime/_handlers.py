@@ -71,21 +71,17 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Handlers:
-    """The handler table of one Worker (docs/architecture.md, ``_handlers``). Read and changed
-    under the worker's registry condition: registration happens before start, lookups on the
-    connection's reader after it."""
+    """The handler table of one Worker (docs/architecture.md, ``_handlers``), under the
+    worker's registry lock."""
 
     def __init__(
         self, lock: threading.RLock, options: WorkerOptions, started: Callable[[], bool]
     ) -> None:
         self._lock = lock
         self._options = options
-        #: Read under the lock: is registering too late?
         self._started = started
-        #: Each handler as registered (for :meth:`specs`).
         self._registered: dict[Key, tuple[Handler, HandlerSettings]] = {}
-        #: What :meth:`find` returns for each key: the handler (``executor="process"`` ones
-        #: wrapped in a ProcessHandler), its task logger and its time limit as it applies.
+        #: What :meth:`find` returns (process handlers wrapped in a ProcessHandler).
         self._found: dict[Key, tuple[Handler, logging.Logger, TimeLimit | None]] = {}
         #: Child processes for the ``executor="process"`` handlers; none before the first one.
         self.processes: ProcessPool | None = None
@@ -150,8 +146,7 @@ class Handlers:
             self._registered[key] = (registered, settings)
 
     def find(self, key: Key) -> tuple[Handler, logging.Logger, TimeLimit | None] | None:
-        """The handler registered for *key*, its task logger and its time limit (None: not
-        registered)."""
+        """The handler registered for *key*, its task logger and its time limit, or None."""
         with self._lock:
             return self._found.get(key)
 
@@ -164,14 +159,12 @@ class Handlers:
             }
 
     def specs(self) -> list[tuple[Key, Handler, HandlerSettings]]:
-        """Each registration as given (the function unwrapped), so another Worker can register
-        it anew (a process handler is bound to this worker's pool)."""
+        """Each registration as given (unwrapped), so another Worker can register it anew."""
         with self._lock:
             return [(key, fn, settings) for key, (fn, settings) in self._registered.items()]
 
     def bind(self) -> None:
-        """Look up every process handler by its name (by start, the handler's module has bound
-        it, decorator form included)."""
+        """Look up every process handler by its name (by start its module has bound it)."""
         for fn, _, _ in list(self._found.values()):
             if isinstance(fn, ProcessHandler):
                 fn.bind()

@@ -33,11 +33,10 @@ IDLE_TIMEOUT = 30.0
 
 
 def batch_scheduling() -> None:
-    """Move the calling thread to Linux's ``SCHED_BATCH`` (same priority), as
-    ``Worker(batch_scheduling=True)`` asks for its handler threads: the connection's reader wakes
-    them, and a woken thread of the normal policy preempts the reader only to wait for the GIL it
-    still holds (docs/architecture.md, "Scheduling policy"). Only a thread of the normal policy
-    is moved (a real-time one is left as it is), and only on Linux; a refusal changes nothing."""
+    """Move the calling thread from the normal policy to Linux's ``SCHED_BATCH``
+    (``Worker(batch_scheduling=True)``): a woken thread of the normal policy preempts the reader
+    only to wait for the GIL it holds (docs/architecture.md, "Scheduling policy"). A real-time
+    thread is left as it is; a refusal changes nothing."""
     batch: int | None = getattr(os, "SCHED_BATCH", None)
     normal: int | None = getattr(os, "SCHED_OTHER", None)
     if batch is None or normal is None or os.sched_getscheduler(0) != normal:
@@ -47,19 +46,15 @@ def batch_scheduling() -> None:
 
 
 class HandlerThreads:
-    """The handler threads: each takes the next assignment from the connection's queue
-    (*intake*: the newest connection) and runs its attempt to the end on itself with *run*
-    (record it, send its start and wait, run the handler, send its finish and wait). At most
-    *size* handlers run at once (:attr:`running`, taken around each handler's call). The threads
-    start on demand: one more as the last idle one takes an assignment while fewer than *size*
-    exist (so one waits on the queue while a handler slot is free), and up to :data:`EXTRA` more
-    whenever a thread is about to wait holding its attempt (:meth:`ensure_taker`); an idle one
-    beyond the last retires after *idle_timeout* real seconds.
+    """Each thread takes the next assignment from *intake* (the newest connection) and runs its
+    attempt to the end with *run*; at most *size* handlers run at once (:attr:`running`). Threads
+    start on demand: one more as the last idle one takes an assignment, up to *size*, and up to
+    :data:`EXTRA` more when a thread is about to wait holding its attempt (:meth:`ensure_taker`);
+    an idle one beyond the last retires after *idle_timeout* real seconds.
 
-    Why threads beyond *size*: the server counts against the capacity only the attempts it holds,
-    so after a cut it may assign in place of an attempt whose lease it ended before this worker
-    learned it; the thread still holding that one (waiting to re-send its start, say) must not
-    keep the new assignment waiting on the queue, nor the next session's resumes waiting for it.
+    Why beyond *size*: after a cut the server may assign in place of an attempt whose lease it
+    ended before this worker learned it; the thread still holding that one must not keep the new
+    assignment (nor the next session's resumes) waiting.
     """
 
     def __init__(
@@ -73,12 +68,10 @@ class HandlerThreads:
     ) -> None:
         self._capacity = size
         self._size = size + EXTRA
-        #: Taken around each handler's call: never more than *size* handlers at once.
         self.running = threading.BoundedSemaphore(size)
         self._intake = intake
         self._run = run
         self._idle_timeout = idle_timeout
-        #: Put each thread under SCHED_BATCH (see batch_scheduling).
         self._batch = batch
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -92,8 +85,7 @@ class HandlerThreads:
             self._spawn(self._capacity)
 
     def _spawn(self, limit: int) -> None:
-        """(Lock held) Start a thread to wait on the queue, unless one already does, *limit*
-        threads exist or the pool is closed."""
+        """(Lock held) Start a thread to wait on the queue, unless one does or *limit* exist."""
         if self._idle or len(self._threads) >= limit or self._closed:
             return
         thread = threading.Thread(
@@ -104,8 +96,7 @@ class HandlerThreads:
         thread.start()
 
     def ensure_taker(self) -> None:
-        """The calling thread is about to wait while it holds its attempt (for a re-send, for a
-        handler slot): make sure another thread waits on the queue meanwhile."""
+        """The calling thread is about to wait holding its attempt: another takes the queue."""
         with self._lock:
             self._spawn(self._size)
 
@@ -121,10 +112,8 @@ class HandlerThreads:
             return len(self._threads)
 
     def shutdown(self, timeout: float, *, stuck: int = 0) -> list[str]:
-        """Take no more assignments and let every thread exit once its attempt is done; wait
-        until at most *stuck* threads are left (handlers known to ignore cancellation, never
-        waited for) or for *timeout* real seconds. Return the names of the threads still
-        running."""
+        """Take no more assignments; wait until at most *stuck* threads are left (handlers known
+        to ignore cancellation) or *timeout* real seconds pass. Return the names still running."""
         deadline = monotonic() + timeout
         self._intake.close()
         with self._lock:

@@ -48,7 +48,7 @@ class Attempt:
         self.machine = machine
         time_limit = machine.time_limit
         self.lock = threading.Lock()
-        #: The handler's thread, to interrupt at its time limit (a thread handler with one).
+        #: The handler's thread, to interrupt at its time limit (thread handlers with one).
         self.running_on = (
             None if time_limit is None or time_limit.in_process else Interruptible(self.lock)
         )
@@ -74,22 +74,18 @@ class Registry:
     taken after it, never before."""
 
     def __init__(self) -> None:
-        #: Entered as this lock (C) where nothing waits or notifies: the condition's own
-        #: ``__enter__`` is Python code, taken several times per attempt.
+        #: Entered directly where nothing waits: the condition's ``__enter__`` is Python code.
         self.lock = threading.RLock()
         self.cond = threading.Condition(self.lock)
         self.attempts: dict[str, Attempt] = {}
         self.counts: collections.Counter[str] = collections.Counter()
         self.unreported: list[AttemptInfo] = []
-        #: Handlers running now.
         self.running = 0
         #: Attempts finished UNKNOWN while their handler still runs: each holds a slot.
         self.stuck: dict[str, AttemptInfo] = {}
         self.stop_requested = False
-        #: When the drain ends (clock time), once a stop was requested; a later request may
-        #: bring it forward.
+        #: When the drain ends (clock time), once a stop was requested.
         self.drain_deadline = 0.0
-        #: The error that stopped the worker, if one did.
         self.error: BaseException | None = None
         #: The shutdown's drain is over (its cancel phase began): an assignment arriving now
         #: starts with its context cancelled (docs/architecture.md, "Threads and their owners").
@@ -110,8 +106,7 @@ class LinkControls:
     dial_cut: DialCut
 
     def close_link(self) -> None:
-        """Close the link: each request it kept runs now, finds it closed and gives up (it is
-        reported unreported)."""
+        """Close the link: each request it kept runs now and gives up."""
         for job in self.link.close():
             job()
 
@@ -128,7 +123,7 @@ class WorkerThreads:
     started: list[threading.Thread] = attrs.field(factory=list)
 
     def owns_current(self) -> bool:
-        """Is this one of the worker's own threads (not a connection's or the user's)?"""
+        """Is this one of the worker's own threads?"""
         return threading.current_thread() in self.started or self.pool.owns_current_thread()
 
 

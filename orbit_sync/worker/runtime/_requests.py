@@ -1,15 +1,9 @@
 """The one call-with-retry of the attempts' requests, for the live
 :class:`~._shell.AttemptShell` and the outbox replay's :class:`~._replay.ReplayShell`
-(docs/architecture.md, ``_requests``).
-
-A start or finish is a blocking call, made by the thread that holds the attempt (its handler
-thread): it waits on the call's own slot of the connection (:meth:`Caller.call`), and the shell
-turns what became of it into the machine's next event, on that same thread. A failure the
-machine keeps waits, in that thread, for a newer connection whose resumes went out, or for the
-retry delay (:meth:`Caller.wait_to_resend`), and is re-sent with the same ``message_id``. A send
-decided on a thread that must not wait (a connection's reader, the lease watchdog's, the
-shutdown's) goes to a short-lived sender thread (:meth:`Caller.elsewhere`). This module calls
-nothing of the shells: they call it, and it returns.
+(docs/architecture.md, ``_requests``). A start or finish is a blocking call on the thread that
+holds the attempt (:meth:`Caller.call`); a kept failure waits there to be re-sent with the same
+``message_id`` (:meth:`Caller.wait_to_resend`); a send decided on a thread that must not wait
+goes to a sender thread (:meth:`Caller.elsewhere`). It calls nothing of the shells.
 """
 
 from __future__ import annotations
@@ -38,8 +32,7 @@ _CALLS: dict[str, str] = {
 
 
 def may_wait() -> bool:
-    """Does the calling thread hold its attempts' requests itself (a handler thread, a sender
-    thread, the outbox replay's)? Any other thread hands a send to a sender thread."""
+    """May the calling thread wait for its attempts' requests (handler, sender, replay)?"""
     return getattr(_THREAD, "caller", False)
 
 
@@ -59,8 +52,7 @@ class CallOutcome(NamedTuple):
 
 
 class Caller:
-    """Makes the attempts' calls on *link*, with the worker's *options* (its call timeout and
-    logger)."""
+    """Makes the attempts' calls on *link*, with the worker's call timeout and logger."""
 
     def __init__(self, link: Link, options: WorkerOptions) -> None:
         self.link = link
@@ -68,8 +60,7 @@ class Caller:
         self._log = options.logger
 
     def call(self, request: Request) -> CallOutcome:
-        """*request* on the current connection, within the link's request slots, waiting on its
-        own slot for the answer."""
+        """*request* on the current connection, within the link's request slots."""
         gate = self.link.gate
         try:
             gate.acquire()
@@ -91,9 +82,8 @@ class Caller:
             gate.release()
 
     def wait_to_resend(self, kept: Keep) -> bool:
-        """Wait, on this thread, until *kept*'s request may go out again: a newer connection
-        whose resumes went out, and its retry delay passed. False once the link is closed (the
-        request is given up)."""
+        """Wait until *kept*'s request may go out again (a newer connection whose resumes went
+        out, its retry delay passed); False once the link is closed."""
         error = kept.error
         if error is not None:
             self._log.info(
@@ -102,9 +92,8 @@ class Caller:
         return self.link.wait_for(newer_than=kept.newer_than, delay=kept.delay)
 
     def elsewhere(self, job: Callable[[], None]) -> None:
-        """Run *job* (a send, a wait for a re-send) on a new sender thread: the thread that
-        decided it must not wait (a reader, the watchdog, the shutdown). Rare: a finish decided
-        at a time limit's grace or at shutdown, a bug's recovery."""
+        """Run *job* on a new sender thread (rare: a finish decided at a time limit's grace or
+        at shutdown, a bug's recovery)."""
 
         def send() -> None:
             waiting_thread()

@@ -1,9 +1,7 @@
 """The attempts' threaded shell: performs what each attempt's state machine (:mod:`..core._machine`)
 decides, on whichever thread the event arrives (docs/architecture.md follows one attempt across
-them; :meth:`AttemptShell.lease_actions` and :meth:`AttemptShell.perform` say what runs where).
-Starts and finishes take the one request path (:mod:`._requests`): the attempt's handler thread
-sends each and waits on its slot. A new connection's resumes are the connection thread's to send
-(``session._resumes``), renewals the watchdog thread's (``._renewals``).
+them). Starts and finishes take :mod:`._requests`; a new connection's resumes are the connection
+thread's to send (``session._resumes``), renewals the watchdog thread's (``._renewals``).
 """
 
 from __future__ import annotations
@@ -75,9 +73,8 @@ def _lease_event(att: Attempt, *, lag: float = 0.0, reason: str | None = None) -
 
 
 class AttemptShell:
-    """Performs the attempts' actions: sends and re-sends (:class:`~._requests.Caller`),
-    runs handlers, writes the outbox, counts, logs and tells the listeners. The worker's parts it
-    holds are the ones admission, the session loop and the shutdown work with."""
+    """Performs the attempts' actions: sends and re-sends, runs handlers, writes the outbox,
+    counts, logs and tells the listeners."""
 
     def __init__(
         self,
@@ -92,7 +89,6 @@ class AttemptShell:
         self.resumes = Resumes(controls.wake.set)
         self.options = options
         self._log = options.logger
-        #: Makes the starts' and finishes' calls, each waiting on its slot.
         self.caller = Caller(controls.link, options)
         #: Resumes decided and not taken yet by the connection thread (its alone).
         self._unsent: list[tuple[Attempt, Request]] = []
@@ -103,8 +99,7 @@ class AttemptShell:
         self.hooks = Hooks(options.listeners, logger=options.logger)
         #: Its ``instance_id`` (new in a forked child) goes into the outbox's records.
         self.handlers = handlers
-        #: How a returned result becomes the JSON the server records (each attempt's machine
-        #: applies it through the outcome rules).
+        #: How a returned result becomes the JSON the server records.
         self.encoder = (
             DEFAULT_ENCODER
             if options.result_converter is None
@@ -114,10 +109,8 @@ class AttemptShell:
         self.outbox: Outbox | None = None
 
     def step(self, att: Attempt, event: Event) -> None:
-        """Feed *event* to the attempt's machine and perform the actions it returns. On a thread
-        already performing a step (a call's answer, the handler's return), the event is stepped
-        once that step is done, in order: an attempt's whole life runs as a loop on its thread,
-        never as a recursion as deep as its retries."""
+        """Feed *event* to the machine and perform its actions. On a thread already performing
+        a step, the event is queued behind it: a loop, never a recursion as deep as the retries."""
         pending: collections.deque[tuple[Attempt, Event]] | None = getattr(_STEPS, "pending", None)
         if pending is not None:
             pending.append((att, event))
@@ -131,8 +124,7 @@ class AttemptShell:
                         actions = self.lease_actions(att, event(att.machine))
                     self.perform(att, actions)
                 except Exception:
-                    # A bug of ours (here or in the handler's run around its call): the attempt
-                    # is finished UNKNOWN instead of dropped.
+                    # A bug of ours: the attempt is finished UNKNOWN instead of dropped.
                     worker_log(att.ctx).exception(
                         "worker error while processing the attempt; finishing UNKNOWN"
                     )
@@ -140,11 +132,6 @@ class AttemptShell:
                 self.notify()
         finally:
             _STEPS.pending = None
-
-    def admitted(self, att: Attempt, actions: list[Action]) -> None:
-        """Perform *actions*, which the machine of *att* returned as admission recorded it
-        (under the registry's lock), as :meth:`step` performs an event's."""
-        self.step(att, lambda _machine: actions)
 
     def crashed(self, att: Attempt) -> None:
         try:
@@ -159,8 +146,8 @@ class AttemptShell:
             self.settle(att)
 
     def lease_actions(self, att: Attempt, actions: list[Action]) -> list[Action]:
-        """Perform the lease and context actions now, under the attempt's lock (shutdown's
-        abandon step must never see a lease tracked after its untrack); return the rest."""
+        """Perform the lease and context actions under the attempt's lock (shutdown's abandon
+        must never see a lease tracked after its untrack); return the rest."""
         rest: list[Action] = []
         leases = self.threads.watchdog.core
         for action in actions:
@@ -179,11 +166,9 @@ class AttemptShell:
         return rest
 
     def perform(self, att: Attempt, actions: list[Action]) -> None:
-        """Perform *actions* in order on this thread. A thread that must not wait for a
-        request (a connection's reader, the watchdog's, the shutdown's) hands a list that sends,
-        keeps a request for a re-send or runs the handler to a sender thread; the connection
-        thread sends the resumes it decides itself, batched. So every start, finish and handler
-        run below is on a thread that may wait."""
+        """Perform *actions* in order. A thread that must not wait (a reader, the watchdog, the
+        shutdown) hands a list that waits to a sender thread; resumes go to the connection
+        thread, batched."""
         if not may_wait() and any(_waits(a) for a in actions):
             self.caller.elsewhere(partial(self.perform, att, actions))
             return
@@ -233,7 +218,6 @@ class AttemptShell:
                 raise AssertionError(f"unexpected attempt action {action!r}")
 
     def _send(self, att: Attempt, request: Request) -> None:
-        """Send *request* (a start or finish), wait, and step what became of it."""
         outcome = self.caller.call(request)
         if outcome.gave_up:
             self.step(att, partial(AttemptMachine.gave_up, request=request))
@@ -243,10 +227,9 @@ class AttemptShell:
             self.step(att, self.answer(att, request, outcome.value))
 
     def _keep(self, att: Attempt, kept: Keep) -> None:
-        """The machine keeps *kept*'s request for a re-send (same ``message_id``)."""
         request = kept.request
         if request.early:
-            # A resume answered with a transient error: the connection thread re-sends it.
+            # A resume's transient error: the connection thread re-sends it.
             job = partial(self.step, att, partial(AttemptMachine.resend, request=request))
             link = self.controls.link
             if link.keep(job, newer_than=kept.newer_than, delay=kept.delay, early=True):
@@ -254,9 +237,8 @@ class AttemptShell:
             else:
                 self.step(att, partial(AttemptMachine.gave_up, request=request))
             return
-        # This thread waits holding its attempt: if it is a handler thread, another one takes
-        # the assignments meanwhile (the server may assign in place of a lease it ended before
-        # this worker learned it).
+        # This thread waits holding its attempt: another takes the assignments meanwhile (the
+        # server may assign in place of a lease it ended before this worker learned it).
         if self.threads.pool.owns_current_thread():
             self.threads.pool.ensure_taker()
         again = self.caller.wait_to_resend(kept)
@@ -264,7 +246,6 @@ class AttemptShell:
         self.step(att, partial(event, request=request))
 
     def take_resumes(self) -> list[tuple[Attempt, Request]]:
-        """The resumes decided since (on the connection thread, which sends them)."""
         taken, self._unsent = self._unsent, []
         return taken
 
@@ -289,8 +270,6 @@ class AttemptShell:
         )
 
     def _run_handler(self, att: Attempt) -> None:
-        """On the attempt's handler thread (inside its step loop, which finishes it UNKNOWN if
-        this raises): record the launch, run the handler; how it ended is the next event."""
         # Without the launch record a kill would leave no trace of the run: do not run.
         launched = self._outbox_write(
             att,
@@ -300,9 +279,7 @@ class AttemptShell:
         self.step(att, self.execute(att) if launched else AttemptMachine.launch_refused)
 
     def execute(self, att: Attempt) -> Event:
-        """Run the handler, once one of the capacity's handler slots is free (they all are, but
-        for an attempt the server ended before this worker learned it); return the event of how
-        it ended, for its machine."""
+        """Run the handler in a free handler slot; return the event of how it ended."""
         running = self.threads.pool.running
         if not running.acquire(blocking=False):
             self.threads.pool.ensure_taker()  # it waits: another thread takes what comes
@@ -347,7 +324,6 @@ class AttemptShell:
         )
 
     def _handler_outcome(self, att: Attempt, told: HandlerOutcome) -> None:
-        """Say how the handler ended, as its machine judged it."""
         verdict, error, ctx = told.verdict, told.error, att.ctx
         if verdict.error_code == HANDLER_ERROR and error is not None:
             # The traceback stays local: only the exception's type goes to the server.
@@ -365,7 +341,6 @@ class AttemptShell:
             worker_log(ctx).info("handler ended %s (%s)", verdict.outcome, verdict.error_code)
 
     def _call_handler(self, att: Attempt) -> Any:
-        """The handler's own call (through the listeners' hook when there are listeners)."""
         ctx = att.ctx
         if self.hooks.listeners:
             return self.hooks.call_handler(att.handler, ctx)
@@ -382,7 +357,6 @@ class AttemptShell:
         )
 
     def _reported(self, att: Attempt, reported: Reported) -> None:
-        """The finish's fate: close its outbox entry (unless undelivered), count, log, tell."""
         verdict, result, ctx = reported.verdict, reported.result, att.ctx
         if result is not None:
             self._outbox_write(att, lambda o: o.done(att.id))
@@ -430,11 +404,8 @@ class AttemptShell:
             )
             self.hooks.emit("attempt_finished", finished)
 
-    # ------------------------------------------------------------------ time limits
-
     def _interrupt(self, att: Attempt, grace: float) -> None:
-        """The handler ran past its time limit (its context is cancelled): raise
-        ``TimeLimitExceeded`` in its thread, and give it *grace* seconds to end."""
+        """Past its time limit: raise ``TimeLimitExceeded`` in the handler's thread."""
         limit = att.machine.time_limit
         assert att.running_on is not None and limit is not None
         marked = att.running_on.interrupt(TimeLimitExceeded)
@@ -444,14 +415,12 @@ class AttemptShell:
             limit.seconds,
             "interrupted" if marked else "context cancelled (the thread cannot be interrupted)",
         )
-        # From the limit, not from now: the handler gets at most limit + grace, however late
-        # this thread woke.
+        # From the limit, not from now: at most limit + grace, however late this thread woke.
         self.threads.timers.call_at(
             att.limit_at + grace, lambda: self.step(att, lambda m: m.time_limit_grace_passed())
         )
 
     def _stuck(self, att: Attempt, reason: str) -> None:
-        """*att* was finished UNKNOWN while its handler still runs: its slot is stuck."""
         stuck = self._count_stuck(att, True)
         if reason == "shutdown":
             worker_log(att.ctx).error("handler ignored cancellation at shutdown: finishing UNKNOWN")
@@ -469,7 +438,6 @@ class AttemptShell:
             self.hooks.emit("handler_stuck", self._stuck_event(att, reason, stuck))
 
     def _unstuck(self, att: Attempt) -> None:
-        """A stuck handler returned at last: its slot is free, its result dropped."""
         stuck = self._count_stuck(att, False)
         worker_log(att.ctx).warning(
             "handler returned after it was finished UNKNOWN; its result is dropped and its "
@@ -480,9 +448,8 @@ class AttemptShell:
             self.hooks.emit("handler_unstuck", self._stuck_event(att, reason, stuck))
 
     def _count_stuck(self, att: Attempt, stuck: bool) -> int:
-        """Count *att*'s slot stuck (or free again); return how many are. The capacity reported
-        leaves out the stuck slots: no task waits behind a thread that cannot be stopped (the
-        connection thread sends the new report)."""
+        """Count *att*'s slot stuck (or free); return how many are. The reported capacity
+        leaves them out: no task waits behind a thread that cannot be stopped."""
         with self.registry.lock:
             if stuck:
                 self.registry.stuck[att.id] = att.info
@@ -498,13 +465,11 @@ class AttemptShell:
         task = att.task
         return StuckEvent(task.task_id, att.id, task.handler, reason, stuck, self.options.capacity)
 
-    # ------------------------------------------------------------------ durable outbox
-
     def _outbox_write(
         self, att: Attempt, write: Callable[[Outbox], None], failed: str = "outbox write failed"
     ) -> bool:
-        """Write to the outbox, if there is one; False (logged as *failed*) if that failed. A
-        finish is still sent then: a failing outbox must not hold up a result."""
+        """Write to the outbox, if any; False (logged) if that failed. A finish is still sent:
+        a failing outbox must not hold up a result."""
         if self.outbox is None:
             return True
         try:
@@ -515,23 +480,18 @@ class AttemptShell:
         return True
 
     def settle(self, att: Attempt) -> None:
-        """The worker is done with *att* (its machine reached a settled phase)."""
         with self.registry.lock:
             self.registry.attempts.pop(att.id, None)
             if self.registry.stop_requested:
                 self.registry.cond.notify_all()
 
     def notify(self) -> None:
-        # Only the shutdown thread waits on the condition for attempts to change, and only once a
-        # stop was requested: waking it on every phase change of every task is wasted work.
+        # Only the shutdown waits on the condition, once a stop was requested.
         if self.registry.stop_requested:
             with self.registry.lock:
                 self.registry.cond.notify_all()
 
-    # ------------------------------------------------------------------ a new connection
-
     def _lease_view(self, att: Attempt) -> LeaseView:
-        """The attempt's lease as the shell knows it now (read under the attempt's lock)."""
         ctx = att.ctx
         return LeaseView(
             now=self.options.clock.now(),
@@ -540,7 +500,6 @@ class AttemptShell:
         )
 
     def _lease_lost(self, att: Attempt, lost: LeaseLost) -> None:
-        """The lease is gone: count it, say so, tell the listeners."""
         with self.registry.lock:
             self.registry.counts["lease_losses"] += 1
         if lost.resume:
@@ -551,17 +510,14 @@ class AttemptShell:
         if self.hooks.listeners:
             self.hooks.emit("lease_lost", _lease_event(att, reason=lost.reason))
 
-    # ------------------------------------------------------------------ the lease watchdog
-
     def renew_answered(self, attempt_id: str, answer: RenewAnswer) -> None:
-        """The lease watchdog reports what became of a renewal: the attempt's machine decides."""
+        """The lease watchdog reports what became of a renewal."""
         att = self.registry.get(attempt_id)
         if att is not None:
             self.step(att, lambda m: m.renew_answered(answer))
 
 
 def _waits(action: Action) -> bool:
-    """Does performing *action* wait for a request (or run the handler)?"""
     if isinstance(action, Send | Keep):
         return not action.request.early
     return isinstance(action, RunHandler)

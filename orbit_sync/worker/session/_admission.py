@@ -1,10 +1,7 @@
-"""Admission: the server's pushes fed to the attempts' machines. :meth:`Admission.dispatch`
-takes each ``task.assign`` on the handler thread that took it from the connection's queue (its
-machine starts it, or refuses a repeat or one no handler here runs; PROTOCOL §6.1), which then
-runs the attempt to its end; :meth:`Admission.on_cancel` takes each ``task.cancel`` on the
-reader. A stopping worker starts what reaches it too: the protocol cannot
-hand an assignment back (§5.7) and its claim spent one of the task's attempts, so past the drain
-it starts with its context cancelled and finishes by the outcome rules.
+"""Admission: the server's pushes fed to the attempts' machines: :meth:`Admission.dispatch`
+each ``task.assign`` on the handler thread that took it, :meth:`Admission.on_cancel` each
+``task.cancel`` on the reader. A stopping worker starts what reaches it too: it cannot hand an
+assignment back (§5.7), so past the drain it starts with its context cancelled.
 """
 
 from __future__ import annotations
@@ -35,7 +32,7 @@ class Admission:
         self._seen: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def on_cancel(self, notice: CancelNotice) -> None:
-        """A ``task.cancel`` push (on the reader): an event of the attempt's machine."""
+        """A ``task.cancel`` push (on the reader)."""
         att = self._reg.get(notice.attempt_id)
         if att is None or att.ref.epoch != notice.epoch:
             return
@@ -43,10 +40,8 @@ class Admission:
         self._shell.step(att, AttemptMachine.cancel_pushed)
 
     def dispatch(self, assignment: Assignment, recorded: Callable[[], None]) -> None:
-        """A ``task.assign`` push, on the handler thread that took it: its machine decides (a
-        repeat or an attempt no handler here can run is refused) under the registry's lock,
-        where the attempt is recorded (then *recorded* is told); then its actions are performed
-        on this thread: the start, the handler, the finish."""
+        """A ``task.assign`` push: its machine decides under the registry's lock, where the
+        attempt is recorded (then *recorded* is told); its actions are performed on this thread."""
         task = assignment.task
         key = (task.handler, task.handler_version, task.payload_version)
         with self._reg.lock:
@@ -97,4 +92,4 @@ class Admission:
         if self._shell.hooks.listeners:
             self._shell.hooks.emit("attempt_received", attempt_event(att))
         # Decided as it was recorded (above); performed like any other event's actions.
-        self._shell.admitted(att, actions)
+        self._shell.step(att, lambda _machine: actions)

@@ -1,8 +1,6 @@
-"""Replay of a durable outbox: deliver what earlier, killed processes left (docs/outbox.md: what
-is sent, as which instance, and why nothing runs twice; docs/architecture.md: the transitions of
-its attempt machines, whose requests take the live attempts' path). :class:`ReplayShell` drives
-one try on one connection and ends by :data:`TRY_LIMIT` at the latest; what is left waits for
-the next try, after the backoff.
+"""Replay of a durable outbox: deliver what earlier, killed processes left (docs/outbox.md,
+docs/architecture.md). :class:`ReplayShell` drives one try on one connection, ended by
+:data:`TRY_LIMIT`; what is left waits for the next try, after the backoff.
 """
 
 from __future__ import annotations
@@ -42,18 +40,15 @@ __all__ = ["TRY_LIMIT", "WORKER_LOST", "ReplayShell", "replay", "replay_until_do
 #: ``cancel_grace`` of their worker's death; on Linux at once).
 LOCK_WAIT = 1.0
 
-#: The longest one try delivers on its connection: a server answering a transient error for
-#: longer waits for the next try, after the backoff. What a try delivered is done; the rest stays
-#: stored.
+#: The longest one try delivers on its connection; the rest stays stored for the next try.
 TRY_LIMIT = 30.0
 
 
 def replay_until_done(
     outbox: Outbox, dialer: Dialer, *, link: Link, exclude: str, options: WorkerOptions
 ) -> None:
-    """The ``orbit-worker-outbox`` thread: :func:`replay` until it is done, waiting per the
-    worker's ``reconnect_backoff`` between tries; ends early when *link* (the worker's) is
-    closed: shutdown also ends a try in progress."""
+    """The ``orbit-worker-outbox`` thread: :func:`replay` until done, with ``reconnect_backoff``
+    between tries; ends when *link* (the worker's) is closed."""
     waiting_thread()  # it makes the replay's calls and waits for their answers
     failures = 0
     while not link.is_closed():
@@ -82,10 +77,9 @@ def replay(
     lock_wait: float = LOCK_WAIT,
     stop: Link | None = None,
 ) -> bool:
-    """Deliver every stored outcome of instances other than *exclude* (this run's), with the
-    worker's *options*; True when nothing is left that a later try could deliver, False after a
-    transient failure (the caller retries with backoff). Never raises for a server or network
-    problem. Closing *stop* (the worker's link, at shutdown) ends a try in progress."""
+    """Deliver every stored outcome of instances other than *exclude* (this run's): True when
+    nothing is left a later try could deliver, False after a transient failure. Never raises for
+    a server or network problem. Closing *stop* ends a try in progress."""
     log = options.logger
     complete = True
     for registration in outbox.instances(exclude=exclude):
@@ -115,8 +109,7 @@ def replay(
                 if not is_fatal_dial_error(exc, stored_identity=True):
                     complete = False
                     continue
-                # The server refuses the stored identity: no later try can get a session. Its
-                # outcomes are kept, undelivered.
+                # The server refuses the stored identity: no later try can get a session.
                 log.error(
                     "outbox: the server refused instance %s (%s): %d stored outcome(s) kept "
                     "undelivered in %s",
@@ -137,8 +130,7 @@ def replay(
 
 
 class _Stored:
-    """One stored attempt on the replay session: its record and its machine (stepped only on
-    the replay thread)."""
+    """One stored attempt on the replay session: its record and its machine."""
 
     __slots__ = ("item", "machine")
 
@@ -148,9 +140,8 @@ class _Stored:
 
 
 class ReplayShell:
-    """One try at delivering what one dead instance left, on one connection (see the module's
-    docstring). Only :meth:`run`'s thread steps the machines, through a queue it drains, and it
-    makes every call and waits for each answer on its slot, one request at a time."""
+    """One try at delivering what one dead instance left, on one connection. Only :meth:`run`'s
+    thread steps the machines, through a queue it drains, one request at a time."""
 
     def __init__(
         self,
@@ -167,8 +158,7 @@ class ReplayShell:
         self._outbox = outbox
         self._instance = registration.instance_id
         self._stored = [_Stored(item, options.renew_retry_delay) for item in pending]
-        #: Events for the machines: every one comes from a call or wait that run()'s thread made
-        #: itself, queued for its loop (never a recursion as deep as the retries).
+        #: Events for the machines, queued for run()'s loop (never a recursion).
         self._events: collections.deque[tuple[_Stored, Event]] = collections.deque()
         #: Stored attempts not yet settled, and those the try gave up (still stored).
         self._open = len(self._stored)
@@ -180,8 +170,7 @@ class ReplayShell:
         self._wakeup.set()
 
     def run(self, conn: Connection, stop: Link | None) -> bool:
-        """Deliver on *conn* (then closed); True when every stored attempt is settled for good,
-        False when some wait for a later try."""
+        """Deliver on *conn* (then closed); True when every stored attempt is settled for good."""
         unsubscribe = stop.on_close(partial(self._stop, conn)) if stop is not None else None
         try:
             self._link.publish(conn)
@@ -199,8 +188,7 @@ class ReplayShell:
         finally:
             if unsubscribe is not None:
                 unsubscribe()
-            # End the try: every kept or queued request gives up, every request in flight fails
-            # with the connection (its record stays for the next try).
+            # End the try: what is kept gives up, what is in flight fails (its record stays).
             self._link.close()
             conn.close()
             self._step_until(self._clock.now() + CLOSE_ALLOWANCE, lambda: not self._open)
@@ -225,7 +213,6 @@ class ReplayShell:
 
     def _perform(self, s: _Stored, action: Action) -> None:
         if isinstance(action, Send):
-            # The call, waited for; what became of it is the machine's next event.
             request = action.request
             outcome = self._caller.call(request)
             if outcome.gave_up:
@@ -236,8 +223,7 @@ class ReplayShell:
                 event = answered(request, outcome.value)
             self._events.append((s, event))
         elif isinstance(action, Keep):
-            # A failed connection: this try has no newer one, and the record stays stored. A
-            # retry delay is waited for here.
+            # A failed connection: this try has no newer one; a retry delay is waited for here.
             again = not action.newer_than and self._caller.wait_to_resend(action)
             then = AttemptMachine.resend if again else AttemptMachine.gave_up
             self._events.append((s, partial(then, request=action.request)))

@@ -21,16 +21,13 @@ class ResumeBatch:
 
     def __init__(self, shell: AttemptShell) -> None:
         self._shell = shell
-        #: Resumes decided and not sent yet; those sent and not stepped yet, with the
-        #: generation of their connection (the connection thread's alone).
+        #: Resumes not sent yet; those sent and not stepped yet, with their connection's gen.
         self._unsent: list[tuple[Attempt, Request]] = []
         self._resuming: list[tuple[Attempt, Request, PendingCall, int]] = []
 
     def flush(self, conn: Connection, gen: int) -> None:
-        """Send the resumes decided since the last flush on *conn* (connection *gen*) in one
-        write, as many as the link's request slots take now (none of ours in flight: at least
-        one, waiting for a slot, which others hold only briefly); the rest go at the next flush.
-        Each one's answer is stepped by :meth:`take_answered`."""
+        """Send the resumes decided since on *conn* in one write, as many as the request slots
+        take now (at least one, waiting, when none of ours is in flight); the rest go next."""
         wait = not self._resuming
         self._unsent.extend(self._shell.take_resumes())
         while self._unsent:
@@ -58,8 +55,7 @@ class ResumeBatch:
                 self._shell.resumes.sent(request)
 
     def take_answered(self) -> bool:
-        """Step the outcome of every resume answered (or failed) since (the connection thread);
-        True if there was one."""
+        """Step the outcome of every resume answered (or failed) since; True if there was one."""
         done = [item for item in self._resuming if item[2].done()]
         self._resuming = [item for item in self._resuming if item not in done]
         for att, request, call, gen in done:

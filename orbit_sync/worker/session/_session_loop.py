@@ -56,15 +56,11 @@ class SessionLoop:
         fail: Callable[[BaseException], None],
     ) -> None:
         self._client = client
-        #: The server's URL for log lines (a Client's base_url carries no credentials).
+        #: For log lines (a Client's base_url carries no credentials).
         url = getattr(client, "base_url", None)
         self._server = url if isinstance(url, str) else "the Orbit server"
-        #: Takes each connection's pushes: cancel notices on its reader, assignments on the
-        #: handler thread that takes each (:meth:`take`).
         self._admission = Admission(shell)
-        #: A new connection's resumes, sent and stepped by this thread.
         self._resumes = ResumeBatch(shell)
-        #: The connection whose assignments the handler threads take.
         self._intake = intake
         self._shell = shell
         self._opts = shell.options
@@ -76,20 +72,15 @@ class SessionLoop:
         self._serve_wake = shell.controls.wake
         self._reg = shell.registry
         self._hooks = shell.hooks
-        # Capacity reports: built by the window, under whose lock each one is written; every
-        # answer is read by this thread (_report_answered), so the heartbeat needs no lock.
+        # Every report's answer is read by this thread, so the heartbeat needs no lock.
         self._window = shell.window
         self._next_heartbeat = 0.0
         self._fail = fail
-        #: Set once the first session is established (``Worker.wait_ready``).
         self.ready = threading.Event()
-        #: Sessions in a row ended by an unexpected error (this thread only).
         self._session_bugs = 0
-        #: Once the drain report was answered: its connection, whose assignments received by
-        #: then must all be recorded before the drain may end.
+        #: The drain report's connection, once answered: its assignments must all be recorded.
         self._drain_on: Connection | None = None
-        #: A session's capacity report without drain was answered and its connection has not
-        #: ended yet: the server may be assigning to this process (see assignments_over).
+        #: A report without drain was answered on a live connection: the server may assign.
         self._assigning = False
 
     def report_drain(self) -> None:
@@ -98,27 +89,21 @@ class SessionLoop:
         self._serve_wake.set()
 
     def take(self, conn: Connection, assignment: Assignment) -> None:
-        """A handler thread took *assignment* from *conn*'s queue: record it and run its
-        attempt to the end on this thread."""
+        """A handler thread took *assignment* from *conn*'s queue: record it and run it here."""
         self._admission.dispatch(assignment, partial(self._intake.recorded, conn))
 
     def assignments_over(self) -> bool:
-        """True once the server will assign this process nothing more and every assignment it
-        made is recorded (docs/architecture.md, "Threads and their owners"; a new session gets
-        none before its first report, the drain one, is answered: PROTOCOL §5.5). Read under the
-        registry's condition, which is notified when it may have become true."""
+        """True once the server will assign nothing more and every assignment is recorded
+        (docs/architecture.md, "Threads and their owners"); read under the registry's condition."""
         drained = self._drain_on
         if drained is not None and self._intake.all_recorded(drained):
             return True
         return not self._assigning
 
-    # ------------------------------------------------------------------ dial, reconnect
-
     def run(self) -> None:
         """The connection thread: dial, serve, reconnect, until the link is closed."""
         opts = self._opts
         redial = Redial(opts.reconnect_backoff)
-        # Started with the thread, i.e. by Worker.start().
         contact = FirstContact(self._clock, opts.first_connect_timeout)
         on_cancel = self._admission.on_cancel if opts.cancellation_notifications else None
         # Our own client: shutdown can cut a dial in progress, and leases are anchored on the
@@ -140,9 +125,8 @@ class SessionLoop:
                 if self._link.is_closed() or not self._dial_failed(exc, redial, contact):
                     return  # shutdown cut the dial, or the worker stops on its error
             else:
-                # A welcome arrived: the server is reachable and accepts us. Whatever ends this
-                # session, the next reconnect starts again from the shortest delay, so a link
-                # that keeps cutting sessions does not push the delay to its cap.
+                # Welcomed: the next reconnect starts from the shortest delay, so a link that
+                # keeps cutting sessions does not push the delay to its cap.
                 redial.welcomed()
                 contact.connected()
                 self._session(conn)
@@ -151,15 +135,13 @@ class SessionLoop:
                 self._link.pause(min(redial.delay(), contact.remaining()))
 
     def _dial_failed(self, exc: Exception, redial: Redial, contact: FirstContact) -> bool:
-        """Count and log a failed dial: True to dial again, False once the worker was stopped
-        with its error."""
+        """Count and log a failed dial: True to dial again, False once the worker stopped."""
         server = self._server
         # A server that never once spoke the protocol is the wrong server (or version).
         wrong_server = isinstance(exc, WorkerProtocolError) and not self.ready.is_set()
         wrong_url = contact.wrong_endpoint(exc, server)
         if is_fatal_dial_error(exc) or wrong_server or wrong_url:
-            # Bad credentials, or a bug/misconfiguration (not a network problem): retrying
-            # cannot help, so the worker stops and run() raises it.
+            # Bad credentials or a misconfiguration: retrying cannot help; run() raises it.
             exc = wrong_url or exc
             self._log.error("worker cannot connect to %s: %s", server, exc)
             self._fail(exc)
@@ -200,10 +182,7 @@ class SessionLoop:
             )
         return True
 
-    # ------------------------------------------------------------------ one session
-
     def _session(self, conn: Connection) -> None:
-        """Reconcile, publish and serve one connection until it ends."""
         gen: int | None = None
         reason = "closed"
         try:
@@ -255,8 +234,7 @@ class SessionLoop:
             conn.close()  # fails what is still in flight on it
             self._resumes.take_answered()  # resumes it failed end now, not on a later connection
             # The handler threads record what the connection left unread before the next
-            # session's resumes, which then include those attempts. Quick: each is taken by an
-            # idle thread (the server assigns no more than the threads there are).
+            # session's resumes, which then include those attempts.
             if not self._intake.all_recorded(conn):  # every handler thread may hold one
                 self._shell.threads.pool.ensure_taker()
             recorded = self._intake.wait_recorded(conn, self._call_timeout + CLOSE_ALLOWANCE)
@@ -269,18 +247,15 @@ class SessionLoop:
             self._hooks.emit("disconnected", DisconnectEvent(reason))
 
     def _reconcile(self, conn: Connection, gen: int) -> tuple[SentReport, bool]:
-        """Resume every held attempt on *conn*, in one write; once every resume went out,
-        publish *conn* (each kept start or finish then goes out from its own thread, behind
-        them), have the renewals due sent and send the first capacity report, without waiting
-        (PROTOCOL §5.5; why one burst: docs/architecture.md, "One attempt"); return once every
-        resume is over, with that report and whether this session is a reconnect."""
+        """Resume every held attempt on *conn* in one write; once all went out, publish *conn*,
+        have the renewals due sent and send the first report (PROTOCOL §5.5; docs/architecture.md,
+        "One attempt"); return once every resume is over, with that report and whether this
+        session is a reconnect."""
         with self._reg.cond:
             held = list(self._reg.attempts.values())
         resumes = self._shell.resumes
         resumes.begin()
         for att in held:
-            # Its machine decides: a transient answer is re-sent on this connection after the
-            # retry delay; a link failure ends the session, and the next one resumes again.
             self._shell.step(att, AttemptMachine.reconnected)
         self._drive_resumes(conn, gen, resumes.all_sent)
         self._link.publish(conn)
@@ -288,23 +263,19 @@ class SessionLoop:
         first = self._submit_report(conn)
         self._drive_resumes(conn, gen, resumes.all_over)
         with self._reg.cond:
-            # A reconnect is a session established (its resumes over) after an earlier one,
-            # not a dial. Counted before ready is set, so whoever waited for it reads the count.
+            # Counted before ready is set, so whoever waited for it reads the count.
             again = self._reg.counts["sessions"] > 0
             self._reg.counts["sessions"] += 1
             self._reg.counts["reconnects"] += again
         return first, again
 
     def _drive_resumes(self, conn: Connection, gen: int, done: Callable[[], bool]) -> None:
-        """Send the resumes (as many at once as the request slots take), step their outcomes
-        and re-send those due (a transient answer's retry) until *done*; raise if the connection
-        ends first, or if nothing moves for a call timeout plus the close allowance (each resume
-        completes by its own call timeout).
+        """Send the resumes, step their outcomes and re-send those due until *done*; raise if
+        the connection ends first or nothing moves for a call timeout plus the close allowance.
 
-        A connection that ended after the server answered every resume is established all the
-        same (its finishes may already be acknowledged): the reader sets each answer's slot
-        before it reads the next frame, so the outcomes taken after the end was seen hold every
-        answer that came before it."""
+        A connection that ended after every resume was answered is established all the same:
+        the reader sets each answer's slot before it reads the next frame, so the outcomes taken
+        after the end was seen hold every answer before it."""
         batch = self._resumes
         resumes = self._shell.resumes
         limit = self._call_timeout + CLOSE_ALLOWANCE
@@ -313,7 +284,6 @@ class SessionLoop:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
             ended = conn.err is not None  # before the outcomes are taken (see above)
             moved = batch.take_answered()
-            # The resumes kept for a retry whose time has come go out again.
             jobs, next_resend = self._link.take_due()
             for job in jobs:
                 job()
@@ -333,11 +303,8 @@ class SessionLoop:
             self._serve_wake.wait(min(next_resend, quiet_until) - now)
 
     def _serve(self, conn: Connection) -> None:
-        """Until the connection ends: report capacity changes (a raise, a drain) and the
-        heartbeat, else sleep until the next or a wake-up.
-
-        A report in flight holds back only a repeat of itself: a newer one (a drain, a raise)
-        goes out at once behind it, never after an unanswered heartbeat's call bound."""
+        """Until the connection ends: report capacity changes and the heartbeat. A report in
+        flight holds back only a repeat of itself: a newer one goes out at once behind it."""
         sent: SentReport | None = None
         while True:
             self._serve_wake.clear()  # before the checks: a wake-up after them is not lost
@@ -363,12 +330,9 @@ class SessionLoop:
             # While a report is in flight its answer wakes this thread (the heartbeat it is).
             self._serve_wake.wait(None if sent else self._next_heartbeat - self._clock())
 
-    # ------------------------------------------------------------------ capacity reports
-
     def _submit_report(self, conn: Connection) -> SentReport:
         """Send the report in force without waiting (under the window's lock, so reports reach
-        the wire in sequence order); its answer wakes this thread. A report the connection
-        refuses is answered with that error."""
+        the wire in sequence order); its answer wakes this thread."""
         window = self._window
         with window.lock:
             return SentReport(
@@ -376,10 +340,8 @@ class SessionLoop:
             )
 
     def _report_acked(self, conn: Connection, sent: SentReport) -> bool:
-        """Wait for *sent*'s answer and take it (:meth:`_report_answered`): True if it was
-        acknowledged. An error answer is raised when it ends the session; after a transient
-        one, the retry delay is waited out and False returned (the caller sends the report then
-        in force)."""
+        """Wait for *sent*'s answer: True if acknowledged; raise an error that ends the session;
+        after a transient one, wait out the retry delay and return False."""
         self._report_answered(sent)
         error = sent.error
         if error is None:
@@ -399,9 +361,8 @@ class SessionLoop:
         return False
 
     def _report_answered(self, sent: SentReport) -> None:
-        """Wait for *sent*'s answer (its own call timeout ends the wait at the latest). The
-        window and the heartbeat follow an acknowledged report; a drain's answer means every
-        assignment made before it is on the connection's queue."""
+        """Wait for *sent*'s answer; the window and the heartbeat follow an acknowledged one. A
+        drain's answer means every assignment made before it is on the connection's queue."""
         sent.wait()
         if sent.error is not None:
             return
