@@ -30,10 +30,8 @@ __all__ = [
 
 
 class NotConnected(OrbitError):
-    """The worker has no usable connection right now; nothing was sent. A link failure: the
-    request waits for the next connection published, not for a retry delay (an assignment can
-    arrive while its connection is still being reconciled, and a worker's clock may stand
-    still until then)."""
+    """No usable connection right now; nothing was sent. A link failure: the request waits for
+    the next connection published, not a retry delay (the clock may stand still until then)."""
 
 
 #: Errors after which the connection they happened on is unusable (or there was none).
@@ -48,26 +46,22 @@ _LINK_ERRORS = (
 
 
 def is_link_failure(exc: BaseException) -> bool:
-    """True when *exc* means the connection is gone (re-send on the next one). ``STALE_SESSION``
-    only means the connection it was sent on is dead: the operation is re-sent after the
-    reconnect."""
+    """True when *exc* means the connection is gone (``STALE_SESSION`` too): re-send on the next."""
     if isinstance(exc, _LINK_ERRORS):
         return True
     return isinstance(exc, WorkerError) and exc.code == "STALE_SESSION"
 
 
 def is_transient(exc: BaseException) -> bool:
-    """True when the same operation may succeed if tried again later (a link failure: on the
-    next connection)."""
+    """True when the same operation may succeed later (a link failure: on the next connection)."""
     if isinstance(exc, WorkerError) and exc.code in TRANSIENT_CODES:
         return True
     return isinstance(exc, WorkerBusy) or is_link_failure(exc)
 
 
 def is_fatal_dial_error(exc: BaseException, *, stored_identity: bool = False) -> bool:
-    """True when reconnecting cannot help: bad credentials or missing permissions; with
-    *stored_identity* (an outbox replay speaking as an earlier process) also an identity the
-    server refuses (``STATE_CONFLICT``): no later try can make it acceptable."""
+    """True when reconnecting cannot help: bad credentials or permissions; with
+    *stored_identity* (a replay as an earlier process) also a refused identity (STATE_CONFLICT)."""
     if isinstance(exc, HTTPError):
         return exc.status_code in (401, 403)
     if isinstance(exc, WorkerError):
@@ -76,13 +70,10 @@ def is_fatal_dial_error(exc: BaseException, *, stored_identity: bool = False) ->
 
 
 class FirstContact:
-    """Whether the worker has reached its server since it started, and when to give up on one
-    never reached: most likely a misconfiguration (a mistyped host, a missing route), unlike a
-    server that went away, which is retried for ever. With *timeout*: once it has passed
-    (:meth:`failed`). And a URL that has never been a ``pulse.worker.v1`` endpoint
-    (:meth:`wrong_endpoint`): a 404 on the upgrade can be transient (an ingress during a
-    deploy), but when every dial is answered so for *window* seconds (and *dials* times), the
-    URL is wrong."""
+    """Whether the server was reached since the start, and when to give up on one never
+    reached (likely a misconfiguration; a server that went away is retried for ever): past
+    *timeout* (:meth:`failed`), or when every dial for *window* s (and *dials* times) says the
+    URL is no ``pulse.worker.v1`` endpoint (:meth:`wrong_endpoint`; one 404 may be a deploy)."""
 
     def __init__(
         self,
@@ -97,20 +88,16 @@ class FirstContact:
         self._window = window
         self._dials = dials
         self._started = clock()
-        #: A welcome arrived since the start.
-        self.reached = False
-        #: Dials that failed before the first welcome.
-        self.failures = 0
+        self.reached = False  # a welcome arrived
+        self.failures = 0  # dials failed before the first welcome
         #: Since when, and how many dials in a row, were answered "no endpoint here".
         self._wrong_since: float | None = None
         self._wrong_count = 0
 
     def connected(self) -> None:
-        """A welcome arrived: the server is reachable."""
         self.reached = True
 
     def waited(self) -> float:
-        """Seconds since the start."""
         return self._clock() - self._started
 
     def remaining(self) -> float:

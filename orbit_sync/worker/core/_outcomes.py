@@ -1,15 +1,11 @@
 """What a handler's ending becomes on the wire, pure functions, no I/O.
 
 - The outcome rules (the README's "Outcome rules"): :func:`outcome_of` maps a finished call to a
-  :class:`Verdict`, which holds a plain-JSON snapshot of the result (encoded as the verdict is
-  made), never the handler's live object.
-- The result as the JSON the server records: a cattrs converter plus strict JSON
-  (docs/results.md: what each kind of value becomes, and the rules that still hold after it).
-  Plain JSON values go to the encoder as they are, so the common case costs one
-  ``json.dumps`` and one strict parse; anything else is handed to the result converter and
-  what it returns encoded in turn. A value that still cannot be encoded is reported with its
-  key path and type, never its content (``$.items[2].blob: bytes is not JSON``). The
-  parsed-back copy is what the worker sends.
+  :class:`Verdict`, which holds a plain-JSON snapshot of the result, never the live object.
+- The result as the JSON the server records (docs/results.md): plain JSON costs one
+  ``json.dumps`` and one strict parse; anything else goes through the cattrs converter. A value
+  that cannot be encoded is reported by key path and type, never content
+  (``$.items[2].blob: bytes is not JSON``). The parsed-back copy is what the worker sends.
 """
 
 from __future__ import annotations
@@ -49,8 +45,6 @@ __all__ = [
     "unknown",
 ]
 
-# -------------------------------------------------------------------------- the result as JSON
-
 RESULT_NOT_JSON = "RESULT_NOT_JSON"
 RESULT_TOO_LARGE = "RESULT_TOO_LARGE"
 
@@ -70,7 +64,7 @@ LARGE_INTS = ("number", "string", "refuse")
 
 
 class _ResultConverter(cattrs.Converter):
-    """A cattrs converter that also says how integers beyond 2**53 are sent."""
+    """A cattrs converter that says how integers beyond 2**53 are sent."""
 
     def __init__(self, large_ints: str) -> None:
         super().__init__()
@@ -109,10 +103,8 @@ class ResultProblem(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
-        #: Where in the result the problem is (``$`` is the result itself), when known.
-        self.path = path
-        #: The offending value's type (``module.Class``), when known.
-        self.type_name = type_name
+        self.path = path  # where in the result (``$``: the result itself), when known
+        self.type_name = type_name  # the offending value's ``module.Class``, when known
 
     def as_result(self) -> dict[str, Any]:
         """The JSON the server records in place of the result."""
@@ -154,7 +146,6 @@ class ResultEncoder:
         self._large_ints: str = getattr(self.converter, "large_ints", "number")
 
     def _convert(self, value: Any) -> Any:
-        """One conversion step for a value the JSON encoder does not know."""
         out = self._unstructure(value)
         if isinstance(out, set | frozenset):
             try:
@@ -170,8 +161,7 @@ class ResultEncoder:
         return self.encode_with_text(value)[0]
 
     def encode_with_text(self, value: Any) -> tuple[Any, str, int]:
-        """:meth:`encode`, plus the text the copy was parsed from and its size in UTF-8 bytes:
-        checked strict JSON within the limits, so the finish can send it as it is."""
+        """:meth:`encode`, plus the checked text it was parsed from and its UTF-8 size."""
         try:
             text = self._dumps(value)
             if self._large_ints != "number":
@@ -197,8 +187,7 @@ class ResultEncoder:
         return snapshot, text, size
 
     def _large(self, text: str) -> str:
-        """*text* with its integers beyond 2**53 - 1 as decimal strings (``large_ints="string"``);
-        ``"refuse"``: ``TypeError`` at the first one (the caller locates it)."""
+        """*text* with integers beyond 2**53 - 1 as strings (``"refuse"``: raise at the first)."""
         found = False
 
         def integer(literal: str) -> int | str:
@@ -214,8 +203,6 @@ class ResultEncoder:
         # Python's own parser (unbounded integers), refusing duplicate keys as the strict one does.
         doc = json.loads(text, object_pairs_hook=_json.unique_keys, parse_int=integer)
         return json.dumps(doc, ensure_ascii=False, separators=(",", ":")) if found else text
-
-    # ------------------------------------------------------------------ the slow path
 
     def _locate(self, value: Any) -> ResultProblem:
         """Walk *value* as the encoder did to name the first thing that cannot be encoded."""
@@ -294,10 +281,8 @@ class ResultEncoder:
 DEFAULT_ENCODER = ResultEncoder()
 
 
-# ----------------------------------------------------------------------- the outcome rules
-
-#: Error codes for a handler that stopped cooperatively for a reason other than a cancel request.
-#: The handler chose the checkpoint, so stopping there is clean: FAILED and retryable.
+#: Codes of a handler that stopped cooperatively, not for a cancel request: it chose the
+#: checkpoint, so stopping there is clean (FAILED, retryable).
 STOP_CODES = {
     "shutdown": "WORKER_SHUTDOWN",
     "lease_expired": "LEASE_EXPIRED",
@@ -311,8 +296,7 @@ HANDLER_ERROR = "HANDLER_ERROR"
 CANCELLED = "CANCELLED"
 #: A handler still running after shutdown's grace: its effect is uncertain.
 SHUTDOWN_TIMEOUT = "SHUTDOWN_TIMEOUT"
-#: A handler ran past its time limit: FAILED once it stopped (or its process was killed);
-#: UNKNOWN when its thread still runs after the cancel grace.
+#: Past its time limit: FAILED once stopped (or killed); UNKNOWN if its thread runs on.
 HANDLER_TIMEOUT = "HANDLER_TIMEOUT"
 #: The durable outbox could not record the launch, so the handler was not run.
 OUTBOX_UNAVAILABLE = "OUTBOX_UNAVAILABLE"
@@ -408,11 +392,9 @@ class Verdict:
     result: Any
     error_code: str | None = None
     retryable: bool | None = None
-    #: True when the handler ran (False: started on the server, but the handler never ran).
-    ran: bool = True
-    #: Seconds the handler ran (``None`` when it did not run, or nobody timed it).
-    duration: float | None = attrs.field(default=None, eq=False)
-    #: Why the handler's result or details could not be sent (logged at ERROR), if so.
+    ran: bool = True  # False: started on the server, the handler never ran
+    duration: float | None = attrs.field(default=None, eq=False)  # seconds, if timed
+    #: Why the result or details could not be sent (logged at ERROR), if so.
     problem: str | None = attrs.field(default=None, eq=False)
 
     def finish(self, ref: AttemptRef) -> Finish:
@@ -432,7 +414,7 @@ def _failed(result: dict[str, Any], retryable: bool | None, **more: Any) -> Verd
 
 
 def _cancelled(**more: Any) -> Verdict:
-    """The verdict of a cancel request honoured (``ran``: whether the handler ran)."""
+    """The verdict of a cancel request honoured."""
     result = {"cancelled": True, "reason": "cancel_requested"}
     if more.get("ran") is False:
         result["ran"] = False
@@ -451,11 +433,9 @@ def outcome_of(
 ) -> Verdict:
     """Map how a handler ended (its return *value* or raised *error*) to a :class:`Verdict`.
 
-    *cancel_requested* is True when the server asked to cancel this attempt (push or lease);
-    *cancel_reason* is the context's cancel reason, if it was cancelled. The result is encoded
-    with *encoder* now: the verdict keeps a plain-JSON snapshot of it. *duration* is how long
-    the handler ran, in seconds. *timeout_retryable*: whether a handler stopped at its time
-    limit is retried.
+    *cancel_requested*: the server asked to cancel (push or lease); *cancel_reason*: the
+    context's, if cancelled; *timeout_retryable*: whether a handler stopped at its time limit
+    is retried. The result is encoded with *encoder* now.
     """
     if error is None:
         try:
@@ -495,17 +475,13 @@ def outcome_of(
 
 
 def outbox_unavailable() -> Verdict:
-    """The finish for an attempt not run because its launch could not be recorded: nothing
-    happened, so it is a retryable ``FAILED``."""
+    """Not run, the launch could not be recorded: nothing happened, a retryable ``FAILED``."""
     return _failed({"error": OUTBOX_UNAVAILABLE, "ran": False}, True, ran=False)
 
 
 def not_run(*, cancel_requested: bool, reason: str | None) -> Verdict:
-    """The finish for an attempt the server started but whose handler never ran.
-
-    Truthful and clean: nothing happened, so a cancel is ``CANCELLED`` and anything else is a
-    retryable ``FAILED``.
-    """
+    """Started on the server, handler never run: nothing happened, so a cancel is
+    ``CANCELLED`` and anything else a retryable ``FAILED``."""
     if cancel_requested:
         return _cancelled(ran=False)
     code = STOP_CODES.get(reason or "lease_expired", "LEASE_EXPIRED")
@@ -522,14 +498,13 @@ _UNKNOWN_WHY = {
 
 
 def unknown(code: str) -> Verdict:
-    """An ``UNKNOWN`` finish of the worker's own (*code*: one of :data:`_UNKNOWN_WHY`): whether
-    the handler's effect happened is not known (the server keeps the attempt for review or
-    retries it per its policy), so the attempt is finished so, never dropped."""
+    """The worker's own ``UNKNOWN`` finish (*code*: of :data:`_UNKNOWN_WHY`): the effect is
+    uncertain, so the attempt is finished so (for review or retry), never dropped."""
     return Verdict(Outcome.UNKNOWN, {"error": code, "message": _UNKNOWN_WHY[code]}, code)
 
 
 def abandoned() -> Verdict:
-    """The finish for a handler that did not return by the end of shutdown's grace."""
+    """A handler that did not return by the end of shutdown's grace."""
     return unknown(SHUTDOWN_TIMEOUT)
 
 

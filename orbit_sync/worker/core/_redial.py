@@ -35,10 +35,9 @@ def _positive(_: object, attribute: attrs.Attribute[float], value: float) -> Non
 @attrs.frozen
 class Backoff:
     """Delay before reconnect attempt *n* (0-based): ``cap = min(maximum, initial * 2**n)``, then
-    a uniform pick in ``[cap / 2, cap]`` ("equal jitter": never zero, never above the cap) for
-    ``n >= 1``, and in ``[0, initial]`` ("full jitter") for ``n == 0``: after a welcomed session
-    and after a cut, which halves the mean wait on a flaky link and spreads a fleet's first dials
-    after a server restart over twice the window.
+    a uniform pick in ``[cap / 2, cap]`` ("equal jitter") for ``n >= 1``, and in ``[0, initial]``
+    ("full jitter") for ``n == 0`` (after a welcome or a cut): that halves the mean wait on a
+    flaky link and spreads a fleet's first dials after a server restart.
     """
 
     initial: float = attrs.field(default=0.2, validator=_positive)
@@ -49,12 +48,10 @@ class Backoff:
             raise ValueError("initial must not exceed maximum")
 
     def cap(self, attempt: int) -> float:
-        """The upper bound of the delay before attempt *attempt*."""
-        # min() first on the exponent keeps 2**n from growing without bound.
+        """The upper bound of the delay before *attempt* (the exponent capped: 2**n stays small)."""
         return min(self.maximum, self.initial * 2.0 ** min(max(attempt, 0), 64))
 
     def delay(self, attempt: int, rng: random.Random | None = None) -> float:
-        """A jittered delay for attempt *attempt*."""
         cap = self.cap(attempt)
         low = 0.0 if attempt <= 0 else cap / 2
         return (rng or _RNG).uniform(low, cap)
@@ -81,7 +78,7 @@ class Redial:
         self._last: str | None = None
 
     def welcomed(self) -> None:
-        """A session was established: the next wait (after it ends) is the shortest."""
+        """A session was established: the next wait is the shortest."""
         self._refusals = self._resets = 0
         self._last = None
 

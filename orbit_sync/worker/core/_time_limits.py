@@ -45,10 +45,9 @@ def check_time_limit(value: object, name: str = "time_limit") -> float | None:
 
 @attrs.frozen
 class TimeLimit:
-    """One handler's time limit: *seconds* from the handler's start; *grace* (the worker's
-    ``cancel_grace``) for it to stop once interrupted; *retryable*: the ``HANDLER_TIMEOUT``
-    failure's ``retryable``; *in_process*: the handler runs in a child process (which is killed
-    past the grace) rather than on a thread (which cannot be)."""
+    """*seconds* from the handler's start; *grace* (``cancel_grace``) to stop once interrupted;
+    *retryable*: the ``HANDLER_TIMEOUT``'s; *in_process*: in a child process (killed past the
+    grace), not on a thread (which cannot be)."""
 
     seconds: float
     grace: float
@@ -64,8 +63,7 @@ except (AttributeError, OSError):  # not CPython
 
 
 def _mark(ident: int, exc_type: type[BaseException] | None) -> bool:
-    """Mark thread *ident* to raise *exc_type* (``None``: clear a pending mark); True when a
-    thread was marked."""
+    """Mark thread *ident* to raise *exc_type* (``None``: clear); True when one was marked."""
     if _SET_ASYNC_EXC is None:
         return False
     exc = None if exc_type is None else ctypes.py_object(exc_type)
@@ -73,9 +71,8 @@ def _mark(ident: int, exc_type: type[BaseException] | None) -> bool:
 
 
 class Interruptible:
-    """One handler call that another thread may interrupt (under *lock*, which the caller owns:
-    the attempt's lock). An interrupt that comes before the call starts is raised as it starts;
-    one after it ended does nothing."""
+    """One handler call another thread may interrupt (under the attempt's *lock*): before it
+    starts, raised as it starts; after it ended, nothing."""
 
     __slots__ = ("_ident", "_lock", "_over", "_pending")
 
@@ -103,8 +100,7 @@ class Interruptible:
                 _mark(threading.get_ident(), None)
 
     def interrupt(self, exc_type: type[BaseException]) -> bool:
-        """Raise *exc_type* in the thread running the call (or as the call starts); True when
-        marked."""
+        """Raise *exc_type* in the call's thread (or as it starts); True when marked."""
         with self._lock:
             if self._over:
                 return False
