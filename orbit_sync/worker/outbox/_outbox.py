@@ -317,12 +317,19 @@ class Outbox:
         """Record the finish decided for an attempt (committed before it is first sent)."""
         result = json.dumps(finish.result, separators=(",", ":"), allow_nan=False)
         retryable = None if finish.retryable is None else int(finish.retryable)
-        row = (finish.ref.attempt_id, message_id, finish.outcome.value, result)
+        row = (
+            finish.ref.attempt_id,
+            message_id,
+            finish.outcome.value,
+            result,
+            finish.error_code,
+            retryable,
+        )
         with self._tx() as db:
             _insert_launched(db, "IGNORE", instance_id, finish.ref, handler)
             db.execute(
                 "INSERT OR REPLACE INTO finishes VALUES (?, ?, ?, ?, ?, ?)",
-                (*row, finish.error_code, retryable),
+                row,
             )
 
     def done(self, attempt_id: str) -> None:
@@ -333,7 +340,10 @@ class Outbox:
 
     def instances(self, *, exclude: str | None = None) -> list[Registration]:
         """Stored identities (other than *exclude*, this run's)."""
-        rows = self._read("SELECT * FROM instances ORDER BY rowid")  # in _SCHEMA's order
+        rows = self._read(
+            "SELECT instance_id, instance_secret, queue_id, capabilities, capacity "
+            "FROM instances ORDER BY rowid"
+        )
         with self._decoding("an instance"):
             return [
                 Registration(
@@ -360,7 +370,9 @@ class Outbox:
         with self._decoding("an attempt"):
             for row in rows:
                 attempt_id, task_id, epoch, secret, handler, mid, outcome, result, code, retry = row
-                ref = AttemptRef(task_id, attempt_id, epoch, secret)
+                ref = AttemptRef(
+                    task_id=task_id, attempt_id=attempt_id, epoch=epoch, lease_secret=secret
+                )
                 finish = None
                 if mid is not None:
                     retryable = None if retry is None else bool(retry)
